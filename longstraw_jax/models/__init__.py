@@ -1,0 +1,14 @@
+"""Model registry: `build(config)` -> model; `load_hf(dir)` / `save_hf(model, params, dir)` for checkpoints."""
+from longstraw_jax.models import qwen36
+from longstraw_jax.models.hf import load_hf, save_hf
+from longstraw_jax.models.qwen36 import PromptState, Qwen36, Qwen36Config
+
+
+def build(config):
+    """The model for a config object (frozen and hashable: usable as a `jax.jit` static argument)."""
+    if isinstance(config, Qwen36Config):
+        return Qwen36(config)
+    raise TypeError(f"no model for config type {type(config).__name__}")
+
+
+__all__ = ["build", "load_hf", "save_hf", "qwen36", "Qwen36", "Qwen36Config", "PromptState"]

@@ -1,0 +1,550 @@
+"""Qwen3.5 / Qwen3.6 dense hybrid (Qwen3.6-27B): Gated DeltaNet layers + gated full attention, 3:1.
+
+Read next to MODELS.md section 1; each layer function names the subsection it implements.
+
+Layout. Layers repeat a block pattern (`LLLF` for Qwen3.6: three `linear_attention` then one `full_attention`).
+Parameters of each kind are stacked `[num_blocks, per_block, ...]` and the model scans over blocks, so compile time
+does not grow with depth. Weights keep the transformers orientation `[out_features, in_features]`.
+
+Execution. Everything is one function of (params, state, tokens):
+- `capture` walks the prompt in chunks of `chunk_size`, writing each chunk's keys/values, conv tail and recurrent
+  matrix into a preallocated `PromptState`; it never touches the LM head.
+- `extend` continues after a state without modifying it: attention = (prompt cache) merged with (new tokens, causal).
+- `forward` is `extend` from an empty state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from longstraw_jax.ops import attention as attn_ops
+from longstraw_jax.ops.conv import causal_depthwise_conv
+from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
+from longstraw_jax.ops.gated_delta import gated_delta_rule_chunked, gated_delta_rule_sequential
+from longstraw_jax.ops.norms import l2_normalise, rms_norm_1p, rms_norm_gated
+from longstraw_jax.ops.rope import RopeConfig, apply_partial_rope, cos_sin, inverse_frequencies
+from longstraw_jax.validation import check_tokens
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+# config.json keys that transformers' Qwen3_5TextConfig accepts but that do not change the math we implement.
+_HF_KEYS_IGNORED = frozenset(
+    """model_type architectures transformers_version torch_dtype dtype use_cache initializer_range attention_dropout
+    pad_token_id bos_token_id eos_token_id output_hidden_states output_attentions return_dict is_encoder_decoder
+    attn_output_gate output_gate_type mamba_ssm_dtype mtp_num_hidden_layers mtp_use_dedicated_embeddings
+    mlp_only_layers tie_word_embeddings full_attention_interval layer_types rope_parameters rope_scaling rope_theta
+    partial_rotary_factor max_position_embeddings base_config_key chunk_size_feed_forward problem_type
+    id2label label2id tokenizer_class prefix sep_token_id decoder_start_token_id task_specific_params
+    finetuning_task add_cross_attention cross_attention_hidden_size tie_encoder_decoder pruned_heads
+    torchscript use_bfloat16 name_or_path _name_or_path _attn_implementation_autoset hidden_act attention_bias""".split()
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen36Config:
+    """Every field that changes the math of `Qwen3_5ForCausalLM` (MODELS.md 1.2)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    partial_rotary_factor: float = 0.25
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 262144
+    tie_word_embeddings: bool = False
+    # Execution choices (not part of the checkpoint): attention key block and GDN core implementation.
+    attention_block_size: int = 512
+    gdn_impl: str = "chunked"
+    gdn_chunk_size: int = 64
+
+    def __post_init__(self):
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        errors = []
+        if len(self.layer_types) != self.num_hidden_layers:
+            errors.append(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}")
+        unknown = sorted(set(self.layer_types) - {LINEAR, FULL})
+        if unknown:
+            errors.append(f"layer_types contains {unknown}; allowed: {LINEAR!r}, {FULL!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            errors.append(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            errors.append(
+                f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads={self.linear_num_key_heads}"
+            )
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            errors.append(f"head_dim={self.head_dim} * partial_rotary_factor={self.partial_rotary_factor} must be even")
+        if self.gdn_impl not in ("chunked", "sequential"):
+            errors.append(f"gdn_impl={self.gdn_impl!r}; allowed: 'chunked', 'sequential'")
+        if not errors and not unknown:
+            try:
+                self.block_pattern  # noqa: B018  (validates periodicity)
+            except ValueError as e:
+                errors.append(str(e))
+        if errors:
+            raise ValueError("invalid Qwen36Config: " + "; ".join(errors))
+
+    # ----- derived sizes -----
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def block_pattern(self) -> tuple[str, ...]:
+        """The repeating unit of `layer_types` (e.g. LLLF); the model scans over `num_blocks` copies of it."""
+        types = self.layer_types
+        for period in range(1, len(types) + 1):
+            if len(types) % period == 0 and types == types[:period] * (len(types) // period):
+                return types[:period]
+        raise ValueError("unreachable")  # period == len(types) always matches
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_hidden_layers // len(self.block_pattern)
+
+    @property
+    def linear_per_block(self) -> int:
+        return self.block_pattern.count(LINEAR)
+
+    @property
+    def full_per_block(self) -> int:
+        return self.block_pattern.count(FULL)
+
+    # ----- constructors -----
+    @classmethod
+    def tiny(cls, **overrides) -> "Qwen36Config":
+        """Small preset for tests and the demo: 8 layers (LLLF x 2), both layer kinds, GQA 2:1, GDN 3 v per k head."""
+        fields = dict(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+            layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, partial_rotary_factor=0.25,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=1 << 20,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def from_hf(cls, source: str | os.PathLike | dict, *, strict: bool = False, **overrides) -> "Qwen36Config":
+        """From a transformers config: a dict, a config.json path, or a checkpoint directory.
+
+        Accepts `model_type` "qwen3_5" (multimodal checkpoint; reads the nested `text_config`) and "qwen3_5_text".
+        Keys that transformers would read but we do not know are reported (a warning, or an error with strict=True).
+        """
+        raw = _read_json_config(source)
+        model_type = raw.get("model_type")
+        if model_type == "qwen3_5":
+            if not isinstance(raw.get("text_config"), dict):
+                raise ValueError("config.json: model_type 'qwen3_5' needs a 'text_config' object")
+            text = dict(raw["text_config"])
+        elif model_type == "qwen3_5_text":
+            text = dict(raw)
+        else:
+            raise ValueError(f"config.json: model_type={model_type!r} is not a Qwen3.5/3.6 model "
+                             "(expected 'qwen3_5' or 'qwen3_5_text')")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(text) - names - _HF_KEYS_IGNORED - {"rope"})
+        if unknown:
+            message = f"config.json: unknown text-config fields {unknown}; they are not read by this port"
+            if strict:
+                raise ValueError(message)
+            warnings.warn(message, stacklevel=2)
+        if text.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act={text['hidden_act']!r}; only 'silu' is supported")
+        if text.get("attention_bias", False):
+            raise ValueError("config.json: attention_bias=true is not supported (Qwen3.5/3.6 have no biases)")
+        for required in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                         "num_attention_heads", "num_key_value_heads"):
+            if required not in text:
+                raise ValueError(f"config.json: missing required field {required!r}")
+
+        layers = text["num_hidden_layers"]
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = text.get("full_attention_interval", 4)
+            layer_types = [LINEAR if (i + 1) % interval else FULL for i in range(layers)]
+        rope_params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        partial = rope_params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
+        max_pos = text.get("max_position_embeddings", 32768)
+        rope = RopeConfig(
+            theta=float(rope_params.get("rope_theta", text.get("rope_theta", 10000.0))),
+            rope_type=rope_type,
+            factor=rope_params.get("factor"),
+            original_max_position_embeddings=(
+                rope_params.get("original_max_position_embeddings", max_pos) if rope_type == "yarn" else None),
+            beta_fast=float(rope_params.get("beta_fast") or 32.0),
+            beta_slow=float(rope_params.get("beta_slow") or 1.0),
+            attention_factor=rope_params.get("attention_factor"),
+            mscale=rope_params.get("mscale"),
+            mscale_all_dim=rope_params.get("mscale_all_dim"),
+            truncate=bool(rope_params.get("truncate", True)),
+        )
+        fields = dict(
+            vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
+            intermediate_size=text["intermediate_size"], num_hidden_layers=layers, layer_types=tuple(layer_types),
+            num_attention_heads=text["num_attention_heads"], num_key_value_heads=text["num_key_value_heads"],
+            head_dim=text.get("head_dim", 256),
+            linear_num_key_heads=text.get("linear_num_key_heads", 16),
+            linear_num_value_heads=text.get("linear_num_value_heads", 32),
+            linear_key_head_dim=text.get("linear_key_head_dim", 128),
+            linear_value_head_dim=text.get("linear_value_head_dim", 128),
+            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6), partial_rotary_factor=float(partial), rope=rope,
+            max_position_embeddings=max_pos, tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_hf(self) -> dict:
+        """A `qwen3_5_text` config.json dict that `transformers.Qwen3_5ForCausalLM` loads."""
+        rope: dict[str, Any] = {"rope_type": self.rope.rope_type, "rope_theta": self.rope.theta,
+                                "partial_rotary_factor": self.partial_rotary_factor}
+        if self.rope.rope_type == "yarn":
+            rope.update(factor=self.rope.factor, original_max_position_embeddings=self.rope.original_max_position_embeddings,
+                        beta_fast=self.rope.beta_fast, beta_slow=self.rope.beta_slow, truncate=self.rope.truncate)
+            for key in ("attention_factor", "mscale", "mscale_all_dim"):
+                if getattr(self.rope, key) is not None:
+                    rope[key] = getattr(self.rope, key)
+        return {
+            "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "layer_types": list(self.layer_types), "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "linear_num_key_heads": self.linear_num_key_heads, "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim, "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim, "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": "silu", "attention_bias": False, "rope_parameters": rope,
+            "max_position_embeddings": self.max_position_embeddings, "tie_word_embeddings": self.tie_word_embeddings,
+        }
+
+
+def _read_json_config(source) -> dict:
+    if isinstance(source, dict):
+        return source
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no config.json at {path}")
+    with open(path) as f:
+        return json.load(f)
+
+
+@struct.dataclass
+class PromptState:
+    """What later tokens need from a prompt of `length` tokens (MODELS.md 1.10), per layer of each kind.
+
+    conv:      [num_blocks, linear_per_block, K-1, conv_dim]   last K-1 pre-conv `in_proj_qkv` outputs (model dtype)
+    recurrent: [num_blocks, linear_per_block, Hv, dk, dv]      S after the last token (float32)
+    keys:      [num_blocks, full_per_block, length, Hkv, head_dim]  after k_norm and RoPE (model dtype)
+    values:    [num_blocks, full_per_block, length, Hkv, head_dim]
+    """
+
+    conv: jax.Array
+    recurrent: jax.Array
+    keys: jax.Array
+    values: jax.Array
+    length: int = struct.field(pytree_node=False)
+
+    def nbytes(self) -> int:
+        return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(self))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layers (pure functions of one layer's parameters)
+
+
+def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w[out, in].T"""
+    return jnp.einsum("...i,oi->...o", x, w)
+
+
+def mlp(p: dict, x: jax.Array) -> jax.Array:
+    """SwiGLU (1.8): down(silu(gate(x)) * up(x))."""
+    return _linear(jax.nn.silu(_linear(x, p["gate_proj"])) * _linear(x, p["up_proj"]), p["down_proj"])
+
+
+def gated_deltanet(cfg: Qwen36Config, p: dict, x: jax.Array, conv_tail: jax.Array, state: jax.Array):
+    """Gated DeltaNet mixer (1.5). x [T, D]; conv_tail [K-1, conv_dim]; state [Hv, dk, dv] fp32.
+
+    Returns (y [T, D], new conv tail, new state).
+    """
+    t = x.shape[0]
+    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    mixed = _linear(x, p["in_proj_qkv"])  # [T, conv_dim]: q | k | v, head-major
+    z = _linear(x, p["in_proj_z"]).reshape(t, hv, dv)
+    b = _linear(x, p["in_proj_b"])
+    a = _linear(x, p["in_proj_a"])
+    conv_out, conv_tail = causal_depthwise_conv(mixed, p["conv1d"], conv_tail)
+    qkv = jax.nn.silu(conv_out)
+    q = qkv[:, : cfg.key_dim].reshape(t, hk, dk)
+    k = qkv[:, cfg.key_dim : 2 * cfg.key_dim].reshape(t, hk, dk)
+    v = qkv[:, 2 * cfg.key_dim :].reshape(t, hv, dv)
+
+    beta = jax.nn.sigmoid(b)
+    core = accum_dtype(x.dtype)  # the delta-rule core runs in float32 whatever the model dtype
+    g = -jnp.exp(p["A_log"].astype(core)) * jax.nn.softplus(a.astype(core) + p["dt_bias"].astype(core))
+    q = l2_normalise(q.astype(core)) * dk**-0.5
+    k = l2_normalise(k.astype(core))
+    q, k = jnp.repeat(q, hv // hk, axis=1), jnp.repeat(k, hv // hk, axis=1)  # value head j reads key head j // rep
+    if cfg.gdn_impl == "chunked":
+        o, state = gated_delta_rule_chunked(q, k, v, g, beta, state, cfg.gdn_chunk_size)
+    else:
+        o, state = gated_delta_rule_sequential(q, k, v, g, beta, state)
+    o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
+    return _linear(o.reshape(t, hv * dv), p["out_proj"]), conv_tail, state
+
+
+def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Array, cache_keys: jax.Array,
+                    cache_values: jax.Array, cache_index: tuple, cache_length):
+    """Gated full attention (1.6, 1.7). x [T, D]; positions int [T] (contiguous).
+
+    Attends over the first `cache_length` cached keys (`cache_keys[*cache_index]`, [S, Hkv, hd], all earlier than
+    the new tokens; None = all S) and, causally, over the new tokens themselves.
+    Returns (y [T, D], keys [T, Hkv, hd] after norm+RoPE, values [T, Hkv, hd]) so the caller can cache them.
+    """
+    t, hq, hkv, hd = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qg = _linear(x, p["q_proj"]).reshape(t, hq, 2 * hd)  # per head [query | gate]
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(t, hq * hd)
+    q = rms_norm_1p(q, p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm_1p(_linear(x, p["k_proj"]).reshape(t, hkv, hd), p["k_norm"], cfg.rms_norm_eps)
+    v = _linear(x, p["v_proj"]).reshape(t, hkv, hd)
+    inv_freq, scaling = inverse_frequencies(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings)
+    cos, sin = cos_sin(positions, inv_freq, scaling, x.dtype)
+    q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+
+    common = dict(q_positions=positions, scale=hd**-0.5, block_size=cfg.attention_block_size)
+    prefix = attn_ops.attend(q, cache_keys, cache_values, k_offset=0, causal=False, kv_length=cache_length,
+                             kv_index=cache_index, **common)
+    local = attn_ops.attend(q, k, v, k_offset=positions[0], causal=True, **common)
+    o = attn_ops.finish(attn_ops.merge_partials(prefix, local), x.dtype).reshape(t, hq * hd)
+    o = o * jax.nn.sigmoid(gate)  # output gate before o_proj
+    return _linear(o, p["o_proj"]), k, v
+
+
+def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, state: PromptState, b, positions, cache_length):
+    """One repeat of `block_pattern` (e.g. LLLF) over hidden h [T, D], reading block b of `state`.
+
+    Returns h and this block's new per-layer state pieces (conv tails, recurrent matrices, new keys, new values),
+    each stacked over the layers of its kind.
+    """
+    eps = cfg.rms_norm_eps
+    lin = full = 0
+    tails, mats, keys, values = [], [], [], []
+    for kind in cfg.block_pattern:
+        if kind == LINEAR:
+            p = jax.tree.map(lambda a: a[lin], bp["linear"])
+            y, tail, mat = gated_deltanet(cfg, p, rms_norm_1p(h, p["input_norm"], eps), state.conv[b, lin],
+                                          state.recurrent[b, lin])
+            tails.append(tail), mats.append(mat)
+            lin += 1
+        else:
+            p = jax.tree.map(lambda a: a[full], bp["full"])
+            y, k, v = gated_attention(cfg, p, rms_norm_1p(h, p["input_norm"], eps), positions, state.keys,
+                                      state.values, (b, full), cache_length)
+            keys.append(k), values.append(v)
+            full += 1
+        h = h + y
+        h = h + mlp(p["mlp"], rms_norm_1p(h, p["post_norm"], eps))
+    stack = lambda xs: jnp.stack(xs) if xs else None
+    return h, (stack(tails), stack(mats), stack(keys), stack(values))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen36:
+    """Frozen, hashable: pass it as a static argument to `jax.jit`. Methods are pure functions of params."""
+
+    config: Qwen36Config
+
+    # ----- parameters -----
+    def init(self, key: jax.Array, dtype=jnp.float32) -> dict:
+        """Random parameters (normal(0, 0.02) matrices as in transformers; norms at their identity values)."""
+        c = self.config
+        nb, nl, nf = c.num_blocks, c.linear_per_block, c.full_per_block
+        keys = iter(jax.random.split(key, 32))
+
+        def normal(*shape, std=0.02):
+            return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+        def zeros(*shape):
+            return jnp.zeros(shape, dtype)
+
+        def mlp_params(*lead):
+            return {"gate_proj": normal(*lead, c.intermediate_size, c.hidden_size),
+                    "up_proj": normal(*lead, c.intermediate_size, c.hidden_size),
+                    "down_proj": normal(*lead, c.hidden_size, c.intermediate_size)}
+
+        linear = {
+            "input_norm": zeros(nb, nl, c.hidden_size), "post_norm": zeros(nb, nl, c.hidden_size),
+            "in_proj_qkv": normal(nb, nl, c.conv_dim, c.hidden_size),
+            "in_proj_z": normal(nb, nl, c.value_dim, c.hidden_size),
+            "in_proj_b": normal(nb, nl, c.linear_num_value_heads, c.hidden_size),
+            "in_proj_a": normal(nb, nl, c.linear_num_value_heads, c.hidden_size),
+            "conv1d": normal(nb, nl, c.conv_dim, c.linear_conv_kernel_dim, std=c.linear_conv_kernel_dim**-0.5),
+            "dt_bias": jnp.ones((nb, nl, c.linear_num_value_heads), dtype),
+            "A_log": jnp.log(jax.random.uniform(next(keys), (nb, nl, c.linear_num_value_heads), jnp.float32,
+                                                1e-2, 16.0)).astype(dtype),
+            "norm": jnp.ones((nb, nl, c.linear_value_head_dim), dtype),
+            "out_proj": normal(nb, nl, c.hidden_size, c.value_dim),
+            "mlp": mlp_params(nb, nl),
+        }
+        full = {
+            "input_norm": zeros(nb, nf, c.hidden_size), "post_norm": zeros(nb, nf, c.hidden_size),
+            "q_proj": normal(nb, nf, 2 * c.num_attention_heads * c.head_dim, c.hidden_size),
+            "k_proj": normal(nb, nf, c.num_key_value_heads * c.head_dim, c.hidden_size),
+            "v_proj": normal(nb, nf, c.num_key_value_heads * c.head_dim, c.hidden_size),
+            "o_proj": normal(nb, nf, c.hidden_size, c.num_attention_heads * c.head_dim),
+            "q_norm": zeros(nb, nf, c.head_dim), "k_norm": zeros(nb, nf, c.head_dim),
+            "mlp": mlp_params(nb, nf),
+        }
+        params = {"embed": normal(c.vocab_size, c.hidden_size), "blocks": {"linear": linear, "full": full},
+                  "final_norm": zeros(c.hidden_size)}
+        if not c.tie_word_embeddings:
+            params["lm_head"] = normal(c.vocab_size, c.hidden_size)
+        return params
+
+    def init_state(self, length: int, dtype=jnp.float32) -> PromptState:
+        """Zero state with room for `length` prompt tokens (length 0: the state before any token)."""
+        c = self.config
+        nb, nl, nf = c.num_blocks, c.linear_per_block, c.full_per_block
+        kv_shape = (nb, nf, length, c.num_key_value_heads, c.head_dim)
+        return PromptState(
+            conv=jnp.zeros((nb, nl, c.linear_conv_kernel_dim - 1, c.conv_dim), dtype),
+            recurrent=jnp.zeros((nb, nl, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+                                accum_dtype(dtype)),
+            keys=jnp.zeros(kv_shape, dtype), values=jnp.zeros(kv_shape, dtype), length=length,
+        )
+
+    # ----- public entry points (host-side validation, then jitted pure functions) -----
+    def forward(self, params: dict, tokens) -> jax.Array:
+        """Reference path: tokens int32 [T] -> float32 logits [T, vocab]."""
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        return self._forward(params, tokens)
+
+    def capture(self, params: dict, tokens, chunk_size: int = 2048) -> PromptState:
+        """Prompt tokens int32 [P] -> PromptState, in chunks of `chunk_size` (need not divide P); no logits."""
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        return self._capture(params, tokens, chunk_size)
+
+    def extend(self, params: dict, state: PromptState, tokens) -> jax.Array:
+        """Continue after `state` without modifying it: tokens int32 [T] -> float32 logits [T, vocab]."""
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        return self._extend(params, state, tokens)
+
+    def extend_hidden(self, params: dict, state: PromptState, tokens) -> jax.Array:
+        """As `extend`, but returns the final-normed hidden states [T, D] (model dtype): no vocabulary projection,
+        so callers can compute log-probs in token chunks."""
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        return self._extend_hidden(params, state, tokens)
+
+    def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
+        """hidden [T, D] (after the final norm) -> float32 logits [T, vocab]."""
+        head = params["embed"] if self.config.tie_word_embeddings else params["lm_head"]
+        return jnp.einsum("td,vd->tv", hidden, head, preferred_element_type=accum_dtype(hidden.dtype))
+
+    # ----- pure implementations -----
+    @functools.partial(jax.jit, static_argnums=0)
+    def _forward(self, params, tokens):
+        return self._extend(params, self.init_state(0, params["embed"].dtype), tokens)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def _extend(self, params, state, tokens):
+        return self.logits(params, self._extend_hidden(params, state, tokens))
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def _extend_hidden(self, params, state, tokens):
+        c = self.config
+        positions = state.length + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        h = params["embed"][tokens]
+
+        def body(h, xs):
+            bp, b = xs
+            h, _ = _block(c, bp, h, state, b, positions, cache_length=None)
+            return h, None
+
+        h, _ = jax.lax.scan(body, h, (params["blocks"], jnp.arange(c.num_blocks)))
+        return rms_norm_1p(h, params["final_norm"], c.rms_norm_eps)
+
+    @functools.partial(jax.jit, static_argnums=(0, 3))
+    def _capture(self, params, tokens, chunk_size):
+        length = tokens.shape[0]
+        state = self.init_state(length, params["embed"].dtype)
+        num_full, remainder = divmod(length, chunk_size)
+        if num_full:
+            chunks = tokens[: num_full * chunk_size].reshape(num_full, chunk_size)
+
+            def step(state, xs):
+                index, chunk = xs
+                return self.capture_chunk(params, state, chunk, index * chunk_size), None
+
+            state, _ = jax.lax.scan(step, state, (jnp.arange(num_full), chunks))
+        if remainder:
+            state = self.capture_chunk(params, state, tokens[num_full * chunk_size :], num_full * chunk_size)
+        return state
+
+    def capture_chunk(self, params: dict, state: PromptState, tokens: jax.Array, start) -> PromptState:
+        """Process tokens [C] at positions start.. (start may be traced) and write them into `state`.
+
+        The state must already hold positions < start and have room for start + C.
+        """
+        c = self.config
+        positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        h = params["embed"][tokens]
+
+        def body(carry, xs):
+            h, state = carry
+            bp, b = xs
+            h, (tails, mats, keys, values) = _block(c, bp, h, state, b, positions, cache_length=start)
+            if tails is not None:
+                state = state.replace(conv=state.conv.at[b].set(tails.astype(state.conv.dtype)),
+                                      recurrent=state.recurrent.at[b].set(mats))
+            if keys is not None:
+                write = lambda cache, new: jax.lax.dynamic_update_slice(cache, new[None].astype(cache.dtype),
+                                                                        (b, 0, start, 0, 0))
+                state = state.replace(keys=write(state.keys, keys), values=write(state.values, values))
+            return (h, state), None
+
+        (_, state), _ = jax.lax.scan(body, (h, state), (params["blocks"], jnp.arange(c.num_blocks)))
+        return state

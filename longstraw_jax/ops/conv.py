@@ -1,0 +1,16 @@
+"""Causal depthwise 1-D convolution with a carried tail (the GDN `conv1d`, MODELS.md 1.5 and 1.10)."""
+import jax
+import jax.numpy as jnp
+
+from longstraw_jax.ops.dtypes import at_least_f32
+
+
+def causal_depthwise_conv(x: jax.Array, weight: jax.Array, tail: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x: [T, C]; weight: [C, K] (tap K-1 multiplies the current token); tail: [K-1, C], the K-1 inputs before x
+    (zeros at the start of a sequence). Returns (y [T, C] before the activation, new tail [K-1, C])."""
+    kernel = weight.shape[-1]
+    extended = jnp.concatenate([tail.astype(x.dtype), x], axis=0)  # [K-1+T, C]
+    length = x.shape[0]
+    taps = at_least_f32(weight)
+    y = sum(at_least_f32(extended[j : j + length]) * taps[:, j] for j in range(kernel))  # fp32 accumulation
+    return y.astype(x.dtype), extended[extended.shape[0] - (kernel - 1) :]

@@ -1,0 +1,82 @@
+"""Gated delta rule (Gated DeltaNet core, MODELS.md 1.5), float32 throughout.
+
+Per value head, with S a [dk, dv] matrix, decay g_t <= 0 and write strength beta_t in (0, 1):
+
+    S_t = exp(g_t) * S_{t-1}
+    S_t = S_t + k_t (beta_t * (v_t - S_t^T k_t))^T      i.e. S_t = (I - b k k^T) e^g S_{t-1} + b k v^T
+    o_t = S_t^T q_t                                     (the output reads the state *after* token t)
+
+`gated_delta_rule_sequential` is that loop, literally (the reference). `gated_delta_rule_chunked` is the WY/UT form
+used by default: inside a chunk of L tokens with G = cumsum(g) and u the pseudo-values,
+
+    (I - A) u = beta*v - (beta*e^G) * (K S_0),   A[t, j] = -beta_t e^{G_t - G_j} k_t.k_j   (j < t)
+    o_t       = e^{G_t} S_0^T q_t + sum_{j <= t} e^{G_t - G_j} (q_t.k_j) u_j
+    S_L       = e^{G_L} S_0 + sum_j e^{G_L - G_j} k_j u_j^T
+
+solved with one unit-lower-triangular solve per chunk. Only exponents <= 0 are ever evaluated.
+Inputs are already l2-normalised and scaled; q/k heads already expanded to the value heads.
+"""
+import jax
+import jax.numpy as jnp
+
+from longstraw_jax.ops.dtypes import at_least_f32 as _at_least_f32
+
+
+def gated_delta_rule_sequential(q, k, v, g, beta, state):
+    """q, k: [T, H, dk]; v: [T, H, dv]; g, beta: [T, H]; state: [H, dk, dv]. Returns (o [T, H, dv], state)."""
+
+    def step(s, inputs):
+        q_t, k_t, v_t, g_t, b_t = inputs
+        s = s * jnp.exp(g_t)[:, None, None]
+        kv = jnp.einsum("hk,hkv->hv", k_t, s)
+        s = s + jnp.einsum("hk,hv->hkv", k_t, (v_t - kv) * b_t[:, None])
+        return s, jnp.einsum("hk,hkv->hv", q_t, s)
+
+    state, o = jax.lax.scan(step, _at_least_f32(state), tuple(map(_at_least_f32, (q, k, v, g, beta))))
+    return o, state
+
+
+def _chunk(state, inputs):
+    """One chunk of L tokens, all heads. inputs: q, k [H, L, dk]; v [H, L, dv]; g, beta [H, L]."""
+    q, k, v, g, beta = inputs
+    length = q.shape[1]
+    cum = jnp.cumsum(g, axis=-1)  # G_t
+    lower = jnp.tril(jnp.ones((length, length), bool))
+    strictly_lower = jnp.tril(jnp.ones((length, length), bool), -1)
+    diff = cum[:, :, None] - cum[:, None, :]  # G_t - G_j
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
+
+    k_beta = k * beta[..., None]
+    a = -jnp.einsum("htd,hjd->htj", k_beta, k) * jnp.where(strictly_lower, decay, 0.0)
+    eye = jnp.eye(length, dtype=q.dtype)
+    rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
+    solved = jax.scipy.linalg.solve_triangular(eye - a, rhs, lower=True, unit_diagonal=True)
+    value, k_cumdecay = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
+    u = value - jnp.einsum("htk,hkv->htv", k_cumdecay, state)
+
+    o_inter = jnp.einsum("htk,hkv->htv", q * jnp.exp(cum)[..., None], state)
+    scores = jnp.einsum("htd,hjd->htj", q, k) * decay
+    o = o_inter + jnp.einsum("htj,hjv->htv", scores, u)
+
+    to_end = jnp.exp(cum[:, -1:] - cum)  # e^{G_L - G_j}
+    state = state * jnp.exp(cum[:, -1])[:, None, None] + jnp.einsum("hjk,hjv->hkv", k * to_end[..., None], u)
+    return state, o
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
+    """Same contract as `gated_delta_rule_sequential`; T need not be a multiple of chunk_size.
+
+    The tail is padded with g = 0, beta = 0, k = 0: such tokens leave the state unchanged and are dropped.
+    """
+    length, heads = q.shape[0], q.shape[1]
+    num_chunks = -(-length // chunk_size)
+    pad = num_chunks * chunk_size - length
+
+    def to_chunks(x):
+        x = jnp.pad(_at_least_f32(x), [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        x = x.reshape((num_chunks, chunk_size) + x.shape[1:])
+        return jnp.moveaxis(x, 2, 1)  # [N, H, L, ...]
+
+    state, o = jax.lax.scan(_chunk, _at_least_f32(state), tuple(map(to_chunks, (q, k, v, g, beta))))
+    o = jnp.moveaxis(o, 1, 2).reshape(num_chunks * chunk_size, heads, v.shape[-1])
+    return o[:length], state

@@ -1,0 +1,8 @@
+"""Test session setup: 8 simulated CPU devices (for sharded tests) and float32 matmuls at full precision."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_default_matmul_precision", "highest")
