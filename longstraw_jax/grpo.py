@@ -1,0 +1,286 @@
+"""GRPO objective: advantages, per-token clipped surrogate + k3 KL, loss aggregation. Pure and model-agnostic.
+
+One group = one shared prompt [P] and G response branches [G, R] (right-padded; `mask` marks real tokens).
+Every aggregation is written as a per-token weight, `loss = sum(token_weights(mask) * per_token_loss)`, so the
+loss is a sum of independent branch losses: an engine can score one branch at a time (a `lax.scan` over
+branches) and add them up. `grpo_loss` is the same sum over a whole `[G, R]` batch at once (the oracle's path).
+
+Per-branch metric sums (`branch_loss`) are additive too; `finalize_metrics` turns their total into the metrics,
+so no metric ever needs the `[G, R, vocab]` logits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from longstraw_jax.validation import is_concrete
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+ADV_NORMS = ("std", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """Hyper-parameters of the GRPO objective (frozen, hashable: a valid `jax.jit` static argument).
+
+    clip_eps_low/high: ratio clipped to [1 - low, 1 + high] (DAPO "clip-higher" defaults).
+    kl_coef: weight of the k3 KL to `ref_logprobs` (0 disables it).
+    loss_agg: token-mean (all tokens of the group equal), seq-mean-token-mean (each branch equal, tokens averaged
+      within it), seq-mean-token-sum-norm (Dr. GRPO: token sums over a constant normaliser G * R).
+    adv_norm: "std" -> (r - mean) / (std + eps) with the population std; "none" -> r - mean.
+    logprob_chunk: tokens per chunk when computing log-probs, so [chunk, vocab] is the largest logits array.
+    """
+
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    kl_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    adv_norm: str = "std"
+    eps: float = 1e-6
+    logprob_chunk: int = 1024
+
+    def __post_init__(self):
+        errors = []
+
+        def number(name):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok:
+                errors.append(f"{name}={value!r} must be a finite number")
+            return ok
+
+        if number("clip_eps_low") and not 0 <= self.clip_eps_low < 1:
+            errors.append(f"clip_eps_low={self.clip_eps_low} must be in [0, 1) (the lower clip bound is 1 - low)")
+        if number("clip_eps_high") and self.clip_eps_high < 0:
+            errors.append(f"clip_eps_high={self.clip_eps_high} must be >= 0")
+        if number("kl_coef") and self.kl_coef < 0:
+            errors.append(f"kl_coef={self.kl_coef} must be >= 0")
+        if number("eps") and self.eps <= 0:
+            errors.append(f"eps={self.eps} must be > 0")
+        if self.loss_agg not in LOSS_AGGS:
+            errors.append(f"loss_agg={self.loss_agg!r}; allowed: {', '.join(map(repr, LOSS_AGGS))}")
+        if self.adv_norm not in ADV_NORMS:
+            errors.append(f"adv_norm={self.adv_norm!r}; allowed: {', '.join(map(repr, ADV_NORMS))}")
+        chunk = self.logprob_chunk
+        if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1:
+            errors.append(f"logprob_chunk={chunk!r} must be a positive int")
+        if errors:
+            raise ValueError("invalid GRPOConfig: " + "; ".join(errors))
+
+
+@struct.dataclass
+class GroupBatch:
+    """One GRPO group: a shared prompt and G right-padded response branches.
+
+    prompt:       int32 [P], P >= 2 (engines capture prompt[:-1] and replay prompt[-1] + response[:-1]).
+    responses:    int32 [G, R]; token t of branch g is scored by the logits after prompt + responses[g, :t].
+    mask:         float32 [G, R], 1 for real response tokens, 0 for padding; every branch has >= 1 real token.
+    rewards:      float32 [G], finite.
+    old_logprobs: None (on-policy: ratio 1) or float32 [G, R], log-probs under the sampling policy.
+    ref_logprobs: None or float32 [G, R], log-probs under the reference policy (for the k3 KL).
+    Values at padded positions (mask = 0) are never used, whatever they are (NaN included).
+    """
+
+    prompt: jax.Array
+    responses: jax.Array
+    mask: jax.Array
+    rewards: jax.Array
+    old_logprobs: jax.Array | None = None
+    ref_logprobs: jax.Array | None = None
+
+    @property
+    def num_branches(self) -> int:
+        return self.responses.shape[0]
+
+    @property
+    def response_length(self) -> int:
+        return self.responses.shape[1]
+
+
+def validate_batch(batch: GroupBatch, vocab_size: int) -> GroupBatch:
+    """Host-side checks with errors that name the field and the bound; returns the batch unchanged.
+
+    Shapes, ranks and dtypes are always checked; values only for concrete arrays (skipped for tracers, so call
+    this before `jit`). JAX clamps out-of-range gather indices silently, so bad token ids must be caught here.
+    """
+    def shape(name):
+        return tuple(np.shape(getattr(batch, name)))
+
+    def dtype(name):
+        value = getattr(batch, name)
+        return np.dtype(value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype)
+
+    def host(name):  # concrete values as numpy, or None under tracing
+        value = getattr(batch, name)
+        return np.asarray(value) if is_concrete(value) else None
+
+    for name, rank, what in (("prompt", 1, "[P]"), ("responses", 2, "[G, R]"), ("mask", 2, "[G, R]"),
+                             ("rewards", 1, "[G]")):
+        if len(shape(name)) != rank:
+            raise ValueError(f"GroupBatch.{name} must have rank {rank} {what}, got shape {shape(name)}")
+    for name in ("prompt", "responses"):
+        if not np.issubdtype(dtype(name), np.integer):
+            raise TypeError(f"GroupBatch.{name} must be an integer array (int32), got dtype {dtype(name)}")
+    (p,), (g, r) = shape("prompt"), shape("responses")
+    if p < 2:
+        raise ValueError(f"GroupBatch.prompt has P={p} tokens; need P >= 2 (prompt[:-1] is captured, "
+                         "prompt[-1] starts the replay)")
+    if g < 1 or r < 1:
+        raise ValueError(f"GroupBatch.responses has shape {(g, r)}; need G >= 1 branches and R >= 1 tokens")
+    if shape("mask") != (g, r):
+        raise ValueError(f"GroupBatch.mask has shape {shape('mask')} but responses has shape {(g, r)}")
+    if shape("rewards") != (g,):
+        raise ValueError(f"GroupBatch.rewards has shape {shape('rewards')}; expected [G] = {(g,)}")
+    for name in ("old_logprobs", "ref_logprobs"):
+        if getattr(batch, name) is not None and shape(name) != (g, r):
+            raise ValueError(f"GroupBatch.{name} has shape {shape(name)}; expected [G, R] = {(g, r)} like responses")
+
+    for name in ("prompt", "responses"):
+        ids = host(name)
+        if ids is not None:
+            bad = (ids < 0) | (ids >= vocab_size)
+            if bad.any():
+                where = tuple(int(i) for i in np.argwhere(bad)[0])
+                raise ValueError(f"GroupBatch.{name}[{', '.join(map(str, where))}] = {int(ids[where])} is out of "
+                                 f"range: token ids must be in [0, vocab_size={vocab_size})")
+    mask = host("mask")
+    if mask is not None:
+        if not np.isin(mask, (0, 1)).all():
+            bad = sorted(set(np.unique(mask[~np.isin(mask, (0, 1))]).tolist()))[:5]
+            raise ValueError(f"GroupBatch.mask values must be 0 or 1, found {bad}")
+        empty = np.flatnonzero(mask.sum(axis=1) == 0)
+        if empty.size:
+            raise ValueError(f"GroupBatch.mask is all zero for branch(es) {empty.tolist()}: every response needs "
+                             "at least one real token")
+    rewards = host("rewards")
+    if rewards is not None and not np.isfinite(rewards).all():
+        raise ValueError(f"GroupBatch.rewards must be finite, got {rewards.tolist()}")
+    for name in ("old_logprobs", "ref_logprobs"):
+        values = host(name) if getattr(batch, name) is not None else None
+        if values is not None and mask is not None:
+            bad = ~np.isfinite(values) & (mask == 1)
+            if bad.any():
+                where = tuple(int(i) for i in np.argwhere(bad)[0])
+                raise ValueError(f"GroupBatch.{name}[{where[0]}, {where[1]}] = {values[where]} where mask = 1; "
+                                 "log-probs of real tokens must be finite")
+    return batch
+
+
+def group_advantages(rewards: jax.Array, cfg: GRPOConfig) -> jax.Array:
+    """rewards [G] -> advantages [G]: (r - mean) / (std + eps) (population std), or r - mean for adv_norm="none".
+
+    A group whose rewards are all equal (including G = 1) gets exactly zero advantages, never NaN.
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    centred = rewards - jnp.mean(rewards)
+    if cfg.adv_norm == "std":
+        centred = centred / (jnp.std(rewards) + cfg.eps)
+    return jnp.where(jnp.all(rewards == rewards[0]), 0.0, centred)
+
+
+def token_weights(mask: jax.Array, cfg: GRPOConfig) -> jax.Array:
+    """mask [G, R] -> weights [G, R], zero on padding, such that the group loss is `sum(weights * per_token_loss)`.
+
+    token-mean: mask / sum(mask); seq-mean-token-mean: mask / (G * len_g); seq-mean-token-sum-norm: mask / (G * R).
+    """
+    mask = jnp.asarray(mask, jnp.float32)
+    g, r = mask.shape
+    if cfg.loss_agg == "token-mean":
+        return mask / jnp.maximum(jnp.sum(mask), 1.0)
+    if cfg.loss_agg == "seq-mean-token-mean":
+        return mask / (g * jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1.0))
+    return mask / (g * r)
+
+
+def per_token_loss(logp: jax.Array, old_logp: jax.Array | None, ref_logp: jax.Array | None, advantage,
+                   cfg: GRPOConfig) -> tuple[jax.Array, dict]:
+    """Clipped surrogate (+ kl_coef * k3 KL) per token of one branch. logp, old_logp, ref_logp: [R]; advantage: [].
+
+    ratio = exp(logp - old_logp), with old_logp = stop_gradient(logp) when None (on-policy: ratio 1, gradient A).
+    loss = -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A) + kl_coef * (exp(ref - logp) - (ref - logp) - 1).
+    Returns (loss [R], {"clipped": [R] 1.0 where the clip is active (zero gradient), "kl": [R] k3, 0 without ref}).
+    """
+    old = jax.lax.stop_gradient(logp) if old_logp is None else old_logp
+    ratio = jnp.exp(logp - old)
+    surrogate = jnp.minimum(ratio * advantage,
+                            jnp.clip(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * advantage)
+    clipped = ((ratio > 1.0 + cfg.clip_eps_high) & (advantage > 0)) | ((ratio < 1.0 - cfg.clip_eps_low) & (advantage < 0))
+    loss = -surrogate
+    if ref_logp is None:
+        kl = jnp.zeros_like(logp)
+    else:
+        log_ratio = ref_logp - logp
+        kl = jnp.exp(log_ratio) - log_ratio - 1.0
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * kl
+    return loss, {"clipped": clipped.astype(logp.dtype), "kl": kl}
+
+
+def branch_loss(logp: jax.Array, old_logp: jax.Array | None, ref_logp: jax.Array | None, advantage,
+                weights: jax.Array, mask: jax.Array, cfg: GRPOConfig,
+                entropy: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """Loss of one branch, `sum(weights * per_token_loss)`, and its additive metric sums.
+
+    logp, old_logp, ref_logp, weights (this branch's row of `token_weights`), mask, entropy: [R]; advantage: [].
+    Padded positions get old = ref = logp before the math, so whatever they hold (NaN included) cannot leak into
+    the loss or its gradient. Sums: clipped (tokens), kl (sum of k3), tokens, adv (the branch's advantage),
+    adv_abs, and entropy (sum over real tokens) when given. Sum these over branches, then `finalize_metrics`.
+    """
+    mask = mask.astype(logp.dtype)
+    real = mask > 0
+    sanitise = lambda x: None if x is None else jnp.where(real, x, jax.lax.stop_gradient(logp))
+    loss, stats = per_token_loss(logp, sanitise(old_logp), sanitise(ref_logp), advantage, cfg)
+    sums = {
+        "clipped": jnp.sum(stats["clipped"] * mask),
+        "kl": jnp.sum(stats["kl"] * mask),
+        "tokens": jnp.sum(mask),
+        "adv": jnp.asarray(advantage, jnp.float32),
+        "adv_abs": jnp.abs(jnp.asarray(advantage, jnp.float32)),
+    }
+    if entropy is not None:
+        sums["entropy"] = jnp.sum(jnp.where(real, entropy, 0.0))
+    return jnp.sum(jnp.where(real, weights * loss, 0.0)), sums
+
+
+def finalize_metrics(sums: dict, rewards: jax.Array, mask: jax.Array) -> dict:
+    """Metric sums totalled over all G branches -> scalar metrics.
+
+    reward_mean/std (population), clip_frac (clipped / tokens), kl (token mean of k3), response_len_mean,
+    adv_mean, adv_abs_mean, and entropy (token mean) when the sums carry it.
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    g = rewards.shape[0]
+    tokens = jnp.maximum(sums["tokens"], 1.0)
+    metrics = {
+        "reward_mean": jnp.mean(rewards),
+        "reward_std": jnp.std(rewards),
+        "clip_frac": sums["clipped"] / tokens,
+        "kl": sums["kl"] / tokens,
+        "response_len_mean": jnp.sum(jnp.asarray(mask, jnp.float32)) / g,
+        "adv_mean": sums["adv"] / g,
+        "adv_abs_mean": sums["adv_abs"] / g,
+    }
+    if "entropy" in sums:
+        metrics["entropy"] = sums["entropy"] / tokens
+    return metrics
+
+
+def grpo_loss(logp: jax.Array, batch: GroupBatch, cfg: GRPOConfig,
+              entropy: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """Whole-group loss from response log-probs logp [G, R] (entropy [G, R] optional, for metrics only).
+
+    Exactly the sum over branches of `branch_loss` (vmapped here), with the same advantages and weights.
+    """
+    advantages = group_advantages(batch.rewards, cfg)
+    weights = token_weights(batch.mask, cfg)
+    mask = jnp.asarray(batch.mask, logp.dtype)
+    losses, sums = jax.vmap(functools.partial(branch_loss, cfg=cfg))(
+        logp, batch.old_logprobs, batch.ref_logprobs, advantages, weights, mask, entropy=entropy)
+    sums = jax.tree.map(functools.partial(jnp.sum, axis=0), sums)
+    return jnp.sum(losses), finalize_metrics(sums, batch.rewards, batch.mask)

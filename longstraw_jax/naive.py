@@ -1,0 +1,43 @@
+"""Full-graph GRPO reference: the textbook implementation that the capture/replay engine must match.
+
+G copies of the prompt, one per branch, go through `model.forward` as one vmapped graph; the loss is `grpo_loss`
+and the gradient is plain `jax.value_and_grad`. Memory grows with G * (P + R) * vocab: use it as an oracle on
+small inputs, never for long prompts.
+"""
+import jax
+import jax.numpy as jnp
+
+from longstraw_jax.grpo import GroupBatch, GRPOConfig, grpo_loss, validate_batch
+
+
+def response_logprobs(model, params, prompt: jax.Array, responses: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """prompt [P], responses [G, R] -> (logp [G, R], entropy [G, R]) of each response token under `model`.
+
+    Token t of branch g is scored by the logits at position P - 1 + t of concat(prompt, responses[g]).
+    """
+    p, r = prompt.shape[0], responses.shape[1]
+    tokens = jnp.concatenate([jnp.broadcast_to(prompt, (responses.shape[0], p)), responses], axis=1)
+    # model._forward is model.forward minus its host-side token check (ids are checked by validate_batch).
+    logits = jax.vmap(lambda t: model._forward(params, t))(tokens)[:, p - 1 : p - 1 + r]  # [G, R, V]
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    logp = jnp.take_along_axis(logp_all, responses[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return logp, entropy
+
+
+def naive_grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig) -> tuple[jax.Array, dict, dict]:
+    """(loss, grads, metrics) of the GRPO loss over one group, through one graph over G copies of prompt+response.
+
+    Jittable with `model` and `cfg` static: `jax.jit(naive_grpo_grads, static_argnums=(0, 3))`. The batch is
+    validated on the host when its arrays are concrete. grads has the structure of params.
+    """
+    validate_batch(batch, model.config.vocab_size)
+    prompt = jnp.asarray(batch.prompt, jnp.int32)
+    responses = jnp.asarray(batch.responses, jnp.int32)
+
+    def loss_fn(params):
+        logp, entropy = response_logprobs(model, params, prompt, responses)
+        return grpo_loss(logp, batch, cfg, entropy=jax.lax.stop_gradient(entropy))
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return loss, grads, metrics
