@@ -331,13 +331,14 @@ def gated_deltanet(cfg: Qwen36Config, p: dict, x: jax.Array, conv_tail: jax.Arra
     return _linear(o.reshape(t, hv * dv), p["out_proj"]), conv_tail, state
 
 
-def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Array, cache_keys: jax.Array,
-                    cache_values: jax.Array, cache_index: tuple, cache_length):
-    """Gated full attention (1.6, 1.7). x [T, D]; positions int [T] (contiguous).
+def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Array, state: PromptState, b, j,
+                    write: bool):
+    """Gated full attention (1.6, 1.7) for layer j of block b. x [T, D]; positions int [T], contiguous.
 
-    Attends over the first `cache_length` cached keys (`cache_keys[*cache_index]`, [S, Hkv, hd], all earlier than
-    the new tokens; None = all S) and, causally, over the new tokens themselves.
-    Returns (y [T, D], keys [T, Hkv, hd] after norm+RoPE, values [T, Hkv, hd]) so the caller can cache them.
+    write=True (capture): the new keys/values are first written into the state's cache at positions[0] (the cache
+    is then read in place, never copied), and the queries attend causally over the cache.
+    write=False (extend): the state is read only; attention = all cached keys, merged with the new tokens (causal).
+    Returns (y [T, D], state).
     """
     t, hq, hkv, hd = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qg = _linear(x, p["q_proj"]).reshape(t, hq, 2 * hd)  # per head [query | gate]
@@ -350,40 +351,65 @@ def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Arr
     q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
 
     common = dict(q_positions=positions, scale=hd**-0.5, block_size=cfg.attention_block_size)
-    prefix = attn_ops.attend(q, cache_keys, cache_values, k_offset=0, causal=False, kv_length=cache_length,
-                             kv_index=cache_index, **common)
-    local = attn_ops.attend(q, k, v, k_offset=positions[0], causal=True, **common)
-    o = attn_ops.finish(attn_ops.merge_partials(prefix, local), x.dtype).reshape(t, hq * hd)
+    if write:
+        at = (b, j, positions[0], 0, 0)
+        state = state.replace(
+            keys=jax.lax.dynamic_update_slice(state.keys, k[None, None].astype(state.keys.dtype), at),
+            values=jax.lax.dynamic_update_slice(state.values, v[None, None].astype(state.values.dtype), at))
+        partial = attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=True, kv_index=(b, j), **common)
+    else:
+        prefix = attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=False, kv_index=(b, j), **common)
+        local = attn_ops.attend(q, k, v, k_offset=positions[0], causal=True, **common)
+        partial = attn_ops.merge_partials(prefix, local)
+    o = attn_ops.finish(partial, x.dtype).reshape(t, hq * hd)
     o = o * jax.nn.sigmoid(gate)  # output gate before o_proj
-    return _linear(o, p["o_proj"]), k, v
+    return _linear(o, p["o_proj"]), state
 
 
-def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, state: PromptState, b, positions, cache_length):
-    """One repeat of `block_pattern` (e.g. LLLF) over hidden h [T, D], reading block b of `state`.
-
-    Returns h and this block's new per-layer state pieces (conv tails, recurrent matrices, new keys, new values),
-    each stacked over the layers of its kind.
-    """
-    eps = cfg.rms_norm_eps
-    lin = full = 0
-    tails, mats, keys, values = [], [], [], []
-    for kind in cfg.block_pattern:
-        if kind == LINEAR:
-            p = jax.tree.map(lambda a: a[lin], bp["linear"])
-            y, tail, mat = gated_deltanet(cfg, p, rms_norm_1p(h, p["input_norm"], eps), state.conv[b, lin],
-                                          state.recurrent[b, lin])
-            tails.append(tail), mats.append(mat)
-            lin += 1
+def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int]]:
+    """Split a block pattern into runs of one kind: LLLF -> [(linear, 0, 3), (full, 0, 1)] as (kind, first, count),
+    where `first` indexes the layers of that kind within the block."""
+    runs, seen = [], {LINEAR: 0, FULL: 0}
+    for kind in pattern:
+        if runs and runs[-1][0] == kind:
+            runs[-1][2] += 1
         else:
-            p = jax.tree.map(lambda a: a[full], bp["full"])
-            y, k, v = gated_attention(cfg, p, rms_norm_1p(h, p["input_norm"], eps), positions, state.keys,
-                                      state.values, (b, full), cache_length)
-            keys.append(k), values.append(v)
-            full += 1
-        h = h + y
-        h = h + mlp(p["mlp"], rms_norm_1p(h, p["post_norm"], eps))
-    stack = lambda xs: jnp.stack(xs) if xs else None
-    return h, (stack(tails), stack(mats), stack(keys), stack(values))
+            runs.append([kind, seen[kind], 1])
+        seen[kind] += 1
+    return [tuple(r) for r in runs]
+
+
+def _layer(cfg: Qwen36Config, kind: str, p: dict, h: jax.Array, state: PromptState, b, j, positions, write: bool):
+    """Decoder layer (1.3): h + mixer(norm(h)), then h + mlp(norm(h)). With write=True the layer's state entry
+    (conv tail + recurrent matrix, or the new keys/values) is updated in `state`. Returns (h, state)."""
+    eps = cfg.rms_norm_eps
+    x = rms_norm_1p(h, p["input_norm"], eps)
+    if kind == LINEAR:
+        y, tail, mat = gated_deltanet(cfg, p, x, state.conv[b, j], state.recurrent[b, j])
+        if write:
+            state = state.replace(conv=state.conv.at[b, j].set(tail.astype(state.conv.dtype)),
+                                  recurrent=state.recurrent.at[b, j].set(mat))
+    else:
+        y, state = gated_attention(cfg, p, x, positions, state, b, j, write)
+    h = h + y
+    return h + mlp(p["mlp"], rms_norm_1p(h, p["post_norm"], eps)), state
+
+
+def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, state: PromptState, b, positions, write: bool):
+    """One repeat of `block_pattern` (e.g. LLLF) over hidden h [T, D] at block b. Consecutive layers of one kind
+    run under `lax.scan` (one trace per run, not per layer). Returns (h, state)."""
+    for kind, first, count in _runs(cfg.block_pattern):
+        group = bp["linear" if kind == LINEAR else "full"]
+
+        def step(carry, j, kind=kind, group=group):
+            h, state = carry
+            return _layer(cfg, kind, jax.tree.map(lambda a: a[j], group), h, state, b, j, positions, write), None
+
+        if count == 1:
+            (h, state), _ = step((h, state), first)
+        else:
+            (h, state), _ = jax.lax.scan(step, (h, state), first + jnp.arange(count))
+    return h, state
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -501,7 +527,7 @@ class Qwen36:
 
         def body(h, xs):
             bp, b = xs
-            h, _ = _block(c, bp, h, state, b, positions, cache_length=None)
+            h, _ = _block(c, bp, h, state, b, positions, write=False)
             return h, None
 
         h, _ = jax.lax.scan(body, h, (params["blocks"], jnp.arange(c.num_blocks)))
@@ -534,17 +560,8 @@ class Qwen36:
         h = params["embed"][tokens]
 
         def body(carry, xs):
-            h, state = carry
             bp, b = xs
-            h, (tails, mats, keys, values) = _block(c, bp, h, state, b, positions, cache_length=start)
-            if tails is not None:
-                state = state.replace(conv=state.conv.at[b].set(tails.astype(state.conv.dtype)),
-                                      recurrent=state.recurrent.at[b].set(mats))
-            if keys is not None:
-                write = lambda cache, new: jax.lax.dynamic_update_slice(cache, new[None].astype(cache.dtype),
-                                                                        (b, 0, start, 0, 0))
-                state = state.replace(keys=write(state.keys, keys), values=write(state.values, values))
-            return (h, state), None
+            return _block(c, bp, *carry, b, positions, write=True), None
 
         (_, state), _ = jax.lax.scan(body, (h, state), (params["blocks"], jnp.arange(c.num_blocks)))
         return state
