@@ -1,6 +1,7 @@
 """longstraw-jax: GRPO post-training on million-token shared prompts (capture once, replay branches)."""
 from longstraw_jax import models
+from longstraw_jax.engine import grpo_grads
 from longstraw_jax.grpo import GroupBatch, GRPOConfig
 from longstraw_jax.naive import naive_grpo_grads
 
-__all__ = ["models", "GroupBatch", "GRPOConfig", "naive_grpo_grads"]
+__all__ = ["models", "GroupBatch", "GRPOConfig", "grpo_grads", "naive_grpo_grads"]

@@ -12,7 +12,7 @@ def check_tokens(tokens, vocab_size: int, name: str = "tokens") -> jax.Array:
 
     Under tracing only dtype and rank can be checked (values are unknown); validate before `jit` in that case.
     """
-    dtype = np.dtype(getattr(tokens, "dtype", np.asarray(tokens).dtype))
+    dtype = np.dtype(tokens.dtype if hasattr(tokens, "dtype") else np.asarray(tokens).dtype)
     if not np.issubdtype(dtype, np.integer):
         raise TypeError(f"{name} must be an integer array (int32), got dtype {dtype}")
     shape = np.shape(tokens)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from longstraw_jax.models.base import capture_chunks, chunk_layout
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
@@ -95,7 +96,8 @@ class Qwen36Config:
                 f"linear_num_key_heads={self.linear_num_key_heads}"
             )
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            errors.append(f"head_dim={self.head_dim} * partial_rotary_factor={self.partial_rotary_factor} must be even")
+            errors.append(f"rotary dim = head_dim={self.head_dim} * partial_rotary_factor={self.partial_rotary_factor}"
+                          " must be even and in (0, head_dim]")
         if self.gdn_impl not in ("chunked", "sequential"):
             errors.append(f"gdn_impl={self.gdn_impl!r}; allowed: 'chunked', 'sequential'")
         if not errors and not unknown:
@@ -490,8 +492,7 @@ class Qwen36:
     def capture(self, params: dict, tokens, chunk_size: int = 2048) -> PromptState:
         """Prompt tokens int32 [P] -> PromptState, in chunks of `chunk_size` (need not divide P); no logits."""
         tokens = check_tokens(tokens, self.config.vocab_size)
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        chunk_layout(tokens.shape[0], chunk_size)  # validates chunk_size
         return self._capture(params, tokens, chunk_size)
 
     def extend(self, params: dict, state: PromptState, tokens) -> jax.Array:
@@ -505,10 +506,13 @@ class Qwen36:
         tokens = check_tokens(tokens, self.config.vocab_size)
         return self._extend_hidden(params, state, tokens)
 
+    def lm_head(self, params: dict) -> jax.Array:
+        """The output projection [vocab, D] (the embedding matrix when tied)."""
+        return params["embed"] if self.config.tie_word_embeddings else params["lm_head"]
+
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         """hidden [T, D] (after the final norm) -> float32 logits [T, vocab]."""
-        head = params["embed"] if self.config.tie_word_embeddings else params["lm_head"]
-        return jnp.einsum("td,vd->tv", hidden, head, preferred_element_type=accum_dtype(hidden.dtype))
+        return jnp.einsum("td,vd->tv", hidden, self.lm_head(params), preferred_element_type=accum_dtype(hidden.dtype))
 
     # ----- pure implementations -----
     @functools.partial(jax.jit, static_argnums=0)
@@ -535,20 +539,15 @@ class Qwen36:
 
     @functools.partial(jax.jit, static_argnums=(0, 3))
     def _capture(self, params, tokens, chunk_size):
-        length = tokens.shape[0]
-        state = self.init_state(length, params["embed"].dtype)
-        num_full, remainder = divmod(length, chunk_size)
-        if num_full:
-            chunks = tokens[: num_full * chunk_size].reshape(num_full, chunk_size)
+        return capture_chunks(self, params, tokens, chunk_size, params["embed"].dtype)
 
-            def step(state, xs):
-                index, chunk = xs
-                return self.capture_chunk(params, state, chunk, index * chunk_size), None
+    def carried(self, state: PromptState):
+        """The part of the state each chunk overwrites (conv tails, recurrent matrices); KV is appended."""
+        return (state.conv, state.recurrent)
 
-            state, _ = jax.lax.scan(step, state, (jnp.arange(num_full), chunks))
-        if remainder:
-            state = self.capture_chunk(params, state, tokens[num_full * chunk_size :], num_full * chunk_size)
-        return state
+    def with_carried(self, state: PromptState, carried) -> PromptState:
+        conv, recurrent = carried
+        return state.replace(conv=conv, recurrent=recurrent)
 
     def capture_chunk(self, params: dict, state: PromptState, tokens: jax.Array, start) -> PromptState:
         """Process tokens [C] at positions start.. (start may be traced) and write them into `state`.

@@ -1,0 +1,153 @@
+"""The LongStraw engine: capture the prompt once, replay each branch, and (exact mode) backpropagate into the prompt.
+
+    capture   state = capture(prompt[:-1])                        no autograd; chunk by chunk
+    replay    for g in branches (lax.scan):                        one branch's graph live at a time
+                  loss_g, (dparams_g, dstate_g) = value_and_grad(branch_loss)(params, state)
+                  accumulate dparams (and, in exact mode, dstate: one float32 buffer the size of the state)
+    prompt    for chunk in reversed(chunks):                      exact mode only
+                  recompute the chunk from its boundary state; vjp with the accumulated state cotangent;
+                  add its parameter gradient; pass the cotangent of its inputs to the earlier chunks
+
+The prompt is shared, so the branches' cotangents on the state add linearly; one reverse pass over the prompt
+turns their sum into the prompt's contribution to the gradient. The result is the gradient of the full-graph loss
+(`naive_grpo_grads`). `mode="detached"` stops after the replay: the paper's behaviour, prompt state constant.
+
+Replay input convention (ARCHITECTURE.md 2): capture prompt[:-1], replay [prompt[-1]] + response[:-1] to score
+response, so every scored logit comes from the replay and the capture never touches the LM head.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from longstraw_jax.grpo import GroupBatch, GRPOConfig, branch_loss, finalize_metrics, group_advantages, token_weights
+from longstraw_jax.grpo import validate_batch
+from longstraw_jax.models.base import capture_chunks, chunk_layout
+from longstraw_jax.ops.logprobs import token_logprobs
+
+MODES = ("exact", "detached")
+
+
+def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(), mode: str = "exact",
+               chunk_size: int = 2048, mesh=None):
+    """(loss, grads, metrics) for one group. `model`, `cfg`, `mode`, `chunk_size`, `mesh` are static.
+
+    Validates the batch on the host when its arrays are concrete (under an outer `jit` only shapes are checked).
+    grads has the structure and dtype of params.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; allowed: {', '.join(map(repr, MODES))}")
+    if mesh is not None:
+        raise NotImplementedError("sharded grpo_grads (mesh=...) is not available yet; pass mesh=None")
+    validate_batch(batch, model.config.vocab_size)
+    chunk_layout(batch.prompt.shape[0] - 1, chunk_size)
+    return _grpo_grads(model, params, batch, cfg, mode, chunk_size)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
+def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, chunk_size: int):
+    dtype = model.lm_head(params).dtype
+    prompt = batch.prompt.astype(jnp.int32)
+    frozen = jax.lax.stop_gradient(params)
+    if mode == "exact":
+        state, boundaries = capture_chunks(model, frozen, prompt[:-1], chunk_size, dtype, keep_boundaries=True)
+    else:
+        state = capture_chunks(model, frozen, prompt[:-1], chunk_size, dtype)
+
+    loss, grads, state_cot, sums = replay_branches(model, params, state, batch, cfg, with_state_grad=mode == "exact")
+    if mode == "exact":
+        grads = jax.tree.map(jnp.add, grads,
+                             prompt_backward(model, params, prompt[:-1], chunk_size, state, boundaries, state_cot))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return loss, grads, finalize_metrics(sums, batch.rewards, batch.mask)
+
+
+def _zeros_f32(tree):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), tree)
+
+
+def _f32(tree):
+    return jax.tree.map(lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32)), tree)
+
+
+def _add(acc, tree):
+    return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, tree)
+
+
+def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, with_state_grad: bool):
+    """Scan over the G branches; each step is one branch's forward + backward (under `jax.checkpoint`).
+
+    Returns (loss, param grads (float32), state cotangent summed over branches (float32; None unless
+    with_state_grad), metric sums).
+    """
+    responses = batch.responses.astype(jnp.int32)
+    num_branches, length = responses.shape
+    inputs = jnp.concatenate([jnp.full((num_branches, 1), batch.prompt[-1], jnp.int32), responses[:, :-1]], axis=1)
+    xs = dict(inputs=inputs, targets=responses, mask=batch.mask.astype(jnp.float32),
+              weights=token_weights(batch.mask, cfg), advantage=group_advantages(batch.rewards, cfg),
+              old=batch.old_logprobs, ref=batch.ref_logprobs)
+    chunk = min(cfg.logprob_chunk, length)
+
+    @jax.checkpoint
+    def objective(params, state, x):
+        hidden = model._extend_hidden(params, state, x["inputs"])
+        logp, entropy = token_logprobs(hidden, model.lm_head(params), x["targets"], chunk)
+        return branch_loss(logp, x["old"], x["ref"], x["advantage"], x["weights"], x["mask"], cfg,
+                           entropy=jax.lax.stop_gradient(entropy))
+
+    argnums = (0, 1) if with_state_grad else 0
+    value_and_grad = jax.value_and_grad(objective, argnums=argnums, has_aux=True)
+
+    def step(carry, x):
+        loss, grads, state_cot, sums = carry
+        (branch, branch_sums), branch_grads = value_and_grad(params, state, x)
+        if with_state_grad:
+            branch_grads, branch_state_cot = branch_grads
+            state_cot = _add(state_cot, branch_state_cot)
+        return (loss + branch, _add(grads, branch_grads), state_cot, _add(sums, branch_sums)), None
+
+    sums0 = jax.eval_shape(lambda: objective(params, state, jax.tree.map(lambda a: a[0], xs))[1])
+    carry = (jnp.zeros((), jnp.float32), _zeros_f32(params), _zeros_f32(state) if with_state_grad else None,
+             _zeros_f32(sums0))
+    (loss, grads, state_cot, sums), _ = jax.lax.scan(step, carry, xs)
+    return loss, grads, state_cot, sums
+
+
+def prompt_backward(model, params, tokens: jax.Array, chunk_size: int, state, boundaries, state_cot):
+    """Parameter gradient of the prompt's computation, given the cotangent of the captured state.
+
+    Walks the chunks in reverse. Chunk i is recomputed from its boundary (the carried state before it) and the
+    final KV cache (positions < start are what it read; later positions are causally masked), then `jax.vjp` maps
+    the cotangent of its output state to (parameter gradient, cotangent of its input state). The input cotangent's
+    KV part replaces the running KV cotangent (reads of earlier positions are added in place); its carried part
+    is the output cotangent of chunk i - 1.
+    """
+    full_boundaries, last_boundary = boundaries
+    num_full, remainder = chunk_layout(tokens.shape[0], chunk_size)
+
+    def chunk_vjp(carry, chunk_tokens, start, boundary):
+        grads, cot = carry
+
+        def recompute(params, state_in):
+            return model.capture_chunk(params, state_in, chunk_tokens, start)
+
+        primal_in = model.with_carried(state, boundary)
+        _, vjp = jax.vjp(recompute, params, primal_in)
+        cot_out = jax.tree.map(lambda c, p: c.astype(p.dtype), cot, primal_in)
+        chunk_grads, cot_in = vjp(cot_out)
+        return _add(grads, chunk_grads), _f32(cot_in)
+
+    carry = (_zeros_f32(params), state_cot)
+    if remainder:
+        carry = chunk_vjp(carry, tokens[num_full * chunk_size :], num_full * chunk_size, last_boundary)
+    if num_full:
+        chunks = tokens[: num_full * chunk_size].reshape(num_full, chunk_size)
+
+        def step(carry, xs):
+            index, chunk_tokens, boundary = xs
+            return chunk_vjp(carry, chunk_tokens, index * chunk_size, boundary), None
+
+        carry, _ = jax.lax.scan(step, carry, (jnp.arange(num_full), chunks, full_boundaries), reverse=True)
+    return carry[0]
