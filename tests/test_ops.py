@@ -64,7 +64,7 @@ def test_blockwise_attention_prefix_plus_local_matches_dense(block):
     common = dict(q_positions=q_pos, scale=d**-0.5, block_size=block)
     a = attention.attend(q, k[:prefix], v[:prefix], k_offset=0, causal=False, **common)
     b = attention.attend(q, k[prefix:], v[prefix:], k_offset=prefix, causal=True, **common)
-    got = attention.finish(attention.merge_partials(a, b), jnp.float32)
+    got = attention.merge(a, b).out
     want = _dense_attention(q, k, v, q_pos, jnp.arange(prefix + new), d**-0.5)
     np.testing.assert_allclose(got, want, atol=1e-5)
 
@@ -75,9 +75,41 @@ def test_blockwise_attention_respects_kv_length_and_stacked_index():
     cache_k = jax.random.normal(keys[1], (3, 2, 40, 1, 8))  # [blocks, layers, S, Hkv, D]
     cache_v = jax.random.normal(keys[2], (3, 2, 40, 1, 8))
     valid = 23
-    got = attention.finish(attention.attend(q, cache_k, cache_v, q_positions=jnp.full((5,), 100), k_offset=0,
-                                            scale=0.3, causal=False, kv_length=valid, block_size=8,
-                                            kv_index=(2, 1)), jnp.float32)
+    got = attention.attend(q, cache_k, cache_v, q_positions=jnp.full((5,), 100), k_offset=0, scale=0.3,
+                           causal=False, kv_length=valid, block_size=8, kv_index=(2, 1)).out
     want = _dense_attention(q, cache_k[2, 1, :valid], cache_v[2, 1, :valid], jnp.full((5,), 100),
                             jnp.arange(valid), 0.3)
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_blockwise_attention_gradients_match_dense_autodiff():
+    """The flash-style custom VJP (recompute tiles from the saved log-sum-exp) equals autodiff of dense softmax
+    attention, through a merge of a stacked-cache prefix and a causal local part (so d(lse) matters)."""
+    keys = jax.random.split(jax.random.key(3), 6)
+    prefix, new, hq, hkv, d = 29, 9, 4, 2, 8
+    q = jax.random.normal(keys[0], (new, hq, d))
+    cache_k = jax.random.normal(keys[1], (2, 3, prefix, hkv, d))
+    cache_v = jax.random.normal(keys[2], (2, 3, prefix, hkv, d))
+    k_new = jax.random.normal(keys[3], (new, hkv, d))
+    v_new = jax.random.normal(keys[4], (new, hkv, d))
+    weight = jax.random.normal(keys[5], (new, hq, d))
+    q_pos = prefix + jnp.arange(new)
+
+    def blockwise(q, cache_k, cache_v, k_new, v_new):
+        common = dict(q_positions=q_pos, scale=d**-0.5, block_size=8)
+        a = attention.attend(q, cache_k, cache_v, k_offset=0, causal=False, kv_index=(1, 2), kv_length=25, **common)
+        b = attention.attend(q, k_new, v_new, k_offset=prefix, causal=True, **common)
+        return jnp.sum(attention.merge(a, b).out * weight)
+
+    def dense(q, cache_k, cache_v, k_new, v_new):
+        k = jnp.concatenate([cache_k[1, 2, :25], k_new])
+        v = jnp.concatenate([cache_v[1, 2, :25], v_new])
+        k_pos = jnp.concatenate([jnp.arange(25), prefix + jnp.arange(new)])
+        return jnp.sum(_dense_attention(q, k, v, q_pos, k_pos, d**-0.5) * weight)
+
+    args = (q, cache_k, cache_v, k_new, v_new)
+    np.testing.assert_allclose(blockwise(*args), dense(*args), rtol=1e-5)
+    for name, a, b in zip(["q", "cache_k", "cache_v", "k_new", "v_new"],
+                          jax.grad(blockwise, argnums=range(5))(*args), jax.grad(dense, argnums=range(5))(*args)):
+        np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
+    assert float(jnp.abs(jax.grad(blockwise, argnums=1)(*args)[1, 2, 25:]).max()) == 0.0  # beyond kv_length

@@ -358,12 +358,12 @@ def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Arr
         state = state.replace(
             keys=jax.lax.dynamic_update_slice(state.keys, k[None, None].astype(state.keys.dtype), at),
             values=jax.lax.dynamic_update_slice(state.values, v[None, None].astype(state.values.dtype), at))
-        partial = attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=True, kv_index=(b, j), **common)
+        attended = attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=True, kv_index=(b, j), **common)
     else:
         prefix = attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=False, kv_index=(b, j), **common)
         local = attn_ops.attend(q, k, v, k_offset=positions[0], causal=True, **common)
-        partial = attn_ops.merge_partials(prefix, local)
-    o = attn_ops.finish(partial, x.dtype).reshape(t, hq * hd)
+        attended = attn_ops.merge(prefix, local)
+    o = attended.out.astype(x.dtype).reshape(t, hq * hd)
     o = o * jax.nn.sigmoid(gate)  # output gate before o_proj
     return _linear(o, p["o_proj"]), state
 

@@ -1,10 +1,14 @@
-"""Blockwise softmax attention with an online (streaming) softmax.
+"""Blockwise softmax attention with an online softmax and a flash-style backward pass.
 
-Keys are visited in blocks of `block_size`; only a `[T, H, block_size]` score tile is ever live, never `[T, S]`.
-Results are kept as an unnormalised `SoftmaxPartial` so that attention over several key sets (a captured prompt
-cache, then the new tokens; or the shards of a sequence-parallel cache) can be merged exactly by log-sum-exp.
-GQA: query head h reads key/value head h // (Hq // Hkv).
+Keys are visited in blocks of `block_size`; only a `[T, H, block_size]` score tile is ever live, never `[T, S]`,
+in the forward pass *and* in the backward pass (a `jax.custom_vjp` that recomputes each tile from q, k, v and the
+saved log-sum-exp, instead of letting autodiff store every tile).
+
+The result over one run of keys is `Attended(out, lse)`: the normalised output and the log-sum-exp of the scores.
+Attention over several disjoint key sets (a captured prompt cache, then the new tokens; or the shards of a
+sequence-parallel cache) merges exactly: `merge(a, b)`. GQA: query head h reads key/value head h // (Hq // Hkv).
 """
+import functools
 from typing import NamedTuple
 
 import jax
@@ -12,115 +16,185 @@ import jax.numpy as jnp
 
 from longstraw_jax.ops.dtypes import accum_dtype
 
-_MASKED = -1e30  # finite, so that exp(m_old - m_new) never sees (-inf) - (-inf)
+_MASKED = -1e30  # finite "minus infinity": exp(_MASKED - x) == 0 and (_MASKED) - (_MASKED) is not NaN
 
 
-class SoftmaxPartial(NamedTuple):
-    """Running statistics of a softmax over a subset of keys; all float32.
+class Attended(NamedTuple):
+    """out: [T, Hq, Dv] normalised output over the visited keys; lse: [T, Hq] log-sum-exp of their scores
+    (_MASKED when a query saw no key, with out = 0). Both in the accumulation dtype (float32)."""
 
-    max: [T, Hq] running max of the scores (float64 for fp64 inputs); denom: [T, Hq] sum of exp(score - max);
-    numer: [T, Hq, Dv] sum of exp(score - max) * v.
-    """
-
-    max: jax.Array
-    denom: jax.Array
-    numer: jax.Array
+    out: jax.Array
+    lse: jax.Array
 
 
-def empty_partial(num_queries: int, num_heads: int, value_dim: int, dtype=jnp.float32) -> SoftmaxPartial:
-    return SoftmaxPartial(
-        jnp.full((num_queries, num_heads), _MASKED, dtype),
-        jnp.zeros((num_queries, num_heads), dtype),
-        jnp.zeros((num_queries, num_heads, value_dim), dtype),
-    )
+def merge(a: Attended, b: Attended) -> Attended:
+    """Exact softmax attention over the union of two disjoint key sets."""
+    lse = jnp.logaddexp(a.lse, b.lse)
+    wa, wb = jnp.exp(a.lse - lse)[..., None], jnp.exp(b.lse - lse)[..., None]
+    return Attended(a.out * wa + b.out * wb, lse)
 
 
-def merge_partials(a: SoftmaxPartial, b: SoftmaxPartial) -> SoftmaxPartial:
-    """Exact combination of two disjoint key sets."""
-    m = jnp.maximum(a.max, b.max)
-    wa, wb = jnp.exp(a.max - m), jnp.exp(b.max - m)
-    return SoftmaxPartial(m, a.denom * wa + b.denom * wb, a.numer * wa[..., None] + b.numer * wb[..., None])
-
-
-def finish(p: SoftmaxPartial, dtype) -> jax.Array:
-    """Normalise: [T, Hq, Dv] in `dtype`. A query that saw no key gets zeros."""
-    denom = jnp.where(p.denom > 0, p.denom, 1.0)
-    return (p.numer / denom[..., None]).astype(dtype)
-
-
-def attend(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    q_positions: jax.Array,
-    k_offset,
-    scale: float,
-    causal: bool,
-    kv_length=None,
-    block_size: int = 512,
-    kv_index: tuple = (),
-) -> SoftmaxPartial:
-    """Softmax partial of queries over one contiguous run of keys.
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, k_offset, scale: float,
+           causal: bool, kv_length=None, block_size: int = 512, kv_index: tuple = ()) -> Attended:
+    """Softmax attention of queries over one contiguous run of keys.
 
     q: [T, Hq, D]; q_positions: int [T]. k: [*lead, S, Hkv, D], v: [*lead, S, Hkv, Dv]; `kv_index` selects the
-    leading entries (e.g. (block, layer) of a stacked cache), so the caller never copies a whole layer out.
+    leading entries (e.g. (block, layer) of a stacked cache), so the caller never copies a whole cache out.
     Key i has position `k_offset + i`; it is visible to query t when `i < kv_length` (if given) and, when `causal`,
     `k_offset + i <= q_positions[t]`. Key blocks no query can see are skipped (`lax.cond`), so a chunk of a
     prompt does not pay for the unwritten tail of a preallocated cache.
     """
-    num_q, num_heads, head_dim = q.shape
-    seq_len, kv_heads = k.shape[-3], k.shape[-2]
-    value_dim = v.shape[-1]
-    group = num_heads // kv_heads
-    qg = q.reshape(num_q, kv_heads, group, head_dim)
-    last_query_position = jnp.max(q_positions)
-    acc = accum_dtype(q.dtype)
+    kv_length = jnp.asarray(k.shape[-3] if kv_length is None else kv_length, jnp.int32)
+    k_offset = jnp.asarray(k_offset, jnp.int32)
+    index = tuple(jnp.asarray(i, jnp.int32) for i in kv_index)
+    return _attend(scale, causal, block_size, q, k, v, q_positions.astype(jnp.int32), k_offset, kv_length, index)
 
-    def read(cache, start, size):
-        starts = tuple(kv_index) + (start, 0, 0)
-        sizes = (1,) * len(kv_index) + (size,) + cache.shape[-2:]
-        return jax.lax.dynamic_slice(cache, starts, sizes).reshape((size,) + cache.shape[-2:])
 
-    def accumulate(carry: SoftmaxPartial, start, size) -> SoftmaxPartial:
-        k_blk, v_blk = read(k, start, size), read(v, start, size)
-        idx = start + jnp.arange(size)
-        visible = jnp.ones((num_q, size), bool)
-        if kv_length is not None:
-            visible &= (idx < kv_length)[None, :]
-        if causal:
-            visible &= (k_offset + idx)[None, :] <= q_positions[:, None]
-        visible = visible[:, None, None, :]
-        s = jnp.einsum("tkgd,bkd->tkgb", qg, k_blk, preferred_element_type=acc) * scale
-        s = jnp.where(visible, s, _MASKED)
-        m_old = carry.max.reshape(num_q, kv_heads, group)
-        m_new = jnp.maximum(m_old, jnp.max(s, axis=-1))
-        p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m_old - m_new)
-        denom = carry.denom.reshape(m_old.shape) * alpha + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("tkgb,bkd->tkgd", p.astype(v_blk.dtype), v_blk, preferred_element_type=acc)
-        numer = carry.numer.reshape(num_q, kv_heads, group, value_dim) * alpha[..., None] + pv
-        return SoftmaxPartial(
-            m_new.reshape(num_q, num_heads), denom.reshape(num_q, num_heads), numer.reshape(num_q, num_heads, value_dim)
-        )
+# ----- shared pieces of the forward and backward passes -----
 
-    def any_visible(start):
-        ok = jnp.bool_(True)
-        if kv_length is not None:
-            ok &= start < kv_length
-        if causal:
-            ok &= k_offset + start <= last_query_position
-        return ok
 
-    def step(carry, block):
-        start = block * block_size
-        carry = jax.lax.cond(any_visible(start), lambda c: accumulate(c, start, block_size), lambda c: c, carry)
-        return carry, None
+def _blocks(seq_len: int, block_size: int) -> tuple[int, int]:
+    return divmod(seq_len, block_size)
 
-    partial = empty_partial(num_q, num_heads, value_dim, acc)
-    num_blocks, tail = divmod(seq_len, block_size)
+
+def _read(cache, index, start, size):
+    """cache[*index, start:start + size] -> [size, H, D] without copying the rest of the cache."""
+    starts = tuple(index) + (start, 0, 0)
+    sizes = (1,) * len(index) + (size,) + cache.shape[-2:]
+    return jax.lax.dynamic_slice(cache, starts, sizes).reshape((size,) + cache.shape[-2:])
+
+
+def _visible(start, size, q_positions, k_offset, kv_length, causal):
+    """[T, size] mask of the keys start..start+size-1 each query may see."""
+    idx = start + jnp.arange(size)
+    mask = (idx < kv_length)[None, :] & jnp.ones((q_positions.shape[0], 1), bool)
+    if causal:
+        mask &= (k_offset + idx)[None, :] <= q_positions[:, None]
+    return mask
+
+
+def _any_visible(start, q_positions, k_offset, kv_length, causal):
+    ok = start < kv_length
+    if causal:
+        ok &= k_offset + start <= jnp.max(q_positions)
+    return ok
+
+
+def _scores(qg, k_blk, visible, scale):
+    """qg [T, Hkv, G, D], k_blk [B, Hkv, D] -> masked scores [T, Hkv, G, B] in the accumulation dtype."""
+    acc = accum_dtype(qg.dtype)
+    s = jnp.einsum("tkgd,bkd->tkgb", qg, k_blk, preferred_element_type=acc) * scale
+    return jnp.where(visible[:, None, None, :], s, _MASKED)
+
+
+def _for_each_block(seq_len, block_size, carry, visit, condition):
+    """Run `visit(carry, start, size)` over the full blocks (a scan, skipping those `condition(start)` rejects)
+    and the tail block. visit returns (carry, per-block output or None); outputs are concatenated along keys."""
+    num_blocks, tail = _blocks(seq_len, block_size)
+    outputs = []
     if num_blocks:
-        partial, _ = jax.lax.scan(step, partial, jnp.arange(num_blocks))
+        def step(carry, block):
+            start = block * block_size
+            return jax.lax.cond(condition(start), lambda c: visit(c, start, block_size),
+                                lambda c: (c, _skip_output(visit, c, start, block_size)), carry)
+
+        carry, ys = jax.lax.scan(step, carry, jnp.arange(num_blocks))
+        if ys is not None:
+            outputs.append(jax.tree.map(lambda y: y.reshape((num_blocks * block_size,) + y.shape[2:]), ys))
     if tail:
-        partial = accumulate(partial, num_blocks * block_size, tail)
-    return partial
+        carry, ys = visit(carry, num_blocks * block_size, tail)
+        if ys is not None:
+            outputs.append(ys)
+    if not outputs or outputs[0] is None:
+        return carry, None
+    return carry, jax.tree.map(lambda *ys: jnp.concatenate(ys, axis=0), *outputs)
+
+
+def _skip_output(visit, carry, start, size):
+    """Zeros shaped like visit's per-block output (for skipped blocks)."""
+    shapes = jax.eval_shape(lambda c: visit(c, start, size)[1], carry)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+# ----- forward and backward -----
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attend(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_length, index):
+    return _attend_fwd(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_length, index)[0]
+
+
+def _attend_fwd(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_length, index):
+    num_q, num_heads, head_dim = q.shape
+    kv_heads, value_dim = k.shape[-2], v.shape[-1]
+    group = num_heads // kv_heads
+    acc = accum_dtype(q.dtype)
+    qg = q.reshape(num_q, kv_heads, group, head_dim)
+
+    def visit(carry, start, size):
+        m, denom, numer = carry
+        k_blk, v_blk = _read(k, index, start, size), _read(v, index, start, size)
+        visible = _visible(start, size, q_positions, k_offset, kv_length, causal)
+        s = _scores(qg, k_blk, visible, scale)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(visible[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        pv = jnp.einsum("tkgb,bkd->tkgd", p.astype(v_blk.dtype), v_blk, preferred_element_type=acc)
+        return (m_new, denom * alpha + jnp.sum(p, axis=-1), numer * alpha[..., None] + pv), None
+
+    init = (jnp.full((num_q, kv_heads, group), _MASKED, acc), jnp.zeros((num_q, kv_heads, group), acc),
+            jnp.zeros((num_q, kv_heads, group, value_dim), acc))
+    condition = lambda start: _any_visible(start, q_positions, k_offset, kv_length, causal)
+    (m, denom, numer), _ = _for_each_block(k.shape[-3], block_size, init, visit, condition)
+    seen = denom > 0
+    out = jnp.where(seen[..., None], numer / jnp.where(seen, denom, 1.0)[..., None], 0.0)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), _MASKED)
+    result = Attended(out.reshape(num_q, num_heads, value_dim), lse.reshape(num_q, num_heads))
+    return result, (q, k, v, q_positions, k_offset, kv_length, index, result)
+
+
+def _attend_bwd(scale, causal, block_size, residuals, cotangent):
+    """Flash-attention backward: per key block, p = exp(s - lse); dv = p^T do; ds = p * (do.v - do.out + dlse);
+    dq += ds k * scale; dk = ds^T q * scale. Cache cotangents are built per layer and placed at `index`."""
+    q, k, v, q_positions, k_offset, kv_length, index, (out, lse) = residuals
+    d_out, d_lse = cotangent
+    num_q, num_heads, head_dim = q.shape
+    kv_heads, value_dim = k.shape[-2], v.shape[-1]
+    group = num_heads // kv_heads
+    acc = accum_dtype(q.dtype)
+    qg = q.reshape(num_q, kv_heads, group, head_dim)
+    do = d_out.astype(acc).reshape(num_q, kv_heads, group, value_dim)
+    lse_g = lse.reshape(num_q, kv_heads, group)
+    delta = jnp.sum(do * out.reshape(do.shape), axis=-1) - d_lse.astype(acc).reshape(lse_g.shape)  # [T, Hkv, G]
+
+    def visit(dq, start, size):
+        k_blk, v_blk = _read(k, index, start, size), _read(v, index, start, size)
+        visible = _visible(start, size, q_positions, k_offset, kv_length, causal)
+        s = _scores(qg, k_blk, visible, scale)
+        p = jnp.where(visible[:, None, None, :], jnp.exp(s - lse_g[..., None]), 0.0)
+        dv = jnp.einsum("tkgb,tkgd->bkd", p, do)
+        dp = jnp.einsum("tkgd,bkd->tkgb", do, v_blk.astype(acc))
+        ds = p * (dp - delta[..., None]) * scale
+        dq = dq + jnp.einsum("tkgb,bkd->tkgd", ds, k_blk.astype(acc))
+        dk = jnp.einsum("tkgb,tkgd->bkd", ds, qg.astype(acc))
+        return dq, (dk, dv)
+
+    condition = lambda start: _any_visible(start, q_positions, k_offset, kv_length, causal)
+    seq_len = k.shape[-3]
+    dq, blocks = _for_each_block(seq_len, block_size, jnp.zeros(qg.shape, acc), visit, condition)
+    if blocks is None:
+        dk_layer = jnp.zeros(k.shape[-3:], acc)
+        dv_layer = jnp.zeros(v.shape[-3:], acc)
+    else:
+        dk_layer, dv_layer = blocks
+
+    def place(layer_cot, cache):
+        if not index:
+            return layer_cot.astype(cache.dtype)
+        return jnp.zeros(cache.shape, cache.dtype).at[index].set(layer_cot.astype(cache.dtype))
+
+    return (dq.reshape(q.shape).astype(q.dtype), place(dk_layer, k), place(dv_layer, v),
+            None, None, None, tuple(None for _ in index))
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
