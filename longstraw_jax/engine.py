@@ -90,7 +90,6 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
               old=batch.old_logprobs, ref=batch.ref_logprobs)
     chunk = min(cfg.logprob_chunk, length)
 
-    @jax.checkpoint
     def objective(params, state, x):
         hidden = model._extend_hidden(params, state, x["inputs"])
         logp, entropy = token_logprobs(hidden, model.lm_head(params), x["targets"], chunk)

@@ -41,8 +41,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
     q: [T, Hq, D]; q_positions: int [T]. k: [*lead, S, Hkv, D], v: [*lead, S, Hkv, Dv]; `kv_index` selects the
     leading entries (e.g. (block, layer) of a stacked cache), so the caller never copies a whole cache out.
     Key i has position `k_offset + i`; it is visible to query t when `i < kv_length` (if given) and, when `causal`,
-    `k_offset + i <= q_positions[t]`. Key blocks no query can see are skipped (`lax.cond`), so a chunk of a
-    prompt does not pay for the unwritten tail of a preallocated cache.
+    `k_offset + i <= q_positions[t]`. Key blocks no query can see are never visited, so a chunk of a prompt
+    does not pay for the unwritten tail of a preallocated cache.
     """
     kv_length = jnp.asarray(k.shape[-3] if kv_length is None else kv_length, jnp.int32)
     k_offset = jnp.asarray(k_offset, jnp.int32)
@@ -51,10 +51,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
 
 
 # ----- shared pieces of the forward and backward passes -----
-
-
-def _blocks(seq_len: int, block_size: int) -> tuple[int, int]:
-    return divmod(seq_len, block_size)
 
 
 def _read(cache, index, start, size):
@@ -73,11 +69,12 @@ def _visible(start, size, q_positions, k_offset, kv_length, causal):
     return mask
 
 
-def _any_visible(start, q_positions, k_offset, kv_length, causal):
-    ok = start < kv_length
+def _visible_prefix(q_positions, k_offset, kv_length, causal):
+    """Number of leading keys any query may see (keys are visited in order, so later blocks can be skipped)."""
+    limit = kv_length
     if causal:
-        ok &= k_offset + start <= jnp.max(q_positions)
-    return ok
+        limit = jnp.minimum(limit, jnp.max(q_positions) - k_offset + 1)
+    return jnp.maximum(limit, 0)
 
 
 def _scores(qg, k_blk, visible, scale):
@@ -87,33 +84,40 @@ def _scores(qg, k_blk, visible, scale):
     return jnp.where(visible[:, None, None, :], s, _MASKED)
 
 
-def _for_each_block(seq_len, block_size, carry, visit, condition):
-    """Run `visit(carry, start, size)` over the full blocks (a scan, skipping those `condition(start)` rejects)
-    and the tail block. visit returns (carry, per-block output or None); outputs are concatenated along keys."""
-    num_blocks, tail = _blocks(seq_len, block_size)
-    outputs = []
+def _for_each_block(seq_len, block_size, carry, visit, visible_prefix, outputs=None):
+    """Run `visit(carry, start, size) -> (carry, block outputs or None)` over the key blocks that hold one of the
+    first `visible_prefix` keys: a `lax.while_loop` over full blocks (dynamic trip count: invisible blocks cost
+    nothing), then the static tail block if it is visible. Per-block outputs are written into `outputs`, a tuple of
+    [seq_len, ...] buffers. A while loop (not a scan) so that partial evaluation under an outer autodiff can never
+    stack per-block residuals: the custom VJP below is the only way these loops are differentiated.
+    """
+    num_blocks, tail = divmod(seq_len, block_size)
+
+    def store(outputs, block_outputs, start):
+        if outputs is None:
+            return None
+        return tuple(jax.lax.dynamic_update_slice_in_dim(o, b.astype(o.dtype), start, 0)
+                     for o, b in zip(outputs, block_outputs))
+
     if num_blocks:
-        def step(carry, block):
-            start = block * block_size
-            return jax.lax.cond(condition(start), lambda c: visit(c, start, block_size),
-                                lambda c: (c, _skip_output(visit, c, start, block_size)), carry)
+        trips = jnp.minimum(num_blocks, (visible_prefix + block_size - 1) // block_size)
 
-        carry, ys = jax.lax.scan(step, carry, jnp.arange(num_blocks))
-        if ys is not None:
-            outputs.append(jax.tree.map(lambda y: y.reshape((num_blocks * block_size,) + y.shape[2:]), ys))
+        def body(state):
+            i, carry, outputs = state
+            carry, block_outputs = visit(carry, i * block_size, block_size)
+            return i + 1, carry, store(outputs, block_outputs, i * block_size)
+
+        _, carry, outputs = jax.lax.while_loop(lambda st: st[0] < trips, body, (jnp.int32(0), carry, outputs))
     if tail:
-        carry, ys = visit(carry, num_blocks * block_size, tail)
-        if ys is not None:
-            outputs.append(ys)
-    if not outputs or outputs[0] is None:
-        return carry, None
-    return carry, jax.tree.map(lambda *ys: jnp.concatenate(ys, axis=0), *outputs)
+        start = num_blocks * block_size
 
+        def visit_tail(args):
+            carry, outputs = args
+            carry, block_outputs = visit(carry, start, tail)
+            return carry, store(outputs, block_outputs, start)
 
-def _skip_output(visit, carry, start, size):
-    """Zeros shaped like visit's per-block output (for skipped blocks)."""
-    shapes = jax.eval_shape(lambda c: visit(c, start, size)[1], carry)
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        carry, outputs = jax.lax.cond(start < visible_prefix, visit_tail, lambda args: args, (carry, outputs))
+    return carry, outputs
 
 
 # ----- forward and backward -----
@@ -144,8 +148,8 @@ def _attend_fwd(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_le
 
     init = (jnp.full((num_q, kv_heads, group), _MASKED, acc), jnp.zeros((num_q, kv_heads, group), acc),
             jnp.zeros((num_q, kv_heads, group, value_dim), acc))
-    condition = lambda start: _any_visible(start, q_positions, k_offset, kv_length, causal)
-    (m, denom, numer), _ = _for_each_block(k.shape[-3], block_size, init, visit, condition)
+    prefix = _visible_prefix(q_positions, k_offset, kv_length, causal)
+    (m, denom, numer), _ = _for_each_block(k.shape[-3], block_size, init, visit, prefix)
     seen = denom > 0
     out = jnp.where(seen[..., None], numer / jnp.where(seen, denom, 1.0)[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), _MASKED)
@@ -179,14 +183,10 @@ def _attend_bwd(scale, causal, block_size, residuals, cotangent):
         dk = jnp.einsum("tkgb,tkgd->bkd", ds, qg.astype(acc))
         return dq, (dk, dv)
 
-    condition = lambda start: _any_visible(start, q_positions, k_offset, kv_length, causal)
-    seq_len = k.shape[-3]
-    dq, blocks = _for_each_block(seq_len, block_size, jnp.zeros(qg.shape, acc), visit, condition)
-    if blocks is None:
-        dk_layer = jnp.zeros(k.shape[-3:], acc)
-        dv_layer = jnp.zeros(v.shape[-3:], acc)
-    else:
-        dk_layer, dv_layer = blocks
+    prefix = _visible_prefix(q_positions, k_offset, kv_length, causal)
+    buffers = (jnp.zeros(k.shape[-3:], acc), jnp.zeros(v.shape[-3:], acc))
+    dq, (dk_layer, dv_layer) = _for_each_block(k.shape[-3], block_size, jnp.zeros(qg.shape, acc), visit, prefix,
+                                               buffers)
 
     def place(layer_cot, cache):
         if not index:
