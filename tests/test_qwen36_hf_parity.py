@@ -1,4 +1,5 @@
 """Parity with transformers' Qwen3_5ForCausalLM on tiny random models (float32, CPU)."""
+import jax
 import numpy as np
 import pytest
 
@@ -59,3 +60,20 @@ def test_save_hf_round_trip_through_transformers(checkpoint, tmp_path):
     models.save_hf(model, params, tmp_path)
     reloaded = Qwen3_5ForCausalLM.from_pretrained(tmp_path).float().eval()
     np.testing.assert_array_equal(hf_logits(reloaded, tokens), expected)
+
+
+def test_load_hf_bfloat16_end_to_end(checkpoint):
+    """bf16 params end to end (fp32 GDN core and recurrent state): as close to fp32 as transformers' own bf16."""
+    import copy
+
+    import jax.numpy as jnp
+    import torch
+
+    directory, torch_model, tokens, expected = checkpoint
+    model, params = models.load_hf(directory, dtype=jnp.bfloat16)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+    state = model.capture(params, tokens[:50], chunk_size=16)
+    assert state.keys.dtype == jnp.bfloat16 and state.recurrent.dtype == jnp.float32
+    ours = np.abs(np.asarray(model.extend(params, state, tokens[50:])) - expected[50:]).mean()
+    theirs = np.abs(hf_logits(copy.deepcopy(torch_model).to(torch.bfloat16), tokens)[50:] - expected[50:]).mean()
+    assert ours < 1.5 * theirs + 1e-3, (ours, theirs)
