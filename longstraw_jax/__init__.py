@@ -3,5 +3,6 @@ from longstraw_jax import models
 from longstraw_jax.engine import grpo_grads
 from longstraw_jax.grpo import GroupBatch, GRPOConfig
 from longstraw_jax.naive import naive_grpo_grads
+from longstraw_jax.train import make_optimizer, train_step
 
-__all__ = ["models", "GroupBatch", "GRPOConfig", "grpo_grads", "naive_grpo_grads"]
+__all__ = ["models", "GroupBatch", "GRPOConfig", "grpo_grads", "naive_grpo_grads", "make_optimizer", "train_step"]

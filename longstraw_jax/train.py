@@ -1,0 +1,97 @@
+"""Optimizer and one GRPO training step: engine gradients, AdamW with global-norm clipping, skip on non-finite.
+
+    optimizer = make_optimizer(learning_rate=1e-5)           # build once: it is a static (hashable) jit argument
+    opt_state = optimizer.init(params)
+    params, opt_state, metrics = train_step(model, params, opt_state, batch, optimizer, cfg, mode="exact")
+
+`train_step` validates the batch on the host (a NaN reward or an out-of-range token id raises before anything is
+computed), then runs one jitted step with `model`, `optimizer`, `cfg`, `mode` and `chunk_size` static. If the loss or
+any gradient entry is non-finite, the update is skipped: params and opt_state come back bit-identical and
+metrics["skipped"] is 1.0, so one bad group never writes NaN into the weights or the Adam moments.
+
+`train_step` is itself traceable, so an outer `jax.jit(train_step, static_argnums=(0, 4, 5, 6, 7))` works too (then
+only shapes are validated; validate concrete batches with `grpo.validate_batch` first).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from longstraw_jax.engine import MODES, grpo_grads
+from longstraw_jax.grpo import GroupBatch, GRPOConfig, validate_batch
+from longstraw_jax.models.base import chunk_layout
+
+
+def make_optimizer(learning_rate=1e-5, weight_decay: float = 0.0, max_grad_norm: float | None = 1.0,
+                   b1: float = 0.9, b2: float = 0.95) -> optax.GradientTransformation:
+    """AdamW after clipping the gradient to global norm `max_grad_norm` (None: no clipping).
+
+    `learning_rate` is a float or an optax schedule (step -> rate). Each call returns a new transformation, and
+    `train_step` compiles once per transformation object: build it once and reuse it.
+    """
+    errors = []
+
+    def finite(name, value):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok:
+            errors.append(f"{name}={value!r} must be a finite number")
+        return ok
+
+    if not callable(learning_rate) and finite("learning_rate", learning_rate) and learning_rate < 0:
+        errors.append(f"learning_rate={learning_rate} must be >= 0")
+    if finite("weight_decay", weight_decay) and weight_decay < 0:
+        errors.append(f"weight_decay={weight_decay} must be >= 0")
+    if max_grad_norm is not None and finite("max_grad_norm", max_grad_norm) and max_grad_norm <= 0:
+        errors.append(f"max_grad_norm={max_grad_norm} must be > 0 (or None for no clipping)")
+    for name, value in (("b1", b1), ("b2", b2)):
+        if finite(name, value) and not 0 <= value < 1:
+            errors.append(f"{name}={value} must be in [0, 1)")
+    if errors:
+        raise ValueError("invalid optimizer settings: " + "; ".join(errors))
+    adamw = optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay)
+    if max_grad_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+
+
+def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.GradientTransformation,
+               cfg: GRPOConfig = GRPOConfig(), mode: str = "exact", chunk_size: int = 2048):
+    """One GRPO update on one group: (params, opt_state, metrics).
+
+    metrics: the engine's metrics (reward_mean, clip_frac, kl, entropy, ...) plus "loss" (before the update),
+    "grad_norm" (global norm of the raw, unclipped gradient) and "skipped" (1.0 when the loss or a gradient was
+    non-finite and the update was not applied, else 0.0). All are scalar arrays.
+
+    Host-side checks first (mode, chunk_size, and the batch's shapes and values via `validate_batch`), then one
+    jitted step with model, optimizer, cfg, mode and chunk_size static.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; allowed: {', '.join(map(repr, MODES))}")
+    validate_batch(batch, model.config.vocab_size)
+    chunk_layout(batch.prompt.shape[0] - 1, chunk_size)
+    return _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
+def _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size):
+    loss, grads, metrics = grpo_grads(model, params, batch, cfg, mode=mode, chunk_size=chunk_size)
+    finite = jnp.isfinite(loss)
+    for g in jax.tree.leaves(grads):
+        finite = finite & jnp.all(jnp.isfinite(g))
+
+    def apply(params, opt_state):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def keep(params, opt_state):
+        return params, opt_state
+
+    # Skipped steps return the inputs untouched (no arithmetic on them, so the bits are preserved).
+    params, opt_state = jax.lax.cond(finite, apply, keep, params, opt_state)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
+                   skipped=jnp.where(finite, 0.0, 1.0).astype(jnp.float32))
+    return params, opt_state, metrics

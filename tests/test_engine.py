@@ -1,0 +1,250 @@
+"""The capture -> replay -> prompt-backward engine against its oracles (ARCHITECTURE.md 2), on the tiny Qwen3.6.
+
+- exact == naive_grpo_grads (one graph over G copies of prompt + response): loss, gradient pytree, metrics;
+- detached == autograd through `extend` on a stop_gradient-ed captured state (vmapped over branches), and
+  detached != exact (the prompt's share of the gradient is real) while their losses agree;
+- equal rewards -> zero advantages -> exactly zero gradients;
+- bad input raises before anything is computed;
+- AOT memory: temporaries do not grow with G.
+
+Compilation dominates on CPU, so each compiled configuration covers several requirements at once:
+
+    case  G  masks          chunk_size vs P-1 = 24          KL   old_logprobs         loss_agg
+    A     3  ragged         7  (3 full chunks + remainder)  on   given (NaN at pads)  token-mean
+    B     4  ragged, len 1  32 (> P-1: remainder only)      off  None                 seq-mean-token-mean
+    C     1  ragged         8  (divides P-1: no remainder)  on   given                seq-mean-token-sum-norm
+
+B also uses adv_norm="none" and logprob_chunk=3 (log-probs over R = 8 in a scan of 2 chunks plus a tail of 2).
+
+The test jits wrap the public `grpo_grads` with `xla_cpu_use_fusion_emitters=False`, which halves XLA:CPU compile
+time here and does not change the float32 semantics (elementwise code is emitted by the older loop emitter).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longstraw_jax import GroupBatch, GRPOConfig, engine, grpo_grads, models, naive_grpo_grads
+from longstraw_jax.grpo import grpo_loss
+
+FAST = {"xla_cpu_use_fusion_emitters": False}
+P, R = 25, 8
+
+CASES = {
+    "A": dict(lengths=[8, 3, 6], rewards=[1.0, 0.0, 0.25], chunk=7, old=True, ref=True,
+              cfg=GRPOConfig(kl_coef=0.1, loss_agg="token-mean")),
+    "B": dict(lengths=[5, 8, 1, 7], rewards=[0.0, 1.0, 1.0, -0.5], chunk=32, old=False, ref=False,
+              cfg=GRPOConfig(kl_coef=0.0, loss_agg="seq-mean-token-mean", adv_norm="none", logprob_chunk=3)),
+    "C": dict(lengths=[6], rewards=[1.0], chunk=8, old=True, ref=True,
+              cfg=GRPOConfig(kl_coef=0.5, loss_agg="seq-mean-token-sum-norm")),
+}
+
+grads_fn = jax.jit(grpo_grads, static_argnums=(0, 3, 4, 5), compiler_options=FAST)
+naive_fn = jax.jit(naive_grpo_grads, static_argnums=(0, 3), compiler_options=FAST)
+
+
+def _o1_params(params, key):
+    """Re-randomise at O(1) scale (default init hides bugs): matrices ~ 1/sqrt(fan_in), vectors ~ 0.3."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    out = [jax.random.normal(k, x.shape) * (x.shape[-1] ** -0.5 if x.ndim >= 2 and x.shape[-1] > 4 else 0.3)
+           for k, x in zip(keys, leaves)]
+    return jax.tree.unflatten(tree, out)
+
+
+def rel_err(got, want):
+    """sqrt(sum (got - want)^2) / sqrt(sum want^2) over a whole pytree, in float64."""
+    pairs = list(zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    num = sum(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2) for a, b in pairs)
+    den = sum(np.sum(np.asarray(b, np.float64) ** 2) for _, b in pairs)
+    return float(np.sqrt(num / den))
+
+
+def assert_metrics_equal(got, want):
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def model_params():
+    model = models.build(models.Qwen36Config.tiny(gdn_chunk_size=16))
+    return model, _o1_params(model.init(jax.random.key(0)), jax.random.key(1))
+
+
+def response_logprobs(model, params, prompt, responses):
+    """Per-branch log-probs through the public `model.forward` (one compile for all cases: same P + R)."""
+    out = []
+    for response in responses:
+        logits = model.forward(params, np.concatenate([prompt, response]))[P - 1 : P - 1 + R]
+        out.append(np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), response[:, None], 1)[:, 0])
+    return np.stack(out)
+
+
+def prompt_only_tokens(batch):
+    """Token ids that occur in prompt[:-1] but neither in prompt[-1] nor in any response (the replay's inputs and
+    targets)."""
+    replayed = set(np.asarray(batch.responses).ravel().tolist()) | {int(batch.prompt[-1])}
+    return np.array(sorted(set(np.asarray(batch.prompt[:-1]).tolist()) - replayed), np.int64)
+
+
+def make_batch(model, params, lengths, rewards, old, ref, seed):
+    rng = np.random.default_rng(seed)
+    vocab, g = model.config.vocab_size, len(lengths)
+    mask = (np.arange(R)[None, :] < np.array(lengths)[:, None]).astype(np.float32)
+    prompt = rng.integers(0, vocab, P).astype(np.int32)
+    responses = rng.integers(0, vocab, (g, R)).astype(np.int32)
+    logp = response_logprobs(model, params, prompt, responses)  # near-on-policy old/ref: some clipping, not all
+    noisy = lambda scale: (logp + rng.normal(0, scale, logp.shape)).astype(np.float32)
+    old_logprobs = np.where(mask == 1, noisy(0.2), np.nan).astype(np.float32) if old else None  # pads are ignored
+    return GroupBatch(prompt=prompt, responses=responses, mask=mask, rewards=np.array(rewards, np.float32),
+                      old_logprobs=old_logprobs, ref_logprobs=noisy(0.3) if ref else None)
+
+
+@pytest.fixture(scope="module")
+def cases(model_params):
+    """Per case: batch, exact (loss, grads, metrics), naive (loss, grads, metrics)."""
+    model, params = model_params
+    out = {}
+    for seed, (name, case) in enumerate(CASES.items()):
+        batch = make_batch(model, params, case["lengths"], case["rewards"], case["old"], case["ref"], seed)
+        exact = grads_fn(model, params, batch, case["cfg"], "exact", case["chunk"])
+        naive = naive_fn(model, params, batch, case["cfg"])
+        out[name] = (batch, exact, naive)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_exact_equals_naive(model_params, cases, name):
+    _, params = model_params
+    batch, (loss, grads, metrics), (naive_loss, naive_grads, naive_metrics) = cases[name]
+    assert jax.tree.structure(grads) == jax.tree.structure(params)
+    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params)):
+        assert g.shape == p.shape and g.dtype == p.dtype and np.isfinite(g).all()
+    # embedding rows of tokens that occur only in prompt[:-1] are reached only through the prompt backward
+    prompt_only = prompt_only_tokens(batch)
+    assert prompt_only.size and np.abs(np.asarray(grads["embed"])[prompt_only]).min() > 0
+    assert np.isfinite(loss)  # (case B's value is 0: on-policy ratio 1, centred advantages, equal branch weights)
+    err = rel_err(grads, naive_grads)
+    print(f"case {name}: loss {float(loss):.6f} vs naive {float(naive_loss):.6f}, grad rel err {err:.2e}")
+    assert err <= 1e-4
+    assert abs(float(loss) - float(naive_loss)) <= 1e-5
+    assert_metrics_equal(metrics, naive_metrics)
+    if name == "A":
+        assert 0 < float(metrics["clip_frac"]) < 1  # the clip is exercised, but not everywhere
+        assert float(metrics["kl"]) > 0
+
+
+def test_equal_rewards_give_zero_advantages_and_zero_grads(model_params, cases):
+    """Reuses compiled cases: B (KL off) -> exactly zero loss and gradient; A (KL on) -> only the KL gradient,
+    still equal to the oracle."""
+    model, params = model_params
+    batch = cases["B"][0].replace(rewards=np.full(4, 0.7, np.float32))
+    loss, grads, metrics = grads_fn(model, params, batch, CASES["B"]["cfg"], "exact", CASES["B"]["chunk"])
+    assert np.isfinite(loss) and float(loss) == 0.0
+    assert float(metrics["adv_abs_mean"]) == 0.0 and float(metrics["reward_std"]) == 0.0
+    for g in jax.tree.leaves(grads):
+        assert not np.any(np.asarray(g)), "equal rewards with kl_coef=0 must give exactly zero gradients"
+
+    batch = cases["A"][0].replace(rewards=np.full(3, -2.0, np.float32))
+    loss, grads, metrics = grads_fn(model, params, batch, CASES["A"]["cfg"], "exact", CASES["A"]["chunk"])
+    naive_loss, naive_grads, naive_metrics = naive_fn(model, params, batch, CASES["A"]["cfg"])
+    assert float(metrics["adv_abs_mean"]) == 0.0 and float(loss) > 0  # k3 KL >= 0
+    assert rel_err(grads, naive_grads) <= 1e-4 and abs(float(loss) - float(naive_loss)) <= 1e-5
+
+
+def _detached_reference(model, params, batch, cfg, chunk_size):
+    """Autograd through `model._extend` (full log_softmax, no scan, no remat), vmapped over branches, from a
+    captured state under stop_gradient."""
+    prompt = jnp.asarray(batch.prompt, jnp.int32)
+    responses = jnp.asarray(batch.responses, jnp.int32)
+    inputs = jnp.concatenate([jnp.broadcast_to(prompt[-1], (responses.shape[0], 1)), responses[:, :-1]], axis=1)
+
+    def loss_fn(params):
+        state = jax.lax.stop_gradient(model._capture(params, prompt[:-1], chunk_size))
+        logits = jax.vmap(lambda t: model._extend(params, state, t))(inputs)  # [G, R, V]
+        logp_all = jax.nn.log_softmax(logits, axis=-1)
+        logp = jnp.take_along_axis(logp_all, responses[..., None], axis=-1)[..., 0]
+        entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+        return grpo_loss(logp, batch, cfg, entropy=jax.lax.stop_gradient(entropy))
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return loss, grads, metrics
+
+
+def test_detached_equals_stop_gradient_autograd_and_differs_from_exact(model_params, cases):
+    model, params = model_params
+    case = CASES["A"]
+    batch, (exact_loss, exact_grads, exact_metrics), _ = cases["A"]
+    loss, grads, metrics = grads_fn(model, params, batch, case["cfg"], "detached", case["chunk"])
+    reference = jax.jit(_detached_reference, static_argnums=(0, 3, 4), compiler_options=FAST)
+    ref_loss, ref_grads, ref_metrics = reference(model, params, batch, case["cfg"], case["chunk"])
+
+    err = rel_err(grads, ref_grads)
+    gap = rel_err(grads, exact_grads)
+    print(f"detached vs stop_gradient autograd: rel err {err:.2e}; detached vs exact: rel diff {gap:.2e}")
+    assert err <= 1e-4
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5
+    assert_metrics_equal(metrics, ref_metrics)
+    assert gap > 1e-2  # the prompt's contribution to the gradient is real
+    assert abs(float(loss) - float(exact_loss)) <= 1e-5  # same forward: only the gradient differs
+    assert_metrics_equal(metrics, exact_metrics)
+    # the prompt is constant in detached mode: embedding rows of prompt-only tokens get exactly zero gradient
+    assert not np.any(np.asarray(grads["embed"])[prompt_only_tokens(batch)])
+    assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(grads["blocks"]))
+
+
+# ----- bad input: every error is raised on the host, before anything is compiled or run ---------------------------
+
+
+def test_errors_before_any_computation(model_params, cases, monkeypatch):
+    model, params = model_params
+    batch = cases["A"][0]
+    cfg = CASES["A"]["cfg"]
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the engine ran on an invalid call")
+
+    monkeypatch.setattr(engine, "_grpo_grads", must_not_run)
+    with pytest.raises(ValueError, match="mode='bogus'"):
+        grpo_grads(model, params, batch, cfg, mode="bogus", chunk_size=7)
+    rewards = batch.rewards.copy()
+    rewards[1] = np.nan
+    with pytest.raises(ValueError, match="rewards must be finite"):
+        grpo_grads(model, params, batch.replace(rewards=rewards), cfg, chunk_size=7)
+    responses = batch.responses.copy()
+    responses[2, 1] = model.config.vocab_size
+    with pytest.raises(ValueError, match=r"responses\[2, 1\] = 512 .*vocab_size=512"):
+        grpo_grads(model, params, batch.replace(responses=responses), cfg, chunk_size=7)
+    with pytest.raises(ValueError, match="chunk_size"):
+        grpo_grads(model, params, batch, cfg, chunk_size=0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        grpo_grads(model, params, batch, cfg, chunk_size=2.5)
+
+
+# ----- memory: AOT compile only ------------------------------------------------------------------------------------
+
+
+def _exact_memory(model, num_branches, prompt_len, response_len, chunk):
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    g, r = num_branches, response_len
+    batch = GroupBatch(prompt=jax.ShapeDtypeStruct((prompt_len,), jnp.int32),
+                       responses=jax.ShapeDtypeStruct((g, r), jnp.int32), mask=f32(g, r), rewards=f32(g),
+                       old_logprobs=f32(g, r), ref_logprobs=f32(g, r))
+    cfg = GRPOConfig(kl_coef=0.1)
+    lowered = jax.jit(engine._grpo_grads, static_argnums=(0, 3, 4, 5)).lower(model, params, batch, cfg, "exact",
+                                                                              chunk)
+    # FAST changes only how elementwise kernels are emitted; the buffer assignment is the same to within 0.5% here
+    return lowered.compile(compiler_options=FAST).memory_analysis()
+
+
+def test_exact_mode_temporaries_do_not_grow_with_branches():
+    model = models.build(models.Qwen36Config.tiny(gdn_chunk_size=16))
+    prompt_len, response_len, chunk = 257, 16, 64
+    small = _exact_memory(model, 2, prompt_len, response_len, chunk)
+    large = _exact_memory(model, 8, prompt_len, response_len, chunk)
+    print(f"exact grpo_grads P={prompt_len} R={response_len} C={chunk}: temp G=2 {small.temp_size_in_bytes} B, "
+          f"G=8 {large.temp_size_in_bytes} B (args {small.argument_size_in_bytes} / {large.argument_size_in_bytes} B)")
+    per_branch_arrays = 8 * response_len * 4 * 8  # a few [G, R] float32 arrays at G = 8
+    assert large.temp_size_in_bytes <= 1.1 * small.temp_size_in_bytes + per_branch_arrays
