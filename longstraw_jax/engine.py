@@ -117,26 +117,25 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
 def prompt_backward(model, params, tokens: jax.Array, chunk_size: int, state, boundaries, state_cot):
     """Parameter gradient of the prompt's computation, given the cotangent of the captured state.
 
-    Walks the chunks in reverse. Chunk i is recomputed from its boundary (the carried state before it) and the
-    final KV cache (positions < start are what it read; later positions are causally masked), then `jax.vjp` maps
-    the cotangent of its output state to (parameter gradient, cotangent of its input state). The input cotangent's
-    KV part replaces the running KV cotangent (reads of earlier positions are added in place); its carried part
-    is the output cotangent of chunk i - 1.
+    Walks the chunks in reverse. Chunk i's entries (its keys/values, and the carried GDN state after it) are
+    recomputed from its boundary (the carried state before it) and the final KV cache, read-only: positions
+    < start are exactly what the chunk read during capture, later positions are never visited. `jax.vjp` maps the
+    entries' cotangent (the chunk's slice of the running KV cotangent, and the carried cotangent) to a parameter
+    gradient and to cotangents of what the chunk read: cache reads are added into the running KV cotangent (they
+    belong to earlier chunks), the carried input's cotangent becomes chunk i - 1's carried cotangent.
     """
     full_boundaries, last_boundary = boundaries
     num_full, remainder = chunk_layout(tokens.shape[0], chunk_size)
 
     def chunk_vjp(carry, chunk_tokens, start, boundary):
         grads, cot = carry
-
-        def recompute(params, state_in):
-            return model.capture_chunk(params, state_in, chunk_tokens, start)
-
-        primal_in = model.with_carried(state, boundary)
-        _, vjp = jax.vjp(recompute, params, primal_in)
-        cot_out = jax.tree.map(lambda c, p: c.astype(p.dtype), cot, primal_in)
-        chunk_grads, cot_in = vjp(cot_out)
-        return _add(grads, chunk_grads), _f32(cot_in)
+        entries, vjp = jax.vjp(lambda p, s: model.chunk_entries(p, s, chunk_tokens, start), params,
+                               model.with_carried(state, boundary))
+        entries_cot = jax.tree.map(lambda c, e: c.astype(e.dtype), model.read_entries(cot, start, chunk_tokens.shape[0]),
+                                   entries)
+        chunk_grads, read_cot = vjp(entries_cot)
+        cot = model.with_carried(_add(cot, read_cot), model.carried(_f32(read_cot)))
+        return _add(grads, chunk_grads), cot
 
     carry = (_zeros_f32(params), state_cot)
     if remainder:

@@ -334,13 +334,12 @@ def gated_deltanet(cfg: Qwen36Config, p: dict, x: jax.Array, conv_tail: jax.Arra
 
 
 def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Array, state: PromptState, b, j,
-                    write: bool):
+                    cache_length):
     """Gated full attention (1.6, 1.7) for layer j of block b. x [T, D]; positions int [T], contiguous.
 
-    write=True (capture): the new keys/values are first written into the state's cache at positions[0] (the cache
-    is then read in place, never copied), and the queries attend causally over the cache.
-    write=False (extend): the state is read only; attention = all cached keys, merged with the new tokens (causal).
-    Returns (y [T, D], state).
+    Attends over the first `cache_length` cached keys of the layer (None = all; they precede the new tokens) and,
+    causally, over the new tokens; the two are merged by log-sum-exp. The state is only read.
+    Returns (y [T, D], (keys [T, Hkv, hd] after norm + RoPE, values [T, Hkv, hd])) for the caller to cache.
     """
     t, hq, hkv, hd = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qg = _linear(x, p["q_proj"]).reshape(t, hq, 2 * hd)  # per head [query | gate]
@@ -353,19 +352,12 @@ def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Arr
     q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
 
     common = dict(q_positions=positions, scale=hd**-0.5, block_size=cfg.attention_block_size)
-    if write:
-        at = (b, j, positions[0], 0, 0)
-        state = state.replace(
-            keys=jax.lax.dynamic_update_slice(state.keys, k[None, None].astype(state.keys.dtype), at),
-            values=jax.lax.dynamic_update_slice(state.values, v[None, None].astype(state.values.dtype), at))
-        attended = attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=True, kv_index=(b, j), **common)
-    else:
-        prefix = attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=False, kv_index=(b, j), **common)
-        local = attn_ops.attend(q, k, v, k_offset=positions[0], causal=True, **common)
-        attended = attn_ops.merge(prefix, local)
-    o = attended.out.astype(x.dtype).reshape(t, hq * hd)
+    cached = attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=False, kv_length=cache_length,
+                             kv_index=(b, j), **common)
+    new = attn_ops.attend(q, k, v, k_offset=positions[0], causal=True, **common)
+    o = attn_ops.merge(cached, new).out.astype(x.dtype).reshape(t, hq * hd)
     o = o * jax.nn.sigmoid(gate)  # output gate before o_proj
-    return _linear(o, p["o_proj"]), state
+    return _linear(o, p["o_proj"]), (k, v)
 
 
 def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int]]:
@@ -381,37 +373,54 @@ def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def _layer(cfg: Qwen36Config, kind: str, p: dict, h: jax.Array, state: PromptState, b, j, positions, write: bool):
-    """Decoder layer (1.3): h + mixer(norm(h)), then h + mlp(norm(h)). With write=True the layer's state entry
-    (conv tail + recurrent matrix, or the new keys/values) is updated in `state`. Returns (h, state)."""
+def _layer(cfg: Qwen36Config, kind: str, p: dict, h: jax.Array, state: PromptState, b, j, positions, cache_length):
+    """Decoder layer (1.3): h + mixer(norm(h)), then h + mlp(norm(h)). Returns (h, the layer's new state entry):
+    (conv tail, recurrent matrix) for a linear layer, (keys, values) of the new tokens for a full one."""
     eps = cfg.rms_norm_eps
     x = rms_norm_1p(h, p["input_norm"], eps)
     if kind == LINEAR:
-        y, tail, mat = gated_deltanet(cfg, p, x, state.conv[b, j], state.recurrent[b, j])
-        if write:
-            state = state.replace(conv=state.conv.at[b, j].set(tail.astype(state.conv.dtype)),
-                                  recurrent=state.recurrent.at[b, j].set(mat))
+        y, *entry = gated_deltanet(cfg, p, x, state.conv[b, j], state.recurrent[b, j])
     else:
-        y, state = gated_attention(cfg, p, x, positions, state, b, j, write)
+        y, entry = gated_attention(cfg, p, x, positions, state, b, j, cache_length)
     h = h + y
-    return h + mlp(p["mlp"], rms_norm_1p(h, p["post_norm"], eps)), state
+    return h + mlp(p["mlp"], rms_norm_1p(h, p["post_norm"], eps)), tuple(entry)
 
 
-def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, state: PromptState, b, positions, write: bool):
-    """One repeat of `block_pattern` (e.g. LLLF) over hidden h [T, D] at block b. Consecutive layers of one kind
-    run under `lax.scan` (one trace per run, not per layer). Returns (h, state)."""
+def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, state: PromptState, b, positions, cache_length):
+    """One repeat of `block_pattern` (e.g. LLLF) over hidden h [T, D] at block b; the state is only read.
+
+    Consecutive layers of one kind run under `lax.scan` (one trace per run, not per layer). Returns h and the
+    block's new state entries per kind, stacked over that kind's layers: {LINEAR: (tails, mats), FULL: (keys,
+    values)} (None for a kind the pattern lacks).
+    """
+    entries = {LINEAR: [], FULL: []}
     for kind, first, count in _runs(cfg.block_pattern):
         group = bp["linear" if kind == LINEAR else "full"]
 
-        def step(carry, j, kind=kind, group=group):
-            h, state = carry
-            return _layer(cfg, kind, jax.tree.map(lambda a: a[j], group), h, state, b, j, positions, write), None
+        def step(h, j, kind=kind, group=group):
+            return _layer(cfg, kind, jax.tree.map(lambda a: a[j], group), h, state, b, j, positions, cache_length)
 
         if count == 1:
-            (h, state), _ = step((h, state), first)
+            h, entry = step(h, first)
+            entry = jax.tree.map(lambda a: a[None], entry)
         else:
-            (h, state), _ = jax.lax.scan(step, (h, state), first + jnp.arange(count))
-    return h, state
+            h, entry = jax.lax.scan(step, h, first + jnp.arange(count))
+        entries[kind].append(entry)
+    stacked = {kind: tuple(jnp.concatenate(parts) for parts in zip(*runs)) if runs else None
+               for kind, runs in entries.items()}
+    return h, stacked
+
+
+def _layers(cfg: Qwen36Config, params: dict, state: PromptState, tokens: jax.Array, start, cache_length):
+    """All layers over tokens [T] at positions start.., reading `state` (a scan const: never copied or written).
+    Returns (h [T, D] before the final norm, new state entries stacked [num_blocks, per_block, ...])."""
+    positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+
+    def body(h, xs):
+        bp, b = xs
+        return _block(cfg, bp, h, state, b, positions, cache_length)
+
+    return jax.lax.scan(body, params["embed"][tokens], (params["blocks"], jnp.arange(cfg.num_blocks)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -525,17 +534,8 @@ class Qwen36:
 
     @functools.partial(jax.jit, static_argnums=0)
     def _extend_hidden(self, params, state, tokens):
-        c = self.config
-        positions = state.length + jnp.arange(tokens.shape[0], dtype=jnp.int32)
-        h = params["embed"][tokens]
-
-        def body(h, xs):
-            bp, b = xs
-            h, _ = _block(c, bp, h, state, b, positions, write=False)
-            return h, None
-
-        h, _ = jax.lax.scan(body, h, (params["blocks"], jnp.arange(c.num_blocks)))
-        return rms_norm_1p(h, params["final_norm"], c.rms_norm_eps)
+        h, _ = _layers(self.config, params, state, tokens, state.length, cache_length=None)
+        return rms_norm_1p(h, params["final_norm"], self.config.rms_norm_eps)
 
     @functools.partial(jax.jit, static_argnums=(0, 3))
     def _capture(self, params, tokens, chunk_size):
@@ -552,15 +552,32 @@ class Qwen36:
     def capture_chunk(self, params: dict, state: PromptState, tokens: jax.Array, start) -> PromptState:
         """Process tokens [C] at positions start.. (start may be traced) and write them into `state`.
 
-        The state must already hold positions < start and have room for start + C.
+        The state must already hold positions < start and have room for start + C. All layers read the incoming
+        state; the new entries are written once, after the last layer, so the cache is updated in place.
         """
-        c = self.config
-        positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
-        h = params["embed"][tokens]
+        return self.write_entries(state, self.chunk_entries(params, state, tokens, start), start)
 
-        def body(carry, xs):
-            bp, b = xs
-            return _block(c, bp, *carry, b, positions, write=True), None
+    def chunk_entries(self, params: dict, state: PromptState, tokens: jax.Array, start) -> dict:
+        """The state entries that tokens [C] at positions start.. produce, reading (not writing) `state`:
+        conv [nb, nl, K-1, conv_dim], recurrent [nb, nl, Hv, dk, dv], keys/values [nb, nf, C, Hkv, hd]."""
+        _, entries = _layers(self.config, params, state, tokens, start, cache_length=start)
+        entries = {"linear": entries[LINEAR], "full": entries[FULL]}
+        if entries["linear"] is not None:
+            entries["linear"] = (entries["linear"][0].astype(state.conv.dtype), entries["linear"][1])
+        return entries
 
-        (_, state), _ = jax.lax.scan(body, (h, state), (params["blocks"], jnp.arange(c.num_blocks)))
+    def write_entries(self, state: PromptState, entries: dict, start) -> PromptState:
+        """Carried parts are replaced; keys/values are written at positions start.. (in place)."""
+        if entries["linear"] is not None:
+            state = state.replace(conv=entries["linear"][0], recurrent=entries["linear"][1])
+        if entries["full"] is not None:
+            write = lambda cache, new: jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, 0, start, 0, 0))
+            state = state.replace(keys=write(state.keys, entries["full"][0]), values=write(state.values, entries["full"][1]))
         return state
+
+    def read_entries(self, state: PromptState, start, size: int) -> dict:
+        """The transpose of `write_entries`: the entries of positions start..start+size-1 (used on cotangents)."""
+        c = self.config
+        read = lambda cache: jax.lax.dynamic_slice_in_dim(cache, start, size, axis=2)
+        return {"linear": (state.conv, state.recurrent) if c.linear_per_block else None,
+                "full": (read(state.keys), read(state.values)) if c.full_per_block else None}
