@@ -15,9 +15,6 @@ Compilation dominates on CPU, so each compiled configuration covers several requ
     C     1  ragged         8  (divides P-1: no remainder)  on   given                seq-mean-token-sum-norm
 
 B also uses adv_norm="none" and logprob_chunk=3 (log-probs over R = 8 in a scan of 2 chunks plus a tail of 2).
-
-The test jits wrap the public `grpo_grads` with `xla_cpu_use_fusion_emitters=False`, which halves XLA:CPU compile
-time here and does not change the float32 semantics (elementwise code is emitted by the older loop emitter).
 """
 import jax
 import jax.numpy as jnp
@@ -27,7 +24,6 @@ import pytest
 from longstraw_jax import GroupBatch, GRPOConfig, engine, grpo_grads, models, naive_grpo_grads
 from longstraw_jax.grpo import grpo_loss
 
-FAST = {"xla_cpu_use_fusion_emitters": False}
 P, R = 25, 8
 
 CASES = {
@@ -39,8 +35,8 @@ CASES = {
               cfg=GRPOConfig(kl_coef=0.5, loss_agg="seq-mean-token-sum-norm")),
 }
 
-grads_fn = jax.jit(grpo_grads, static_argnums=(0, 3, 4, 5), compiler_options=FAST)
-naive_fn = jax.jit(naive_grpo_grads, static_argnums=(0, 3), compiler_options=FAST)
+grads_fn = jax.jit(grpo_grads, static_argnums=(0, 3, 4, 5))
+naive_fn = jax.jit(naive_grpo_grads, static_argnums=(0, 3))
 
 
 def _o1_params(params, key):
@@ -177,7 +173,7 @@ def test_detached_equals_stop_gradient_autograd_and_differs_from_exact(model_par
     case = CASES["A"]
     batch, (exact_loss, exact_grads, exact_metrics), _ = cases["A"]
     loss, grads, metrics = grads_fn(model, params, batch, case["cfg"], "detached", case["chunk"])
-    reference = jax.jit(_detached_reference, static_argnums=(0, 3, 4), compiler_options=FAST)
+    reference = jax.jit(_detached_reference, static_argnums=(0, 3, 4))
     ref_loss, ref_grads, ref_metrics = reference(model, params, batch, case["cfg"], case["chunk"])
 
     err = rel_err(grads, ref_grads)
@@ -235,8 +231,7 @@ def _exact_memory(model, num_branches, prompt_len, response_len, chunk):
     cfg = GRPOConfig(kl_coef=0.1)
     lowered = jax.jit(engine._grpo_grads, static_argnums=(0, 3, 4, 5)).lower(model, params, batch, cfg, "exact",
                                                                               chunk)
-    # FAST changes only how elementwise kernels are emitted; the buffer assignment is the same to within 0.5% here
-    return lowered.compile(compiler_options=FAST).memory_analysis()
+    return lowered.compile().memory_analysis()
 
 
 def test_exact_mode_temporaries_do_not_grow_with_branches():
