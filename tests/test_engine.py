@@ -23,6 +23,7 @@ import pytest
 
 from longstraw_jax import GroupBatch, GRPOConfig, engine, grpo_grads, models, naive_grpo_grads
 from longstraw_jax.grpo import grpo_loss
+from tests.random_params import o1_params
 
 P, R = 25, 8
 
@@ -37,15 +38,6 @@ CASES = {
 
 grads_fn = jax.jit(grpo_grads, static_argnums=(0, 3, 4, 5))
 naive_fn = jax.jit(naive_grpo_grads, static_argnums=(0, 3))
-
-
-def _o1_params(params, key):
-    """Re-randomise at O(1) scale (default init hides bugs): matrices ~ 1/sqrt(fan_in), vectors ~ 0.3."""
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(key, len(leaves))
-    out = [jax.random.normal(k, x.shape) * (x.shape[-1] ** -0.5 if x.ndim >= 2 and x.shape[-1] > 4 else 0.3)
-           for k, x in zip(keys, leaves)]
-    return jax.tree.unflatten(tree, out)
 
 
 def rel_err(got, want):
@@ -65,7 +57,7 @@ def assert_metrics_equal(got, want):
 @pytest.fixture(scope="module")
 def model_params():
     model = models.build(models.Qwen36Config.tiny(gdn_chunk_size=16))
-    return model, _o1_params(model.init(jax.random.key(0)), jax.random.key(1))
+    return model, o1_params(model.init(jax.random.key(0)), jax.random.key(1))
 
 
 def response_logprobs(model, params, prompt, responses):

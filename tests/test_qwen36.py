@@ -1,6 +1,5 @@
 """Qwen3.6 model: capture/extend consistency, bf16, memory of capture, real-size parameter count, bad input."""
 import dataclasses
-import json
 import os
 
 import jax
@@ -10,6 +9,7 @@ import pytest
 
 from longstraw_jax import models
 from longstraw_jax.models.qwen36 import Qwen36Config
+from tests.random_params import o1_params
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
@@ -17,18 +17,9 @@ CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 @pytest.fixture(scope="module")
 def tiny():
     model = models.build(Qwen36Config.tiny())
-    params = _o1_params(model.init(jax.random.key(0)), jax.random.key(1))
+    params = o1_params(model.init(jax.random.key(0)), jax.random.key(1))
     tokens = jax.random.randint(jax.random.key(2), (75,), 0, model.config.vocab_size, dtype=jnp.int32)
     return model, params, tokens, model.forward(params, tokens)
-
-
-def _o1_params(params, key):
-    """Re-randomise at O(1) scale (default init hides bugs): matrices ~ 1/sqrt(fan_in), vectors ~ 0.3."""
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(key, len(leaves))
-    out = [jax.random.normal(k, x.shape) * (x.shape[-1] ** -0.5 if x.ndim >= 2 and x.shape[-1] > 4 else 0.3)
-           for k, x in zip(keys, leaves)]
-    return jax.tree.unflatten(tree, out)
 
 
 @pytest.mark.parametrize("split,chunk", [(40, 7), (40, 1), (33, 64), (64, 16), (1, 3)])

@@ -10,21 +10,13 @@ import numpy as np
 import pytest
 
 from longstraw_jax import GroupBatch, GRPOConfig, make_optimizer, models, train, train_step
+from tests.random_params import o1_params
 
 P, G, R, CHUNK = 25, 3, 8, 8
 CFG = GRPOConfig(loss_agg="token-mean")
 STEPS = 6
 
 step_fn = jax.jit(train_step, static_argnums=(0, 4, 5, 6, 7))
-
-
-def _o1_params(params, key):
-    """Re-randomise at O(1) scale (default init hides bugs): matrices ~ 1/sqrt(fan_in), vectors ~ 0.3."""
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(key, len(leaves))
-    out = [jax.random.normal(k, x.shape) * (x.shape[-1] ** -0.5 if x.ndim >= 2 and x.shape[-1] > 4 else 0.3)
-           for k, x in zip(keys, leaves)]
-    return jax.tree.unflatten(tree, out)
 
 
 def bits(tree):
@@ -35,7 +27,7 @@ def bits(tree):
 @pytest.fixture(scope="module")
 def setup():
     model = models.build(models.Qwen36Config.tiny(gdn_chunk_size=16))
-    params = _o1_params(model.init(jax.random.key(0)), jax.random.key(1))
+    params = o1_params(model.init(jax.random.key(0)), jax.random.key(1))
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompt = rng.integers(0, vocab, P).astype(np.int32)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 def chunk_layout(length: int, chunk_size: int) -> tuple[int, int]:
     """(number of full chunks, length of the remainder chunk) for a prompt of `length` tokens."""
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     return divmod(length, chunk_size)
 

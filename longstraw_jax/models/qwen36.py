@@ -29,7 +29,7 @@ from flax import struct
 from longstraw_jax.models.base import capture_chunks, chunk_layout
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
-from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
+from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.ops.gated_delta import gated_delta_rule_chunked, gated_delta_rule_sequential
 from longstraw_jax.ops.norms import l2_normalise, rms_norm_1p, rms_norm_gated
 from longstraw_jax.ops.rope import RopeConfig, apply_partial_rope, cos_sin, inverse_frequencies
