@@ -24,10 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import hashlib
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 MIB = 2**20
@@ -121,6 +124,10 @@ def child_main(spec_json: str) -> None:
     from longstraw_jax import GRPOConfig, models
     from longstraw_jax.grpo import validate_batch
 
+    import longstraw_jax
+
+    lib_file = longstraw_jax.__file__
+    lib_digest = source_digest(os.path.dirname(lib_file))
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[spec["dtype"]]
     cfg_model = _load_config(spec.get("config"))
     model = models.build(cfg_model)
@@ -147,7 +154,11 @@ def child_main(spec_json: str) -> None:
                    code=ma.generated_code_size_in_bytes, lower_s=t1 - t0, compile_s=t2 - t1,
                    rss_base_kib=rss_base, rss_after_compile_kib=_proc_status_kib("VmRSS"))
         out["total"] = out["argument"] + out["output"] + out["temp"]
-        if job.get("run"):
+        limit = job.get("max_run_bytes")
+        if job.get("run") and limit is not None and out["total"] > limit:
+            out["skipped_run"] = f"compiled total {fmt_bytes(out['total'])} > run limit {fmt_bytes(limit)}"
+        elif job.get("run"):
+            print(PREFIX + json.dumps(dict(out, stage="compiled")), flush=True)  # survives a crash in the run
             if params is None:
                 params = jax.block_until_ready(model.init(key, dtype=dtype))
             batch = jax.device_put(batch_np)
@@ -171,6 +182,8 @@ def child_main(spec_json: str) -> None:
             out["rss_after_run_kib"] = _proc_status_kib("VmRSS")
         out["ru_maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
         out["jax"] = jax.__version__
+        out["lib"] = lib_file
+        out["lib_digest"] = lib_digest
         out["backend"] = jax.default_backend()
         out["device"] = jax.devices()[0].device_kind
         print(PREFIX + json.dumps(out), flush=True)
@@ -183,10 +196,37 @@ def child_main(spec_json: str) -> None:
 # Parent side: spawn children, collect, print tables.
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def source_digest(package_dir: str) -> str:
+    """sha1 over the package's .py files (relative path + content): which library source a number came from."""
+    h = hashlib.sha1()
+    for root, dirs, files in os.walk(package_dir):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(root, name)
+            h.update(os.path.relpath(path, package_dir).encode() + b"\0")
+            with open(path, "rb") as f:
+                h.update(f.read() + b"\0")
+    return h.hexdigest()[:10]
+
+
+def make_snapshot() -> str:
+    """Copy longstraw_jax/ to a temporary directory that every child imports from (PYTHONPATH first), so that
+    all modes of one run measure the same source even while the working tree is being edited."""
+    snap = tempfile.mkdtemp(prefix="bench_step_lib_")
+    shutil.copytree(os.path.join(REPO, "longstraw_jax"), os.path.join(snap, "longstraw_jax"),
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return snap
+
+
 def spawn(jobs: list[dict], args, stop_above_bytes: int | None = None, env_extra: dict | None = None) -> list[dict]:
     spec = dict(jobs=jobs, dtype=args.dtype, config=args.config, seed=args.seed, stop_above_bytes=stop_above_bytes)
     cmd = [sys.executable, os.path.abspath(__file__), "--one", json.dumps(spec)]
     env = dict(os.environ)
+    if args.snapshot_dir:
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (args.snapshot_dir, env.get("PYTHONPATH")) if x)
     for k, v in (env_extra or {}).items():
         env[k] = (env.get(k, "") + " " + v).strip() if k == "XLA_FLAGS" else v
     t = time.perf_counter()
@@ -197,20 +237,34 @@ def spawn(jobs: list[dict], args, stop_above_bytes: int | None = None, env_extra
     except subprocess.TimeoutExpired as e:
         _log(f"  child timed out after {args.child_timeout} s: {label}")
         stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return [json.loads(line[len(PREFIX):]) for line in stdout.splitlines() if line.startswith(PREFIX)]
-    results = [json.loads(line[len(PREFIX):]) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
+        return [dict(r, failed=f"timed out after {args.child_timeout:.0f} s") for r in _parse(stdout)]
+    results = _parse(proc.stdout)
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-25:])
-        _log(f"  child failed (rc={proc.returncode}) after {wall:.0f} s: {label}\n{tail}")
+        why = "killed (SIGKILL: out of memory?)" if proc.returncode == -9 else f"rc={proc.returncode}"
+        _log(f"  child failed ({why}) after {wall:.0f} s: {label}\n{tail}")
+        results = [dict(r, failed=why) if r.get("stage") == "compiled" else r for r in results]
     for res in results:
         msg = f"    {res['mode']:8s} P={res['P']:<7d} G={res['G']:<3d} compiled {fmt_bytes(res['total'])} " \
               f"(lower {res['lower_s']:.1f} s, compile {res['compile_s']:.1f} s)"
         if "median_s" in res:
             msg += f", median {fmt_time(res['median_s'])}"
+        if res.get("skipped_run") or res.get("failed"):
+            msg += f", not timed: {res.get('skipped_run') or res.get('failed')}"
         _log(msg)
     _log(f"  child done in {wall:.0f} s")
     return results
+
+
+def _parse(stdout: str) -> list[dict]:
+    """Result lines of a child; a cell's final line replaces its earlier "compiled" line."""
+    cells = {}
+    for line in stdout.splitlines():
+        if line.startswith(PREFIX):
+            r = json.loads(line[len(PREFIX):])
+            cells[(r["mode"], r["P"], r["R"], r["G"], r["chunk"])] = r
+    return list(cells.values())
 
 
 def _log(msg: str) -> None:
@@ -323,7 +377,10 @@ def _git_rev() -> str:
 
 def header(args, geo) -> str:
     label = os.path.basename(args.config) if args.config else "tiny preset"
-    return (f"longstraw_jax {_git_rev()} | jax {geo['jax']} | backend {geo['backend']} ({geo['device']}, {geo['n_devices']} device(s), "
+    import longstraw_jax
+
+    where = f"snapshot {source_digest(os.path.dirname(longstraw_jax.__file__))}" if args.snapshot_dir else "live tree"
+    return (f"longstraw_jax {_git_rev()} ({where}) | jax {geo['jax']} | backend {geo['backend']} ({geo['device']}, {geo['n_devices']} device(s), "
             f"{os.cpu_count()} CPUs) | model [{label}]: {geo['model']} | dtype {args.dtype} | "
             f"prompt state {geo['kv_per_token']:.0f} B/token KV + {fmt_bytes(geo['carried'])} GDN")
 
@@ -336,18 +393,19 @@ def boundary_bytes(geo, p: int, chunk: int) -> int:
 def table_modes(args, geo) -> tuple[Table, list[dict]]:
     modes = args.modes
     jobs = [dict(mode=m, P=args.prompt_len, R=args.response_len, G=args.group, chunk=args.chunk,
-                 reps=args.reps, run=not args.compile_only) for m in modes]
+                 reps=args.reps, run=not args.compile_only,
+                 max_run_bytes=int(args.run_limit_gib * GIB)) for m in modes]
     results = {}
     for job in jobs:
         res = spawn([job], args)
         if res:
             results[job["mode"]] = res[0]
-    base_mode = "naive" if "naive" in results else (modes[0] if modes[0] in results else None)
+    base_mode = "naive" if "naive" in results else next((m for m in modes if m in results), None)
     base = results.get(base_mode, {})
     t = Table(f"Table 1 (modes): P={args.prompt_len}, R={args.response_len}, G={args.group}, chunk={args.chunk}, "
               f"median of {args.reps} runs after 1 warm-up; ratios to {base_mode}",
               ["mode", "argument", "output", "temp", "compiled total", "x mem", "peak RSS", "run peak RSS",
-               "run ΔRSS", "x ΔRSS", "median step", "x time", "compile", "loss", "|grad|"])
+               "run ΔRSS", "x ΔRSS", "median step", "x time", "compile", "loss", "grad norm"])
 
     def run_rss(r):  # (peak during the run, peak during the run - RSS before it), bytes
         if not (r.get("run_hwm_kib") and r.get("hwm_reset")):
@@ -361,11 +419,20 @@ def table_modes(args, geo) -> tuple[Table, list[dict]]:
             t.add(m, *(["failed"] + ["—"] * 14)[:14])
             continue
         run_peak, delta = run_rss(r)
+        why = r.get("skipped_run") or r.get("failed")
+        if why:
+            t.notes.append(f"{m}: not timed: {why}.")
+        median = fmt_time(r["median_s"]) if "median_s" in r else ("not run" if r.get("skipped_run") else
+                                                                  "failed" if r.get("failed") else "—")
+        peak_rss = fmt_bytes(r["ru_maxrss_kib"] * 1024) if "ru_maxrss_kib" in r else "—"
         t.add(m, fmt_bytes(r["argument"]), fmt_bytes(r["output"]), fmt_bytes(r["temp"]), fmt_bytes(r["total"]),
-              fmt_ratio(r["total"], base.get("total")), fmt_bytes(r["ru_maxrss_kib"] * 1024), fmt_bytes(run_peak),
-              fmt_bytes(delta), fmt_ratio(delta, base_delta), fmt_time(r.get("median_s")),
+              fmt_ratio(r["total"], base.get("total")), peak_rss, fmt_bytes(run_peak),
+              fmt_bytes(delta), fmt_ratio(delta, base_delta), median,
               fmt_ratio(r.get("median_s"), base.get("median_s")), fmt_time(r["lower_s"] + r["compile_s"]),
               f"{r['loss']:.6g}" if "loss" in r else "—", f"{r['grad_norm']:.6g}" if "grad_norm" in r else "—")
+    if not args.compile_only:
+        t.notes.append(f"a mode whose compiled total is above --run-limit-gib={args.run_limit_gib:.1f} GiB is "
+                       "compiled but not run.")
     kv, carried = geo["state_bytes"](args.prompt_len)
     kv32, carried32 = geo["state_bytes"](args.prompt_len, f32=True)
     t.notes.append("compiled = memory_analysis() of the jitted step (argument + output + temp). peak RSS = "
@@ -383,7 +450,7 @@ def table_modes(args, geo) -> tuple[Table, list[dict]]:
         t.notes.append("step times (s): " + "; ".join(f"{m}: " + ", ".join(f"{x:.3f}" for x in v)
                                                         for m, v in times.items()))
     if "naive" in results and "exact" in results and "loss" in results["naive"] and "loss" in results["exact"]:
-        t.notes.append("exact and naive should agree on loss and |grad| (same batch); detached differs in |grad|.")
+        t.notes.append("exact and naive should agree on loss and grad norm (same batch); detached differs in grad norm.")
     return t, list(results.values())
 
 
@@ -401,7 +468,8 @@ def run_sweep(args, geo) -> tuple[list[Table], list[dict]]:
                 continue
             chunk = min(args.chunk, p - 1)
             jobs = [dict(mode=mode, P=p, R=args.response_len, G=g, chunk=chunk, reps=args.sweep_reps,
-                         run=bool(args.sweep_time and p <= args.sweep_time_max_p)) for g in g_list]
+                         run=bool(args.sweep_time and p <= args.sweep_time_max_p),
+                         max_run_bytes=int(args.run_limit_gib * GIB)) for g in g_list]
             cell_env = None if any(j["run"] for j in jobs) else env
             if args.sweep_one_child_per_cell:
                 res = [r for j in jobs for r in spawn([j], args, limit if mode == "naive" else None, cell_env)]
@@ -475,6 +543,17 @@ def run_sweep(args, geo) -> tuple[list[Table], list[dict]]:
     return tables, list(results.values())
 
 
+def _mem_total_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * GIB
+
+
 def _int_list(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
@@ -493,6 +572,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile-only", action="store_true", help="Table 1 without running the step (no RSS/time)")
     ap.add_argument("--no-modes", action="store_true", help="skip Table 1 (e.g. only the sweep)")
+    ap.add_argument("--run-limit-gib", type=float, default=None,
+                    help="do not execute (only compile) a cell whose compiled total is above this "
+                         "(default: 40%% of MemTotal)")
     ap.add_argument("--sweep", action="store_true", help="also Table 2: compiled memory over G x P")
     ap.add_argument("--sweep-g", type=_int_list, default=None, help="default 1,2,4,8,16")
     ap.add_argument("--sweep-p", type=_int_list, default=None, help="default 2048,8192,32768,131072")
@@ -509,6 +591,9 @@ def parse_args(argv=None):
     ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     ap.add_argument("--json-out", help="write all raw results to this JSON file")
     ap.add_argument("--child-timeout", type=float, default=7200)
+    ap.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True,
+                    help="children import a copy of longstraw_jax/ taken at start (default on; the working tree may "
+                         "change during a long run)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -521,6 +606,8 @@ def parse_args(argv=None):
         args.sweep_g = QUICK_SWEEP["sweep_g"] if args.quick else [1, 2, 4, 8, 16]
     if args.sweep_p is None:
         args.sweep_p = QUICK_SWEEP["sweep_p"] if args.quick else [2048, 8192, 32768, 131072]
+    if args.run_limit_gib is None:
+        args.run_limit_gib = 0.4 * _mem_total_bytes() / GIB
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.sweep_modes = [m.strip() for m in args.sweep_modes.split(",") if m.strip()]
     for m in args.modes + args.sweep_modes:
@@ -539,6 +626,17 @@ def main(argv=None) -> None:
         child_main(args.one)
         return
     start = time.perf_counter()
+    args.snapshot_dir = make_snapshot() if args.snapshot else None
+    if args.snapshot_dir:
+        sys.path.insert(0, args.snapshot_dir)
+    try:
+        _main(args, argv, start)
+    finally:
+        if args.snapshot_dir:
+            shutil.rmtree(args.snapshot_dir, ignore_errors=True)
+
+
+def _main(args, argv, start) -> None:
     geo = geometry(args)
     head = header(args, geo)
     _log(head)
@@ -551,6 +649,9 @@ def main(argv=None) -> None:
         ts, r = run_sweep(args, geo)
         tables += ts
         raw += r
+    digests = sorted({r.get("lib_digest") for r in raw if r.get("lib_digest")})
+    if len(digests) > 1:
+        head += f" | WARNING: children imported different library sources {digests}"
     wall = time.perf_counter() - start
     cmd = "tools/bench_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.markdown:
