@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, branch_loss, finalize_metrics, group_advantages, token_weights
 from longstraw_jax.grpo import validate_batch
 from longstraw_jax.models.base import capture_chunks, chunk_layout
+from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
 from longstraw_jax.ops.logprobs import token_logprobs
 
 MODES = ("exact", "detached")
@@ -65,11 +66,11 @@ def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, ch
 
 
 def _zeros_f32(tree):
-    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), tree)
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype(x.dtype)), tree)
 
 
 def _f32(tree):
-    return jax.tree.map(lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32)), tree)
+    return jax.tree.map(at_least_f32, tree)
 
 
 def _add(acc, tree):
@@ -77,7 +78,8 @@ def _add(acc, tree):
 
 
 def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, with_state_grad: bool):
-    """Scan over the G branches; each step is one branch's forward + backward (under `jax.checkpoint`).
+    """Scan over the G branches; each step runs one branch's forward and backward to completion, so only one
+    branch's graph is ever live (the replay is recomputed per branch; nothing is stored across steps).
 
     Returns (loss, param grads (float32), state cotangent summed over branches (float32; None unless
     with_state_grad), metric sums).
