@@ -541,7 +541,9 @@ def run_sweep(args, geo) -> tuple[list[Table], list[dict]]:
         tables[0].notes.append(f"{len(compile_times)} cells compiled; lower+compile per cell median "
                                f"{statistics.median(compile_times):.1f} s, max {max(compile_times):.1f} s"
                                + (" (XLA backend optimisation level 0 for compile-only cells: halves "
-                                  "compile time; memory_analysis moved < 0.1% where checked)" if args.sweep_fast_compile else ""))
+                                  "compile time; memory_analysis moved < 0.1% where checked)"
+                                  if args.sweep_fast_compile and any(not r.get("run") for r in results.values())
+                                  else ""))
     return tables, list(results.values())
 
 
