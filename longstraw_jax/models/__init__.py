@@ -1,6 +1,6 @@
 """Model registry: `build(config)` -> model; `load_hf(dir)` / `save_hf(model, params, dir)` for checkpoints."""
 from longstraw_jax.models import qwen36
-from longstraw_jax.models.hf import load_hf, save_hf
+from longstraw_jax.models.hf import config_from_hf, load_hf, save_hf
 from longstraw_jax.models.qwen36 import PromptState, Qwen36, Qwen36Config
 
 
@@ -11,4 +11,4 @@ def build(config):
     raise TypeError(f"no model for config type {type(config).__name__}")
 
 
-__all__ = ["build", "load_hf", "save_hf", "qwen36", "Qwen36", "Qwen36Config", "PromptState"]
+__all__ = ["build", "config_from_hf", "load_hf", "save_hf", "qwen36", "Qwen36", "Qwen36Config", "PromptState"]

@@ -1,14 +1,16 @@
 """Hugging Face checkpoints <-> our parameter pytrees (safetensors only; never unpickle).
 
-Qwen3.5/3.6 key layouts accepted on load (MODELS.md 1.1): `model.language_model.*` (the published multimodal
-checkpoint) and `model.*` (`Qwen3_5ForCausalLM.save_pretrained`). `mtp.*` and `model.visual.*` are skipped.
-Saving writes the `model.*` layout with a `qwen3_5_text` config.json, which `Qwen3_5ForCausalLM` loads.
+Model-agnostic: each model class provides `hf_layout()` (HF name -> Slot), `hf_skipped_prefixes` (on-disk tensors
+it ignores, e.g. MTP and vision towers) and `hf_prefix_aliases` (alternative spellings of its names, e.g. Qwen3.6's
+multimodal `model.language_model.*`); its config class provides `from_hf` and `to_hf`. Saving writes the canonical
+layout with the config class's `to_hf()` config.json.
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,65 +19,43 @@ from flax import traverse_util
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from longstraw_jax.models.qwen36 import FULL, LINEAR, Qwen36, Qwen36Config
+from longstraw_jax.models.qwen36 import Qwen36Config
 
-_SKIPPED_PREFIXES = ("mtp.", "model.visual.")
-_PREFIX_ALIASES = (("model.language_model.", "model."),)
-
-# our leaf path inside a layer of each kind -> name under `model.layers.{i}.`
-_LAYER_KEYS = {
-    LINEAR: {
-        "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
-        "in_proj_qkv": "linear_attn.in_proj_qkv.weight", "in_proj_z": "linear_attn.in_proj_z.weight",
-        "in_proj_b": "linear_attn.in_proj_b.weight", "in_proj_a": "linear_attn.in_proj_a.weight",
-        "conv1d": "linear_attn.conv1d.weight", "dt_bias": "linear_attn.dt_bias", "A_log": "linear_attn.A_log",
-        "norm": "linear_attn.norm.weight", "out_proj": "linear_attn.out_proj.weight",
-    },
-    FULL: {
-        "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
-        "q_proj": "self_attn.q_proj.weight", "k_proj": "self_attn.k_proj.weight",
-        "v_proj": "self_attn.v_proj.weight", "o_proj": "self_attn.o_proj.weight",
-        "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
-    },
-}
-for _kind in _LAYER_KEYS.values():
-    _kind.update({f"mlp/{n}": f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")})
-_KIND_GROUP = {LINEAR: "linear", FULL: "full"}
-_TOP_KEYS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+# model_type in config.json -> config class (a nested text_config is handled by the class's from_hf).
+CONFIG_CLASSES = {"qwen3_5": Qwen36Config, "qwen3_5_text": Qwen36Config}
 
 
-def _to_hf_shape(leaf: str, shape: tuple) -> tuple:
-    """conv1d is [C, K] here and [C, 1, K] in PyTorch; everything else is identical."""
-    return (shape[0], 1, shape[1]) if leaf == "conv1d" else tuple(shape)
+class Slot(NamedTuple):
+    """Where one HF tensor lives in our params: `flat[path][index]` (flat = flatten_dict(params, sep="/")),
+    reshaped to `hf_shape` on disk. index is () for unstacked leaves, (block, j) or (layer, expert) for stacked."""
+
+    path: str
+    index: tuple[int, ...]
+    hf_shape: tuple[int, ...]
 
 
-def checkpoint_layout(model: Qwen36) -> dict[str, tuple[tuple, tuple]]:
-    """HF name -> (our path (group, leaf, block, index) or (top,), HF shape), from abstract shapes only."""
-    cfg = model.config
-    shapes = jax.eval_shape(model.init, jax.random.key(0))
-    flat = traverse_util.flatten_dict(shapes, sep="/")
-    layout = {}
-    for top, name in _TOP_KEYS.items():
-        if top in shapes:
-            layout[name] = ((top,), tuple(shapes[top].shape))
-    pattern = cfg.block_pattern
-    for b in range(cfg.num_blocks):
-        counters = {LINEAR: 0, FULL: 0}
-        for offset, kind in enumerate(pattern):
-            layer = b * len(pattern) + offset
-            j = counters[kind]
-            counters[kind] += 1
-            group = _KIND_GROUP[kind]
-            for leaf, suffix in _LAYER_KEYS[kind].items():
-                shape = flat[f"blocks/{group}/{leaf}"].shape[2:]
-                layout[f"model.layers.{layer}.{suffix}"] = ((group, leaf, b, j), _to_hf_shape(leaf, shape))
-    return layout
+def config_from_hf(directory: str | os.PathLike):
+    """The config object for `directory/config.json` (dispatch on `model_type`)."""
+    path = os.path.join(os.fspath(directory), "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no config.json")
+    with open(path) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in CONFIG_CLASSES:
+        raise ValueError(f"{path}: model_type={model_type!r}; supported: {', '.join(sorted(CONFIG_CLASSES))}")
+    return CONFIG_CLASSES[model_type].from_hf(path)
 
 
-def _canonical_name(name: str) -> str | None:
-    if name.startswith(_SKIPPED_PREFIXES):
+def checkpoint_layout(model) -> dict[str, Slot]:
+    """HF tensor name -> Slot, from abstract shapes only (the model's `hf_layout()`)."""
+    return model.hf_layout()
+
+
+def _canonical_name(model, name: str) -> str | None:
+    """The stored name in the layout's spelling, or None for tensors the model skips (e.g. MTP, vision)."""
+    if name.startswith(model.hf_skipped_prefixes):
         return None
-    for old, new in _PREFIX_ALIASES:
+    for old, new in model.hf_prefix_aliases:
         if name.startswith(old):
             return new + name[len(old):]
     return name
@@ -99,13 +79,15 @@ def load_hf(directory: str | os.PathLike, dtype=jnp.float32):
     Raises ValueError listing every missing, unexpected or mis-shaped key before building anything.
     """
     directory = os.fspath(directory)
-    model = Qwen36(Qwen36Config.from_hf(directory))
+    from longstraw_jax.models import build
+
+    model = build(config_from_hf(directory))
     layout = checkpoint_layout(model)
     found: dict[str, tuple[str, str]] = {}  # canonical name -> (file, stored name)
     for path in _safetensor_files(directory):
         with safe_open(path, framework="flax") as f:
             for stored in f.keys():
-                name = _canonical_name(stored)
+                name = _canonical_name(model, stored)
                 if name is not None:
                     found[name] = (path, stored)
 
@@ -117,8 +99,8 @@ def load_hf(directory: str | os.PathLike, dtype=jnp.float32):
         path, stored = found[name]
         handle = handles.setdefault(path, safe_open(path, framework="flax"))
         shape = tuple(handle.get_slice(stored).get_shape())
-        if shape != layout[name][1]:
-            misshaped.append(f"{stored}: {shape} (expected {layout[name][1]})")
+        if shape != layout[name].hf_shape:
+            misshaped.append(f"{stored}: {shape} (expected {layout[name].hf_shape})")
     if missing or unexpected or misshaped:
         parts = [f"{label} ({len(items)}): {', '.join(items)}" for label, items in
                  (("missing keys", missing), ("unexpected keys", unexpected), ("mis-shaped keys", misshaped)) if items]
@@ -126,28 +108,25 @@ def load_hf(directory: str | os.PathLike, dtype=jnp.float32):
 
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     flat = {k: np.zeros(v.shape, np.float32) for k, v in traverse_util.flatten_dict(shapes, sep="/").items()}
-    for name, (where, _) in layout.items():
+    for name, slot in layout.items():
         path, stored = found[name]
         value = np.asarray(handles[path].get_tensor(stored).astype(jnp.float32))
-        if len(where) == 1:
-            flat[where[0]] = value
-        else:
-            group, leaf, b, j = where
-            flat[f"blocks/{group}/{leaf}"][b, j] = value.reshape(flat[f"blocks/{group}/{leaf}"].shape[2:])
+        target = flat[slot.path]
+        target[slot.index] = value.reshape(target.shape[len(slot.index):])
     params = traverse_util.unflatten_dict({k: jnp.asarray(v, dtype) for k, v in flat.items()}, sep="/")
     return model, params
 
 
-def save_hf(model: Qwen36, params: dict, directory: str | os.PathLike, dtype=None,
+def save_hf(model, params: dict, directory: str | os.PathLike, dtype=None,
             max_shard_bytes: int = 4 << 30) -> None:
     """Write `directory/config.json` and safetensors (sharded with an index above `max_shard_bytes`)."""
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     flat = traverse_util.flatten_dict(params, sep="/")
     tensors = {}
-    for name, (where, hf_shape) in checkpoint_layout(model).items():
-        value = flat[where[0]] if len(where) == 1 else flat[f"blocks/{where[0]}/{where[1]}"][where[2], where[3]]
-        tensors[name] = jnp.asarray(value, dtype or value.dtype).reshape(hf_shape)
+    for name, slot in checkpoint_layout(model).items():
+        value = flat[slot.path][slot.index]
+        tensors[name] = jnp.asarray(value, dtype or value.dtype).reshape(slot.hf_shape)
     shards, current, size = [], {}, 0
     for name, value in tensors.items():
         if current and size + value.nbytes > max_shard_bytes:

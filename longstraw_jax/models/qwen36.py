@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from flax import struct, traverse_util
 
 from longstraw_jax.models.base import capture_chunks, chunk_layout
 from longstraw_jax.ops import attention as attn_ops
@@ -424,6 +424,30 @@ def _layers(cfg: Qwen36Config, params: dict, state: PromptState, tokens: jax.Arr
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Hugging Face names (MODELS.md 1.9): our leaf inside a layer of each kind -> name under `model.layers.{i}.`
+
+_HF_LAYER_KEYS = {
+    LINEAR: {
+        "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
+        "in_proj_qkv": "linear_attn.in_proj_qkv.weight", "in_proj_z": "linear_attn.in_proj_z.weight",
+        "in_proj_b": "linear_attn.in_proj_b.weight", "in_proj_a": "linear_attn.in_proj_a.weight",
+        "conv1d": "linear_attn.conv1d.weight", "dt_bias": "linear_attn.dt_bias", "A_log": "linear_attn.A_log",
+        "norm": "linear_attn.norm.weight", "out_proj": "linear_attn.out_proj.weight",
+    },
+    FULL: {
+        "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
+        "q_proj": "self_attn.q_proj.weight", "k_proj": "self_attn.k_proj.weight",
+        "v_proj": "self_attn.v_proj.weight", "o_proj": "self_attn.o_proj.weight",
+        "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    },
+}
+for _kind in _HF_LAYER_KEYS.values():
+    _kind.update({f"mlp/{n}": f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")})
+_HF_TOP_KEYS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+_GROUP = {LINEAR: "linear", FULL: "full"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The model
 
 
@@ -479,6 +503,29 @@ class Qwen36:
         if not c.tie_word_embeddings:
             params["lm_head"] = normal(c.vocab_size, c.hidden_size)
         return params
+
+    # ----- Hugging Face checkpoint layout (used by models/hf.py) -----
+    # `model.language_model.*` is the published multimodal checkpoint, `model.*` what Qwen3_5ForCausalLM saves.
+    hf_skipped_prefixes = ("mtp.", "model.visual.")
+    hf_prefix_aliases = (("model.language_model.", "model."),)
+
+    def hf_layout(self) -> dict:
+        """HF name -> Slot(path, index, hf_shape). conv1d is [C, K] here and [C, 1, K] in PyTorch."""
+        from longstraw_jax.models.hf import Slot
+
+        c = self.config
+        flat = traverse_util.flatten_dict(jax.eval_shape(self.init, jax.random.key(0)), sep="/")
+        layout = {name: Slot(top, (), flat[top].shape) for top, name in _HF_TOP_KEYS.items() if top in flat}
+        for b in range(c.num_blocks):
+            counters = {LINEAR: 0, FULL: 0}
+            for offset, kind in enumerate(c.block_pattern):
+                j, counters[kind] = counters[kind], counters[kind] + 1
+                for leaf, suffix in _HF_LAYER_KEYS[kind].items():
+                    path = f"blocks/{_GROUP[kind]}/{leaf}"
+                    shape = flat[path].shape[2:]
+                    hf_shape = (shape[0], 1, shape[1]) if leaf == "conv1d" else shape
+                    layout[f"model.layers.{b * len(c.block_pattern) + offset}.{suffix}"] = Slot(path, (b, j), hf_shape)
+        return layout
 
     def init_state(self, length: int, dtype=jnp.float32) -> PromptState:
         """Zero state with room for `length` prompt tokens (length 0: the state before any token)."""
