@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from longstraw_jax import models
+from longstraw_jax.models.base import capture_chunks
 from longstraw_jax.models.qwen36 import Qwen36Config
 from tests.random_params import o1_params
 
@@ -30,6 +31,20 @@ def test_extend_after_capture_equals_forward(tiny, split, chunk):
     assert state.length == split
     got = model.extend(params, state, tokens[split:])
     np.testing.assert_allclose(got, full[split:], atol=1e-4)
+
+
+def test_advance_decodes_token_by_token_after_a_capture_with_room(tiny):
+    """Decoding: capture into a state with spare capacity, then `advance` one token at a time == forward."""
+    model, params, tokens, full = tiny
+    state = capture_chunks(model, params, tokens[:60], 16, jnp.float32, capacity=75)
+    step = jax.jit(model.advance)
+    rows = []
+    for t in range(60, 75):
+        hidden, state = step(params, state, tokens[t : t + 1], t)
+        rows.append(model.logits(params, hidden))
+    np.testing.assert_allclose(jnp.concatenate(rows), full[60:], atol=1e-4)
+    with pytest.raises(ValueError, match="capacity=10 is below the prompt length 60"):
+        capture_chunks(model, params, tokens[:60], 16, jnp.float32, capacity=10)
 
 
 def test_capture_state_holds_what_models_md_lists(tiny):

@@ -1,7 +1,8 @@
 """What every model shares: the chunked walk over a prompt.
 
 A model provides `init_state(length, dtype)`, `capture_chunk(params, state, tokens, start)` (write tokens at
-positions start.. into the state, reading only positions < start + len(tokens)), and `carried(state)` /
+positions start.. into the state, reading only positions < start + len(tokens)), `advance(params, state, tokens,
+start)` (the same, also returning the tokens' final-normed hidden states: decoding), and `carried(state)` /
 `with_carried(state, carried)`: the part of the state that each chunk overwrites rather than appends to (GDN conv
 tails and recurrent matrices; empty for pure-attention models). Appended parts (KV caches) are final after the
 chunk that writes them, so the carried part before each chunk is all a backward pass needs to recompute it.
@@ -17,13 +18,17 @@ def chunk_layout(length: int, chunk_size: int) -> tuple[int, int]:
     return divmod(length, chunk_size)
 
 
-def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, keep_boundaries: bool = False):
-    """Capture tokens [P] in chunks of `chunk_size` (a `lax.scan` over full chunks, then one remainder chunk).
+def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, keep_boundaries: bool = False,
+                   capacity: int | None = None):
+    """Capture tokens [P] in chunks of `chunk_size` (a `lax.scan` over full chunks, then one remainder chunk) into a
+    state with room for `capacity` positions (default P; more leaves room to decode after the prompt).
 
     Returns the state, and with keep_boundaries also `(full, last)`: `model.carried(state)` before each full chunk
     (leaves stacked [N, ...]) and before the remainder chunk (None when chunk_size divides P).
     """
-    state = model.init_state(tokens.shape[0], dtype)
+    if capacity is not None and capacity < tokens.shape[0]:
+        raise ValueError(f"capacity={capacity} is below the prompt length {tokens.shape[0]}")
+    state = model.init_state(tokens.shape[0] if capacity is None else capacity, dtype)
     num_full, remainder = chunk_layout(tokens.shape[0], chunk_size)
     full_boundaries = last_boundary = None
     if num_full:

@@ -607,11 +607,20 @@ class Qwen36:
     def chunk_entries(self, params: dict, state: PromptState, tokens: jax.Array, start) -> dict:
         """The state entries that tokens [C] at positions start.. produce, reading (not writing) `state`:
         conv [nb, nl, K-1, conv_dim], recurrent [nb, nl, Hv, dk, dv], keys/values [nb, nf, C, Hkv, hd]."""
-        _, entries = _layers(self.config, params, state, tokens, start, cache_length=start)
+        return self._chunk(params, state, tokens, start)[1]
+
+    def advance(self, params: dict, state: PromptState, tokens: jax.Array, start) -> tuple[jax.Array, PromptState]:
+        """`capture_chunk` that also returns the final-normed hidden states [C, D] of the tokens: one decoding step
+        (the state must have room: `init_state(capacity)` with capacity > the last position written)."""
+        h, entries = self._chunk(params, state, tokens, start)
+        return rms_norm_1p(h, params["final_norm"], self.config.rms_norm_eps), self.write_entries(state, entries, start)
+
+    def _chunk(self, params, state, tokens, start):
+        h, entries = _layers(self.config, params, state, tokens, start, cache_length=start)
         entries = {"linear": entries[LINEAR], "full": entries[FULL]}
         if entries["linear"] is not None:
             entries["linear"] = (entries["linear"][0].astype(state.conv.dtype), entries["linear"][1])
-        return entries
+        return h, entries
 
     def write_entries(self, state: PromptState, entries: dict, start) -> PromptState:
         """Carried parts are replaced; keys/values are written at positions start.. (in place)."""
