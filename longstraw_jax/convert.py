@@ -50,9 +50,10 @@ from flax import traverse_util
 from longstraw_jax import models
 from longstraw_jax.models import hf
 
-BLOCK_BYTES = 64 << 20  # one read/write unit and the zarr chunk size
+BLOCK_BYTES = 64 << 20  # one read/write unit
+CHUNK_BYTES = 16 << 20  # zarr chunk: a block is several chunks, compressed in parallel
 SHARD_BYTES = 5 * 10**9  # HF's default max_shard_size="5GB"
-IN_FLIGHT = 2  # blocks being compressed/written while the next one is read
+IN_FLIGHT = 1  # blocks being compressed/written while the next one is read
 STANDARD_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 CONVERT_RECORD = "convert.json"  # what hf2orbax read: source, dtype, which HF prefix spelling (for orbax2hf)
 _WEIGHT_FILES = re.compile(r".*(\.safetensors|\.safetensors\.index\.json|\.index\.json|"
@@ -116,8 +117,13 @@ class Progress:
 # Geometry: which rows of an HF tensor go to which rows of its slice
 
 
+def _chunk_rows(row_bytes: int) -> int:
+    return max(1, CHUNK_BYTES // max(row_bytes, 1))
+
+
 def _row_ranges(rows: int, row_bytes: int, block_bytes: int) -> list[tuple[int, int]]:
-    step = max(1, block_bytes // max(row_bytes, 1))
+    """[(r0, r1)] covering `rows`: whole chunks (`_chunk_rows`), about `block_bytes` at a time."""
+    step = _chunk_rows(row_bytes) * max(1, block_bytes // CHUNK_BYTES)
     return [(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
@@ -130,13 +136,12 @@ def _slice_blocks(slot: hf.Slot, leaf_shape: tuple[int, ...], itemsize: int, blo
     return [None]
 
 
-def _chunk_shape(shape: tuple[int, ...], depth: int, itemsize: int, block_bytes: int) -> tuple[int, ...]:
-    """Zarr chunks: one slice (`depth` leading indices) split into the same row blocks as `_slice_blocks`."""
+def _chunk_shape(shape: tuple[int, ...], depth: int, itemsize: int) -> tuple[int, ...]:
+    """Zarr chunks: one slice (`depth` leading indices) split into row chunks that `_row_ranges` blocks align to."""
     rest = shape[depth:]
     if not rest:
         return (1,) * depth
-    rows = max(1, block_bytes // max(math.prod(rest[1:]) * itemsize, 1))
-    return (1,) * depth + (min(rows, rest[0]),) + rest[1:]
+    return (1,) * depth + (min(_chunk_rows(math.prod(rest[1:]) * itemsize), rest[0]),) + rest[1:]
 
 
 def _slot_depths(layout: dict[str, hf.Slot]) -> dict[str, int]:
@@ -162,13 +167,12 @@ def orbax_name(path: str) -> str:
 class OrbaxWriter:
     """Creates every zarr array of a params checkpoint in `directory`, then takes slice/row-block writes."""
 
-    def __init__(self, directory: str, shapes: dict[str, tuple[int, ...]], dtype, depths: dict[str, int],
-                 block_bytes: int):
+    def __init__(self, directory: str, shapes: dict[str, tuple[int, ...]], dtype, depths: dict[str, int]):
         self.directory, self.shapes, self.dtype = directory, shapes, jnp.dtype(dtype)
         self.pending: collections.deque = collections.deque()
         self.arrays = {}
         for path, shape in shapes.items():
-            chunks = _chunk_shape(shape, depths.get(path, 0), self.dtype.itemsize, block_bytes)
+            chunks = _chunk_shape(shape, depths.get(path, 0), self.dtype.itemsize)
             spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": os.path.join(directory, orbax_name(path))},
                     "metadata": {"shape": list(shape), "chunks": list(chunks), "compressor": {"id": "zstd", "level": 1}},
                     "dtype": self.dtype.name, "create": True, "recheck_cached_data": False, "recheck_cached_metadata": False}
@@ -336,7 +340,9 @@ def hf2orbax(hf_dir: str, out: str | None, dtype: str = "bfloat16", *, mesh: str
         for path in sorted(shapes):
             nbytes = math.prod(shapes[path]) * dtype.itemsize
             print(f"    {orbax_name(path):<40} {str(list(shapes[path])):<28} {dtype.name} {nbytes / 1e9:9.3f} GB", file=log)
-        return Summary("hf2orbax", len(layout), total, dry_run=True)
+        summary = Summary("hf2orbax", len(layout), total, dry_run=True)
+        print(summary, file=log)
+        return summary
     out = _check_output(out, force, (source_dir,))
 
     start, started_ns = time.perf_counter(), time.time_ns()
@@ -345,13 +351,13 @@ def hf2orbax(hf_dir: str, out: str | None, dtype: str = "bfloat16", *, mesh: str
     with _staged(out) as staging:
         params_dir = os.path.join(staging, "params")
         os.makedirs(params_dir)
-        writer = OrbaxWriter(params_dir, shapes, dtype, depths, block_bytes)
+        writer = OrbaxWriter(params_dir, shapes, dtype, depths)
         written = collections.defaultdict(set)
         for name in order:
             slot, stored = layout[name], found[name]
             for rows in _slice_blocks(slot, shapes[slot.path], dtype.itemsize, block_bytes):
                 block = hf.read_rows(stored) if rows is None else hf.read_rows(stored, *rows)
-                writer.write(slot.path, slot.index, rows, block.astype(dtype))
+                writer.write(slot.path, slot.index, rows, block.astype(dtype, copy=False))
             written[slot.path].add(slot.index)
             progress.update(name, tensor_bytes[name])
         zero_filled = _zero_fill(writer, shapes, depths, written, dtype, block_bytes)
@@ -441,7 +447,9 @@ def orbax2hf(ckpt: str, config: str, out: str | None, dtype: str | None = None, 
     print(f"orbax2hf: {reader.directory} + {config_path} -> {len(entries)} tensors ({len(layout)} from Orbax, "
           f"{len(extras)} copied), {_gb(total)}, about {shards} shard(s)", file=log)
     if dry_run:
-        return Summary("orbax2hf", len(entries), total, dry_run=True)
+        summary = Summary("orbax2hf", len(entries), total, dry_run=True)
+        print(summary, file=log)
+        return summary
     out = _check_output(out, force, (reader.directory, config_dir))
 
     start = time.perf_counter()
@@ -460,7 +468,7 @@ def orbax2hf(ckpt: str, config: str, out: str | None, dtype: str | None = None, 
         slot, out_dtype = layout[canonical], np.dtype(dtypes[canonical])
         leaf_dtype = reader.dtypes[slot.path]
         for rows in _slice_blocks(slot, reader.shapes[slot.path], leaf_dtype.itemsize, block_bytes):
-            block = reader.read(slot.path, slot.index, rows).astype(out_dtype)
+            block = reader.read(slot.path, slot.index, rows).astype(out_dtype, copy=False)
             yield block.reshape(slot.hf_shape if rows is None else (rows[1] - rows[0], *slot.hf_shape[1:]))
         progress.update(name, math.prod(slot.hf_shape) * out_dtype.itemsize)
 
