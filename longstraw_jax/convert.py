@@ -297,6 +297,12 @@ def _has_weights(directory: str) -> bool:
     return any(n.endswith((".safetensors",) + hf.PICKLE_SUFFIXES) for n in os.listdir(directory))
 
 
+def _param_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Flattened params path ("blocks/full/q_proj") -> shape, from abstract evaluation of `model.init`."""
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    return {path: tuple(s.shape) for path, s in traverse_util.flatten_dict(abstract, sep="/").items()}
+
+
 def _parse_mesh(mesh: str) -> tuple[int, int]:
     match = re.fullmatch(r"(\d+)x(\d+)", mesh)
     if not match or 0 in (sizes := (int(match[1]), int(match[2]))):
@@ -323,11 +329,8 @@ def hf2orbax(hf_dir: str, out: str | None, dtype: str = "bfloat16", *, mesh: str
     model = models.build(models.config_from_hf(config_path))
     layout = hf.checkpoint_layout(model)
     depths = _slot_depths(layout)
-    shapes = {path: tuple(s.shape) for path, s in
-              traverse_util.flatten_dict(jax.eval_shape(model.init, jax.random.key(0)), sep="/").items()}
-    abstract = os.path.isfile(os.fspath(hf_dir)) or not _has_weights(source_dir)
-    if abstract and not dry_run:
-        hf._safetensor_files(source_dir)  # raises: no safetensors (or pickle files only)
+    shapes = _param_shapes(model)
+    abstract = dry_run and (os.path.isfile(os.fspath(hf_dir)) or not _has_weights(source_dir))
     found, skipped = ({}, []) if abstract else hf.match_checkpoint(model, source_dir)
     tensor_bytes = {name: math.prod(slot.hf_shape) * dtype.itemsize for name, slot in layout.items()}
     total = sum(tensor_bytes.values())
@@ -409,18 +412,11 @@ def orbax2hf(ckpt: str, config: str, out: str | None, dtype: str | None = None, 
     model = models.build(models.config_from_hf(config_path))
     layout = hf.checkpoint_layout(model)
     reader = OrbaxReader(ckpt)
-    expected = {path: tuple(s.shape) for path, s in
-                traverse_util.flatten_dict(jax.eval_shape(model.init, jax.random.key(0)), sep="/").items()}
-    missing = sorted(orbax_name(p) for p in set(expected) - set(reader.shapes))
-    unexpected = sorted(orbax_name(p) for p in set(reader.shapes) - set(expected))
-    misshaped = [f"{orbax_name(p)}: {list(reader.shapes[p])} (expected {list(expected[p])})"
-                 for p in sorted(set(expected) & set(reader.shapes)) if reader.shapes[p] != expected[p]]
-    if missing or unexpected or misshaped:
-        parts = [f"{label} ({len(items)}): {', '.join(items)}" for label, items in
-                 (("missing arrays", missing), ("unexpected arrays", unexpected), ("mis-shaped arrays", misshaped))
-                 if items]
+    problems = hf.mismatches({orbax_name(p): shape for p, shape in _param_shapes(model).items()},
+                             {orbax_name(p): shape for p, shape in reader.shapes.items()}, "arrays")
+    if problems:
         raise ValueError(f"Orbax checkpoint {reader.directory} does not match {config_path} "
-                         f"({type(model.config).__name__}): " + "; ".join(parts))
+                         f"({type(model.config).__name__}): {problems}")
 
     if _has_weights(config_dir):  # the original checkpoint: its names, dtypes and unused tensors
         found, extras = hf.match_checkpoint(model, config_dir)

@@ -219,15 +219,22 @@ def match_checkpoint(model, directory: str | os.PathLike) -> tuple[dict[str, Sto
             skipped.append(stored)
         else:
             found[name] = stored
-    missing = sorted(set(layout) - set(found))
-    unexpected = sorted(found[name].name for name in set(found) - set(layout))
-    misshaped = [f"{found[name].name}: {found[name].shape} (expected {layout[name].hf_shape})"
-                 for name in sorted(set(layout) & set(found)) if found[name].shape != layout[name].hf_shape]
-    if missing or unexpected or misshaped:
-        parts = [f"{label} ({len(items)}): {', '.join(items)}" for label, items in
-                 (("missing keys", missing), ("unexpected keys", unexpected), ("mis-shaped keys", misshaped)) if items]
-        raise ValueError(f"checkpoint {directory} does not match {model.config.__class__.__name__}: " + "; ".join(parts))
+    problems = mismatches({name: layout[name].hf_shape for name in layout},
+                          {name: t.shape for name, t in found.items()}, "keys", lambda name: found[name].name)
+    if problems:
+        raise ValueError(f"checkpoint {directory} does not match {model.config.__class__.__name__}: {problems}")
     return found, skipped
+
+
+def mismatches(expected: dict[str, tuple], got: dict[str, tuple], noun: str, spell=lambda name: name) -> str:
+    """'missing {noun} (n): a, b; unexpected {noun} (n): ...; mis-shaped {noun} (n): c: (got) (expected (want))' for
+    two name -> shape maps ('' when they agree); `spell` gives the name to print for a name of `got`."""
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(spell(name) for name in set(got) - set(expected))
+    misshaped = [f"{spell(name)}: {got[name]} (expected {expected[name]})"
+                 for name in sorted(set(expected) & set(got)) if tuple(got[name]) != tuple(expected[name])]
+    return "; ".join(f"{label} {noun} ({len(items)}): {', '.join(items)}" for label, items in
+                     (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if items)
 
 
 def load_hf(directory: str | os.PathLike, dtype=jnp.float32):
