@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pickle
+import importlib.util
 import subprocess
 import sys
 import zlib
@@ -44,8 +45,10 @@ ROUND_TRIPS = {
     "qwen3.6_text": ("qwen3_5_text", _text_checkpoint, ""),
     "qwen3.6_multimodal": ("qwen3_5", _multimodal_checkpoint, "mm"),
 }
-if hasattr(hf_reference, "make_glm_checkpoint"):
-    ROUND_TRIPS["glm5.2"] = ("glm_moe_dsa", hf_reference.make_glm_checkpoint, "")
+if importlib.util.find_spec("tests.glm_reference"):
+    from tests import glm_reference
+
+    ROUND_TRIPS["glm5.2"] = ("glm_moe_dsa", glm_reference.make_glm_checkpoint, "")
 ROUND_TRIPS = {k: v for k, v in ROUND_TRIPS.items() if v[0] in hf.CONFIG_CLASSES}
 
 
@@ -255,26 +258,50 @@ def test_mesh_flag_is_reported_unavailable(tiny_hf, tmp_path):
 # Dry runs on the real configs: tensor count and bytes against transformers' own meta-device model
 
 
-def _qwen_meta_state_dict(path):
+def _qwen_meta_tensors(path) -> dict[str, int]:
+    """name -> element count of transformers' Qwen3_5ForCausalLM built on the meta device (no memory)."""
+    import torch
     from transformers import Qwen3_5Config, Qwen3_5ForCausalLM
 
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(Qwen3_5Config.from_json_file(path).text_config)
+    return {name: v.numel() for name, v in model.state_dict().items()}
+
+
+def _glm_meta_tensors(path) -> dict[str, int]:
+    """Same for GlmMoeDsaForCausalLM, its fused in-memory experts split into the per-expert tensors
+    save_pretrained writes (gate_up_proj [E, 2I, D] -> E gate_proj + E up_proj [I, D]; down_proj [E, D, I])."""
     import torch
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
     with torch.device("meta"):
-        return Qwen3_5ForCausalLM(Qwen3_5Config.from_json_file(path).text_config).state_dict()
+        model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig.from_json_file(path))
+    tensors = {}
+    for name, v in model.state_dict().items():
+        prefix = name.rsplit(".", 1)[0]
+        if name.endswith("experts.gate_up_proj"):
+            half = v[0].numel() // 2
+            tensors.update({f"{prefix}.{e}.{p}.weight": half for e in range(v.shape[0]) for p in ("gate_proj", "up_proj")})
+        elif name.endswith("experts.down_proj"):
+            tensors.update({f"{prefix}.{e}.down_proj.weight": v[0].numel() for e in range(v.shape[0])})
+        else:
+            tensors[name] = v.numel()
+    return tensors
 
 
-DRY_RUNS = {"configs/qwen3.6-27b.json": ("qwen3_5", _qwen_meta_state_dict, 851)}
+# config -> (model_type, transformers oracle, tensor count, approximate bf16 bytes)
+DRY_RUNS = {"configs/qwen3.6-27b.json": ("qwen3_5", _qwen_meta_tensors, 851, 53.79e9),
+            "configs/glm-5.2.json": ("glm_moe_dsa", _glm_meta_tensors, 58794, 1.4868e12)}
 DRY_RUNS = {k: v for k, v in DRY_RUNS.items() if v[0] in hf.CONFIG_CLASSES and os.path.exists(os.path.join(ROOT, k))}
 
 
 @pytest.mark.parametrize("config", sorted(DRY_RUNS))
 def test_dry_run_on_real_config(config):
     """Through tools/convert_hf.py in a child process; abstract shapes only, nothing written."""
-    _, meta_state_dict, count = DRY_RUNS[config]
-    state = meta_state_dict(os.path.join(ROOT, config))
-    nbytes = 2 * sum(v.numel() for v in state.values())  # bfloat16
-    assert len(state) == count
+    _, meta_tensors, count, approximate = DRY_RUNS[config]
+    tensors = meta_tensors(os.path.join(ROOT, config))
+    nbytes = 2 * sum(tensors.values())  # bfloat16
+    assert len(tensors) == count and abs(nbytes / approximate - 1) < 1e-3, (len(tensors), nbytes)
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf.py"), "hf2orbax", "--hf",
                              os.path.join(ROOT, config), "--dry-run"], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"})
