@@ -160,7 +160,7 @@ def _slot_depths(layout: dict[str, hf.Slot]) -> dict[str, int]:
 
 
 def orbax_name(path: str) -> str:
-    """Orbax's array name for a flattened params path: keys joined by '.' ("blocks/full/q_proj" -> "blocks.full.q_proj")."""
+    """Orbax's array name for a params path: keys joined by '.' ("blocks/full/q_proj" -> "blocks.full.q_proj")."""
     return path.replace("/", ".")
 
 
@@ -173,9 +173,9 @@ class OrbaxWriter:
         self.arrays = {}
         for path, shape in shapes.items():
             chunks = _chunk_shape(shape, depths.get(path, 0), self.dtype.itemsize)
+            metadata = {"shape": list(shape), "chunks": list(chunks), "compressor": {"id": "zstd", "level": 1}}
             spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": os.path.join(directory, orbax_name(path))},
-                    "metadata": {"shape": list(shape), "chunks": list(chunks), "compressor": {"id": "zstd", "level": 1}},
-                    "dtype": self.dtype.name, "create": True, "recheck_cached_data": False, "recheck_cached_metadata": False}
+                    "metadata": metadata, "dtype": self.dtype.name, "create": True}
             self.arrays[path] = ts.open(spec).result()
 
     def write(self, path: str, index: tuple[int, ...], rows: tuple[int, int] | None, block: np.ndarray) -> None:
@@ -334,15 +334,16 @@ def hf2orbax(hf_dir: str, out: str | None, dtype: str = "bfloat16", *, mesh: str
     found, skipped = ({}, []) if abstract else hf.match_checkpoint(model, source_dir)
     tensor_bytes = {name: math.prod(slot.hf_shape) * dtype.itemsize for name, slot in layout.items()}
     total = sum(tensor_bytes.values())
+    unused = sorted({p + "*" for p in model.hf_skipped_prefixes for t in skipped if t.name.startswith(p)})
     print(f"hf2orbax: {config_path} -> {type(model.config).__name__}; "
           + (f"{len(layout)} tensors expected (abstract: config only)" if abstract else
-             f"{len(found)} tensors matched in {source_dir}, {len(skipped)} skipped "
-             f"({', '.join(sorted({p + '*' for p in model.hf_skipped_prefixes for t in skipped if t.name.startswith(p)}))})"), file=log)
+             f"{len(found)} tensors matched in {source_dir}, {len(skipped)} not used {' '.join(unused)}"), file=log)
     print(f"  params: {len(shapes)} Orbax arrays, {len(layout)} HF tensors, {_gb(total)} at {dtype.name}", file=log)
     if dry_run:
         for path in sorted(shapes):
             nbytes = math.prod(shapes[path]) * dtype.itemsize
-            print(f"    {orbax_name(path):<40} {str(list(shapes[path])):<28} {dtype.name} {nbytes / 1e9:9.3f} GB", file=log)
+            print(f"    {orbax_name(path):<48} {str(list(shapes[path])):<28} {dtype.name} {nbytes / 1e9:9.3f} GB",
+                  file=log)
         summary = Summary("hf2orbax", len(layout), total, dry_run=True)
         print(summary, file=log)
         return summary

@@ -4,6 +4,10 @@ Model-agnostic: each model class provides `hf_layout()` (HF name -> Slot), `hf_s
 it ignores, e.g. MTP and vision towers) and `hf_prefix_aliases` (alternative spellings of its names, e.g. Qwen3.6's
 multimodal `model.language_model.*`); its config class provides `from_hf` and `to_hf`. Saving writes the canonical
 layout with the config class's `to_hf()` config.json.
+
+Safetensors are read and written here at the format level (`read_rows`, `write_sharded_safetensors`), tensor by
+tensor in row blocks: the library's `safe_open` maps whole shards (their pages count towards resident memory) and
+`save_file` needs a shard's tensors in memory, which longstraw_jax/convert.py cannot afford at real size.
 """
 from __future__ import annotations
 
@@ -135,7 +139,7 @@ def stored_tensors(directory: str | os.PathLike) -> dict[str, StoredTensor]:
 
 
 def read_rows(tensor: StoredTensor, start: int = 0, stop: int | None = None) -> np.ndarray:
-    """Rows [start, stop) of the tensor's first axis (the whole tensor by default), read from disk: [stop-start, ...]."""
+    """Rows [start, stop) of the first axis (default: all), read from disk (no mmap) -> [stop - start, ...]."""
     if not tensor.shape:
         start, stop, row_shape = 0, 1, ()
     else:
