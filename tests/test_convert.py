@@ -353,7 +353,7 @@ def test_streaming_peak_memory(tmp_path):
     total, largest = _write_synthetic_checkpoint(tmp_path / "hf")
     assert total >= 10**9 and largest == 65536 * 1024 * 2
     bound = 2 * largest + (256 << 20)
-    assert bound < total / 2
+    assert bound < 0.55 * total  # about half the model: holding it whole cannot pass
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
     runs = {"hf2orbax": [str(tmp_path / "hf"), str(tmp_path / "init")],
             "orbax2hf": [str(tmp_path / "init"), str(tmp_path / "hf"), str(tmp_path / "back")]}
