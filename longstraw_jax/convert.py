@@ -297,6 +297,13 @@ def _has_weights(directory: str) -> bool:
     return any(n.endswith((".safetensors",) + hf.PICKLE_SUFFIXES) for n in os.listdir(directory))
 
 
+def _float_dtype(name: str) -> np.dtype:
+    allowed = ("bfloat16", "float16", "float32")
+    if name not in allowed:
+        raise ValueError(f"--dtype {name!r}: expected one of {', '.join(allowed)}")
+    return jnp.dtype(name)
+
+
 def _param_shapes(model) -> dict[str, tuple[int, ...]]:
     """Flattened params path ("blocks/full/q_proj") -> shape, from abstract evaluation of `model.init`."""
     abstract = jax.eval_shape(model.init, jax.random.key(0))
@@ -324,7 +331,7 @@ def hf2orbax(hf_dir: str, out: str | None, dtype: str = "bfloat16", *, mesh: str
             f"--mesh {mesh}: not available yet (longstraw_jax.sharding has no partition rules to write with). "
             "Omit --mesh: the checkpoint is mesh-independent; StandardCheckpointer.restore places each leaf on the "
             "shardings given in abstract_params.")
-    dtype = jnp.dtype(dtype)
+    dtype = _float_dtype(dtype)
     source_dir, config_path = _config_dir(hf_dir)
     model = models.build(models.config_from_hf(config_path))
     layout = hf.checkpoint_layout(model)
@@ -433,7 +440,7 @@ def orbax2hf(ckpt: str, config: str, out: str | None, dtype: str | None = None, 
             print(f"  note: {config_dir} has no safetensors, so tensors the model does not use "
                   f"({', '.join(model.hf_skipped_prefixes)}*) are not written", file=log)
     if dtype is not None:
-        dtypes = {name: jnp.dtype(dtype) for name in layout}
+        dtypes = dict.fromkeys(layout, _float_dtype(dtype))
     order = sorted(layout, key=lambda name: (layout[name].path, layout[name].index))  # chunk order
     source = {names[name]: name for name in order}
     extra_by_name = {t.name: t for t in extras}

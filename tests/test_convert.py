@@ -246,11 +246,14 @@ def test_interrupted_conversion_leaves_nothing_complete_looking(tiny_hf, tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["init"]
 
 
-def test_mesh_flag_is_reported_unavailable(tiny_hf, tmp_path):
+def test_bad_flags_are_named(tiny_hf, tmp_path):
     with pytest.raises(NotImplementedError, match="--mesh 2x4: not available yet"):
         convert.hf2orbax(tiny_hf, tmp_path / "out", mesh="2x4")
     with pytest.raises(ValueError, match="--mesh '2by4': expected AxB"):
         convert.hf2orbax(tiny_hf, tmp_path / "out", mesh="2by4")
+    with pytest.raises(ValueError, match="--dtype 'int8': expected one of bfloat16, float16, float32"):
+        convert.hf2orbax(tiny_hf, tmp_path / "out", "int8")
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------
