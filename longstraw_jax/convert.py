@@ -11,13 +11,14 @@ Qwen3.6 multimodal checkpoints, per-expert tensors for GLM), copying the tensors
 `model.visual.*`) and the non-weight files from the `--config` directory when it has them.
 
 Streaming. Each HF tensor is one slice `flat[path][index]` of a stacked leaf (models/hf.py `Slot`), read from disk and
-written in row blocks of at most `block_bytes`, so host memory stays at a few blocks whatever the model size.
+written in row blocks of about `block_bytes` (64 MiB), so host memory stays at a few blocks whatever the model size.
 The Orbax side is the directory layout of `StandardCheckpointHandler(use_ocdbt=False)` (orbax-checkpoint 0.12.8):
 `params/_METADATA` (the tree) + one zarr v2 array per leaf, `params/<path with dots>/` (zstd level 1, as Orbax writes
-them). All arrays are created up front with chunks of one row block of one slice, so every block write fills whole
-chunks of its own and nothing is read back. Plain zarr rather than OCDBT: each chunk is a file, so tens of thousands
-of slice writes (GLM's per-expert tensors) need no database commit each. No `_sharding` file is written: restore with
-shardings in `abstract_params` (or get numpy arrays); the checkpoint does not depend on a mesh.
+them). All arrays are created up front with chunks of one slice's rows, CHUNK_BYTES (16 MiB) each; a block is whole
+chunks, so no write reads anything back and a block's chunks compress in parallel. Plain zarr rather than OCDBT: each
+chunk is a file, so tens of thousands of slice writes (GLM's per-expert tensors) need no database commit each. No
+`_sharding` file is written: restore with shardings in `abstract_params` (else numpy arrays come back); the checkpoint
+does not depend on a mesh. All arrays have one dtype (`--dtype`); orbax2hf restores each tensor's original dtype.
 Reading accepts both Orbax layouts (OCDBT or not, zarr v2 or v3), i.e. also what the trainer's StandardCheckpointer
 saves; a chunk cache of one chunk keeps whole-leaf chunks from being decoded once per slice.
 
