@@ -207,23 +207,29 @@ class OrbaxWriter:
 
 
 class OrbaxReader:
-    """The arrays of an Orbax params checkpoint: `DIR` (holding `_METADATA`) or `DIR/params`; OCDBT or plain,
-    zarr v2 or v3. `read` returns one slice or row block; a cache of the largest chunk makes a checkpoint saved with
-    whole-leaf chunks decode each chunk once when its slices are read in order."""
+    """The params arrays of an Orbax checkpoint; OCDBT or plain, zarr v2 or v3. `ckpt` is the item directory
+    (holding `_METADATA`), an init directory (`ckpt/params`) or a training checkpoint step (`ckpt/state`, whose tree
+    is {"params": ..., "opt_state": ..., ...}: only the params subtree is read). `read` returns one slice or row block;
+    a cache of the largest chunk makes a checkpoint saved with whole-leaf chunks decode each chunk once when its
+    slices are read in order."""
 
     def __init__(self, ckpt: str | os.PathLike):
         ckpt = os.path.abspath(os.fspath(ckpt))
-        candidates = [ckpt, os.path.join(ckpt, "params")]
+        candidates = [ckpt, os.path.join(ckpt, "params"), os.path.join(ckpt, "state")]
         found = [d for d in candidates if os.path.exists(os.path.join(d, "_METADATA"))]
         if not found:
-            raise FileNotFoundError(f"--ckpt {ckpt}: no Orbax checkpoint (no _METADATA in {' or '.join(candidates)})")
+            raise FileNotFoundError(f"--ckpt {ckpt}: no Orbax checkpoint (no _METADATA in {', '.join(candidates)})")
         self.directory = found[0]
         with open(os.path.join(self.directory, "_METADATA")) as f:
             meta = json.load(f)
-        self.paths = {"/".join(str(k["key"]) for k in entry["key_metadata"]): None
-                      for entry in meta["tree_metadata"].values()}
-        specs = {path: self._spec(path, meta.get("use_ocdbt", True), meta.get("use_zarr3", False))
-                 for path in self.paths}
+        stored = ["/".join(str(k["key"]) for k in entry["key_metadata"]) for entry in meta["tree_metadata"].values()]
+        if any(path.startswith("params/") for path in stored):  # a training state: its params subtree
+            stored = [path for path in stored if path.startswith("params/")]
+            names = {path[len("params/"):]: orbax_name(path) for path in stored}
+        else:
+            names = {path: orbax_name(path) for path in stored}
+        specs = {path: self._spec(name, meta.get("use_ocdbt", True), meta.get("use_zarr3", False))
+                 for path, name in names.items()}
         probe = {path: ts.open(spec, read=True).result() for path, spec in specs.items()}
         self.shapes = {path: tuple(a.shape) for path, a in probe.items()}
         self.dtypes = {path: np.dtype(a.dtype.numpy_dtype) for path, a in probe.items()}
@@ -232,8 +238,7 @@ class OrbaxReader:
         context = ts.Context({"cache_pool": {"total_bytes_limit": int(largest)}})
         self.arrays = {path: ts.open(spec, read=True, context=context).result() for path, spec in specs.items()}
 
-    def _spec(self, path: str, use_ocdbt: bool, use_zarr3: bool) -> dict:
-        name = orbax_name(path)
+    def _spec(self, name: str, use_ocdbt: bool, use_zarr3: bool) -> dict:
         kvstore = ({"driver": "ocdbt", "base": f"file://{self.directory}", "path": name} if use_ocdbt
                    else {"driver": "file", "path": os.path.join(self.directory, name)})
         return {"driver": "zarr3" if use_zarr3 else "zarr", "kvstore": kvstore,
@@ -508,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--dtype", default="bfloat16", help="dtype of the Orbax arrays (default bfloat16)")
     a.add_argument("--mesh", help="AxB device mesh (data x seq): not available yet, see the error it gives")
     b = sub.add_parser("orbax2hf", help="Orbax params checkpoint -> HF sharded safetensors directory")
-    b.add_argument("--ckpt", required=True, help="Orbax checkpoint: an init directory, or a params/ directory")
+    b.add_argument("--ckpt", required=True, help="Orbax checkpoint: an init directory, its params/, or a training "
+                   "checkpoint step (<out>/checkpoints/<step>, params read from its state item)")
     b.add_argument("--config", required=True, help="the original HF directory (names, dtypes, unused tensors, "
                    "tokenizer are taken from it) or any directory/file with its config.json")
     b.add_argument("--out", help="HF directory to write (required unless --dry-run)")

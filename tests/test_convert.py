@@ -117,7 +117,7 @@ def test_bfloat16_conversion_matches_load_hf(checkpoint, tmp_path):
 
 def test_orbax_layout_is_standard_checkpointers(tmp_path):
     """Our params/ is what StandardCheckpointHandler(use_ocdbt=False) writes (same _METADATA, same zarr arrays up to
-    chunking), and orbax2hf reads a default (OCDBT, whole-leaf chunks) StandardCheckpointer save exactly."""
+    chunking), and orbax2hf reads the params of a training state saved the default way (OCDBT) exactly."""
     hf_dir = tmp_path / "hf"
     hf_reference.make_qwen_checkpoint(hf_dir, seed=5, num_hidden_layers=4, tie_word_embeddings=True)
     _, params = models.load_hf(hf_dir)
@@ -132,11 +132,12 @@ def test_orbax_layout_is_standard_checkpointers(tmp_path):
         a, b = (json.loads((d / name / ".zarray").read_text()) for d in (ours, theirs))
         assert {**a, "chunks": None} == {**b, "chunks": None}, name
 
-    ocdbt = tmp_path / "trainer_style"
+    # a training checkpoint step: item "state" = {"params", "opt_state", "rng"}, OCDBT, whole-leaf chunks
+    step = tmp_path / "checkpoints" / "100"
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(ocdbt, params)
+    checkpointer.save(step / "state", {"params": params, "opt_state": {"mu": params}, "rng": jnp.zeros(2, jnp.uint32)})
     checkpointer.wait_until_finished()
-    convert.orbax2hf(ocdbt, hf_dir, tmp_path / "back")
+    convert.orbax2hf(step, hf_dir, tmp_path / "back")
     assert _tensors(tmp_path / "back") == _tensors(hf_dir)
 
 
