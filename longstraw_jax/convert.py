@@ -523,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in (a, b):
         p.add_argument("--force", action="store_true", help="replace a non-empty --out")
         p.add_argument("--dry-run", action="store_true", help="check names and shapes, print what would be written")
-        p.add_argument("--block-size", type=_size, default=BLOCK_BYTES, help="read/write unit (64MiB; zarr chunks are 16MiB)")
+        p.add_argument("--block-size", type=_size, default=BLOCK_BYTES,
+                       help="read/write unit (64MiB; zarr chunks are 16MiB)")
     args = parser.parse_args(argv)
     if not args.dry_run and not args.out:
         parser.error("--out is required (unless --dry-run)")
