@@ -437,8 +437,10 @@ def orbax2hf(ckpt: str, config: str, out: str | None, dtype: str | None = None, 
         names = {name: found[name].name for name in layout}
         dtypes = {name: found[name].dtype for name in layout}
     else:
-        record_path = os.path.join(config_dir, CONVERT_RECORD)
-        aliases = json.load(open(record_path))["hf_prefix_aliases_used"] if os.path.exists(record_path) else []
+        aliases = []  # the spelling hf2orbax found, when config_dir is one of its init directories
+        if os.path.exists(record_path := os.path.join(config_dir, CONVERT_RECORD)):
+            with open(record_path) as f:
+                aliases = json.load(f)["hf_prefix_aliases_used"]
         names = {name: next((old + name[len(new):] for old, new in aliases if name.startswith(new)), name)
                  for name in layout}
         dtypes, extras = {name: reader.dtypes[layout[name].path] for name in layout}, []
@@ -447,7 +449,7 @@ def orbax2hf(ckpt: str, config: str, out: str | None, dtype: str | None = None, 
                   f"({', '.join(model.hf_skipped_prefixes)}*) are not written", file=log)
     if dtype is not None:
         dtypes = dict.fromkeys(layout, _float_dtype(dtype))
-    order = sorted(layout, key=lambda name: (layout[name].path, layout[name].index))  # chunk order
+    order = sorted(layout, key=lambda name: (layout[name].path, layout[name].index))  # leaf by leaf: chunk cache hits
     source = {names[name]: name for name in order}
     extra_by_name = {t.name: t for t in extras}
     entries = [(names[n], np.dtype(dtypes[n]), layout[n].hf_shape) for n in order]
