@@ -55,10 +55,13 @@ def _backward(model, params, state, tokens, start, cache_length, inputs, dh, acc
     Returns (cotangent of params as a pytree like params, acc).
     """
     positions = _positions(start, tokens.shape[0])
+    # The entries' cotangents, read for all blocks before the scan (chunk-sized): inside it, acc is only read and
+    # written at block b, which XLA then updates in place.
+    entries_cot = model.read_entries(acc, start, tokens.shape[0]) if chunk_entries else None
 
     def body(carry, xs):
         dh, acc = carry
-        bp, b, h_in = xs
+        bp, b, h_in, entries_cot = xs
         state_block = _at(state, b)
         if acc is None:
             _, vjp = jax.vjp(lambda bp, h: model.block(bp, h, state_block, positions, cache_length)[0], bp, h_in)
@@ -68,8 +71,7 @@ def _backward(model, params, state, tokens, start, cache_length, inputs, dh, acc
         if chunk_entries:
             entries, vjp = jax.vjp(lambda bp, h, s: model.block(bp, h, s, positions, cache_length), bp, h_in,
                                    state_block)
-            entries_cot = jax.tree.map(lambda c, e: c.astype(e.dtype),
-                                       model.read_entries(acc_block, start, tokens.shape[0]), entries[1])
+            entries_cot = jax.tree.map(lambda c, e: c.astype(e.dtype), entries_cot, entries[1])
             d_bp, dh, d_state = vjp((dh, entries_cot))
             acc_block = model.with_carried(_add(acc_block, d_state),
                                            model.carried(jax.tree.map(at_least_f32, d_state)))
@@ -79,7 +81,7 @@ def _backward(model, params, state, tokens, start, cache_length, inputs, dh, acc
             acc_block = _add(acc_block, d_state)
         return (dh, _set(acc, b, acc_block)), d_bp
 
-    xs = (model.block_params(params), jnp.arange(model.num_blocks), inputs)
+    xs = (model.block_params(params), jnp.arange(model.num_blocks), inputs, entries_cot)
     (dh, acc), d_blocks = jax.lax.scan(body, (dh, acc), xs, reverse=True)
     _, vjp = jax.vjp(lambda p: (model.embed(p, tokens), model.block_params(p)), params)
     return vjp((dh, d_blocks))[0], acc
