@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from typing import NamedTuple
 
@@ -19,10 +20,11 @@ from flax import traverse_util
 from safetensors import safe_open
 from safetensors.flax import save_file
 
+from longstraw_jax.models.glm52 import Glm52Config
 from longstraw_jax.models.qwen36 import Qwen36Config
 
 # model_type in config.json -> config class (a nested text_config is handled by the class's from_hf).
-CONFIG_CLASSES = {"qwen3_5": Qwen36Config, "qwen3_5_text": Qwen36Config}
+CONFIG_CLASSES = {"qwen3_5": Qwen36Config, "qwen3_5_text": Qwen36Config, "glm_moe_dsa": Glm52Config}
 
 
 class Slot(NamedTuple):
@@ -84,12 +86,19 @@ def load_hf(directory: str | os.PathLike, dtype=jnp.float32):
     model = build(config_from_hf(directory))
     layout = checkpoint_layout(model)
     found: dict[str, tuple[str, str]] = {}  # canonical name -> (file, stored name)
+    skipped = []
     for path in _safetensor_files(directory):
         with safe_open(path, framework="flax") as f:
             for stored in f.keys():
                 name = _canonical_name(model, stored)
-                if name is not None:
+                if name is None:
+                    skipped.append(stored)
+                else:
                     found[name] = (path, stored)
+    if skipped:
+        prefixes = sorted({p for p in model.hf_skipped_prefixes for name in skipped if name.startswith(p)})
+        logging.getLogger(__name__).info("load_hf(%s): skipped %d tensors under %s (not used by %s)", directory,
+                                         len(skipped), ", ".join(prefixes), type(model).__name__)
 
     missing = sorted(set(layout) - set(found))
     unexpected = sorted(set(found) - set(layout))
