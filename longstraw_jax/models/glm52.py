@@ -201,16 +201,17 @@ class Glm52Config:
     # ----- constructors -----
     @classmethod
     def tiny(cls, **overrides) -> "Glm52Config":
-        """Small preset for tests and the demo: 6 layers, indexers F F S F S F (IndexShare), first layer dense,
-        index_topk 16 (so sparsity is active beyond 16 tokens), 8 experts top-2 plus a shared expert."""
-        layers = 6
+        """Small preset for tests and the demo: 4 MoE layers with indexers F S F S (IndexShare: one segment of two
+        layer groups, so it compiles fast), index_topk 16 (sparsity is active beyond 16 tokens), 8 experts top-2
+        plus a shared expert. Dense first layers and several segments are covered by the transformers parity."""
+        layers = 4
         fields = dict(
             vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=layers,
             num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
             v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, index_topk=16,
             index_n_heads=16, index_head_dim=16,
-            indexer_types=tuple(indexer_types_from_hf({"index_topk_freq": 2, "index_skip_topk_offset": 2}, layers)),
-            mlp_layer_types=(DENSE,) + (SPARSE,) * (layers - 1), routed_scaling_factor=2.5, rms_norm_eps=1e-5,
+            indexer_types=tuple(indexer_types_from_hf({"index_topk_freq": 2, "index_skip_topk_offset": 1}, layers)),
+            mlp_layer_types=(SPARSE,) * layers, routed_scaling_factor=2.5, rms_norm_eps=1e-5,
             rope_theta=10000.0, max_position_embeddings=1 << 20,
         )
         fields.update(overrides)

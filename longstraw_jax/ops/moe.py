@@ -42,11 +42,40 @@ def route(x: jax.Array, weight: jax.Array, bias: jax.Array, *, top_k: int, n_gro
     return experts, weights * scaling
 
 
-def _grouped(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """lhs [M, in] (rows sorted by group) x rhs [E, out, in] -> [M, out] (float32): row block e multiplies rhs[e]."""
+def _broadcast_batched(f):
+    """f, batched under `vmap` by broadcasting its unbatched arguments: the batching rule of `ragged_dot_general`
+    (jax 0.10.2) needs every operand batched, but the expert weights are not when a caller vmaps the model."""
+    g = jax.custom_batching.custom_vmap(f)
+
+    @g.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip(args, in_batched)]
+        out = jax.vmap(f)(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return g
+
+
+def _ragged(lhs, rhs, group_sizes):
     numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
                                                 lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
     return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, numbers, preferred_element_type=accum_dtype(lhs.dtype))
+
+
+_ragged_fwd = _broadcast_batched(_ragged)
+_ragged_bwd = _broadcast_batched(lambda lhs, rhs, sizes, d_out: jax.vjp(lambda l, r: _ragged(l, r, sizes), lhs, rhs)[1](
+    d_out))
+
+
+@jax.custom_vjp
+def _grouped(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """lhs [M, in] (rows sorted by group) x rhs [E, out, in] -> [M, out] (float32): row block e multiplies rhs[e].
+    A custom VJP (the transpose `ragged_dot` defines) so that the forward and backward can both be vmapped."""
+    return _ragged_fwd(lhs, rhs, group_sizes)
+
+
+_grouped.defvjp(lambda lhs, rhs, sizes: (_ragged_fwd(lhs, rhs, sizes), (lhs, rhs, sizes)),
+                lambda res, d_out: (*_ragged_bwd(*res, d_out), None))
 
 
 def grouped_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
