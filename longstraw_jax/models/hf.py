@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import math
 import os
 import struct
@@ -24,10 +25,11 @@ import ml_dtypes
 import numpy as np
 from flax import traverse_util
 
+from longstraw_jax.models.glm52 import Glm52Config
 from longstraw_jax.models.qwen36 import Qwen36Config
 
 # model_type in config.json -> config class (a nested text_config is handled by the class's from_hf).
-CONFIG_CLASSES = {"qwen3_5": Qwen36Config, "qwen3_5_text": Qwen36Config}
+CONFIG_CLASSES = {"qwen3_5": Qwen36Config, "qwen3_5_text": Qwen36Config, "glm_moe_dsa": Glm52Config}
 
 
 class Slot(NamedTuple):
@@ -250,7 +252,11 @@ def load_hf(directory: str | os.PathLike, dtype=jnp.float32):
     from longstraw_jax.models import build
 
     model = build(config_from_hf(directory))
-    found, _ = match_checkpoint(model, directory)
+    found, skipped = match_checkpoint(model, directory)
+    if skipped:
+        prefixes = sorted({p for p in model.hf_skipped_prefixes for t in skipped if t.name.startswith(p)})
+        logging.getLogger(__name__).info("load_hf(%s): skipped %d tensors under %s (not used by %s)", directory,
+                                         len(skipped), ", ".join(prefixes), type(model).__name__)
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     flat = {k: np.zeros(v.shape, np.float32) for k, v in traverse_util.flatten_dict(shapes, sep="/").items()}
     for name, slot in checkpoint_layout(model).items():
