@@ -9,7 +9,9 @@ which XLA updates in place. Activation memory is one block's; the state cotangen
 
 Models provide the block protocol: `num_blocks`, `embed(params, tokens)`, `block_params(params)` (leaves stacked
 [num_blocks, ...]), `block(bp, h, state_block, positions, cache_length) -> (h, entries)`, `final_norm(params, h)`,
-and `read_entries` / `carried` / `with_carried`, which must also work on one block's slice of a state.
+and `read_entries` / `carried` / `with_carried`, which must also work on one block's slice of a state. A model
+without it (GLM-5.2 so far: its layers carry IndexShare selections and come in several segments) gets the same
+results from plain autodiff of its whole layer stack: correct, with a full-size state cotangent per branch/chunk.
 """
 from __future__ import annotations
 
@@ -93,6 +95,8 @@ def branch_grads(model, params, state, tokens, head, acc):
     head(params, hidden [R, D] final-normed) -> (loss, aux). Returns (loss, aux, param grads, acc + the state
     cotangent of this branch; acc None: detached, no state gradient).
     """
+    if not hasattr(model, "block"):
+        return _branch_grads_autodiff(model, params, state, tokens, head, acc)
     h, inputs = _forward(model, params, state, tokens, state.length, None)
     loss, vjp, aux = jax.vjp(lambda p, h: head(p, model.final_norm(p, h)), params, h, has_aux=True)
     d_head, dh = vjp(jnp.ones_like(loss))
@@ -105,7 +109,33 @@ def chunk_grads(model, params, state, tokens, start, acc):
     part as it was before this chunk). acc holds the cotangent of everything the chunk wrote (its keys/values at
     start.., the carried state after it). Returns (param grads, acc with the chunk's cache reads added and its
     carried part now the cotangent of the carried state before the chunk)."""
+    if not hasattr(model, "block"):
+        return _chunk_grads_autodiff(model, params, state, tokens, start, acc)
     h, inputs = _forward(model, params, state, tokens, start, start)
     grads, acc = _backward(model, params, state, tokens, start, start, inputs, jnp.zeros_like(h), acc,
                            chunk_entries=True)
+    return jax.tree.map(at_least_f32, grads), acc
+
+
+# ----- models without the block protocol: autodiff of the whole layer stack -----
+
+
+def _branch_grads_autodiff(model, params, state, tokens, head, acc):
+    def objective(params, state):
+        return head(params, model._extend_hidden(params, state, tokens))
+
+    if acc is None:
+        (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, state)
+    else:
+        (loss, aux), (grads, d_state) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(params, state)
+        acc = _add(acc, d_state)
+    return loss, aux, jax.tree.map(at_least_f32, grads), acc
+
+
+def _chunk_grads_autodiff(model, params, state, tokens, start, acc):
+    entries, vjp = jax.vjp(lambda p, s: model.chunk_entries(p, s, tokens, start), params, state)
+    entries_cot = jax.tree.map(lambda c, e: c.astype(e.dtype), model.read_entries(acc, start, tokens.shape[0]),
+                               entries)
+    grads, d_state = vjp(entries_cot)
+    acc = model.with_carried(_add(acc, d_state), model.carried(jax.tree.map(at_least_f32, d_state)))
     return jax.tree.map(at_least_f32, grads), acc

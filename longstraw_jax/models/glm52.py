@@ -462,9 +462,9 @@ def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def _segment(c: Glm52Config, seg: Segment, seg_params: dict, h, selected, state, positions, start):
+def _segment(c: Glm52Config, seg: Segment, seg_params: dict, h, selected, state, positions, start, remat=False):
     """One segment: a scan over its repeats; inside a repeat, a scan over each run of one group. The state is only
-    read. Returns (h, selected, rows [layers, T, kv_row_dim], index keys [full layers, T, Di] or None, the full
+    read. remat: under autodiff keep only each repeat's inputs and recompute it in the backward pass. Returns (h, selected, rows [layers, T, kv_row_dim], index keys [full layers, T, Di] or None, the full
     layers' selections [full layers, T, k] or None)."""
     plen = len(seg.pattern)
     full_per_repeat = sum(g.startswith(FULL) for g in seg.pattern)
@@ -488,12 +488,13 @@ def _segment(c: Glm52Config, seg: Segment, seg_params: dict, h, selected, state,
                                   jnp.concatenate([o[n] for o in outputs if o[n] is not None]) for n in range(3))
         return carry, (rows, keys, selections)
 
+    repeat = jax.checkpoint(repeat) if remat else repeat
     (h, selected), outs = jax.lax.scan(repeat, (h, selected), (seg_params, jnp.arange(seg.repeats)))
     flatten = lambda a: None if a is None else a.reshape((-1,) + a.shape[2:])
     return (h, selected) + tuple(flatten(a) for a in outs)
 
 
-def _layers(c: Glm52Config, params: dict, state: GlmState, tokens: jax.Array, start):
+def _layers(c: Glm52Config, params: dict, state: GlmState, tokens: jax.Array, start, remat: bool = False):
     """All layers over tokens [T] at positions start.., reading `state` (positions < start). Returns (h [T, D]
     before the final norm, entries {"kv": [L, T, kv_row_dim], "index_keys": [F, T, Di]}, selections [F, T, k])."""
     t = tokens.shape[0]
@@ -502,7 +503,7 @@ def _layers(c: Glm52Config, params: dict, state: GlmState, tokens: jax.Array, st
     h, selected = params["embed"][tokens], jnp.full((t, k), -1, jnp.int32)
     parts = []
     for s, seg in enumerate(c.segments):
-        h, selected, *out = _segment(c, seg, params["layers"][str(s)], h, selected, state, positions, start)
+        h, selected, *out = _segment(c, seg, params["layers"][str(s)], h, selected, state, positions, start, remat)
         parts.append(out)
     rows, keys, selections = (jnp.concatenate([p[n] for p in parts if p[n] is not None]) for n in range(3))
     return h, {"kv": rows, "index_keys": keys}, selections
@@ -612,17 +613,18 @@ class Glm52:
         return jnp.einsum("td,vd->tv", hidden, self.lm_head(params), preferred_element_type=accum_dtype(hidden.dtype))
 
     # ----- pure implementations -----
-    @functools.partial(jax.jit, static_argnums=0)
-    def _forward(self, params, tokens):
-        return self._extend(params, self.init_state(0, params["embed"].dtype), tokens)
+    # remat=True: per-repeat rematerialisation under autodiff (see `_segment`); the values are identical.
+    @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
+    def _forward(self, params, tokens, remat: bool = False):
+        return self._extend(params, self.init_state(0, params["embed"].dtype), tokens, remat=remat)
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def _extend(self, params, state, tokens):
-        return self.logits(params, self._extend_hidden(params, state, tokens))
+    @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
+    def _extend(self, params, state, tokens, remat: bool = False):
+        return self.logits(params, self._extend_hidden(params, state, tokens, remat=remat))
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def _extend_hidden(self, params, state, tokens):
-        h, _, _ = _layers(self.config, params, state, tokens, state.length)
+    @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
+    def _extend_hidden(self, params, state, tokens, remat: bool = False):
+        h, _, _ = _layers(self.config, params, state, tokens, state.length, remat)
         return rms_norm(h, params["final_norm"], self.config.rms_norm_eps)
 
     @functools.partial(jax.jit, static_argnums=0)
