@@ -7,6 +7,9 @@ start)` (the same, also returning the tokens' final-normed hidden states: decodi
 tails and recurrent matrices; empty for pure-attention models). Appended parts (KV caches) are final after the
 chunk that writes them, so the carried part before each chunk is all a backward pass needs to recompute it.
 """
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -44,3 +47,16 @@ def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, kee
         last_boundary = model.carried(state) if keep_boundaries else None
         state = model.capture_chunk(params, state, tokens[num_full * chunk_size :], num_full * chunk_size)
     return (state, (full_boundaries, last_boundary)) if keep_boundaries else state
+
+
+def read_json_config(source) -> dict:
+    """A transformers config as a dict: given a dict, a config.json path, or a checkpoint directory."""
+    if isinstance(source, dict):
+        return source
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no config.json at {path}")
+    with open(path) as f:
+        return json.load(f)

@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct, traverse_util
 
-from longstraw_jax.models.base import capture_chunks, chunk_layout
-from longstraw_jax.models.qwen36 import _read_json_config, mlp
+from longstraw_jax.models.base import capture_chunks, chunk_layout, read_json_config
 from longstraw_jax.ops.dsa import select_topk
 from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
 from longstraw_jax.ops.mla import sparse_latent_attention
+from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.moe import grouped_swiglu, route
 from longstraw_jax.ops.norms import layer_norm, rms_norm
 from longstraw_jax.ops.rope import RopeConfig, apply_rope_interleaved, cos_sin, inverse_frequencies
@@ -225,7 +225,7 @@ class Glm52Config:
         `index_topk_freq` / `index_skip_topk_offset`, `mlp_layer_types` from `first_k_dense_replace`; `head_dim` is
         ignored (transformers overwrites it with qk_rope_head_dim). Unknown keys warn (error with strict=True).
         """
-        raw = dict(_read_json_config(source))
+        raw = dict(read_json_config(source))
         if raw.get("model_type") != "glm_moe_dsa":
             raise ValueError(f"config.json: model_type={raw.get('model_type')!r} is not a GLM-5.x model "
                              "(expected 'glm_moe_dsa')")
@@ -378,11 +378,6 @@ _HF_TOP_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm
 # Layers (pure functions of one layer's parameters)
 
 
-def _linear(x: jax.Array, w: jax.Array, precision=None) -> jax.Array:
-    """x [..., in] @ w[out, in].T"""
-    return jnp.einsum("...i,oi->...o", x, w, precision=precision)
-
-
 def _rope_tables(c: Glm52Config, positions: jax.Array, dtype):
     """cos, sin [T, qk_rope_head_dim] (default RoPE over the rope slice; MODELS.md 2.7), cast to the model dtype."""
     inv_freq, scaling = inverse_frequencies(RopeConfig(theta=c.rope_theta), c.qk_rope_head_dim,
@@ -396,8 +391,8 @@ def indexer(c: Glm52Config, p: dict, x, q_resid, cos, sin, positions, state: Glm
     policy loss gives the indexer no gradient, as transformers' `torch.no_grad()`)."""
     p, x, q_resid, cache = jax.lax.stop_gradient((p, x, q_resid, state.index_keys))
     t, heads, dim = x.shape[0], c.index_n_heads, c.index_head_dim
-    q = apply_rope_interleaved(_linear(q_resid, p["wq_b"], _HIGHEST).reshape(t, heads, dim), cos, sin)
-    key = layer_norm(_linear(x, p["wk"], _HIGHEST), p["k_norm"], p["k_norm_bias"], INDEXER_NORM_EPS)
+    q = apply_rope_interleaved(linear(q_resid, p["wq_b"], _HIGHEST).reshape(t, heads, dim), cos, sin)
+    key = layer_norm(linear(x, p["wk"], _HIGHEST), p["k_norm"], p["k_norm_bias"], INDEXER_NORM_EPS)
     key = apply_rope_interleaved(key[:, None], cos, sin)[:, 0]
     w = jnp.einsum("td,hd->th", at_least_f32(x), at_least_f32(p["weights_proj"]), precision=_HIGHEST) * heads**-0.5
     selected = select_topk(at_least_f32(q), w.astype(jnp.float32), cache, full, key, positions, start, k=k,
@@ -413,9 +408,9 @@ def mla_attention(c: Glm52Config, p: dict, x, positions, state: GlmState, layer,
     """
     t, heads = x.shape[0], c.num_attention_heads
     nope, lora = c.qk_nope_head_dim, c.kv_lora_rank
-    q_resid = rms_norm(_linear(x, p["q_a_proj"]), p["q_a_norm"], LATENT_NORM_EPS)
-    q = _linear(q_resid, p["q_b_proj"]).reshape(t, heads, c.qk_head_dim)  # per head [q_nope | q_pe]
-    ckv = _linear(x, p["kv_a_proj"])  # [T, lora + rope] = [latent | k_pe]
+    q_resid = rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], LATENT_NORM_EPS)
+    q = linear(q_resid, p["q_b_proj"]).reshape(t, heads, c.qk_head_dim)  # per head [q_nope | q_pe]
+    ckv = linear(x, p["kv_a_proj"])  # [T, lora + rope] = [latent | k_pe]
     cos, sin = _rope_tables(c, positions, x.dtype)
     rows = jnp.concatenate([rms_norm(ckv[:, :lora], p["kv_a_norm"], LATENT_NORM_EPS),
                             apply_rope_interleaved(ckv[:, None, lora:], cos, sin)[:, 0]], axis=-1)
@@ -429,7 +424,7 @@ def mla_attention(c: Glm52Config, p: dict, x, positions, state: GlmState, layer,
     o = sparse_latent_attention(q_abs, state.kv, layer, rows, selected, start, scale=c.qk_head_dim**-0.5,
                                 value_dim=lora, block_size=c.query_block_size)
     o = jnp.einsum("thr,hvr->thv", o.astype(x.dtype), w_kv[:, nope:])
-    return _linear(o.reshape(t, heads * c.v_head_dim), p["o_proj"]), rows, index_key, selected
+    return linear(o.reshape(t, heads * c.v_head_dim), p["o_proj"]), rows, index_key, selected
 
 
 def moe(c: Glm52Config, p: dict, x: jax.Array) -> jax.Array:
@@ -438,7 +433,7 @@ def moe(c: Glm52Config, p: dict, x: jax.Array) -> jax.Array:
                              topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
                              scaling=c.routed_scaling_factor)
     routed = grouped_swiglu(x, experts, weights, p["experts_gate"], p["experts_up"], p["experts_down"])
-    return routed + mlp(p["shared"], x)
+    return routed + swiglu(p["shared"], x)
 
 
 def _layer(c: Glm52Config, p: dict, h, selected, state, layer, full, positions, start):
@@ -447,7 +442,7 @@ def _layer(c: Glm52Config, p: dict, h, selected, state, layer, full, positions, 
                                                  positions, state, layer, full, start, selected)
     h = h + y
     x = rms_norm(h, p["post_norm"], c.rms_norm_eps)
-    return h + (moe(c, p["mlp"], x) if "router" in p["mlp"] else mlp(p["mlp"], x)), selected, rows, index_key
+    return h + (moe(c, p["mlp"], x) if "router" in p["mlp"] else swiglu(p["mlp"], x)), selected, rows, index_key
 
 
 def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int, int]]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import warnings
 from typing import Any
@@ -26,11 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct, traverse_util
 
-from longstraw_jax.models.base import capture_chunks, chunk_layout
+from longstraw_jax.models.base import capture_chunks, chunk_layout, read_json_config
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.ops.gated_delta import gated_delta_rule_chunked, gated_delta_rule_sequential
+from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.norms import l2_normalise, rms_norm_1p, rms_norm_gated
 from longstraw_jax.ops.rope import RopeConfig, apply_partial_rope, cos_sin, inverse_frequencies
 from longstraw_jax.validation import check_tokens
@@ -167,7 +167,7 @@ class Qwen36Config:
         Accepts `model_type` "qwen3_5" (multimodal checkpoint; reads the nested `text_config`) and "qwen3_5_text".
         Keys that transformers would read but we do not know are reported (a warning, or an error with strict=True).
         """
-        raw = _read_json_config(source)
+        raw = read_json_config(source)
         model_type = raw.get("model_type")
         if model_type == "qwen3_5":
             if not isinstance(raw.get("text_config"), dict):
@@ -256,18 +256,6 @@ class Qwen36Config:
         }
 
 
-def _read_json_config(source) -> dict:
-    if isinstance(source, dict):
-        return source
-    path = os.fspath(source)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no config.json at {path}")
-    with open(path) as f:
-        return json.load(f)
-
-
 @struct.dataclass
 class PromptState:
     """What later tokens need from a prompt of `length` tokens (MODELS.md 1.10), per layer of each kind.
@@ -292,16 +280,6 @@ class PromptState:
 # Layers (pure functions of one layer's parameters)
 
 
-def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w[out, in].T"""
-    return jnp.einsum("...i,oi->...o", x, w)
-
-
-def mlp(p: dict, x: jax.Array) -> jax.Array:
-    """SwiGLU (1.8): down(silu(gate(x)) * up(x))."""
-    return _linear(jax.nn.silu(_linear(x, p["gate_proj"])) * _linear(x, p["up_proj"]), p["down_proj"])
-
-
 def gated_deltanet(cfg: Qwen36Config, p: dict, x: jax.Array, conv_tail: jax.Array, state: jax.Array):
     """Gated DeltaNet mixer (1.5). x [T, D]; conv_tail [K-1, conv_dim]; state [Hv, dk, dv] fp32.
 
@@ -309,10 +287,10 @@ def gated_deltanet(cfg: Qwen36Config, p: dict, x: jax.Array, conv_tail: jax.Arra
     """
     t = x.shape[0]
     hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed = _linear(x, p["in_proj_qkv"])  # [T, conv_dim]: q | k | v, head-major
-    z = _linear(x, p["in_proj_z"]).reshape(t, hv, dv)
-    b = _linear(x, p["in_proj_b"])
-    a = _linear(x, p["in_proj_a"])
+    mixed = linear(x, p["in_proj_qkv"])  # [T, conv_dim]: q | k | v, head-major
+    z = linear(x, p["in_proj_z"]).reshape(t, hv, dv)
+    b = linear(x, p["in_proj_b"])
+    a = linear(x, p["in_proj_a"])
     conv_out, conv_tail = causal_depthwise_conv(mixed, p["conv1d"], conv_tail)
     qkv = jax.nn.silu(conv_out)
     q = qkv[:, : cfg.key_dim].reshape(t, hk, dk)
@@ -330,7 +308,7 @@ def gated_deltanet(cfg: Qwen36Config, p: dict, x: jax.Array, conv_tail: jax.Arra
     else:
         o, state = gated_delta_rule_sequential(q, k, v, g, beta, state)
     o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
-    return _linear(o.reshape(t, hv * dv), p["out_proj"]), conv_tail, state
+    return linear(o.reshape(t, hv * dv), p["out_proj"]), conv_tail, state
 
 
 def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Array, state: PromptState, index,
@@ -343,11 +321,11 @@ def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Arr
     Returns (y [T, D], (keys [T, Hkv, hd] after norm + RoPE, values [T, Hkv, hd])) for the caller to cache.
     """
     t, hq, hkv, hd = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qg = _linear(x, p["q_proj"]).reshape(t, hq, 2 * hd)  # per head [query | gate]
+    qg = linear(x, p["q_proj"]).reshape(t, hq, 2 * hd)  # per head [query | gate]
     q, gate = qg[..., :hd], qg[..., hd:].reshape(t, hq * hd)
     q = rms_norm_1p(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm_1p(_linear(x, p["k_proj"]).reshape(t, hkv, hd), p["k_norm"], cfg.rms_norm_eps)
-    v = _linear(x, p["v_proj"]).reshape(t, hkv, hd)
+    k = rms_norm_1p(linear(x, p["k_proj"]).reshape(t, hkv, hd), p["k_norm"], cfg.rms_norm_eps)
+    v = linear(x, p["v_proj"]).reshape(t, hkv, hd)
     inv_freq, scaling = inverse_frequencies(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings)
     cos, sin = cos_sin(positions, inv_freq, scaling, x.dtype)
     q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
@@ -358,7 +336,7 @@ def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Arr
     new = attn_ops.attend(q, k, v, k_offset=positions[0], causal=True, **common)
     o = attn_ops.merge(cached, new).out.astype(x.dtype).reshape(t, hq * hd)
     o = o * jax.nn.sigmoid(gate)  # output gate before o_proj
-    return _linear(o, p["o_proj"]), (k, v)
+    return linear(o, p["o_proj"]), (k, v)
 
 
 def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int]]:
@@ -385,7 +363,7 @@ def _layer(cfg: Qwen36Config, kind: str, p: dict, h: jax.Array, state: PromptSta
     else:
         y, entry = gated_attention(cfg, p, x, positions, state, index, cache_length)
     h = h + y
-    return h + mlp(p["mlp"], rms_norm_1p(h, p["post_norm"], eps)), tuple(entry)
+    return h + swiglu(p["mlp"], rms_norm_1p(h, p["post_norm"], eps)), tuple(entry)
 
 
 def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, state: PromptState, prefix: tuple, positions, cache_length):

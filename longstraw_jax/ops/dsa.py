@@ -11,7 +11,7 @@ Selection is discrete and carries no gradient (transformers runs the indexer und
 import jax
 import jax.numpy as jnp
 
-from longstraw_jax.ops.attention import _for_each_block
+from longstraw_jax.ops.attention import for_each_block
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -67,8 +67,8 @@ def select_topk(q: jax.Array, w: jax.Array, cache_keys: jax.Array, layer, new_ke
             return _merge_topk(carry, s, u, k), None
 
         carry = (jnp.full((query_block, k), -jnp.inf, jnp.float32), jnp.full((query_block, k), -1, jnp.int32))
-        carry, _ = _for_each_block(cache_len, key_block, carry, visit_cache, jnp.asarray(start, jnp.int32))
-        carry, _ = _for_each_block(new_len, key_block, carry, visit_new, jnp.max(pb) - start + 1)
+        carry, _ = for_each_block(cache_len, key_block, carry, visit_cache, jnp.asarray(start, jnp.int32))
+        carry, _ = for_each_block(new_len, key_block, carry, visit_new, jnp.max(pb) - start + 1)
         values, chosen = carry
         return jnp.where(values > -jnp.inf, chosen, -1)
 

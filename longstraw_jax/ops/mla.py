@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from longstraw_jax.ops.attention import _MASKED
+from longstraw_jax.ops.attention import MASKED
 from longstraw_jax.ops.dtypes import accum_dtype
 
 
@@ -49,7 +49,7 @@ def _gather(cache, layer, new, sel, start):
 def _scores(qb, kv, valid, scale):
     """qb [B, H, Dk], kv [B, k, Dk] -> masked scores [B, H, k] (accumulation dtype)."""
     s = jnp.einsum("bhd,bkd->bhk", qb, kv, preferred_element_type=accum_dtype(qb.dtype)) * scale
-    return jnp.where(valid[:, None, :], s, _MASKED)
+    return jnp.where(valid[:, None, :], s, MASKED)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -71,7 +71,7 @@ def _attend_fwd(scale, value_dim, block_size, q, cache, new, layer, selected, st
         seen = denom > 0
         out = jnp.einsum("bhk,bkd->bhd", p.astype(kv.dtype), kv[..., :value_dim], preferred_element_type=acc)
         out = jnp.where(seen[..., None], out / jnp.where(seen, denom, 1.0)[..., None], 0.0)
-        return out, jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), _MASKED)
+        return out, jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), MASKED)
 
     out, lse = jax.lax.map(block, (_blocks(q, block_size), _blocks(selected, block_size, -1)))
     num_q = q.shape[0]
