@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct, traverse_util
 
-from longstraw_jax.models.base import capture_chunks, chunk_layout, read_json_config
+from longstraw_jax.models.base import CausalLM, read_json_config
 from longstraw_jax.ops.dsa import select_topk
-from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
+from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.ops.mla import sparse_latent_attention
 from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.moe import grouped_swiglu, route
@@ -509,7 +509,7 @@ def _layers(c: Glm52Config, params: dict, state: GlmState, tokens: jax.Array, st
 
 
 @dataclasses.dataclass(frozen=True)
-class Glm52:
+class Glm52(CausalLM):
     """Frozen, hashable: pass it as a static argument to `jax.jit`. Methods are pure functions of params."""
 
     config: Glm52Config
@@ -574,49 +574,12 @@ class Glm52:
         return GlmState(kv=jnp.zeros((c.num_hidden_layers, length, c.kv_row_dim), dtype),
                         index_keys=jnp.zeros((c.num_full_layers, length, c.index_head_dim), dtype), length=length)
 
-    # ----- public entry points (host-side validation, then jitted pure functions) -----
-    def forward(self, params: dict, tokens) -> jax.Array:
-        """Reference path: tokens int32 [T] -> float32 logits [T, vocab]."""
-        return self._forward(params, check_tokens(tokens, self.config.vocab_size))
-
-    def capture(self, params: dict, tokens, chunk_size: int = 2048) -> GlmState:
-        """Prompt tokens int32 [P] -> GlmState, in chunks of `chunk_size` (need not divide P); no logits."""
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        chunk_layout(tokens.shape[0], chunk_size)  # validates chunk_size
-        return self._capture(params, tokens, chunk_size)
-
-    def extend(self, params: dict, state: GlmState, tokens) -> jax.Array:
-        """Continue after `state` without modifying it: tokens int32 [T] -> float32 logits [T, vocab]. The indexer
-        selects among all visible positions, prompt and new tokens alike."""
-        return self._extend(params, state, check_tokens(tokens, self.config.vocab_size))
-
-    def extend_hidden(self, params: dict, state: GlmState, tokens) -> jax.Array:
-        """As `extend`, but returns the final-normed hidden states [T, D] (model dtype)."""
-        return self._extend_hidden(params, state, check_tokens(tokens, self.config.vocab_size))
-
     def index_selection(self, params: dict, tokens) -> jax.Array:
         """The positions each full layer's indexer selects in `forward(tokens)`: int32 [num_full_layers, T, k]
         (k = min(index_topk, T); -1 marks unused slots). Shared layers use the latest full layer's selection."""
         return self._selection(params, check_tokens(tokens, self.config.vocab_size))
 
-    def lm_head(self, params: dict) -> jax.Array:
-        """The output projection [vocab, D] (the embedding matrix when tied)."""
-        return params["embed"] if self.config.tie_word_embeddings else params["lm_head"]
-
-    def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
-        """hidden [T, D] (after the final norm) -> float32 logits [T, vocab]."""
-        return jnp.einsum("td,vd->tv", hidden, self.lm_head(params), preferred_element_type=accum_dtype(hidden.dtype))
-
-    # ----- pure implementations -----
-    # remat=True: per-repeat rematerialisation under autodiff (see `_segment`); the values are identical.
-    @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
-    def _forward(self, params, tokens, remat: bool = False):
-        return self._extend(params, self.init_state(0, params["embed"].dtype), tokens, remat=remat)
-
-    @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
-    def _extend(self, params, state, tokens, remat: bool = False):
-        return self.logits(params, self._extend_hidden(params, state, tokens, remat=remat))
-
+    # ----- pure implementations (public entry points: models/base.py CausalLM) -----
     @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
     def _extend_hidden(self, params, state, tokens, remat: bool = False):
         h, _, _ = _layers(self.config, params, state, tokens, state.length, remat)
@@ -626,21 +589,12 @@ class Glm52:
     def _selection(self, params, tokens):
         return _layers(self.config, params, self.init_state(0, params["embed"].dtype), tokens, 0)[2]
 
-    @functools.partial(jax.jit, static_argnums=(0, 3))
-    def _capture(self, params, tokens, chunk_size):
-        return capture_chunks(self, params, tokens, chunk_size, params["embed"].dtype)
-
     def carried(self, state: GlmState):
         """Nothing is overwritten chunk to chunk: every part of the state is appended (pure attention)."""
         return ()
 
     def with_carried(self, state: GlmState, carried) -> GlmState:
         return state
-
-    def capture_chunk(self, params: dict, state: GlmState, tokens: jax.Array, start) -> GlmState:
-        """Process tokens [C] at positions start.. (start may be traced) and write them into `state`, which must
-        hold positions < start and have room for start + C. Layers only read the state; rows are written once."""
-        return self.write_entries(state, self.chunk_entries(params, state, tokens, start), start)
 
     def chunk_entries(self, params: dict, state: GlmState, tokens: jax.Array, start) -> dict:
         """The state rows that tokens [C] at positions start.. produce, reading (not writing) `state`:

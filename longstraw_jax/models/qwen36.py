@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct, traverse_util
 
-from longstraw_jax.models.base import capture_chunks, chunk_layout, read_json_config
+from longstraw_jax.models.base import CausalLM, read_json_config
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype
@@ -33,7 +33,6 @@ from longstraw_jax.ops.gated_delta import gated_delta_rule_chunked, gated_delta_
 from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.norms import l2_normalise, rms_norm_1p, rms_norm_gated
 from longstraw_jax.ops.rope import RopeConfig, apply_partial_rope, cos_sin, inverse_frequencies
-from longstraw_jax.validation import check_tokens
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -442,7 +441,7 @@ _GROUP = {LINEAR: "linear", FULL: "full"}
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen36:
+class Qwen36(CausalLM):
     """Frozen, hashable: pass it as a static argument to `jax.jit`. Methods are pure functions of params."""
 
     config: Qwen36Config
@@ -529,55 +528,11 @@ class Qwen36:
             keys=jnp.zeros(kv_shape, dtype), values=jnp.zeros(kv_shape, dtype), length=length,
         )
 
-    # ----- public entry points (host-side validation, then jitted pure functions) -----
-    def forward(self, params: dict, tokens) -> jax.Array:
-        """Reference path: tokens int32 [T] -> float32 logits [T, vocab]."""
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        return self._forward(params, tokens)
-
-    def capture(self, params: dict, tokens, chunk_size: int = 2048) -> PromptState:
-        """Prompt tokens int32 [P] -> PromptState, in chunks of `chunk_size` (need not divide P); no logits."""
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        chunk_layout(tokens.shape[0], chunk_size)  # validates chunk_size
-        return self._capture(params, tokens, chunk_size)
-
-    def extend(self, params: dict, state: PromptState, tokens) -> jax.Array:
-        """Continue after `state` without modifying it: tokens int32 [T] -> float32 logits [T, vocab]."""
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        return self._extend(params, state, tokens)
-
-    def extend_hidden(self, params: dict, state: PromptState, tokens) -> jax.Array:
-        """As `extend`, but returns the final-normed hidden states [T, D] (model dtype): no vocabulary projection,
-        so callers can compute log-probs in token chunks."""
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        return self._extend_hidden(params, state, tokens)
-
-    def lm_head(self, params: dict) -> jax.Array:
-        """The output projection [vocab, D] (the embedding matrix when tied)."""
-        return params["embed"] if self.config.tie_word_embeddings else params["lm_head"]
-
-    def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
-        """hidden [T, D] (after the final norm) -> float32 logits [T, vocab]."""
-        return jnp.einsum("td,vd->tv", hidden, self.lm_head(params), preferred_element_type=accum_dtype(hidden.dtype))
-
-    # ----- pure implementations -----
-    # remat=True: per-block rematerialisation under autodiff (see `_layers`); the values are identical.
-    @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
-    def _forward(self, params, tokens, remat: bool = False):
-        return self._extend(params, self.init_state(0, params["embed"].dtype), tokens, remat=remat)
-
-    @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
-    def _extend(self, params, state, tokens, remat: bool = False):
-        return self.logits(params, self._extend_hidden(params, state, tokens, remat=remat))
-
+    # ----- pure implementations (public entry points: models/base.py CausalLM) -----
     @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
     def _extend_hidden(self, params, state, tokens, remat: bool = False):
         h, _ = _layers(self.config, params, state, tokens, state.length, cache_length=None, remat=remat)
         return self.final_norm(params, h)
-
-    @functools.partial(jax.jit, static_argnums=(0, 3))
-    def _capture(self, params, tokens, chunk_size):
-        return capture_chunks(self, params, tokens, chunk_size, params["embed"].dtype)
 
     # ----- block protocol (longstraw_jax/layerwise.py: the engine's block-by-block backward) -----
     @property
@@ -607,14 +562,6 @@ class Qwen36:
     def with_carried(self, state: PromptState, carried) -> PromptState:
         conv, recurrent = carried
         return state.replace(conv=conv, recurrent=recurrent)
-
-    def capture_chunk(self, params: dict, state: PromptState, tokens: jax.Array, start) -> PromptState:
-        """Process tokens [C] at positions start.. (start may be traced) and write them into `state`.
-
-        The state must already hold positions < start and have room for start + C. All layers read the incoming
-        state; the new entries are written once, after the last layer, so the cache is updated in place.
-        """
-        return self.write_entries(state, self.chunk_entries(params, state, tokens, start), start)
 
     def chunk_entries(self, params: dict, state: PromptState, tokens: jax.Array, start) -> dict:
         """The state entries that tokens [C] at positions start.. produce, reading (not writing) `state`:
