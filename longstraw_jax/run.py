@@ -159,7 +159,10 @@ class Trainer:
         if saved is not None and args.steps <= saved["step"]:
             raise RunError(f"--steps={args.steps}: the checkpoint is already at step {saved['step']}")
         self.mesh = self._make_mesh()
-        self.model, self.params = self._load_model()
+        self.model, params = self._load_model()
+        # committed to one device whatever the source (init, safetensors, Orbax), so the jitted sampler and step
+        # see the same argument placement on every call and compile once
+        self.params = jax.device_put(params, jax.local_devices()[0])
         self.vocab = self.model.config.vocab_size
         self._setup_data()
         from longstraw_jax import GRPOConfig
@@ -214,7 +217,8 @@ class Trainer:
 
         dtype = jnp.dtype(self.args.dtype)
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # unknown config.json fields are errors here, not warnings
+            # unknown config.json fields are errors here, not warnings (the model configs warn about them)
+            warnings.filterwarnings("error", message=r"(?i).*unknown", category=UserWarning)
             try:
                 if self.args.hf:
                     return models.load_hf(self.args.hf, dtype=dtype)
@@ -225,8 +229,7 @@ class Trainer:
                 else:
                     if not os.path.isfile(self.args.model):
                         raise RunError(f"--model {self.args.model}: no such config file (or use 'tiny')")
-                    config = models.config_from_hf(os.path.dirname(os.path.abspath(self.args.model))) \
-                        if os.path.basename(self.args.model) == "config.json" else _config_from_file(self.args.model)
+                    config = _config_from_file(self.args.model)
             except UserWarning as w:
                 raise RunError(str(w)) from None
         model = models.build(config)
