@@ -333,9 +333,10 @@ def gated_deltanet(cfg: Qwen36Config, p: dict, x: jax.Array, conv_tail: jax.Arra
     return _linear(o.reshape(t, hv * dv), p["out_proj"]), conv_tail, state
 
 
-def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Array, state: PromptState, b, j,
+def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Array, state: PromptState, index,
                     cache_length):
-    """Gated full attention (1.6, 1.7) for layer j of block b. x [T, D]; positions int [T], contiguous.
+    """Gated full attention (1.6, 1.7) for the layer at `index` of state.keys/values ((block, j), or (j,) in a
+    block's slice of the state). x [T, D]; positions int [T], contiguous.
 
     Attends over the first `cache_length` cached keys of the layer (None = all; they precede the new tokens) and,
     causally, over the new tokens; the two are merged by log-sum-exp. The state is only read.
@@ -353,7 +354,7 @@ def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Arr
 
     common = dict(q_positions=positions, scale=hd**-0.5, block_size=cfg.attention_block_size)
     cached = attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=False, kv_length=cache_length,
-                             kv_index=(b, j), **common)
+                             kv_index=index, **common)
     new = attn_ops.attend(q, k, v, k_offset=positions[0], causal=True, **common)
     o = attn_ops.merge(cached, new).out.astype(x.dtype).reshape(t, hq * hd)
     o = o * jax.nn.sigmoid(gate)  # output gate before o_proj
@@ -373,32 +374,35 @@ def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def _layer(cfg: Qwen36Config, kind: str, p: dict, h: jax.Array, state: PromptState, b, j, positions, cache_length):
+def _layer(cfg: Qwen36Config, kind: str, p: dict, h: jax.Array, state: PromptState, index, positions, cache_length):
     """Decoder layer (1.3): h + mixer(norm(h)), then h + mlp(norm(h)). Returns (h, the layer's new state entry):
-    (conv tail, recurrent matrix) for a linear layer, (keys, values) of the new tokens for a full one."""
+    (conv tail, recurrent matrix) for a linear layer, (keys, values) of the new tokens for a full one.
+    `index` locates the layer's entries in the state: (block, j), or (j,) in a block's slice."""
     eps = cfg.rms_norm_eps
     x = rms_norm_1p(h, p["input_norm"], eps)
     if kind == LINEAR:
-        y, *entry = gated_deltanet(cfg, p, x, state.conv[b, j], state.recurrent[b, j])
+        y, *entry = gated_deltanet(cfg, p, x, state.conv[index], state.recurrent[index])
     else:
-        y, entry = gated_attention(cfg, p, x, positions, state, b, j, cache_length)
+        y, entry = gated_attention(cfg, p, x, positions, state, index, cache_length)
     h = h + y
     return h + mlp(p["mlp"], rms_norm_1p(h, p["post_norm"], eps)), tuple(entry)
 
 
-def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, state: PromptState, b, positions, cache_length):
-    """One repeat of `block_pattern` (e.g. LLLF) over hidden h [T, D] at block b; the state is only read.
+def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, state: PromptState, prefix: tuple, positions, cache_length):
+    """One repeat of `block_pattern` (e.g. LLLF) over hidden h [T, D]; the state is only read, at `prefix`:
+    (b,) in the whole state, () in a block's slice of it.
 
     Consecutive layers of one kind run under `lax.scan` (one trace per run, not per layer). Returns h and the
-    block's new state entries per kind, stacked over that kind's layers: {LINEAR: (tails, mats), FULL: (keys,
-    values)} (None for a kind the pattern lacks).
+    block's new state entries per kind, stacked over that kind's layers: {"linear": (tails, mats), "full": (keys,
+    values)} (None for a kind the pattern lacks); tails in the state's dtype, recurrent matrices float32.
     """
     entries = {LINEAR: [], FULL: []}
     for kind, first, count in _runs(cfg.block_pattern):
         group = bp["linear" if kind == LINEAR else "full"]
 
         def step(h, j, kind=kind, group=group):
-            return _layer(cfg, kind, jax.tree.map(lambda a: a[j], group), h, state, b, j, positions, cache_length)
+            return _layer(cfg, kind, jax.tree.map(lambda a: a[j], group), h, state, prefix + (j,), positions,
+                          cache_length)
 
         if count == 1:
             h, entry = step(h, first)
@@ -408,18 +412,26 @@ def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, state: PromptState, b, pos
         entries[kind].append(entry)
     stacked = {kind: tuple(jnp.concatenate(parts) for parts in zip(*runs)) if runs else None
                for kind, runs in entries.items()}
-    return h, stacked
+    if stacked[LINEAR] is not None:
+        stacked[LINEAR] = (stacked[LINEAR][0].astype(state.conv.dtype), stacked[LINEAR][1])
+    return h, {"linear": stacked[LINEAR], "full": stacked[FULL]}
 
 
-def _layers(cfg: Qwen36Config, params: dict, state: PromptState, tokens: jax.Array, start, cache_length):
+def _layers(cfg: Qwen36Config, params: dict, state: PromptState, tokens: jax.Array, start, cache_length,
+            remat: bool = False):
     """All layers over tokens [T] at positions start.., reading `state` (a scan const: never copied or written).
-    Returns (h [T, D] before the final norm, new state entries stacked [num_blocks, per_block, ...])."""
+    Returns (h [T, D] before the final norm, new state entries stacked [num_blocks, per_block, ...]).
+
+    remat: under autodiff keep only each block's input h [T, D] and recompute the block in the backward pass, so
+    activation memory is one block's, not all layers' (costs one more forward of each block).
+    """
     positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
 
     def body(h, xs):
         bp, b = xs
-        return _block(cfg, bp, h, state, b, positions, cache_length)
+        return _block(cfg, bp, h, state, (b,), positions, cache_length)
 
+    body = jax.checkpoint(body) if remat else body
     return jax.lax.scan(body, params["embed"][tokens], (params["blocks"], jnp.arange(cfg.num_blocks)))
 
 
@@ -571,22 +583,44 @@ class Qwen36:
         return jnp.einsum("td,vd->tv", hidden, self.lm_head(params), preferred_element_type=accum_dtype(hidden.dtype))
 
     # ----- pure implementations -----
-    @functools.partial(jax.jit, static_argnums=0)
-    def _forward(self, params, tokens):
-        return self._extend(params, self.init_state(0, params["embed"].dtype), tokens)
+    # remat=True: per-block rematerialisation under autodiff (see `_layers`); the values are identical.
+    @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
+    def _forward(self, params, tokens, remat: bool = False):
+        return self._extend(params, self.init_state(0, params["embed"].dtype), tokens, remat=remat)
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def _extend(self, params, state, tokens):
-        return self.logits(params, self._extend_hidden(params, state, tokens))
+    @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
+    def _extend(self, params, state, tokens, remat: bool = False):
+        return self.logits(params, self._extend_hidden(params, state, tokens, remat=remat))
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def _extend_hidden(self, params, state, tokens):
-        h, _ = _layers(self.config, params, state, tokens, state.length, cache_length=None)
-        return rms_norm_1p(h, params["final_norm"], self.config.rms_norm_eps)
+    @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
+    def _extend_hidden(self, params, state, tokens, remat: bool = False):
+        h, _ = _layers(self.config, params, state, tokens, state.length, cache_length=None, remat=remat)
+        return self.final_norm(params, h)
 
     @functools.partial(jax.jit, static_argnums=(0, 3))
     def _capture(self, params, tokens, chunk_size):
         return capture_chunks(self, params, tokens, chunk_size, params["embed"].dtype)
+
+    # ----- block protocol (longstraw_jax/layerwise.py: the engine's block-by-block backward) -----
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_blocks
+
+    def embed(self, params: dict, tokens: jax.Array) -> jax.Array:
+        """tokens [T] -> h [T, D] (the input of block 0)."""
+        return params["embed"][tokens]
+
+    def block_params(self, params: dict) -> dict:
+        """The per-block parameters, every leaf stacked [num_blocks, ...]."""
+        return params["blocks"]
+
+    def block(self, bp: dict, h: jax.Array, state_block: PromptState, positions: jax.Array, cache_length):
+        """One block on h [T, D] at `positions`, reading `state_block` (every state leaf indexed at the block, e.g.
+        keys [nf, P, Hkv, hd]). Returns (h, the block's entries as `chunk_entries` gives them, minus the block axis)."""
+        return _block(self.config, bp, h, state_block, (), positions, cache_length)
+
+    def final_norm(self, params: dict, h: jax.Array) -> jax.Array:
+        return rms_norm_1p(h, params["final_norm"], self.config.rms_norm_eps)
 
     def carried(self, state: PromptState):
         """The part of the state each chunk overwrites (conv tails, recurrent matrices); KV is appended."""
@@ -613,27 +647,25 @@ class Qwen36:
         """`capture_chunk` that also returns the final-normed hidden states [C, D] of the tokens: one decoding step
         (the state must have room: `init_state(capacity)` with capacity > the last position written)."""
         h, entries = self._chunk(params, state, tokens, start)
-        return rms_norm_1p(h, params["final_norm"], self.config.rms_norm_eps), self.write_entries(state, entries, start)
+        return self.final_norm(params, h), self.write_entries(state, entries, start)
 
     def _chunk(self, params, state, tokens, start):
-        h, entries = _layers(self.config, params, state, tokens, start, cache_length=start)
-        entries = {"linear": entries[LINEAR], "full": entries[FULL]}
-        if entries["linear"] is not None:
-            entries["linear"] = (entries["linear"][0].astype(state.conv.dtype), entries["linear"][1])
-        return h, entries
+        return _layers(self.config, params, state, tokens, start, cache_length=start)
 
     def write_entries(self, state: PromptState, entries: dict, start) -> PromptState:
-        """Carried parts are replaced; keys/values are written at positions start.. (in place)."""
+        """Carried parts are replaced; keys/values are written at positions start.. (in place). Works on the whole
+        state and on one block's slice of it (positions are axis -3 of keys/values either way)."""
         if entries["linear"] is not None:
             state = state.replace(conv=entries["linear"][0], recurrent=entries["linear"][1])
         if entries["full"] is not None:
-            write = lambda cache, new: jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, 0, start, 0, 0))
+            write = lambda cache, new: jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), start,
+                                                                               cache.ndim - 3)
             state = state.replace(keys=write(state.keys, entries["full"][0]), values=write(state.values, entries["full"][1]))
         return state
 
     def read_entries(self, state: PromptState, start, size: int) -> dict:
         """The transpose of `write_entries`: the entries of positions start..start+size-1 (used on cotangents)."""
         c = self.config
-        read = lambda cache: jax.lax.dynamic_slice_in_dim(cache, start, size, axis=2)
+        read = lambda cache: jax.lax.dynamic_slice_in_dim(cache, start, size, axis=cache.ndim - 3)
         return {"linear": (state.conv, state.recurrent) if c.linear_per_block else None,
                 "full": (read(state.keys), read(state.values)) if c.full_per_block else None}
