@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         if args.mesh is not None:
             _raise_cpu_device_count(args.mesh)
         return Trainer(args, explicit).run()
-    except (RunError, ValueError, TypeError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
+    except (RunError, ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
 
@@ -324,14 +324,13 @@ class Trainer:
         print(f"data: {source}; prompt {args.prompt_len if self.groups is None else 'from file'} tokens, "
               f"G={args.group_size if self.groups is None else 'from file'}, mode={args.mode}, chunk {args.chunk_size}"
               f"; steps {self.step + 1}..{args.steps}; out: {self.out}")
-        first = self.step
         records = []
         wall = time.perf_counter()
         while self.step < args.steps:
             record = self.train_one()
             records.append(record)
             if self.step % args.log_every == 0 or self.step == args.steps:
-                print(_progress(record, first, args.steps), flush=True)
+                print(_progress(record, args.steps), flush=True)
             if self.step % args.save_every == 0 or self.step == args.steps:
                 self.checkpoints.save(self.step, self.params, self.opt_state, self.key, self.data_position,
                                       self.config())
@@ -370,7 +369,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def _progress(r: dict, first: int, total: int, width: int = 20) -> str:
+def _progress(r: dict, total: int, width: int = 20) -> str:
     filled = round(width * r["step"] / total)
     acc = f" acc {r['accuracy']:.2f}" if "accuracy" in r else ""
     skipped = " SKIPPED (non-finite)" if r.get("skipped") else ""
@@ -394,8 +393,9 @@ def _summary(records: list[dict], history: list[dict], wall: float, trainer: Tra
     if trainer.task is not None and hasattr(trainer.task, "chance_reward"):
         lines[-1] += f" (uniform guessing among answers: {trainer.task.chance_reward:.3f})"
     if "accuracy" in history[-1]:
+        chance = getattr(trainer.task, "chance_accuracy", None)
         lines.append(f"accuracy: first {n} {mean(head, 'accuracy'):.3f} -> last {n} {mean(tail, 'accuracy'):.3f}"
-                     f" (chance {1 / trainer.task.num_answers:.3f})" if hasattr(trainer.task, "num_answers") else "")
+                     + (f" (chance {chance:.3f})" if chance is not None else ""))
     skipped = sum(int(r["skipped"]) for r in records)
     lines.append(f"loss (last step) {records[-1]['loss']:+.4f}; skipped updates {skipped}; peak mem "
                  f"{_gib(max(r['peak_mem_bytes'] for r in records))} ({records[-1]['peak_mem_source']})")

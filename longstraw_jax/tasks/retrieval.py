@@ -74,6 +74,10 @@ class RetrievalTask:
         return PAD
 
     @property
+    def chance_accuracy(self) -> float:
+        return 1 / self.num_answers
+
+    @property
     def chance_reward(self) -> float:
         return 1 / self.num_answers + (1 - 1 / self.num_answers) * self.format_reward
 
