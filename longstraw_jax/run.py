@@ -6,8 +6,8 @@ GRPO update (engine gradients, exact or detached; clipped AdamW). Writes to --ou
 step), metrics.png (reward and loss over steps), checkpoints/ (Orbax: params, optimizer state, RNG key, data
 position), and with --export-hf a safetensors checkpoint of the final params.
 
-With no arguments: the embedded default, a tiny Qwen3.6 (vocabulary 64) on the synthetic retrieval task (a tool
-log with a fact planted at a random depth), a few dozen exact-mode steps on CPU.
+With no arguments: the embedded default, a tiny Qwen3.6 (vocabulary 32) on the synthetic retrieval task (a tool
+log with a fact planted at a random depth), 40 exact-mode steps on CPU.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model (default: a random tiny Qwen3.6)")
     m.add_argument("--model", default="tiny", help="'tiny' (Qwen36Config.tiny with --vocab-size) or a config.json "
                    "path (random init; unknown fields are an error)")
-    m.add_argument("--vocab-size", type=int, default=64, help="vocabulary of the 'tiny' model")
+    m.add_argument("--vocab-size", type=int, default=32, help="vocabulary of the 'tiny' model")
     m.add_argument("--hf", metavar="DIR", help="load config.json + *.safetensors from DIR (models.load_hf)")
     m.add_argument("--init-from", metavar="DIR", help="load an init directory (config.json + Orbax params/), "
                    "e.g. written by tools/convert_hf.py")
@@ -57,13 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=40, help="total GRPO steps (a resumed run continues up to this)")
     t.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     t.add_argument("--weight-decay", type=float, default=0.0)
-    t.add_argument("--max-grad-norm", type=float, default=1.0)
+    t.add_argument("--max-grad-norm", type=float, default=1.0, help="global-norm clip (0: none)")
     t.add_argument("--mode", default="exact", choices=("exact", "detached"),
                    help="exact: gradient through the prompt (== full graph); detached: prompt state constant")
     t.add_argument("--chunk-size", type=int, default=256, help="prompt chunk length for capture / prompt backward")
     t.add_argument("--loss-agg", default="token-mean",
                    choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
-    t.add_argument("--kl-coef", type=float, default=0.0)
+    t.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL weight (needs ref_logprobs in --rollouts)")
     t.add_argument("--mesh", metavar="AxB", help="device mesh data x seq (e.g. 1x8); on CPU raises the simulated "
                    "device count to A*B before JAX starts")
     t.add_argument("--seed", type=int, default=0)
@@ -244,6 +244,9 @@ class Trainer:
         if args.rollouts:
             self.groups = load_rollouts(args.rollouts, self.vocab, args.tokenizer)
             return
+        if args.kl_coef > 0:
+            raise RunError(f"--kl-coef={args.kl_coef}: sampled rollouts have no reference log-probs; the KL term needs "
+                           "a --rollouts file with ref_logprobs")
         self.task = make_task(args.task, prompt_len=args.prompt_len, vocab_size=self.vocab, seed=args.seed,
                               **({"depth": args.depth} if args.depth is not None else {}))
         self.reward_fn = load_callable(args.reward) if args.reward else self.task.reward

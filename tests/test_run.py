@@ -128,6 +128,7 @@ def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys
         (["--rollouts", write(tmp_path / "nan.jsonl", '{"prompt": [1, 2], "responses": [[3]], "rewards": [NaN]}')],
          r"nan.jsonl:1: 'rewards'\[0\] = nan"),
         (["--mesh", "2"], "--mesh='2' must look like AxB"),
+        (["--kl-coef", "0.1"], "--kl-coef=0.1: sampled rollouts have no reference log-probs"),
         ([], "already holds checkpoints: pass --resume"),
         (["--lr", "0.5", "--resume"], r"--lr=0.5 differs from the run being resumed \(0.003\)"),
     ]
