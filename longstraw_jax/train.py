@@ -59,7 +59,7 @@ def make_optimizer(learning_rate=1e-5, weight_decay: float = 0.0, max_grad_norm:
 
 
 def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.GradientTransformation,
-               cfg: GRPOConfig = GRPOConfig(), mode: str = "exact", chunk_size: int = 2048):
+               cfg: GRPOConfig = GRPOConfig(), mode: str = "exact", chunk_size: int = 2048, mesh=None):
     """One GRPO update on one group: (params, opt_state, metrics).
 
     metrics: the engine's metrics (reward_mean, clip_frac, kl, entropy, ...) plus "loss" (before the update),
@@ -67,18 +67,19 @@ def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.Gra
     non-finite and the update was not applied, else 0.0). All are scalar arrays.
 
     Host-side checks first (mode, chunk_size, and the batch's shapes and values via `validate_batch`), then one
-    jitted step with model, optimizer, cfg, mode and chunk_size static.
+    jitted step with model, optimizer, cfg, mode, chunk_size and mesh static (mesh is passed to `grpo_grads`).
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; allowed: {', '.join(map(repr, MODES))}")
     validate_batch(batch, model.config.vocab_size)
     chunk_layout(batch.prompt.shape[0] - 1, chunk_size)
-    return _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size)
+    return _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
-def _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size):
-    loss, grads, metrics = grpo_grads(model, params, batch, cfg, mode=mode, chunk_size=chunk_size)
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
+def _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh=None):
+    extra = {} if mesh is None else {"mesh": mesh}
+    loss, grads, metrics = grpo_grads(model, params, batch, cfg, mode=mode, chunk_size=chunk_size, **extra)
     finite = jnp.isfinite(loss)
     for g in jax.tree.leaves(grads):
         finite = finite & jnp.all(jnp.isfinite(g))

@@ -1,0 +1,139 @@
+"""Externally generated rollouts (e.g. sampled with vLLM or SGLang): one GRPO group per JSONL line.
+
+    {"prompt": [ids...] | "prompt_text": "...",
+     "responses": [[ids...], ...] | "responses_text": ["...", ...],          G >= 1 non-empty responses
+     "rewards": [r_1, ..., r_G],                                             finite numbers
+     "old_logprobs": [[...], ...],   optional, one per response token (log-probs under the sampling policy)
+     "ref_logprobs": [[...], ...]}   optional, likewise (for the k3 KL)
+
+Text fields need a `tokenizer.json` (Hugging Face `tokenizers`; encoded without added special tokens). Responses
+are right-padded with `pad_token` (mask 0) to the longest response in the file, so every group of one prompt length
+and group size compiles to the same step. Every line is checked when the file is read; a bad line raises a
+ValueError naming the file, the line number and the field.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+from longstraw_jax.grpo import GroupBatch
+
+
+def load_rollouts(path: str | os.PathLike, vocab_size: int, tokenizer_path: str | None = None,
+                  pad_token: int = 0) -> list[GroupBatch]:
+    """Every line of `path` as a GroupBatch (numpy arrays), in file order. Blank lines are skipped."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"rollout file {path} does not exist")
+    tokenizer = None
+    if tokenizer_path is not None:
+        from tokenizers import Tokenizer
+
+        if not os.path.isfile(tokenizer_path):
+            raise FileNotFoundError(f"tokenizer file {tokenizer_path} does not exist")
+        tokenizer = Tokenizer.from_file(tokenizer_path)
+    groups = []
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    groups.append(_parse_group(json.loads(line), vocab_size, tokenizer))
+                except (ValueError, TypeError, KeyError) as e:
+                    raise ValueError(f"{path}:{number}: {e}") from None
+    if not groups:
+        raise ValueError(f"{path}: no rollout groups (the file is empty)")
+    length = max(len(r) for g in groups for r in g["responses"])
+    return [_pad(g, length, pad_token) for g in groups]
+
+
+def _token_list(value, field: str, vocab_size: int) -> np.ndarray:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f"'{field}' must be a list of integer token ids")
+    ids = np.asarray(value, np.int64)
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        raise ValueError(f"'{field}'[{bad[0]}] = {ids[bad[0]]} is out of range: token ids must be in "
+                         f"[0, vocab_size={vocab_size})")
+    return ids.astype(np.int32)
+
+
+def _encode(text, field: str, tokenizer) -> list[int]:
+    if tokenizer is None:
+        raise ValueError(f"'{field}' is text: pass a tokenizer.json (--tokenizer) to encode it")
+    if not isinstance(text, str):
+        raise ValueError(f"'{field}' must be a string")
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _parse_group(record, vocab_size: int, tokenizer) -> dict:
+    if not isinstance(record, dict):
+        raise ValueError("each line must be a JSON object")
+    known = {"prompt", "prompt_text", "responses", "responses_text", "rewards", "old_logprobs", "ref_logprobs"}
+    unknown = sorted(set(record) - known)
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown}; allowed: {sorted(known)}")
+    if ("prompt" in record) == ("prompt_text" in record):
+        raise ValueError("give exactly one of 'prompt' (token ids) and 'prompt_text'")
+    if ("responses" in record) == ("responses_text" in record):
+        raise ValueError("give exactly one of 'responses' (token id lists) and 'responses_text'")
+    if "prompt" in record:
+        prompt = _token_list(record["prompt"], "prompt", vocab_size)
+    else:
+        prompt = _token_list(_encode(record["prompt_text"], "prompt_text", tokenizer), "prompt_text", vocab_size)
+    if len(prompt) < 2:
+        raise ValueError(f"'prompt' has {len(prompt)} token(s); need at least 2")
+    field = "responses" if "responses" in record else "responses_text"
+    raw = record[field]
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"'{field}' must be a non-empty list (G >= 1 responses)")
+    if field == "responses_text":
+        raw = [_encode(text, f"responses_text[{g}]", tokenizer) for g, text in enumerate(raw)]
+    responses = [_token_list(r, f"{field}[{g}]", vocab_size) for g, r in enumerate(raw)]
+    for g, response in enumerate(responses):
+        if len(response) == 0:
+            raise ValueError(f"'{field}[{g}]' is empty: every response needs at least one token")
+    rewards = record.get("rewards")
+    if not isinstance(rewards, list) or len(rewards) != len(responses):
+        raise ValueError(f"'rewards' must be a list of {len(responses)} numbers (one per response)")
+    for g, r in enumerate(rewards):
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r):
+            raise ValueError(f"'rewards'[{g}] = {r!r}; rewards must be finite numbers")
+    group = {"prompt": prompt, "responses": responses, "rewards": np.asarray(rewards, np.float32)}
+    for name in ("old_logprobs", "ref_logprobs"):
+        if name in record:
+            values = record[name]
+            if not isinstance(values, list) or len(values) != len(responses):
+                raise ValueError(f"'{name}' must be a list of {len(responses)} lists (one per response)")
+            rows = []
+            for g, (row, response) in enumerate(zip(values, responses)):
+                if not isinstance(row, list) or len(row) != len(response):
+                    raise ValueError(f"'{name}'[{g}] must have {len(response)} numbers (one per response token)")
+                row = np.asarray(row, np.float64)
+                if not np.isfinite(row).all():
+                    raise ValueError(f"'{name}'[{g}] has a non-finite value; log-probs must be finite")
+                rows.append(row.astype(np.float32))
+            group[name] = rows
+    return group
+
+
+def _pad(group: dict, length: int, pad_token: int) -> GroupBatch:
+    g = len(group["responses"])
+    responses = np.full((g, length), pad_token, np.int32)
+    mask = np.zeros((g, length), np.float32)
+    for i, response in enumerate(group["responses"]):
+        responses[i, : len(response)] = response
+        mask[i, : len(response)] = 1.0
+
+    def rows(name):
+        if name not in group:
+            return None
+        out = np.zeros((g, length), np.float32)
+        for i, row in enumerate(group[name]):
+            out[i, : len(row)] = row
+        return out
+
+    return GroupBatch(prompt=group["prompt"], responses=responses, mask=mask, rewards=group["rewards"],
+                      old_logprobs=rows("old_logprobs"), ref_logprobs=rows("ref_logprobs"))

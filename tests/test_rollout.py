@@ -1,0 +1,147 @@
+"""Sampling from the captured prompt state (rollout.py) on a small Qwen3.6 (one LLLF block, O(1) weights).
+
+- every sampled token is the one a full recompute would sample: `forward(prompt + response)` gives the logits at
+  each response position, and categorical sampling with the same per-step key must pick the same token. Branches
+  share one state (each overwrites the previous branch's tail), so this also shows no branch sees another's tokens;
+- the recorded log-probs equal the full-graph oracle's (naive.response_logprobs, what grpo_grads scores) at
+  temperature 1, and the sampling log-probs reflect temperature / top-p;
+- stop token: kept with mask 1, then padding with mask 0, and the tokens before it are unchanged;
+- top-p keeps exactly the nucleus; bad inputs raise on the host;
+- AOT memory: temporaries do not grow with G (the prompt state is never copied per branch).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longstraw_jax import models, rollout
+from longstraw_jax.models.qwen36 import FULL, LINEAR
+from longstraw_jax.naive import response_logprobs
+from longstraw_jax.rollout import SamplingConfig, sample_group, sampling_logits
+from tests.random_params import o1_params
+
+P, G, R, CHUNK = 21, 3, 6, 8
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = models.Qwen36Config.tiny(num_hidden_layers=4, layer_types=(LINEAR, LINEAR, LINEAR, FULL),
+                                      vocab_size=64, gdn_chunk_size=16)
+    model = models.build(config)
+    params = o1_params(model.init(jax.random.key(0)), jax.random.key(1))
+    prompt = np.random.default_rng(0).integers(0, 64, P).astype(np.int32)
+    return model, params, prompt
+
+
+def full_logits(model, params, prompt, responses):
+    """[G, R, V] logits of each response position from one full forward per branch."""
+    tokens = jnp.concatenate([jnp.broadcast_to(prompt, (responses.shape[0], P)), responses], axis=1)
+    return jax.vmap(lambda t: model._forward(params, t))(tokens)[:, P - 1 : P - 1 + responses.shape[1]]
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_tokens_and_logprobs_match_a_full_recompute(setup, temperature, top_p):
+    model, params, prompt = setup
+    key = jax.random.key(42)
+    sampling = SamplingConfig(max_new_tokens=R, temperature=temperature, top_p=top_p)
+    out = sample_group(model, params, prompt, G, sampling, key, chunk_size=CHUNK)
+    responses = np.asarray(out.responses)
+    assert responses.shape == (G, R) and np.all(np.asarray(out.mask) == 1)
+    assert len({tuple(r) for r in responses}) == G  # branches differ (different keys)
+
+    logits = full_logits(model, params, prompt, jnp.asarray(responses))
+    branch_keys = jax.random.split(key, G)
+    for g in range(G):
+        for t in range(R):
+            shaped = sampling_logits(logits[g, t], temperature, top_p)
+            assert int(jax.random.categorical(jax.random.fold_in(branch_keys[g], t), shaped)) == responses[g, t]
+            np.testing.assert_allclose(out.sample_logprobs[g, t], jax.nn.log_softmax(shaped)[responses[g, t]],
+                                       rtol=1e-4, atol=1e-4)
+
+    oracle, _ = response_logprobs(model, params, jnp.asarray(prompt), jnp.asarray(responses))
+    np.testing.assert_allclose(out.logprobs, oracle, rtol=1e-4, atol=1e-4)
+    if temperature == 1.0 and top_p == 1.0:
+        np.testing.assert_array_equal(out.sample_logprobs, out.logprobs)
+    else:  # the sampling distribution is not the policy's: old_logprobs must be `logprobs`, not these
+        assert np.max(np.abs(np.asarray(out.sample_logprobs) - np.asarray(out.logprobs))) > 0.1
+
+
+def test_glm_samples_through_the_same_protocol():
+    """GLM-5.2 (MLA + DSA indexer, top-k 16 < P: sparse selection active) through the same sampler: tokens and
+    log-probs agree with a full recompute."""
+    model = models.build(models.Glm52Config.tiny(vocab_size=64, query_block_size=8, index_key_block_size=8))
+    params = o1_params(model.init(jax.random.key(0)), jax.random.key(2))
+    prompt = np.random.default_rng(1).integers(0, 64, P).astype(np.int32)
+    key = jax.random.key(3)
+    out = sample_group(model, params, prompt, 2, SamplingConfig(max_new_tokens=4), key, chunk_size=CHUNK)
+    logits = full_logits(model, params, prompt, out.responses)
+    for g, branch_key in enumerate(jax.random.split(key, 2)):
+        for t in range(4):
+            assert int(jax.random.categorical(jax.random.fold_in(branch_key, t), logits[g, t])) == out.responses[g, t]
+    oracle = jnp.take_along_axis(jax.nn.log_softmax(logits), out.responses[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(out.logprobs, oracle, rtol=1e-4, atol=1e-4)
+
+
+def test_stop_token_masks_and_pads(setup):
+    model, params, prompt = setup
+    key = jax.random.key(7)
+    free = sample_group(model, params, prompt, G, SamplingConfig(max_new_tokens=R), key, chunk_size=CHUNK)
+    stop = int(free.responses[1, 2])  # branch 1 stops at t = 2 (or earlier, if the token appeared before)
+    pad = 63 if stop != 63 else 62
+    out = sample_group(model, params, prompt, G, SamplingConfig(max_new_tokens=R, stop_token=stop, pad_token=pad),
+                       key, chunk_size=CHUNK)
+    for g in range(G):
+        row = np.asarray(free.responses[g])
+        hits = np.flatnonzero(row == stop)
+        length = hits[0] + 1 if hits.size else R
+        np.testing.assert_array_equal(out.mask[g], np.arange(R) < length)
+        np.testing.assert_array_equal(out.responses[g, :length], row[:length])
+        assert np.all(np.asarray(out.responses[g, length:]) == pad)
+        assert np.all(np.asarray(out.logprobs[g, length:]) == 0)
+        np.testing.assert_allclose(out.logprobs[g, :length], free.logprobs[g, :length], rtol=1e-6, atol=1e-6)
+    assert out.mask[1].sum() <= 3
+
+
+def test_top_p_keeps_the_nucleus():
+    logits = jnp.log(jnp.array([0.1, 0.5, 0.15, 0.25]))
+    kept = lambda p: np.isfinite(np.asarray(sampling_logits(logits, 1.0, p)))
+    np.testing.assert_array_equal(kept(0.4), [False, True, False, False])
+    np.testing.assert_array_equal(kept(0.6), [False, True, False, True])   # 0.5 < 0.6: the next token is needed
+    np.testing.assert_array_equal(kept(0.75), [False, True, False, True])  # 0.5 + 0.25 reaches 0.75
+    np.testing.assert_array_equal(kept(0.8), [False, True, True, True])
+    np.testing.assert_array_equal(kept(1.0), [True] * 4)
+    np.testing.assert_allclose(sampling_logits(logits, 2.0, 1.0), logits / 2.0)
+
+
+def test_bad_input_raises(setup):
+    model, params, prompt = setup
+    key = jax.random.key(0)
+    ok = SamplingConfig(max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"G\) = 0"):
+        sample_group(model, params, prompt, 0, ok, key)
+    bad_prompt = prompt.copy()
+    bad_prompt[3] = 64
+    with pytest.raises(ValueError, match=r"prompt\[3\] = 64 is out of range"):
+        sample_group(model, params, bad_prompt, 2, ok, key)
+    with pytest.raises(ValueError, match=r"stop_token=64 is out of range"):
+        sample_group(model, params, prompt, 2, SamplingConfig(max_new_tokens=2, stop_token=64), key)
+    with pytest.raises(ValueError, match="need at least 2"):
+        sample_group(model, params, prompt[:1], 2, ok, key)
+    for bad in (dict(max_new_tokens=0), dict(temperature=0.0), dict(top_p=1.5), dict(stop_token=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingConfig(**bad)
+
+
+def test_memory_does_not_grow_with_group_size(setup):
+    """Temporaries of the compiled sampler at G = 1 and G = 16 differ by far less than one copy of the state."""
+    model, params, _ = setup
+    length, sampling = 4096, SamplingConfig(max_new_tokens=4)
+    prompt = jax.ShapeDtypeStruct((length,), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    temp = {}
+    for g in (1, 16):
+        compiled = rollout._sample_group.lower(model, params, prompt, key, g, sampling, 512).compile()
+        temp[g] = compiled.memory_analysis().temp_size_in_bytes
+    state_bytes = model.init_state(length + 3).nbytes()
+    print(f"sampler temp bytes: G=1 {temp[1]}, G=16 {temp[16]}; one state {state_bytes}")
+    assert temp[16] - temp[1] < 0.1 * state_bytes

@@ -1,0 +1,149 @@
+"""The trainer CLI end to end, in process (`run.main(argv)`), on a small setting of the embedded default.
+
+- a 3-step run writes metrics.jsonl (finite loss, every documented field), metrics.png, Orbax checkpoints and an HF
+  export that loads back to the checkpointed params; --hf and --init-from start from those weights;
+- resume: 2 steps, stop, --resume to 3 gives bit-identical params and identical metrics to the uninterrupted run;
+- bad input: a one-line error naming the thing, exit status 2, and the saved run directory is not touched.
+
+All runs share one model / optimizer / sampling setting, so the sampler and the train step compile once.
+"""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from longstraw_jax import make_optimizer, models, run
+from longstraw_jax.checkpoint import TrainCheckpoints, save_init_dir
+
+SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
+         "--save-every", "2", "--seed", "1"]
+FIELDS = {"step", "loss", "reward_mean", "reward_std", "kl", "clip_frac", "entropy", "grad_norm", "skipped",
+          "response_len_mean", "accuracy", "prompt_tokens", "response_tokens", "tokens_per_s", "rollout_s",
+          "update_s", "step_s", "peak_mem_bytes", "peak_mem_source"}
+
+
+SPREAD = "tests.test_run:token_reward"
+
+
+def token_reward(prompt_tokens, response_tokens, info):
+    """Rewards that differ between branches unless all sample the same first token (non-zero advantages)."""
+    return float(response_tokens[0])
+
+
+def bits(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def snapshot(directory):
+    """(path, size, mtime) of every file under `directory`: any write shows up."""
+    return sorted((os.path.relpath(os.path.join(root, f), directory), os.stat(os.path.join(root, f)).st_size,
+                   os.stat(os.path.join(root, f)).st_mtime_ns)
+                  for root, _, files in os.walk(directory) for f in files)
+
+
+def restore(out, step=None):
+    model = models.build(models.Qwen36Config.tiny(vocab_size=32))
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    optimizer = make_optimizer(3e-3)
+    checkpoints = TrainCheckpoints(out, create=False)
+    params, opt_state, key, meta = checkpoints.restore(abstract, jax.eval_shape(optimizer.init, abstract), step)
+    checkpoints.close()
+    return params, opt_state, meta
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("run") / "a")
+    assert run.main(SMALL + ["--steps", "3", "--out", out, "--export-hf", os.path.join(out, "hf")]) == 0
+    return out
+
+
+def test_run_writes_metrics_plot_checkpoints_and_export(full_run, capsys):
+    out = full_run
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert FIELDS <= set(r), FIELDS - set(r)
+        assert np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) and r["skipped"] == 0
+        assert r["prompt_tokens"] == 48 and 3 <= r["response_tokens"] <= 6 and r["peak_mem_bytes"] > 0
+    with open(os.path.join(out, "metrics.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["2", "3"]
+    params, _, meta = restore(out)
+    assert meta["step"] == 3 and meta["data_position"] == 3 and meta["config"]["prompt_len"] == 48
+    _, exported = models.load_hf(os.path.join(out, "hf"))
+    assert bits(exported) == bits(params)
+    assert os.path.exists(os.path.join(out, "config.json"))
+
+
+def test_hf_and_init_dir_starts(full_run, tmp_path):
+    """--hf and --init-from start from the exported weights: one step from each gives bit-identical params, within
+    one Adam step (|update| <= lr per element) of the exported weights (a fresh init is ~0.02 away)."""
+    model, params = models.load_hf(os.path.join(full_run, "hf"))
+    save_init_dir(model, params, tmp_path / "init")
+    results = []
+    for option, source in (("--hf", os.path.join(full_run, "hf")), ("--init-from", str(tmp_path / "init"))):
+        out = str(tmp_path / option.strip("-"))
+        assert run.main(SMALL + [option, source, "--steps", "1", "--out", out, "--reward", SPREAD]) == 0
+        results.append(restore(out)[0])
+    assert bits(results[0]) == bits(results[1])
+    change = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(params)))
+    assert 0 < change <= 3e-3 * 1.001
+
+
+def test_resume_equals_uninterrupted(full_run, tmp_path):
+    out = str(tmp_path / "b")
+    assert run.main(SMALL + ["--steps", "2", "--out", out]) == 0
+    assert run.main(["--out", out, "--resume", "--steps", "3"]) == 0  # the saved configuration is reused
+    resumed, resumed_opt, meta = restore(out)
+    straight, straight_opt, _ = restore(full_run)
+    assert meta["step"] == 3 and bits(resumed) == bits(straight) and bits(resumed_opt) == bits(straight_opt)
+    read = lambda d: [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+    drop = {"tokens_per_s", "rollout_s", "update_s", "step_s", "peak_mem_bytes"}  # timings differ
+    assert [{k: v for k, v in r.items() if k not in drop} for r in read(out)] == \
+           [{k: v for k, v in r.items() if k not in drop} for r in read(full_run)]
+
+
+def write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+    return str(path)
+
+
+def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys):
+    out = full_run
+    before = snapshot(out)
+    config = models.Qwen36Config.tiny(vocab_size=32).to_hf()
+    good_group = {"prompt": [1, 2, 3], "responses": [[4, 5]], "rewards": [1.0]}
+    cases = [
+        (["--model", write(tmp_path / "config.json", json.dumps(dict(config, foo_bar=1)))], "foo_bar"),
+        (["--rollouts", write(tmp_path / "ids.jsonl", json.dumps(dict(good_group, prompt=[1, 999])))],
+         r"ids.jsonl:1: 'prompt'\[1\] = 999 is out of range"),
+        (["--group-size", "0"], "--group-size=0 must be >= 1"),
+        (["--rollouts", write(tmp_path / "empty.jsonl", json.dumps(good_group) + "\n"
+                              + json.dumps(dict(good_group, responses=[[]])))], r"empty.jsonl:2: 'responses\[0\]' is empty"),
+        (["--rollouts", write(tmp_path / "nan.jsonl", '{"prompt": [1, 2], "responses": [[3]], "rewards": [NaN]}')],
+         r"nan.jsonl:1: 'rewards'\[0\] = nan"),
+        (["--mesh", "2"], "--mesh='2' must look like AxB"),
+        (["--kl-coef", "0.1"], "--kl-coef=0.1: sampled rollouts have no reference log-probs"),
+        ([], "already holds checkpoints: pass --resume"),
+        (["--lr", "0.5", "--resume"], r"--lr=0.5 differs from the run being resumed \(0.003\)"),
+    ]
+    for extra, message in cases:
+        assert run.main(SMALL + ["--steps", "5", "--out", out] + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: "), err
+        assert __import__("re").search(message, err), (message, err)
+        assert snapshot(out) == before, extra
+
+    missing = str(tmp_path / "missing")
+    assert run.main(["--out", missing, "--resume"]) == 2
+    assert "--resume: no checkpoint directory" in capsys.readouterr().err and not os.path.exists(missing)
+
+    fresh = str(tmp_path / "nan_reward")
+    assert run.main(SMALL + ["--steps", "2", "--out", fresh, "--reward", "tests.test_tasks:nan_reward"]) == 2
+    assert "rewards must be finite" in capsys.readouterr().err
+    assert not os.listdir(os.path.join(fresh, "checkpoints"))

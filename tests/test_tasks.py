@@ -1,0 +1,138 @@
+"""Tasks and rewards: the synthetic retrieval task, `module:function` loading, reward checks, rollout JSONL files."""
+import json
+
+import numpy as np
+import pytest
+
+from longstraw_jax.tasks import Prompt, load_callable, make_task, score
+from longstraw_jax.tasks.retrieval import FACT, QUERY, STOP, TOOL, RetrievalTask
+from longstraw_jax.tasks.rollout_file import load_rollouts
+
+
+def nan_reward(prompt_tokens, response_tokens, info):
+    return float("nan")
+
+
+@pytest.mark.parametrize("prompt_len, depth, facts", [(64, 0.0, 1), (200, 0.5, 3), (1000, 1.0, 2), (300, None, 4)])
+def test_retrieval_prompt_layout(prompt_len, depth, facts):
+    task = RetrievalTask(prompt_len=prompt_len, vocab_size=64, seed=3, num_facts=facts, depth=depth)
+    for index in range(5):
+        prompt = task.prompt(index)
+        tokens, info = prompt.tokens, prompt.info
+        assert tokens.dtype == np.int32 and tokens.shape == (prompt_len,)
+        assert tokens.min() >= 0 and tokens.max() < 64
+        assert tokens[-2] == QUERY and tokens[-1] == info["key"]
+        fact_positions = np.flatnonzero(tokens == FACT)
+        assert len(fact_positions) == facts
+        keys = tokens[fact_positions + 1]
+        assert len(set(keys.tolist())) == facts and info["key"] in keys
+        queried = fact_positions[keys == info["key"]][0]
+        assert tokens[queried + 2] == info["answer"] and 5 <= info["answer"] < 5 + task.num_answers
+        assert info["depth"] == pytest.approx(queried / (prompt_len - 2))
+        if depth is not None:  # the queried fact sits at the requested depth of the log (up to rounding)
+            assert abs(queried - depth * (prompt_len - 2 - 3 * facts)) <= 3 * facts
+        # every other token is tool-log filler or a TOOL marker; the answer ids appear only inside facts
+        rest = np.delete(tokens[:-2], np.concatenate([fact_positions + i for i in range(3)]))
+        assert np.all((rest == TOOL) | (rest >= task.first_filler))
+        np.testing.assert_array_equal(task.prompt(index).tokens, tokens)  # deterministic in the index
+    assert not np.array_equal(task.prompt(0).tokens, task.prompt(1).tokens)
+
+
+def test_retrieval_reward():
+    task = RetrievalTask(prompt_len=64, vocab_size=64, format_reward=0.1)
+    prompt = task.prompt(0)
+    answer = prompt.info["answer"]
+    wrong = 5 + (answer - 5 + 1) % task.num_answers
+    assert task.reward(prompt.tokens, np.array([answer, STOP]), prompt.info) == 1.0
+    assert task.reward(prompt.tokens, np.array([wrong]), prompt.info) == 0.1
+    assert task.reward(prompt.tokens, np.array([40, answer]), prompt.info) == 0.0
+    assert task.reward(prompt.tokens, np.array([], np.int32), prompt.info) == 0.0
+    assert task.chance_reward == pytest.approx(0.25 + 0.75 * 0.1)
+
+
+def test_retrieval_rejects_bad_settings():
+    with pytest.raises(ValueError, match="vocab_size=16 is too small"):
+        RetrievalTask(prompt_len=64, vocab_size=16)
+    with pytest.raises(ValueError, match="prompt_len=4 is too short"):
+        RetrievalTask(prompt_len=4, vocab_size=64)
+    with pytest.raises(ValueError, match="depth=1.5"):
+        RetrievalTask(prompt_len=64, vocab_size=64, depth=1.5)
+
+
+def test_score_and_load_callable():
+    prompt = Prompt(np.arange(5, dtype=np.int32), {"answer": 7})
+    responses = np.array([[7, 1, 0], [3, 7, 9]], np.int32)
+    mask = np.array([[1, 1, 0], [1, 1, 1]], np.float32)
+    seen = []
+
+    def reward(prompt_tokens, response_tokens, info):
+        seen.append(response_tokens.tolist())
+        return float(response_tokens[0] == info["answer"])
+
+    np.testing.assert_array_equal(score(reward, prompt, responses, mask), [1.0, 0.0])
+    assert seen == [[7, 1], [3, 7, 9]]  # only real tokens reach the reward function
+    with pytest.raises(ValueError, match="returned nan for branch 0; rewards must be finite"):
+        score(load_callable("tests.test_tasks:nan_reward"), prompt, responses, mask)
+    assert load_callable("numpy:mean") is np.mean
+    for spec, message in (("numpy.mean", "not of the form"), ("no_such_module_xyz:f", "cannot import"),
+                          ("numpy:no_such_function", "has no attribute"), ("numpy:pi", "not callable")):
+        with pytest.raises(ValueError, match=message):
+            load_callable(spec)
+    assert isinstance(make_task("retrieval", prompt_len=64, vocab_size=64, seed=0), RetrievalTask)
+    with pytest.raises(ValueError, match="--task 'bogus': unknown task"):
+        make_task("bogus", prompt_len=64, vocab_size=64, seed=0)
+
+
+def write_lines(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def test_rollout_file_ids_and_text(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "the": 1, "answer": 2, "is": 3, "blue": 4, "red": 5, "question": 6}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    path = write_lines(tmp_path / "r.jsonl", [
+        {"prompt": [1, 2, 3], "responses": [[4], [5, 4, 4]], "rewards": [1.0, 0.0],
+         "old_logprobs": [[-0.5], [-1.0, -2.0, -3.0]]},
+        "",
+        {"prompt_text": "question the answer is", "responses_text": ["blue", "red red"], "rewards": [0, 1]},
+    ])
+    groups = load_rollouts(path, vocab_size=8, tokenizer_path=str(tmp_path / "tokenizer.json"), pad_token=7)
+    assert len(groups) == 2
+    first, second = groups
+    np.testing.assert_array_equal(first.responses, [[4, 7, 7], [5, 4, 4]])  # padded to the file's longest
+    np.testing.assert_array_equal(first.mask, [[1, 0, 0], [1, 1, 1]])
+    np.testing.assert_array_equal(first.old_logprobs, [[-0.5, 0, 0], [-1, -2, -3]])
+    assert first.ref_logprobs is None and first.rewards.dtype == np.float32
+    np.testing.assert_array_equal(second.prompt, [6, 1, 2, 3])
+    np.testing.assert_array_equal(second.responses, [[4, 7, 7], [5, 5, 7]])
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "Expecting property name"),
+    ({"prompt": [1, 2], "responses": [[1]], "rewards": [float("nan")]}, r"'rewards'\[0\] = nan"),
+    ({"prompt": [1, 2], "responses": [[1], []], "rewards": [0, 1]}, r"'responses\[1\]' is empty"),
+    ({"prompt": [1, 99], "responses": [[1]], "rewards": [0]}, r"'prompt'\[1\] = 99 is out of range"),
+    ({"prompt": [1, 2], "responses": [[1, 8]], "rewards": [0]}, r"'responses\[0\]'\[1\] = 8 is out of range"),
+    ({"prompt": [1, 2], "responses": [], "rewards": []}, r"G >= 1"),
+    ({"prompt": [1, 2], "responses": [[1]], "rewards": [0, 1]}, "list of 1 numbers"),
+    ({"prompt": [1, 2], "responses": [[1, 2]], "rewards": [0], "old_logprobs": [[0.0]]}, "must have 2 numbers"),
+    ({"prompt": [1, 2], "responses": [[1]], "rewards": [0], "advantages": [1]}, r"unknown field\(s\) \['advantages'\]"),
+    ({"prompt_text": "a b", "responses": [[1]], "rewards": [0]}, "pass a tokenizer.json"),
+])
+def test_rollout_file_errors_name_the_line(tmp_path, line, message):
+    good = {"prompt": [1, 2, 3], "responses": [[1, 2]], "rewards": [0.5]}
+    path = write_lines(tmp_path / "bad.jsonl", [good, good, line])
+    with pytest.raises(ValueError, match=rf"bad.jsonl:3: .*{message}"):
+        load_rollouts(path, vocab_size=8)
+
+
+def test_rollout_file_missing_or_empty(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_rollouts(tmp_path / "nope.jsonl", vocab_size=8)
+    with pytest.raises(ValueError, match="no rollout groups"):
+        load_rollouts(write_lines(tmp_path / "empty.jsonl", [""]), vocab_size=8)
