@@ -10,6 +10,7 @@ chunk that writes them, so the carried part before each chunk is all a backward 
 import functools
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,17 @@ def read_json_config(source) -> dict:
         raise FileNotFoundError(f"no config.json at {path}")
     with open(path) as f:
         return json.load(f)
+
+
+def check_config_fields(raw: dict, known: set, strict: bool, what: str = "fields") -> None:
+    """Unknown config.json keys: a warning naming them (strict: a ValueError) — a real config may carry keys that
+    do not change the math, and refusing to load it would be worse."""
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        message = f"config.json: unknown {what} {unknown}; they are not read by this port"
+        if strict:
+            raise ValueError(message)
+        warnings.warn(message, stacklevel=3)
 
 
 class CausalLM:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from typing import NamedTuple
 
 import jax
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct, traverse_util
 
-from longstraw_jax.models.base import CausalLM, read_json_config
+from longstraw_jax.models.base import CausalLM, check_config_fields, read_json_config
 from longstraw_jax.ops.dsa import select_topk
 from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.ops.mla import sparse_latent_attention
@@ -229,13 +228,7 @@ class Glm52Config:
         if raw.get("model_type") != "glm_moe_dsa":
             raise ValueError(f"config.json: model_type={raw.get('model_type')!r} is not a GLM-5.x model "
                              "(expected 'glm_moe_dsa')")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - names - _HF_KEYS_IGNORED)
-        if unknown:
-            message = f"config.json: unknown fields {unknown}; they are not read by this port"
-            if strict:
-                raise ValueError(message)
-            warnings.warn(message, stacklevel=2)
+        check_config_fields(raw, {f.name for f in dataclasses.fields(cls)} | _HF_KEYS_IGNORED, strict)
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json: hidden_act={raw['hidden_act']!r}; only 'silu' is supported")
         if raw.get("attention_bias", False):

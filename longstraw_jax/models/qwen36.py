@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import warnings
 from typing import Any
 
 import jax
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct, traverse_util
 
-from longstraw_jax.models.base import CausalLM, read_json_config
+from longstraw_jax.models.base import CausalLM, check_config_fields, read_json_config
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype
@@ -177,13 +176,8 @@ class Qwen36Config:
         else:
             raise ValueError(f"config.json: model_type={model_type!r} is not a Qwen3.5/3.6 model "
                              "(expected 'qwen3_5' or 'qwen3_5_text')")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(text) - names - _HF_KEYS_IGNORED - {"rope"})
-        if unknown:
-            message = f"config.json: unknown text-config fields {unknown}; they are not read by this port"
-            if strict:
-                raise ValueError(message)
-            warnings.warn(message, stacklevel=2)
+        known = ({f.name for f in dataclasses.fields(cls)} | _HF_KEYS_IGNORED) - {"rope"}
+        check_config_fields(text, known, strict, "text-config fields")
         if text.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json: hidden_act={text['hidden_act']!r}; only 'silu' is supported")
         if text.get("attention_bias", False):
