@@ -1,7 +1,6 @@
 """Mesh construction and partition rules: parameters FSDP-sharded (per-device bytes ~ total / devices), optimizer
 state following them, prompt state split along `seq`."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -55,8 +54,8 @@ def test_parameters_and_optimizer_state_are_sharded_over_the_whole_mesh(spec):
     placed_opt = jax.device_put(opt_state, rules.named(opt_specs, mesh))
     opt_total = sum(x.nbytes for x in jax.tree.leaves(opt_state))
     assert max(_per_device_bytes(placed_opt).values()) <= opt_total / 8 + 4096
-    moments = [leaf for leaf in jax.tree.leaves(placed_opt) if leaf.shape == params["embed"].shape]
-    assert len(moments) == 2 and all(m.sharding.spec == specs["embed"] for m in moments)
+    moments = [leaf for leaf in jax.tree.leaves(placed_opt) if leaf.shape == params["embed"].shape]  # embed, lm_head
+    assert len(moments) == 4 and all(m.sharding.spec == specs["embed"] for m in moments)
 
 
 def test_prompt_state_specs_split_positions_along_seq():

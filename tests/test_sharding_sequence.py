@@ -58,6 +58,34 @@ def test_sharded_capture_and_extend_equal_one_device(tiny, spec, attention):
     np.testing.assert_allclose(got, logits, atol=1e-4)
 
 
+def _check_32_devices():
+    """Run in a fresh process with 32 CPU devices: 4x8 mesh, a one-block model (LLLF), 37 prompt positions (16
+    segments of 3, 11 padding). Prints the largest logit difference from one device."""
+    jax.config.update("jax_num_cpu_devices", 32)
+    jax.config.update("jax_default_matmul_precision", "highest")
+    model = models.build(Qwen36Config.tiny(num_hidden_layers=4, layer_types=Qwen36Config.tiny().layer_types[:4]))
+    params = o1_params(model.init(jax.random.key(0)), jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (43,), 0, model.config.vocab_size, dtype=jnp.int32)
+    reference = model.extend(params, model.capture(params, tokens[:37], chunk_size=16), tokens[37:])
+    mesh = sharding.make_mesh("4x8")
+    params = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
+    sstate = sharding.capture(model, params, tokens[:37], mesh, attention="ring")
+    got = sharding.extend(model, params, sstate, tokens[37:], mesh)
+    print("max_abs_diff", float(jnp.max(jnp.abs(got - reference))), "devices", len({d for s in
+          sstate.state.keys.addressable_shards for d in [s.device]}))
+
+
+def test_sharded_capture_and_extend_equal_one_device_on_32_devices():
+    """4x8 needs 32 devices, more than this session's 8: a subprocess (small model, one jitted shape each)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-m", "tests.test_sharding_sequence"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = [ln for ln in run.stdout.splitlines() if ln.startswith("max_abs_diff")][-1].split()
+    assert float(line[1]) <= 1e-4 and int(line[3]) == 32, line
+
+
 def test_padding_cannot_leak(tiny):
     """Padding positions hold a different token id: every state entry and every logit is bit-identical."""
     model, params, tokens, _, _ = tiny
@@ -66,3 +94,7 @@ def test_padding_cannot_leak(tiny):
     b = sharding.capture(model, params, tokens[:PROMPT], mesh, attention="allgather", pad_id=7)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y)
+
+
+if __name__ == "__main__":
+    _check_32_devices()
