@@ -25,6 +25,7 @@ from longstraw_jax.models.qwen36 import (FULL, LINEAR, PromptState, Qwen36, atte
                                          gated_deltanet, gdn_core, gdn_inputs, gdn_output, gdn_qkv, mlp)
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
+from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.ops.norms import rms_norm_1p
 from longstraw_jax.sharding import sequence
 from longstraw_jax.sharding.layout import SeqLayout
@@ -97,7 +98,7 @@ def _gdn_segments(cfg, p, x, positions, layout: SeqLayout):
     real = (positions < layout.length).reshape(-1, 1)  # padding: no decay, no write -> the state passes unchanged
     beta, g = jnp.where(real, beta, 0), jnp.where(real, g, 0)
 
-    core = jnp.promote_types(x.dtype, jnp.float32)
+    core = accum_dtype(x.dtype)
     v_aug = jnp.concatenate([v.astype(core), jnp.zeros(v.shape[:-1] + (dk,), core)], axis=-1)
     s_aug = jnp.concatenate([jnp.zeros((hv, dk, dv), core), jnp.broadcast_to(jnp.eye(dk, dtype=core), (hv, dk, dk))],
                             axis=-1)

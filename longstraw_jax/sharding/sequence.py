@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from longstraw_jax.ops import attention as attn_ops
+from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.sharding.layout import SeqLayout
 
 SEQ = "seq"
@@ -74,7 +75,8 @@ def psum_merge(part: attn_ops.Attended, axis=SEQ) -> attn_ops.Attended:
 
 
 def _empty(q: jax.Array, value_dim: int) -> attn_ops.Attended:
-    acc = jnp.promote_types(q.dtype, jnp.float32)
+    """Attention over no keys (the merge identity): out 0, lse "minus infinity"."""
+    acc = accum_dtype(q.dtype)
     return attn_ops.Attended(jnp.zeros(q.shape[:-1] + (value_dim,), acc), jnp.full(q.shape[:-1], attn_ops._MASKED, acc))
 
 
