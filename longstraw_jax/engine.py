@@ -2,11 +2,12 @@
 
     capture   state = capture(prompt[:-1])                        no autograd; chunk by chunk
     replay    for g in branches (lax.scan):                        one branch's graph live at a time
-                  loss_g, (dparams_g, dstate_g) = value_and_grad(branch_loss)(params, state)
-                  accumulate dparams (and, in exact mode, dstate: one float32 buffer the size of the state)
+                  loss_g, dparams_g = branch loss and its block-by-block backward (layerwise.py)
+                  exact mode: add the branch's state cotangent into one float32 buffer, in place, block by block
     prompt    for chunk in reversed(chunks):                      exact mode only
-                  recompute the chunk from its boundary state; vjp with the accumulated state cotangent;
-                  add its parameter gradient; pass the cotangent of its inputs to the earlier chunks
+                  recompute the chunk from its boundary state, block by block under vjp with the accumulated
+                  state cotangent; add its parameter gradient and its cache reads' cotangents (in place); its
+                  carried input's cotangent goes to the chunk before
 
 The prompt is shared, so the branches' cotangents on the state add linearly; one reverse pass over the prompt
 turns their sum into the prompt's contribution to the gradient. The result is the gradient of the full-graph loss
@@ -22,10 +23,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from longstraw_jax import layerwise
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, branch_loss, finalize_metrics, group_advantages, token_weights
 from longstraw_jax.grpo import validate_batch
 from longstraw_jax.models.base import capture_chunks, chunk_layout
-from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
+from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.ops.logprobs import token_logprobs
 
 MODES = ("exact", "detached")
@@ -69,10 +71,6 @@ def _zeros_f32(tree):
     return jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype(x.dtype)), tree)
 
 
-def _f32(tree):
-    return jax.tree.map(at_least_f32, tree)
-
-
 def _add(acc, tree):
     return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, tree)
 
@@ -92,24 +90,20 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
               old=batch.old_logprobs, ref=batch.ref_logprobs)
     chunk = min(cfg.logprob_chunk, length)
 
-    def objective(params, state, x):
-        hidden = model._extend_hidden(params, state, x["inputs"])
+    def head(params, hidden, x):
         logp, entropy = token_logprobs(hidden, model.lm_head(params), x["targets"], chunk)
         return branch_loss(logp, x["old"], x["ref"], x["advantage"], x["weights"], x["mask"], cfg,
                            entropy=jax.lax.stop_gradient(entropy))
 
-    argnums = (0, 1) if with_state_grad else 0
-    value_and_grad = jax.value_and_grad(objective, argnums=argnums, has_aux=True)
-
     def step(carry, x):
         loss, grads, state_cot, sums = carry
-        (branch, branch_sums), branch_grads = value_and_grad(params, state, x)
-        if with_state_grad:
-            branch_grads, branch_state_cot = branch_grads
-            state_cot = _add(state_cot, branch_state_cot)
+        branch, branch_sums, branch_grads, state_cot = layerwise.branch_grads(
+            model, params, state, x["inputs"], lambda p, h: head(p, h, x), state_cot)
         return (loss + branch, _add(grads, branch_grads), state_cot, _add(sums, branch_sums)), None
 
-    sums0 = jax.eval_shape(lambda: objective(params, state, jax.tree.map(lambda a: a[0], xs))[1])
+    head_matrix = model.lm_head(params)  # [V, D]
+    hidden = jax.ShapeDtypeStruct((length, head_matrix.shape[1]), head_matrix.dtype)
+    sums0 = jax.eval_shape(lambda h: head(params, h, jax.tree.map(lambda a: a[0], xs))[1], hidden)
     carry = (jnp.zeros((), jnp.float32), _zeros_f32(params), _zeros_f32(state) if with_state_grad else None,
              _zeros_f32(sums0))
     (loss, grads, state_cot, sums), _ = jax.lax.scan(step, carry, xs)
@@ -121,22 +115,19 @@ def prompt_backward(model, params, tokens: jax.Array, chunk_size: int, state, bo
 
     Walks the chunks in reverse. Chunk i's entries (its keys/values, and the carried GDN state after it) are
     recomputed from its boundary (the carried state before it) and the final KV cache, read-only: positions
-    < start are exactly what the chunk read during capture, later positions are never visited. `jax.vjp` maps the
+    < start are exactly what the chunk read during capture, later positions are never visited. The vjp maps the
     entries' cotangent (the chunk's slice of the running KV cotangent, and the carried cotangent) to a parameter
     gradient and to cotangents of what the chunk read: cache reads are added into the running KV cotangent (they
-    belong to earlier chunks), the carried input's cotangent becomes chunk i - 1's carried cotangent.
+    belong to earlier chunks), the carried input's cotangent becomes chunk i - 1's carried cotangent. Both happen
+    block by block inside `layerwise.chunk_grads`, in place in `state_cot`.
     """
     full_boundaries, last_boundary = boundaries
     num_full, remainder = chunk_layout(tokens.shape[0], chunk_size)
 
     def chunk_vjp(carry, chunk_tokens, start, boundary):
         grads, cot = carry
-        entries, vjp = jax.vjp(lambda p, s: model.chunk_entries(p, s, chunk_tokens, start), params,
-                               model.with_carried(state, boundary))
-        entries_cot = jax.tree.map(lambda c, e: c.astype(e.dtype), model.read_entries(cot, start, chunk_tokens.shape[0]),
-                                   entries)
-        chunk_grads, read_cot = vjp(entries_cot)
-        cot = model.with_carried(_add(cot, read_cot), model.carried(_f32(read_cot)))
+        chunk_grads, cot = layerwise.chunk_grads(model, params, model.with_carried(state, boundary), chunk_tokens,
+                                                 start, cot)
         return _add(grads, chunk_grads), cot
 
     carry = (_zeros_f32(params), state_cot)

@@ -10,33 +10,37 @@ import jax.numpy as jnp
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, grpo_loss, validate_batch
 
 
-def response_logprobs(model, params, prompt: jax.Array, responses: jax.Array) -> tuple[jax.Array, jax.Array]:
+def response_logprobs(model, params, prompt: jax.Array, responses: jax.Array,
+                      remat: bool = False) -> tuple[jax.Array, jax.Array]:
     """prompt [P], responses [G, R] -> (logp [G, R], entropy [G, R]) of each response token under `model`.
 
     Token t of branch g is scored by the logits at position P - 1 + t of concat(prompt, responses[g]).
+    remat: recompute each block in the backward pass instead of storing its activations (same values).
     """
     p, r = prompt.shape[0], responses.shape[1]
     tokens = jnp.concatenate([jnp.broadcast_to(prompt, (responses.shape[0], p)), responses], axis=1)
     # model._forward is model.forward minus its host-side token check (ids are checked by validate_batch).
-    logits = jax.vmap(lambda t: model._forward(params, t))(tokens)[:, p - 1 : p - 1 + r]  # [G, R, V]
+    logits = jax.vmap(lambda t: model._forward(params, t, remat=remat))(tokens)[:, p - 1 : p - 1 + r]  # [G, R, V]
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     logp = jnp.take_along_axis(logp_all, responses[..., None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
     return logp, entropy
 
 
-def naive_grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig) -> tuple[jax.Array, dict, dict]:
+def naive_grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig,
+                     remat: bool = True) -> tuple[jax.Array, dict, dict]:
     """(loss, grads, metrics) of the GRPO loss over one group, through one graph over G copies of prompt+response.
 
-    Jittable with `model` and `cfg` static: `jax.jit(naive_grpo_grads, static_argnums=(0, 3))`. The batch is
-    validated on the host when its arrays are concrete. grads has the structure of params.
+    Jittable with `model`, `cfg` and `remat` static: `jax.jit(naive_grpo_grads, static_argnums=(0, 3, 4))`. The
+    batch is validated on the host when its arrays are concrete. grads has the structure of params. remat (default)
+    keeps one block input per layer block instead of every activation: the usual way to fit a full-graph step.
     """
     validate_batch(batch, model.config.vocab_size)
     prompt = jnp.asarray(batch.prompt, jnp.int32)
     responses = jnp.asarray(batch.responses, jnp.int32)
 
     def loss_fn(params):
-        logp, entropy = response_logprobs(model, params, prompt, responses)
+        logp, entropy = response_logprobs(model, params, prompt, responses, remat)
         return grpo_loss(logp, batch, cfg, entropy=jax.lax.stop_gradient(entropy))
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)

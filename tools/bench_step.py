@@ -4,6 +4,7 @@
     .venv/bin/python tools/bench_step.py                              # Table 1 at P=8192, R=128, G=8, chunk 1024
     .venv/bin/python tools/bench_step.py --sweep --sweep-g 1,4,16     # + Table 2: compiled memory over G x P
     .venv/bin/python tools/bench_step.py --sweep --sweep-time --markdown
+    .venv/bin/python tools/bench_step.py --config tiny-glm --quick     # the tiny GLM-5.x (MLA + DSA + MoE)
 
 Table 1 ("modes") runs each mode in its own child process (this script with a hidden `--one` flag, one JSON line
 per result) so that the peak RSS (getrusage ru_maxrss) belongs to that mode alone. Compiled memory is
@@ -79,11 +80,37 @@ def _trim_heap() -> None:
 
 
 def _load_config(path: str | None):
+    """--config: a config.json (class chosen by its model_type), "tiny-glm" (Glm52Config.tiny()), or the Qwen3.6
+    tiny preset by default."""
+    from longstraw_jax import models
+    from longstraw_jax.models.hf import CONFIG_CLASSES
+
+    if path == "tiny-glm":
+        return models.Glm52Config.tiny()
+    if path:
+        with open(path) as f:
+            model_type = json.load(f).get("model_type")
+        if model_type not in CONFIG_CLASSES:
+            raise SystemExit(f"--config {path}: model_type={model_type!r}; supported: {', '.join(sorted(CONFIG_CLASSES))}")
+        return CONFIG_CLASSES[model_type].from_hf(path)
+    return models.Qwen36Config.tiny()
+
+
+def _describe(cfg) -> str:
     from longstraw_jax import models
 
-    if path:
-        return models.Qwen36Config.from_hf(path)
-    return models.Qwen36Config.tiny()
+    if isinstance(cfg, models.Glm52Config):
+        pattern = "".join("F" if t == "full" else "S" for t in cfg.indexer_types)
+        return (f"GLM-5.x {cfg.num_hidden_layers} layers (indexers {pattern}, "
+                f"{cfg.mlp_layer_types.count('dense')} dense), hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
+                f"MLA {cfg.num_attention_heads} heads latent {cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}, DSA top-"
+                f"{cfg.index_topk} ({cfg.index_n_heads}x{cfg.index_head_dim}), MoE {cfg.n_routed_experts} experts "
+                f"top-{cfg.num_experts_per_tok} x {cfg.moe_intermediate_size} + {cfg.n_shared_experts} shared")
+    pattern = "".join("F" if t == "full_attention" else "L" for t in cfg.block_pattern)
+    return (f"Qwen3.6 {cfg.num_hidden_layers} layers ({pattern} x {cfg.num_blocks}), hidden {cfg.hidden_size}, "
+            f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}, attn {cfg.num_attention_heads}q/"
+            f"{cfg.num_key_value_heads}kv x {cfg.head_dim}, GDN {cfg.linear_num_key_heads}k/"
+            f"{cfg.linear_num_value_heads}v x {cfg.linear_key_head_dim}/{cfg.linear_value_head_dim}")
 
 
 def _make_batch(vocab: int, p: int, r: int, g: int, seed: int):
@@ -344,18 +371,13 @@ def geometry(args):
     param_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
 
     def state_bytes(p, f32=False):
+        """(appended bytes: KV / latent rows, carried bytes: GDN state) of a state for a P-token prompt."""
         st = jax.eval_shape(lambda: model.init_state(p - 1, dtype))
         size = lambda x: int(np.prod(x.shape)) * (max(4, x.dtype.itemsize) if f32 else x.dtype.itemsize)
-        kv = size(st.keys) + size(st.values)
-        carried = size(st.conv) + size(st.recurrent)
-        return kv, carried
+        carried = sum(size(x) for x in jax.tree.leaves(model.carried(st)))
+        return sum(size(x) for x in jax.tree.leaves(st)) - carried, carried
 
-    pattern = "".join("F" if t == "full_attention" else "L" for t in cfg.block_pattern)
-    desc = (f"Qwen3.6 {cfg.num_hidden_layers} layers ({pattern} x {cfg.num_blocks}), hidden {cfg.hidden_size}, "
-            f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}, attn {cfg.num_attention_heads}q/"
-            f"{cfg.num_key_value_heads}kv x {cfg.head_dim}, GDN {cfg.linear_num_key_heads}k/"
-            f"{cfg.linear_num_value_heads}v x {cfg.linear_key_head_dim}/{cfg.linear_value_head_dim}; "
-            f"{n_params / 1e6:.2f}M params ({fmt_bytes(param_bytes)})")
+    desc = f"{_describe(cfg)}; {n_params / 1e6:.2f}M params ({fmt_bytes(param_bytes)})"
     kv1, carried = state_bytes(1025)
     kv_per_token = kv1 / 1024
     return dict(model=desc, state_bytes=state_bytes, kv_per_token=kv_per_token, carried=carried,
@@ -565,7 +587,8 @@ def _int_list(s: str) -> list[int]:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="HF config.json (read via Qwen36Config.from_hf); default: tiny preset")
+    ap.add_argument("--config", help="HF config.json (Qwen3.6 or GLM-5.x, by model_type), or 'tiny-glm' for "
+                    "Glm52Config.tiny(); default: the Qwen3.6 tiny preset")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--prompt-len", "-P", type=int, default=None, help="P (default 8192)")
     ap.add_argument("--response-len", "-R", type=int, default=None, help="R (default 128)")

@@ -7,8 +7,15 @@ start)` (the same, also returning the tokens' final-normed hidden states: decodi
 tails and recurrent matrices; empty for pure-attention models). Appended parts (KV caches) are final after the
 chunk that writes them, so the carried part before each chunk is all a backward pass needs to recompute it.
 """
+import functools
+import json
+import os
+
 import jax
 import jax.numpy as jnp
+
+from longstraw_jax.ops.dtypes import accum_dtype
+from longstraw_jax.validation import check_tokens
 
 
 def chunk_layout(length: int, chunk_size: int) -> tuple[int, int]:
@@ -44,3 +51,68 @@ def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, kee
         last_boundary = model.carried(state) if keep_boundaries else None
         state = model.capture_chunk(params, state, tokens[num_full * chunk_size :], num_full * chunk_size)
     return (state, (full_boundaries, last_boundary)) if keep_boundaries else state
+
+
+def read_json_config(source) -> dict:
+    """A transformers config as a dict: given a dict, a config.json path, or a checkpoint directory."""
+    if isinstance(source, dict):
+        return source
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no config.json at {path}")
+    with open(path) as f:
+        return json.load(f)
+
+
+class CausalLM:
+    """Entry points every model shares. A subclass (a frozen dataclass with `config`) provides `init_state(length,
+    dtype)`, `_extend_hidden(params, state, tokens, remat=False)` (final-normed hidden states, jitted),
+    `chunk_entries` and `write_entries`; the public methods validate tokens on the host, then call jitted code."""
+
+    def forward(self, params: dict, tokens) -> jax.Array:
+        """Reference path: tokens int32 [T] -> float32 logits [T, vocab]."""
+        return self._forward(params, check_tokens(tokens, self.config.vocab_size))
+
+    def capture(self, params: dict, tokens, chunk_size: int = 2048):
+        """Prompt tokens int32 [P] -> the model's state, in chunks of `chunk_size` (need not divide P); no logits."""
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        chunk_layout(tokens.shape[0], chunk_size)  # validates chunk_size
+        return self._capture(params, tokens, chunk_size)
+
+    def extend(self, params: dict, state, tokens) -> jax.Array:
+        """Continue after `state` without modifying it: tokens int32 [T] -> float32 logits [T, vocab]."""
+        return self._extend(params, state, check_tokens(tokens, self.config.vocab_size))
+
+    def extend_hidden(self, params: dict, state, tokens) -> jax.Array:
+        """As `extend`, but returns the final-normed hidden states [T, D] (model dtype): no vocabulary projection,
+        so callers can compute log-probs in token chunks."""
+        return self._extend_hidden(params, state, check_tokens(tokens, self.config.vocab_size))
+
+    def lm_head(self, params: dict) -> jax.Array:
+        """The output projection [vocab, D] (the embedding matrix when tied)."""
+        return params["embed"] if self.config.tie_word_embeddings else params["lm_head"]
+
+    def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
+        """hidden [T, D] (after the final norm) -> float32 logits [T, vocab]."""
+        return jnp.einsum("td,vd->tv", hidden, self.lm_head(params), preferred_element_type=accum_dtype(hidden.dtype))
+
+    def capture_chunk(self, params: dict, state, tokens: jax.Array, start):
+        """Process tokens [C] at positions start.. (start may be traced) and write them into `state`, which must
+        hold positions < start and have room for start + C. Layers only read the state; entries are written once,
+        after the last layer, so the cache is updated in place."""
+        return self.write_entries(state, self.chunk_entries(params, state, tokens, start), start)
+
+    # remat=True: rematerialise each block/repeat in the backward pass (same values, less memory).
+    @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
+    def _forward(self, params, tokens, remat: bool = False):
+        return self._extend(params, self.init_state(0, params["embed"].dtype), tokens, remat=remat)
+
+    @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
+    def _extend(self, params, state, tokens, remat: bool = False):
+        return self.logits(params, self._extend_hidden(params, state, tokens, remat=remat))
+
+    @functools.partial(jax.jit, static_argnums=(0, 3))
+    def _capture(self, params, tokens, chunk_size):
+        return capture_chunks(self, params, tokens, chunk_size, params["embed"].dtype)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import warnings
 from typing import Any
@@ -26,14 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct, traverse_util
 
-from longstraw_jax.models.base import capture_chunks, chunk_layout
+from longstraw_jax.models.base import CausalLM, read_json_config
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.ops.gated_delta import gated_delta_rule_chunked, gated_delta_rule_sequential
+from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.norms import l2_normalise, rms_norm_1p, rms_norm_gated
 from longstraw_jax.ops.rope import RopeConfig, apply_partial_rope, cos_sin, inverse_frequencies
-from longstraw_jax.validation import check_tokens
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -167,7 +166,7 @@ class Qwen36Config:
         Accepts `model_type` "qwen3_5" (multimodal checkpoint; reads the nested `text_config`) and "qwen3_5_text".
         Keys that transformers would read but we do not know are reported (a warning, or an error with strict=True).
         """
-        raw = _read_json_config(source)
+        raw = read_json_config(source)
         model_type = raw.get("model_type")
         if model_type == "qwen3_5":
             if not isinstance(raw.get("text_config"), dict):
@@ -256,18 +255,6 @@ class Qwen36Config:
         }
 
 
-def _read_json_config(source) -> dict:
-    if isinstance(source, dict):
-        return source
-    path = os.fspath(source)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no config.json at {path}")
-    with open(path) as f:
-        return json.load(f)
-
-
 @struct.dataclass
 class PromptState:
     """What later tokens need from a prompt of `length` tokens (MODELS.md 1.10), per layer of each kind.
@@ -292,25 +279,15 @@ class PromptState:
 # Layers (pure functions of one layer's parameters)
 
 
-def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w[out, in].T"""
-    return jnp.einsum("...i,oi->...o", x, w)
-
-
-def mlp(p: dict, x: jax.Array) -> jax.Array:
-    """SwiGLU (1.8): down(silu(gate(x)) * up(x))."""
-    return _linear(jax.nn.silu(_linear(x, p["gate_proj"])) * _linear(x, p["up_proj"]), p["down_proj"])
-
-
 def gdn_inputs(cfg: Qwen36Config, p: dict, x: jax.Array):
     """Input projections of the Gated DeltaNet mixer (1.5). x [T, D] -> (mixed [T, conv_dim] before the conv,
     z [T, Hv, dv], beta [T, Hv], g [T, Hv] float32 log-decay <= 0)."""
     t, hv, dv = x.shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    mixed = _linear(x, p["in_proj_qkv"])  # [T, conv_dim]: q | k | v, head-major
-    z = _linear(x, p["in_proj_z"]).reshape(t, hv, dv)
-    beta = jax.nn.sigmoid(_linear(x, p["in_proj_b"]))
+    mixed = linear(x, p["in_proj_qkv"])  # [T, conv_dim]: q | k | v, head-major
+    z = linear(x, p["in_proj_z"]).reshape(t, hv, dv)
+    beta = jax.nn.sigmoid(linear(x, p["in_proj_b"]))
     core = accum_dtype(x.dtype)  # the delta-rule core runs in float32 whatever the model dtype
-    a = _linear(x, p["in_proj_a"])
+    a = linear(x, p["in_proj_a"])
     g = -jnp.exp(p["A_log"].astype(core)) * jax.nn.softplus(a.astype(core) + p["dt_bias"].astype(core))
     return mixed, z, beta, g
 
@@ -341,7 +318,7 @@ def gdn_core(cfg: Qwen36Config, q, k, v, g, beta, state):
 def gdn_output(cfg: Qwen36Config, p: dict, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
     """Core output o [T, Hv, dv] -> y [T, D]: gated RMSNorm with z, then out_proj (1.5)."""
     o = rms_norm_gated(o.astype(dtype), z, p["norm"], cfg.rms_norm_eps)
-    return _linear(o.reshape(o.shape[0], -1), p["out_proj"])
+    return linear(o.reshape(o.shape[0], -1), p["out_proj"])
 
 
 def gated_deltanet(cfg: Qwen36Config, p: dict, x: jax.Array, conv_tail: jax.Array, state: jax.Array):
@@ -360,11 +337,11 @@ def attention_inputs(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Ar
     """Projections of gated attention (1.6, 1.7). x [T, D]; positions int [T] -> (q [T, Hq, hd], gate [T, Hq*hd],
     k [T, Hkv, hd], v [T, Hkv, hd]); q and k after their norms and RoPE (k is what the cache stores)."""
     t, hq, hkv, hd = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qg = _linear(x, p["q_proj"]).reshape(t, hq, 2 * hd)  # per head [query | gate]
+    qg = linear(x, p["q_proj"]).reshape(t, hq, 2 * hd)  # per head [query | gate]
     q, gate = qg[..., :hd], qg[..., hd:].reshape(t, hq * hd)
     q = rms_norm_1p(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm_1p(_linear(x, p["k_proj"]).reshape(t, hkv, hd), p["k_norm"], cfg.rms_norm_eps)
-    v = _linear(x, p["v_proj"]).reshape(t, hkv, hd)
+    k = rms_norm_1p(linear(x, p["k_proj"]).reshape(t, hkv, hd), p["k_norm"], cfg.rms_norm_eps)
+    v = linear(x, p["v_proj"]).reshape(t, hkv, hd)
     inv_freq, scaling = inverse_frequencies(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings)
     cos, sin = cos_sin(positions, inv_freq, scaling, x.dtype)
     return apply_partial_rope(q, cos, sin), gate, apply_partial_rope(k, cos, sin), v
@@ -373,12 +350,13 @@ def attention_inputs(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Ar
 def attention_output(cfg: Qwen36Config, p: dict, attended: attn_ops.Attended, gate: jax.Array, dtype) -> jax.Array:
     """Attention result over all visible keys -> y [T, D]: output gate sigmoid(gate), then o_proj (1.6)."""
     o = attended.out.astype(dtype).reshape(gate.shape)
-    return _linear(o * jax.nn.sigmoid(gate), p["o_proj"])  # output gate before o_proj
+    return linear(o * jax.nn.sigmoid(gate), p["o_proj"])  # output gate before o_proj
 
 
-def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Array, state: PromptState, b, j,
+def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Array, state: PromptState, index,
                     cache_length):
-    """Gated full attention (1.6, 1.7) for layer j of block b. x [T, D]; positions int [T], contiguous.
+    """Gated full attention (1.6, 1.7) for the layer at `index` of state.keys/values ((block, j), or (j,) in a
+    block's slice of the state). x [T, D]; positions int [T], contiguous.
 
     Attends over the first `cache_length` cached keys of the layer (None = all; they precede the new tokens) and,
     causally, over the new tokens; the two are merged by log-sum-exp. The state is only read.
@@ -387,7 +365,7 @@ def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Arr
     q, gate, k, v = attention_inputs(cfg, p, x, positions)
     common = dict(q_positions=positions, scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size)
     cached = attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=False, kv_length=cache_length,
-                             kv_index=(b, j), **common)
+                             kv_index=index, **common)
     new = attn_ops.attend(q, k, v, k_offset=positions[0], causal=True, **common)
     return attention_output(cfg, p, attn_ops.merge(cached, new), gate, x.dtype), (k, v)
 
@@ -405,32 +383,35 @@ def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def _layer(cfg: Qwen36Config, kind: str, p: dict, h: jax.Array, state: PromptState, b, j, positions, cache_length):
+def _layer(cfg: Qwen36Config, kind: str, p: dict, h: jax.Array, state: PromptState, index, positions, cache_length):
     """Decoder layer (1.3): h + mixer(norm(h)), then h + mlp(norm(h)). Returns (h, the layer's new state entry):
-    (conv tail, recurrent matrix) for a linear layer, (keys, values) of the new tokens for a full one."""
+    (conv tail, recurrent matrix) for a linear layer, (keys, values) of the new tokens for a full one.
+    `index` locates the layer's entries in the state: (block, j), or (j,) in a block's slice."""
     eps = cfg.rms_norm_eps
     x = rms_norm_1p(h, p["input_norm"], eps)
     if kind == LINEAR:
-        y, *entry = gated_deltanet(cfg, p, x, state.conv[b, j], state.recurrent[b, j])
+        y, *entry = gated_deltanet(cfg, p, x, state.conv[index], state.recurrent[index])
     else:
-        y, entry = gated_attention(cfg, p, x, positions, state, b, j, cache_length)
+        y, entry = gated_attention(cfg, p, x, positions, state, index, cache_length)
     h = h + y
-    return h + mlp(p["mlp"], rms_norm_1p(h, p["post_norm"], eps)), tuple(entry)
+    return h + swiglu(p["mlp"], rms_norm_1p(h, p["post_norm"], eps)), tuple(entry)
 
 
-def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, state: PromptState, b, positions, cache_length):
-    """One repeat of `block_pattern` (e.g. LLLF) over hidden h [T, D] at block b; the state is only read.
+def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, state: PromptState, prefix: tuple, positions, cache_length):
+    """One repeat of `block_pattern` (e.g. LLLF) over hidden h [T, D]; the state is only read, at `prefix`:
+    (b,) in the whole state, () in a block's slice of it.
 
     Consecutive layers of one kind run under `lax.scan` (one trace per run, not per layer). Returns h and the
-    block's new state entries per kind, stacked over that kind's layers: {LINEAR: (tails, mats), FULL: (keys,
-    values)} (None for a kind the pattern lacks).
+    block's new state entries per kind, stacked over that kind's layers: {"linear": (tails, mats), "full": (keys,
+    values)} (None for a kind the pattern lacks); tails in the state's dtype, recurrent matrices float32.
     """
     entries = {LINEAR: [], FULL: []}
     for kind, first, count in _runs(cfg.block_pattern):
         group = bp["linear" if kind == LINEAR else "full"]
 
         def step(h, j, kind=kind, group=group):
-            return _layer(cfg, kind, jax.tree.map(lambda a: a[j], group), h, state, b, j, positions, cache_length)
+            return _layer(cfg, kind, jax.tree.map(lambda a: a[j], group), h, state, prefix + (j,), positions,
+                          cache_length)
 
         if count == 1:
             h, entry = step(h, first)
@@ -440,18 +421,26 @@ def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, state: PromptState, b, pos
         entries[kind].append(entry)
     stacked = {kind: tuple(jnp.concatenate(parts) for parts in zip(*runs)) if runs else None
                for kind, runs in entries.items()}
-    return h, stacked
+    if stacked[LINEAR] is not None:
+        stacked[LINEAR] = (stacked[LINEAR][0].astype(state.conv.dtype), stacked[LINEAR][1])
+    return h, {"linear": stacked[LINEAR], "full": stacked[FULL]}
 
 
-def _layers(cfg: Qwen36Config, params: dict, state: PromptState, tokens: jax.Array, start, cache_length):
+def _layers(cfg: Qwen36Config, params: dict, state: PromptState, tokens: jax.Array, start, cache_length,
+            remat: bool = False):
     """All layers over tokens [T] at positions start.., reading `state` (a scan const: never copied or written).
-    Returns (h [T, D] before the final norm, new state entries stacked [num_blocks, per_block, ...])."""
+    Returns (h [T, D] before the final norm, new state entries stacked [num_blocks, per_block, ...]).
+
+    remat: under autodiff keep only each block's input h [T, D] and recompute the block in the backward pass, so
+    activation memory is one block's, not all layers' (costs one more forward of each block).
+    """
     positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
 
     def body(h, xs):
         bp, b = xs
-        return _block(cfg, bp, h, state, b, positions, cache_length)
+        return _block(cfg, bp, h, state, (b,), positions, cache_length)
 
+    body = jax.checkpoint(body) if remat else body
     return jax.lax.scan(body, params["embed"][tokens], (params["blocks"], jnp.arange(cfg.num_blocks)))
 
 
@@ -484,7 +473,7 @@ _GROUP = {LINEAR: "linear", FULL: "full"}
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen36:
+class Qwen36(CausalLM):
     """Frozen, hashable: pass it as a static argument to `jax.jit`. Methods are pure functions of params."""
 
     config: Qwen36Config
@@ -571,54 +560,32 @@ class Qwen36:
             keys=jnp.zeros(kv_shape, dtype), values=jnp.zeros(kv_shape, dtype), length=length,
         )
 
-    # ----- public entry points (host-side validation, then jitted pure functions) -----
-    def forward(self, params: dict, tokens) -> jax.Array:
-        """Reference path: tokens int32 [T] -> float32 logits [T, vocab]."""
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        return self._forward(params, tokens)
+    # ----- pure implementations (public entry points: models/base.py CausalLM) -----
+    @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
+    def _extend_hidden(self, params, state, tokens, remat: bool = False):
+        h, _ = _layers(self.config, params, state, tokens, state.length, cache_length=None, remat=remat)
+        return self.final_norm(params, h)
 
-    def capture(self, params: dict, tokens, chunk_size: int = 2048) -> PromptState:
-        """Prompt tokens int32 [P] -> PromptState, in chunks of `chunk_size` (need not divide P); no logits."""
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        chunk_layout(tokens.shape[0], chunk_size)  # validates chunk_size
-        return self._capture(params, tokens, chunk_size)
+    # ----- block protocol (longstraw_jax/layerwise.py: the engine's block-by-block backward) -----
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_blocks
 
-    def extend(self, params: dict, state: PromptState, tokens) -> jax.Array:
-        """Continue after `state` without modifying it: tokens int32 [T] -> float32 logits [T, vocab]."""
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        return self._extend(params, state, tokens)
+    def embed(self, params: dict, tokens: jax.Array) -> jax.Array:
+        """tokens [T] -> h [T, D] (the input of block 0)."""
+        return params["embed"][tokens]
 
-    def extend_hidden(self, params: dict, state: PromptState, tokens) -> jax.Array:
-        """As `extend`, but returns the final-normed hidden states [T, D] (model dtype): no vocabulary projection,
-        so callers can compute log-probs in token chunks."""
-        tokens = check_tokens(tokens, self.config.vocab_size)
-        return self._extend_hidden(params, state, tokens)
+    def block_params(self, params: dict) -> dict:
+        """The per-block parameters, every leaf stacked [num_blocks, ...]."""
+        return params["blocks"]
 
-    def lm_head(self, params: dict) -> jax.Array:
-        """The output projection [vocab, D] (the embedding matrix when tied)."""
-        return params["embed"] if self.config.tie_word_embeddings else params["lm_head"]
+    def block(self, bp: dict, h: jax.Array, state_block: PromptState, positions: jax.Array, cache_length):
+        """One block on h [T, D] at `positions`, reading `state_block` (every state leaf indexed at the block, e.g.
+        keys [nf, P, Hkv, hd]). Returns (h, the block's entries as `chunk_entries` gives them, minus the block axis)."""
+        return _block(self.config, bp, h, state_block, (), positions, cache_length)
 
-    def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
-        """hidden [T, D] (after the final norm) -> float32 logits [T, vocab]."""
-        return jnp.einsum("td,vd->tv", hidden, self.lm_head(params), preferred_element_type=accum_dtype(hidden.dtype))
-
-    # ----- pure implementations -----
-    @functools.partial(jax.jit, static_argnums=0)
-    def _forward(self, params, tokens):
-        return self._extend(params, self.init_state(0, params["embed"].dtype), tokens)
-
-    @functools.partial(jax.jit, static_argnums=0)
-    def _extend(self, params, state, tokens):
-        return self.logits(params, self._extend_hidden(params, state, tokens))
-
-    @functools.partial(jax.jit, static_argnums=0)
-    def _extend_hidden(self, params, state, tokens):
-        h, _ = _layers(self.config, params, state, tokens, state.length, cache_length=None)
+    def final_norm(self, params: dict, h: jax.Array) -> jax.Array:
         return rms_norm_1p(h, params["final_norm"], self.config.rms_norm_eps)
-
-    @functools.partial(jax.jit, static_argnums=(0, 3))
-    def _capture(self, params, tokens, chunk_size):
-        return capture_chunks(self, params, tokens, chunk_size, params["embed"].dtype)
 
     def carried(self, state: PromptState):
         """The part of the state each chunk overwrites (conv tails, recurrent matrices); KV is appended."""
@@ -627,14 +594,6 @@ class Qwen36:
     def with_carried(self, state: PromptState, carried) -> PromptState:
         conv, recurrent = carried
         return state.replace(conv=conv, recurrent=recurrent)
-
-    def capture_chunk(self, params: dict, state: PromptState, tokens: jax.Array, start) -> PromptState:
-        """Process tokens [C] at positions start.. (start may be traced) and write them into `state`.
-
-        The state must already hold positions < start and have room for start + C. All layers read the incoming
-        state; the new entries are written once, after the last layer, so the cache is updated in place.
-        """
-        return self.write_entries(state, self.chunk_entries(params, state, tokens, start), start)
 
     def chunk_entries(self, params: dict, state: PromptState, tokens: jax.Array, start) -> dict:
         """The state entries that tokens [C] at positions start.. produce, reading (not writing) `state`:
@@ -645,27 +604,25 @@ class Qwen36:
         """`capture_chunk` that also returns the final-normed hidden states [C, D] of the tokens: one decoding step
         (the state must have room: `init_state(capacity)` with capacity > the last position written)."""
         h, entries = self._chunk(params, state, tokens, start)
-        return rms_norm_1p(h, params["final_norm"], self.config.rms_norm_eps), self.write_entries(state, entries, start)
+        return self.final_norm(params, h), self.write_entries(state, entries, start)
 
     def _chunk(self, params, state, tokens, start):
-        h, entries = _layers(self.config, params, state, tokens, start, cache_length=start)
-        entries = {"linear": entries[LINEAR], "full": entries[FULL]}
-        if entries["linear"] is not None:
-            entries["linear"] = (entries["linear"][0].astype(state.conv.dtype), entries["linear"][1])
-        return h, entries
+        return _layers(self.config, params, state, tokens, start, cache_length=start)
 
     def write_entries(self, state: PromptState, entries: dict, start) -> PromptState:
-        """Carried parts are replaced; keys/values are written at positions start.. (in place)."""
+        """Carried parts are replaced; keys/values are written at positions start.. (in place). Works on the whole
+        state and on one block's slice of it (positions are axis -3 of keys/values either way)."""
         if entries["linear"] is not None:
             state = state.replace(conv=entries["linear"][0], recurrent=entries["linear"][1])
         if entries["full"] is not None:
-            write = lambda cache, new: jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, 0, start, 0, 0))
+            write = lambda cache, new: jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), start,
+                                                                               cache.ndim - 3)
             state = state.replace(keys=write(state.keys, entries["full"][0]), values=write(state.values, entries["full"][1]))
         return state
 
     def read_entries(self, state: PromptState, start, size: int) -> dict:
         """The transpose of `write_entries`: the entries of positions start..start+size-1 (used on cotangents)."""
         c = self.config
-        read = lambda cache: jax.lax.dynamic_slice_in_dim(cache, start, size, axis=2)
+        read = lambda cache: jax.lax.dynamic_slice_in_dim(cache, start, size, axis=cache.ndim - 3)
         return {"linear": (state.conv, state.recurrent) if c.linear_per_block else None,
                 "full": (read(state.keys), read(state.values)) if c.full_per_block else None}

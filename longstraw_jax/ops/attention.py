@@ -16,12 +16,12 @@ import jax.numpy as jnp
 
 from longstraw_jax.ops.dtypes import accum_dtype
 
-_MASKED = -1e30  # finite "minus infinity": exp(_MASKED - x) == 0 and (_MASKED) - (_MASKED) is not NaN
+MASKED = -1e30  # finite "minus infinity": exp(MASKED - x) == 0 and (MASKED) - (MASKED) is not NaN
 
 
 class Attended(NamedTuple):
     """out: [T, Hq, Dv] normalised output over the visited keys; lse: [T, Hq] log-sum-exp of their scores
-    (_MASKED when a query saw no key, with out = 0). Both in the accumulation dtype (float32)."""
+    (MASKED when a query saw no key, with out = 0). Both in the accumulation dtype (float32)."""
 
     out: jax.Array
     lse: jax.Array
@@ -81,10 +81,10 @@ def _scores(qg, k_blk, visible, scale):
     """qg [T, Hkv, G, D], k_blk [B, Hkv, D] -> masked scores [T, Hkv, G, B] in the accumulation dtype."""
     acc = accum_dtype(qg.dtype)
     s = jnp.einsum("tkgd,bkd->tkgb", qg, k_blk, preferred_element_type=acc) * scale
-    return jnp.where(visible[:, None, None, :], s, _MASKED)
+    return jnp.where(visible[:, None, None, :], s, MASKED)
 
 
-def _for_each_block(seq_len, block_size, carry, visit, visible_prefix, outputs=None):
+def for_each_block(seq_len, block_size, carry, visit, visible_prefix, outputs=None):
     """Run `visit(carry, start, size) -> (carry, block outputs or None)` over the key blocks that hold one of the
     first `visible_prefix` keys: a `lax.while_loop` over full blocks (dynamic trip count: invisible blocks cost
     nothing), then the static tail block if it is visible. Per-block outputs are written into `outputs`, a tuple of
@@ -146,13 +146,13 @@ def _attend_fwd(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_le
         pv = jnp.einsum("tkgb,bkd->tkgd", p.astype(v_blk.dtype), v_blk, preferred_element_type=acc)
         return (m_new, denom * alpha + jnp.sum(p, axis=-1), numer * alpha[..., None] + pv), None
 
-    init = (jnp.full((num_q, kv_heads, group), _MASKED, acc), jnp.zeros((num_q, kv_heads, group), acc),
+    init = (jnp.full((num_q, kv_heads, group), MASKED, acc), jnp.zeros((num_q, kv_heads, group), acc),
             jnp.zeros((num_q, kv_heads, group, value_dim), acc))
     prefix = _visible_prefix(q_positions, k_offset, kv_length, causal)
-    (m, denom, numer), _ = _for_each_block(k.shape[-3], block_size, init, visit, prefix)
+    (m, denom, numer), _ = for_each_block(k.shape[-3], block_size, init, visit, prefix)
     seen = denom > 0
     out = jnp.where(seen[..., None], numer / jnp.where(seen, denom, 1.0)[..., None], 0.0)
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), _MASKED)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), MASKED)
     result = Attended(out.reshape(num_q, num_heads, value_dim), lse.reshape(num_q, num_heads))
     return result, (q, k, v, q_positions, k_offset, kv_length, index, result)
 
@@ -185,7 +185,7 @@ def _attend_bwd(scale, causal, block_size, residuals, cotangent):
 
     prefix = _visible_prefix(q_positions, k_offset, kv_length, causal)
     buffers = (jnp.zeros(k.shape[-3:], acc), jnp.zeros(v.shape[-3:], acc))
-    dq, (dk_layer, dv_layer) = _for_each_block(k.shape[-3], block_size, jnp.zeros(qg.shape, acc), visit, prefix,
+    dq, (dk_layer, dv_layer) = for_each_block(k.shape[-3], block_size, jnp.zeros(qg.shape, acc), visit, prefix,
                                                buffers)
 
     def place(layer_cot, cache):

@@ -84,3 +84,13 @@ def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Arra
     rotated_half = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
     x_rot = x_rot * cos[:, None, :] + rotated_half * sin[:, None, :]
     return jnp.concatenate([x_rot, x_pass], axis=-1)
+
+
+def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """GLM / DeepSeek rotation (MODELS.md 2.7) of the first `rotary_dim` channels of x [T, H, D]: pairs (2i, 2i+1)
+    share frequency i, and the result is written in half-split order `[u1' | u2']` (as transformers does), followed by
+    the pass-through channels. cos, sin: [T, rotary_dim] in the half-split layout of `cos_sin`."""
+    rot = cos.shape[-1]
+    c, s = cos[:, None, : rot // 2], sin[:, None, : rot // 2]
+    u1, u2 = x[..., 0:rot:2], x[..., 1:rot:2]
+    return jnp.concatenate([u1 * c - u2 * s, u2 * c + u1 * s, x[..., rot:]], axis=-1)

@@ -22,10 +22,11 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from longstraw_jax.models.qwen36 import (FULL, LINEAR, PromptState, Qwen36, attention_inputs, attention_output,
-                                         gated_deltanet, gdn_core, gdn_inputs, gdn_output, gdn_qkv, mlp)
+                                         gated_deltanet, gdn_core, gdn_inputs, gdn_output, gdn_qkv)
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype
+from longstraw_jax.ops.mlp import swiglu
 from longstraw_jax.ops.norms import rms_norm_1p
 from longstraw_jax.sharding import sequence
 from longstraw_jax.sharding.layout import SeqLayout
@@ -79,7 +80,7 @@ def _residual(cfg, p, h, mixer):
     """Decoder layer (1.3) around a mixer: h + mixer(norm(h)) then h + mlp(norm(h)); returns (h, mixer's entry)."""
     y, entry = mixer(rms_norm_1p(h, p["input_norm"], cfg.rms_norm_eps))
     h = h + y
-    return h + mlp(p["mlp"], rms_norm_1p(h, p["post_norm"], cfg.rms_norm_eps)), entry
+    return h + swiglu(p["mlp"], rms_norm_1p(h, p["post_norm"], cfg.rms_norm_eps)), entry
 
 
 # ----- capture -------------------------------------------------------------------------------------------------

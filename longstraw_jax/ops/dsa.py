@@ -1,0 +1,75 @@
+"""DeepSeek Sparse Attention selection: the lightning indexer's top-k (MODELS.md 2.8).
+
+For each query, the index score of a visible key u is `I[t, u] = sum_h w[t, h] * relu(q[t, h] . k[u] * scale)`
+(float32, matmuls at `precision=HIGHEST`: top-k is sensitive to near-ties), and the query attends to the k keys with
+the largest scores. Queries are processed in blocks of `query_block`; for each block the keys are visited in blocks
+of `key_block` and a running top-k is merged, so memory is O(query_block * (k + key_block)): no `[T, P]` score or
+mask array ever exists, whatever the prompt length.
+
+Selection is discrete and carries no gradient (transformers runs the indexer under `torch.no_grad()`).
+"""
+import jax
+import jax.numpy as jnp
+
+from longstraw_jax.ops.attention import for_each_block
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _index_scores(q: jax.Array, w: jax.Array, keys: jax.Array, scale: float) -> jax.Array:
+    """q [B, Hi, Di] f32, w [B, Hi] f32, keys [K, Di] -> I [B, K] float32."""
+    s = jnp.einsum("bhd,kd->bhk", q, keys.astype(jnp.float32), precision=_HIGHEST) * scale
+    return jnp.einsum("bh,bhk->bk", w, jax.nn.relu(s), precision=_HIGHEST)
+
+
+def _merge_topk(carry, scores, positions, k):
+    """Running top-k: (values [B, k], positions [B, k]) merged with a block's scores [B, K] at positions [K]."""
+    values, chosen = carry
+    values = jnp.concatenate([values, scores], axis=-1)
+    chosen = jnp.concatenate([chosen, jnp.broadcast_to(positions, scores.shape)], axis=-1)
+    top, where = jax.lax.top_k(values, k)
+    return top, jnp.take_along_axis(chosen, where, axis=-1)
+
+
+def select_topk(q: jax.Array, w: jax.Array, cache_keys: jax.Array, layer, new_keys: jax.Array, positions: jax.Array,
+                start, *, k: int, scale: float, query_block: int, key_block: int) -> jax.Array:
+    """Positions of the k largest index scores among the keys each query may see.
+
+    q [T, Hi, Di] and w [T, Hi] (float32; w already includes Hi^-0.5); cache_keys [F, S, Di]: indexer keys of the full
+    layers, of which `cache_keys[layer, :start]` hold positions 0..start-1 (later rows are never read); new_keys
+    [T, Di] at positions start..start+T-1; positions int [T] = start + arange(T). Query t sees cache positions
+    < start and new positions <= positions[t].
+
+    Returns int32 [T, k]; -1 marks unused slots when fewer than k keys are visible (then every visible key is chosen,
+    which is exactly dense causal attention).
+    """
+    num_q, heads, dim = q.shape
+    blocks = -(-num_q // query_block)
+    pad = blocks * query_block - num_q
+    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(blocks, query_block, heads, dim)
+    w = jnp.pad(w, ((0, pad), (0, 0))).reshape(blocks, query_block, heads)
+    q_pos = jnp.pad(positions, (0, pad), constant_values=-1).reshape(blocks, query_block)
+    cache_len, new_len = cache_keys.shape[1], new_keys.shape[0]
+
+    def one_block(args):
+        qb, wb, pb = args
+
+        def visit_cache(carry, first, size):
+            keys = jax.lax.dynamic_slice(cache_keys, (layer, first, 0), (1, size, dim))[0]
+            u = first + jnp.arange(size)
+            s = jnp.where((u < start)[None, :], _index_scores(qb, wb, keys, scale), -jnp.inf)
+            return _merge_topk(carry, s, u, k), None
+
+        def visit_new(carry, first, size):
+            keys = jax.lax.dynamic_slice_in_dim(new_keys, first, size)
+            u = start + first + jnp.arange(size)
+            s = jnp.where(u[None, :] <= pb[:, None], _index_scores(qb, wb, keys, scale), -jnp.inf)
+            return _merge_topk(carry, s, u, k), None
+
+        carry = (jnp.full((query_block, k), -jnp.inf, jnp.float32), jnp.full((query_block, k), -1, jnp.int32))
+        carry, _ = for_each_block(cache_len, key_block, carry, visit_cache, jnp.asarray(start, jnp.int32))
+        carry, _ = for_each_block(new_len, key_block, carry, visit_new, jnp.max(pb) - start + 1)
+        values, chosen = carry
+        return jnp.where(values > -jnp.inf, chosen, -1)
+
+    return jax.lax.map(one_block, (q, w, q_pos)).reshape(blocks * query_block, k)[:num_q]

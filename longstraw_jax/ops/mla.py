@@ -1,0 +1,115 @@
+"""Absorbed multi-head latent attention over DSA-selected positions (MODELS.md 2.6), with a flash-style backward.
+
+Keys and values are never expanded per head. Each position holds one row `kv = [c | k_pe]` (the normalised latent
+and the roped rope key, Dk = kv_lora_rank + qk_rope_head_dim); the query is absorbed, `q = [W_UK^T q_nope | q_pe]`,
+so `score = q . kv * scale`, and the output is the latent `sum_u p_u c_u` (W_UV is applied by the caller).
+
+Every query attends to its own k selected positions (k = index_topk): queries are processed in blocks, each block
+gathers its `[block, k, Dk]` rows from the cache (positions < start) and from the new tokens (positions >= start),
+and takes an exact softmax over them. Memory is O(block * k * Dk) whatever the prompt length. The backward pass is a
+`jax.custom_vjp` that regathers the rows and recomputes the probabilities from the saved log-sum-exp, instead of
+letting autodiff store every block's gathered rows; the rows' cotangents are scatter-added into the layer's cache
+cotangent and the new tokens' cotangent.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from longstraw_jax.ops.attention import MASKED
+from longstraw_jax.ops.dtypes import accum_dtype
+
+
+def sparse_latent_attention(q: jax.Array, cache: jax.Array, layer, new: jax.Array, selected: jax.Array, start, *,
+                            scale: float, value_dim: int, block_size: int) -> jax.Array:
+    """q [T, H, Dk]; cache [L, S, Dk] (`cache[layer, :start]` are positions 0..start-1); new [T, Dk] (positions
+    start..start+T-1); selected int [T, k]: the positions query t attends to (-1 = unused slot; every query must
+    have at least one). Returns the latent output [T, H, value_dim] in float32 (the first value_dim channels of kv).
+    """
+    return _attend(scale, value_dim, block_size, q, cache, new, jnp.asarray(layer, jnp.int32),
+                   selected.astype(jnp.int32), jnp.asarray(start, jnp.int32))
+
+
+def _blocks(x: jax.Array, block: int, fill=0) -> jax.Array:
+    """[T, ...] -> [ceil(T / block), block, ...], padded with `fill`."""
+    blocks = -(-x.shape[0] // block)
+    pad = [(0, blocks * block - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+    return jnp.pad(x, pad, constant_values=fill).reshape((blocks, block) + x.shape[1:])
+
+
+def _gather(cache, layer, new, sel, start):
+    """Rows [B, k, Dk] of the selected positions sel [B, k]; -1 slots read an arbitrary row (masked by the caller)."""
+    fresh = new[jnp.clip(sel - start, 0, new.shape[0] - 1)]
+    if cache.shape[1] == 0:
+        return fresh
+    cached = cache[layer, jnp.clip(sel, 0, cache.shape[1] - 1)]
+    return jnp.where((sel < start)[..., None], cached, fresh)
+
+
+def _scores(qb, kv, valid, scale):
+    """qb [B, H, Dk], kv [B, k, Dk] -> masked scores [B, H, k] (accumulation dtype)."""
+    s = jnp.einsum("bhd,bkd->bhk", qb, kv, preferred_element_type=accum_dtype(qb.dtype)) * scale
+    return jnp.where(valid[:, None, :], s, MASKED)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attend(scale, value_dim, block_size, q, cache, new, layer, selected, start):
+    return _attend_fwd(scale, value_dim, block_size, q, cache, new, layer, selected, start)[0]
+
+
+def _attend_fwd(scale, value_dim, block_size, q, cache, new, layer, selected, start):
+    acc = accum_dtype(q.dtype)
+
+    def block(args):
+        qb, sel = args
+        kv = _gather(cache, layer, new, sel, start)
+        valid = sel >= 0
+        s = _scores(qb, kv, valid, scale)
+        m = jnp.max(s, axis=-1)
+        p = jnp.where(valid[:, None, :], jnp.exp(s - m[..., None]), 0.0)
+        denom = jnp.sum(p, axis=-1)
+        seen = denom > 0
+        out = jnp.einsum("bhk,bkd->bhd", p.astype(kv.dtype), kv[..., :value_dim], preferred_element_type=acc)
+        out = jnp.where(seen[..., None], out / jnp.where(seen, denom, 1.0)[..., None], 0.0)
+        return out, jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), MASKED)
+
+    out, lse = jax.lax.map(block, (_blocks(q, block_size), _blocks(selected, block_size, -1)))
+    num_q = q.shape[0]
+    out, lse = out.reshape((-1,) + out.shape[2:])[:num_q], lse.reshape((-1,) + lse.shape[2:])[:num_q]
+    return out, (q, cache, new, layer, selected, start, out, lse)
+
+
+def _attend_bwd(scale, value_dim, block_size, residuals, d_out):
+    """Per query block: p = exp(s - lse); dp = do . v; ds = p * (dp - sum(do * out)) * scale; dq = ds kv;
+    d kv = ds^T q (+ p^T do on the value channels), scatter-added to the positions it was gathered from."""
+    q, cache, new, layer, selected, start, out, lse = residuals
+    acc = accum_dtype(q.dtype)
+    cache_len, new_len = cache.shape[1], new.shape[0]
+    delta = jnp.sum(d_out.astype(acc) * out, axis=-1)  # [T, H]
+
+    def block(carry, args):
+        d_cache, d_new = carry
+        qb, sel, dob, lse_b, delta_b = args
+        kv = _gather(cache, layer, new, sel, start)
+        valid = sel >= 0
+        p = jnp.where(valid[:, None, :], jnp.exp(_scores(qb, kv, valid, scale) - lse_b[..., None]), 0.0)
+        dp = jnp.einsum("bhd,bkd->bhk", dob, kv[..., :value_dim].astype(acc))
+        ds = p * (dp - delta_b[..., None]) * scale
+        dq = jnp.einsum("bhk,bkd->bhd", ds, kv.astype(acc))
+        d_kv = jnp.einsum("bhk,bhd->bkd", ds, qb.astype(acc))
+        d_kv = d_kv.at[..., :value_dim].add(jnp.einsum("bhk,bhd->bkd", p, dob))
+        in_cache = valid & (sel < start)
+        d_cache = d_cache.at[jnp.where(in_cache, sel, cache_len)].add(d_kv, mode="drop")
+        d_new = d_new.at[jnp.where(valid & ~in_cache, sel - start, new_len)].add(d_kv, mode="drop")
+        return (d_cache, d_new), dq
+
+    xs = (_blocks(q, block_size), _blocks(selected, block_size, -1), _blocks(d_out.astype(acc), block_size),
+          _blocks(lse, block_size), _blocks(delta, block_size))
+    init = (jnp.zeros(cache.shape[1:], acc), jnp.zeros(new.shape, acc))
+    (d_cache, d_new), dq = jax.lax.scan(block, init, xs)
+    dq = dq.reshape((-1,) + dq.shape[2:])[: q.shape[0]]
+    d_cache = jnp.zeros(cache.shape, cache.dtype).at[layer].set(d_cache.astype(cache.dtype))
+    return dq.astype(q.dtype), d_cache, d_new.astype(new.dtype), None, None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)

@@ -1,0 +1,14 @@
+"""Dense projections in the transformers weight orientation, and the SwiGLU MLP both model families use."""
+import jax
+import jax.numpy as jnp
+
+
+def linear(x: jax.Array, w: jax.Array, precision=None) -> jax.Array:
+    """x [..., in] @ w[out, in].T -> [..., out]"""
+    return jnp.einsum("...i,oi->...o", x, w, precision=precision)
+
+
+def swiglu(p: dict, x: jax.Array) -> jax.Array:
+    """down(silu(gate(x)) * up(x)) with p = {gate_proj [I, D], up_proj [I, D], down_proj [D, I]} (MODELS.md 1.8,
+    and GLM's dense MLP and shared expert, 2.9)."""
+    return linear(jax.nn.silu(linear(x, p["gate_proj"])) * linear(x, p["up_proj"]), p["down_proj"])

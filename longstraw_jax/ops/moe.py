@@ -1,0 +1,97 @@
+"""Mixture of experts (MODELS.md 2.9): the sigmoid top-k router and the sort-based grouped expert computation.
+
+Routing is discrete: the chosen experts are constants of the computation (as in autograd of transformers' module),
+gradients flow through the chosen experts' weights and outputs. The correction bias only ranks experts.
+
+The experts run as a grouped matmul: the N x K (token, expert) assignments are sorted by expert, each expert's
+weights multiply only its own contiguous rows (`jax.lax.ragged_dot_general`), and the weighted rows are added back
+to their tokens. Weights keep transformers' `[out, in]` orientation per expert (no transposes).
+
+Backends: on GPU/TPU `ragged_dot` lowers to a grouped GEMM; on XLA:CPU jax 0.10.2 expands it to a masked dense
+`[E, N*K, D]` product (correct, differentiable, but E times the work: fine for tests, not for real sizes on CPU).
+"""
+import jax
+import jax.numpy as jnp
+
+from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def route(x: jax.Array, weight: jax.Array, bias: jax.Array, *, top_k: int, n_group: int, topk_group: int,
+          norm_topk_prob: bool, scaling: float) -> tuple[jax.Array, jax.Array]:
+    """Noaux-tc sigmoid router. x [N, D]; weight [E, D]; bias [E] (selection only).
+
+    Returns (experts int32 [N, K], weights float32 [N, K]): `sigmoid(x @ weight.T)` in float32 at the chosen experts,
+    normalised over the K (if norm_topk_prob) and times `scaling`. Selection ranks `sigmoid + bias`, restricted to the
+    `topk_group` groups (of E / n_group experts) with the largest sum of their two best biased scores.
+    """
+    scores = jax.nn.sigmoid(jnp.einsum("nd,ed->ne", at_least_f32(x), at_least_f32(weight), precision=_HIGHEST))
+    choice = jax.lax.stop_gradient(scores) + at_least_f32(bias)
+    num_experts = weight.shape[0]
+    if n_group > 1:
+        grouped = choice.reshape(-1, n_group, num_experts // n_group)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, n_group]
+        keep = jax.lax.top_k(group_scores, topk_group)[1]
+        group_mask = jnp.zeros(group_scores.shape, bool).at[jnp.arange(group_scores.shape[0])[:, None], keep].set(True)
+        choice = jnp.where(jnp.repeat(group_mask, num_experts // n_group, axis=-1), choice, -jnp.inf)
+    experts = jax.lax.top_k(choice, top_k)[1].astype(jnp.int32)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return experts, weights * scaling
+
+
+def _broadcast_batched(f):
+    """f, batched under `vmap` by broadcasting its unbatched arguments: the batching rule of `ragged_dot_general`
+    (jax 0.10.2) needs every operand batched, but the expert weights are not when a caller vmaps the model."""
+    g = jax.custom_batching.custom_vmap(f)
+
+    @g.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip(args, in_batched)]
+        out = jax.vmap(f)(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return g
+
+
+def _ragged(lhs, rhs, group_sizes):
+    numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, numbers, preferred_element_type=accum_dtype(lhs.dtype))
+
+
+_ragged_fwd = _broadcast_batched(_ragged)
+_ragged_bwd = _broadcast_batched(lambda lhs, rhs, sizes, d_out: jax.vjp(lambda l, r: _ragged(l, r, sizes), lhs, rhs)[1](
+    d_out))
+
+
+@jax.custom_vjp
+def _grouped(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """lhs [M, in] (rows sorted by group) x rhs [E, out, in] -> [M, out] (float32): row block e multiplies rhs[e].
+    A custom VJP (the transpose `ragged_dot` defines) so that the forward and backward can both be vmapped."""
+    return _ragged_fwd(lhs, rhs, group_sizes)
+
+
+_grouped.defvjp(lambda lhs, rhs, sizes: (_ragged_fwd(lhs, rhs, sizes), (lhs, rhs, sizes)),
+                lambda res, d_out: (*_ragged_bwd(*res, d_out), None))
+
+
+def grouped_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
+                   down_proj: jax.Array) -> jax.Array:
+    """sum_j weights[n, j] * Expert_{experts[n, j]}(x[n]), Expert_e(u) = down_e(silu(gate_e(u)) * up_e(u)).
+
+    x [N, D]; experts int [N, K]; weights [N, K]; gate_proj, up_proj [E, I, D]; down_proj [E, D, I]. Returns [N, D]
+    in x.dtype. Work is proportional to N * K rows (on backends with a grouped `ragged_dot`), never N * E.
+    """
+    num_tokens, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
+    token = order // k
+    sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)
+    rows = x[token]  # [N*K, D]
+    gate, up = (_grouped(rows, w, sizes).astype(x.dtype) for w in (gate_proj, up_proj))
+    out = _grouped(jax.nn.silu(gate) * up, down_proj, sizes).astype(x.dtype)
+    out = (at_least_f32(out) * weights.reshape(-1)[order][:, None]).astype(x.dtype)  # weights stay float32
+    return jnp.zeros((num_tokens, x.shape[-1]), x.dtype).at[token].add(out)

@@ -1,0 +1,291 @@
+"""GLM-5.x model: capture/extend/advance == forward with sparsity active, the ops against dense references (values
+and gradients), real-size parameter count and state size, capture memory, bad input; and the engine on GLM:
+exact == naive (no gradient into the indexer), detached == stop_gradient autograd (as tests/test_engine.py)."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from longstraw_jax import grpo_grads, models, naive_grpo_grads
+from longstraw_jax.models.base import capture_chunks
+from longstraw_jax.models.glm52 import Glm52Config
+from longstraw_jax.ops.mla import sparse_latent_attention
+from longstraw_jax.ops.moe import grouped_swiglu, route
+from tests.random_params import o1_params
+from tests.test_engine import CASES, _detached_reference, assert_metrics_equal, make_batch, prompt_only_tokens, rel_err
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
+T = 75  # > index_topk = 16: the indexer really selects
+
+
+def glm_o1_params(model, key):
+    """O(1) random parameters; GLM norms multiply by a plain w, so their weights are 1 + N(0, 0.3^2)."""
+    flat = traverse_util.flatten_dict(o1_params(model.init(jax.random.key(0)), key), sep="/")
+    is_norm = lambda path: path.endswith("norm") and not path.endswith("bias")
+    return traverse_util.unflatten_dict({k: 1.0 + v if is_norm(k) else v for k, v in flat.items()}, sep="/")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    # small blocks: several query blocks, several indexer key blocks and a tail block in every call
+    model = models.build(Glm52Config.tiny(query_block_size=8, index_key_block_size=8))
+    params = glm_o1_params(model, jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (T,), 0, model.config.vocab_size, dtype=jnp.int32)
+    return model, params, tokens, model.forward(params, tokens)
+
+
+@pytest.mark.parametrize("split,chunk", [(40, 7), (33, 64)])
+def test_extend_after_capture_equals_forward(tiny, split, chunk):
+    model, params, tokens, full = tiny
+    c = model.config
+    assert float(jnp.std(full)) > 0.3
+    state = model.capture(params, tokens[:split], chunk_size=chunk)
+    assert state.length == split and model.carried(state) == ()
+    assert state.kv.shape == (4, split, c.kv_lora_rank + c.qk_rope_head_dim)  # latent + rope key, every layer
+    assert state.index_keys.shape == (2, split, c.index_head_dim)  # F S F S: full layers only
+    np.testing.assert_allclose(model.extend(params, state, tokens[split:]), full[split:], atol=1e-4)
+
+
+def test_branch_selection_crosses_the_capture_boundary(tiny):
+    """After a capture of 40 tokens, the branch tokens' selections mix prompt and branch positions and leave most
+    visible positions out (sparsity is active across the boundary); extend == forward is checked above."""
+    model, params, tokens, _ = tiny
+    selection = np.asarray(model.index_selection(params, tokens))  # [F, T, k]
+    assert selection.shape == (model.config.num_full_layers, T, 16)
+    branch = selection[:, 40:]
+    assert (branch >= 0).all()  # every branch query sees > 16 positions: all 16 slots used
+    assert ((branch < 40).any(-1) & (branch >= 40).any(-1)).any()
+    assert (branch < 40).mean() > 0.3
+    early = selection[:, 5]  # query 5 sees 6 positions: all selected, the rest of the slots unused
+    assert all(sorted(row[row >= 0]) == list(range(6)) for row in early)
+
+
+def test_advance_decodes_token_by_token_after_a_capture_with_room(tiny):
+    model, params, tokens, full = tiny
+    state = capture_chunks(model, params, tokens[:60], 16, jnp.float32, capacity=T)
+    step = jax.jit(model.advance)
+    rows = []
+    for t in range(60, T):
+        hidden, state = step(params, state, tokens[t : t + 1], t)
+        rows.append(model.logits(params, hidden))
+    np.testing.assert_allclose(jnp.concatenate(rows), full[60:], atol=1e-4)
+
+
+# ----- the ops against dense references, values and gradients ---------------------------------------------------
+
+
+def test_sparse_latent_attention_matches_masked_dense_attention_and_its_gradients():
+    """ops/mla.py (gather per query block + custom VJP) == softmax over a dense [T, S + T] mask built from the
+    selection, differentiated by autodiff: values, dq, d cache (at its layer) and d new rows."""
+    key = jax.random.split(jax.random.key(7), 6)
+    layers, cached, t, heads, dk, dv, k = 3, 21, 13, 4, 24, 16, 9
+    q = jax.random.normal(key[0], (t, heads, dk))
+    cache = jax.random.normal(key[1], (layers, cached + 5, dk))  # rows >= cached are never written nor read
+    new = jax.random.normal(key[2], (t, dk))
+    positions = cached + jnp.arange(t)
+    scores = jax.random.uniform(key[3], (t, cached + t))
+    visible = jnp.arange(cached + t)[None, :] <= positions[:, None]
+    order = jnp.argsort(jnp.where(visible, -scores, jnp.inf), axis=-1)[:, :k]
+    selected = jnp.where(jnp.take_along_axis(visible, order, -1), order, -1).astype(jnp.int32)
+    selected = selected.at[0, 3:].set(-1)  # a row with unused slots
+    layer, scale = 1, dk**-0.5
+    weights = jax.random.normal(key[4], (t, heads, dv))
+
+    def ours(q, cache, new):
+        out = sparse_latent_attention(q, cache, layer, new, selected, cached, scale=scale, value_dim=dv, block_size=4)
+        return jnp.sum(out * weights), out
+
+    def dense(q, cache, new):
+        rows = jnp.concatenate([cache[layer, :cached], new])  # [S + T, dk]
+        chosen = jnp.zeros((t, cached + t), bool).at[jnp.arange(t)[:, None], jnp.maximum(selected, 0)].max(selected >= 0)
+        s = jnp.where(chosen[:, None, :], jnp.einsum("thd,sd->ths", q, rows) * scale, -jnp.inf)
+        out = jnp.einsum("ths,sd->thd", jax.nn.softmax(s, axis=-1), rows[:, :dv])
+        return jnp.sum(out * weights), out
+
+    (_, got), got_grads = jax.value_and_grad(ours, argnums=(0, 1, 2), has_aux=True)(q, cache, new)
+    (_, want), want_grads = jax.value_and_grad(dense, argnums=(0, 1, 2), has_aux=True)(q, cache, new)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+    assert np.abs(np.asarray(got_grads[1])[layer, :cached]).max() > 0.01
+
+
+def test_grouped_experts_and_router_match_a_per_expert_loop():
+    """ops/moe.py: sorted grouped compute == every expert on every token, then the chosen ones (values, gradients
+    with respect to x, the expert weights and the router weight); group-limited routing keeps top-k in the best
+    groups; the correction bias changes the choice but not the weights' formula."""
+    key = jax.random.split(jax.random.key(3), 6)
+    n, d, i, e, topk = 11, 8, 6, 8, 3
+    x = jax.random.normal(key[0], (n, d))
+    gate, up = jax.random.normal(key[1], (e, i, d)) / 3, jax.random.normal(key[2], (e, i, d)) / 3
+    down, router = jax.random.normal(key[3], (e, d, i)) / 3, jax.random.normal(key[4], (e, d))
+    bias = 0.3 * jax.random.normal(key[5], (e,))
+    kw = dict(top_k=topk, n_group=2, topk_group=1, norm_topk_prob=True, scaling=2.5)
+
+    def ours(x, gate, up, down, router):
+        experts, w = route(x, router, bias, **kw)
+        return grouped_swiglu(x, experts, w, gate, up, down)
+
+    experts = np.asarray(route(x, router, bias, **kw)[0])
+
+    def loop(x, gate, up, down, router):  # every expert on every token, then pick the chosen ones
+        s = jax.nn.sigmoid(x @ router.T)
+        w = jnp.take_along_axis(s, experts, -1)
+        w = 2.5 * w / jnp.sum(w, -1, keepdims=True)
+        hidden = jax.nn.silu(jnp.einsum("nd,eid->nei", x, gate)) * jnp.einsum("nd,eid->nei", x, up)
+        every = jnp.einsum("nei,edi->ned", hidden, down)  # [N, E, D]
+        return jnp.sum(w[..., None] * jnp.take_along_axis(every, experts[..., None], 1), axis=1)
+
+    s = np.asarray(jax.nn.sigmoid(x @ router.T) + bias)
+    for row, chosen in zip(s, experts):  # chosen experts lie in one group (topk_group=1) and are its top-3
+        group = chosen[0] // 4
+        assert (chosen // 4 == group).all()
+        assert set(chosen) == set(np.argsort(-row[group * 4 : group * 4 + 4])[:topk] + group * 4)
+    args = (x, gate, up, down, router)
+    np.testing.assert_allclose(ours(*args), loop(*args), atol=1e-5)
+    probe = jax.random.normal(key[0], (n, d))
+    grads = jax.grad(lambda *a: jnp.sum(ours(*a) * probe), argnums=range(5))(*args)
+    want = jax.grad(lambda *a: jnp.sum(loop(*a) * probe), argnums=range(5))(*args)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+# ----- memory, real size ------------------------------------------------------------------------------------------
+
+
+def _capture_memory(model, params, prompt, chunk):
+    tokens = jax.ShapeDtypeStruct((prompt,), jnp.int32)
+    mem = jax.jit(model._capture, static_argnums=2).lower(params, tokens, chunk).compile().memory_analysis()
+    return mem, jax.eval_shape(lambda p, t: model._capture(p, t, chunk), params, tokens).nbytes()
+
+
+def test_capture_memory_is_per_chunk_not_per_prompt():
+    """AOT-compile capture of a 64K-token prompt (index_topk 16 << P): temporaries are O(chunk) and do not grow
+    with the prompt, so no [T, P] score or mask array exists (the indexer streams its top-k over key blocks)."""
+    model = models.build(Glm52Config.tiny(index_key_block_size=256))
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    mem, state_bytes = _capture_memory(model, params, 65536, 512)
+    small, _ = _capture_memory(model, params, 16384, 512)
+    print(f"GLM capture P=65536 C=512: state {state_bytes / 2**20:.1f} MiB, temp {mem.temp_size_in_bytes / 2**20:.2f} "
+          f"MiB (P=16384: {small.temp_size_in_bytes / 2**20:.2f} MiB)")
+    assert mem.output_size_in_bytes == pytest.approx(state_bytes, rel=0.01)
+    assert mem.temp_size_in_bytes < state_bytes / 4
+    assert mem.temp_size_in_bytes < 1.05 * small.temp_size_in_bytes  # 4x the prompt, same temporaries
+
+
+def test_real_config_parameter_count_and_state_size():
+    cfg = Glm52Config.from_hf(os.path.join(CONFIGS, "glm-5.2.json"), strict=True)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, cfg.rope_theta) == (78, 6144, 154880, 8e6)
+    pattern = "".join("F" if t == "full" else "S" for t in cfg.indexer_types)
+    assert pattern == "FFF" + "SSSF" * 18 + "SSS" and cfg.num_full_layers == 21
+    assert cfg.mlp_layer_types == ("dense",) * 3 + ("sparse",) * 75
+    assert [(len(s.pattern), s.repeats) for s in cfg.segments] == [(1, 3), (4, 18), (1, 3)]
+    model = models.build(cfg)
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    assert abs(count - 743.4e9) <= 0.1e9, count  # MODELS.md 2.2: 743.4 B without the MTP layer
+    assert model.hf_skipped_prefixes == ("model.layers.78.",)
+    per_token = jax.eval_shape(lambda: model.init_state(1, jnp.bfloat16)).nbytes()
+    assert per_token == (78 * 576 + 21 * 128) * 2  # ARCHITECTURE.md 6: ~95 KB per token in bf16
+    # derived like transformers when indexer_types / mlp_layer_types are absent
+    with open(os.path.join(CONFIGS, "glm-5.2.json")) as f:
+        raw = json.load(f)
+    derived = {k: v for k, v in raw.items() if k not in ("indexer_types", "mlp_layer_types")}
+    assert Glm52Config.from_hf(derived) == cfg
+    assert Glm52Config.from_hf({**derived, "index_topk_freq": 1}).num_full_layers == 78  # GLM-5 / 5.1
+
+
+def test_tiny_preset_file_matches_tiny():
+    assert Glm52Config.from_hf(os.path.join(CONFIGS, "glm-5.2-tiny.json"), strict=True) == Glm52Config.tiny()
+
+
+# ----- bad input --------------------------------------------------------------------------------------------------
+
+
+def test_token_and_config_errors(tiny):
+    model, params, tokens, _ = tiny
+    bad = np.asarray(tokens).copy()
+    bad[5] = model.config.vocab_size
+    with pytest.raises(ValueError, match=r"tokens\[5\] = 512 .*vocab_size=512"):
+        model.forward(params, bad)
+    with pytest.raises(ValueError, match="chunk_size"):
+        model.capture(params, tokens, chunk_size=0)
+    good = Glm52Config.tiny().to_hf()
+    with pytest.raises(ValueError, match="model_type='qwen3_5_text'"):
+        Glm52Config.from_hf({**good, "model_type": "qwen3_5_text"})
+    with pytest.raises(ValueError, match=r"indexer_types\[0\] must be 'full'"):
+        Glm52Config.from_hf({**good, "indexer_types": ["shared"] + good["indexer_types"][1:]})
+    with pytest.raises(ValueError, match="indexer_types has 3 entries but num_hidden_layers=4"):
+        Glm52Config.from_hf({**good, "indexer_types": good["indexer_types"][:3]})
+    with pytest.raises(ValueError, match="index_topk_pattern has characters"):
+        Glm52Config.from_hf({k: v for k, v in good.items() if k != "indexer_types"} | {"index_topk_pattern": "FFX"})
+    with pytest.raises(ValueError, match="n_routed_experts=8 is not a multiple of n_group=3"):
+        Glm52Config.from_hf({**good, "n_group": 3})
+    with pytest.raises(ValueError, match="rope_type='yarn'"):
+        Glm52Config.from_hf({**good, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
+    with pytest.raises(ValueError, match="frobnicate"):
+        Glm52Config.from_hf({**good, "frobnicate": 1}, strict=True)
+    assert Glm52Config.from_hf({**good, "head_dim": 192}) == Glm52Config.tiny()  # overwritten, as transformers
+
+
+# ----- the engine on GLM (oracles and helpers of tests/test_engine.py) ---------------------------------------------
+
+def assert_only_selection_has_no_gradient(grads):
+    """The indexer and the router's correction bias only choose positions / experts: exactly zero gradient (the
+    indexer runs under no_grad in transformers too); every other parameter gets one."""
+    for path, g in traverse_util.flatten_dict(grads, sep="/").items():
+        if "/indexer/" in path or path.endswith("router_bias"):
+            assert not np.any(np.asarray(g)), path
+        else:
+            assert np.abs(np.asarray(g)).max() > 0, path
+
+
+grads_fn = jax.jit(grpo_grads, static_argnums=(0, 3, 4, 5))
+naive_fn = jax.jit(naive_grpo_grads, static_argnums=(0, 3))
+
+
+@pytest.fixture(scope="module")
+def engine_case(tiny):
+    """Case A of test_engine (G = 3, ragged masks, chunk 7 over P - 1 = 24, KL on, old logprobs): prompt + response
+    is 33 tokens > index_topk, so the selections during capture and replay are sparse."""
+    model, params, _, _ = tiny
+    case = CASES["A"]
+    batch = make_batch(model, params, case["lengths"], case["rewards"], case["old"], case["ref"], seed=0)
+    exact = grads_fn(model, params, batch, case["cfg"], "exact", case["chunk"])
+    return batch, exact, naive_fn(model, params, batch, case["cfg"])
+
+
+def test_exact_equals_naive(tiny, engine_case):
+    _, params, _, _ = tiny
+    batch, (loss, grads, metrics), (naive_loss, naive_grads, naive_metrics) = engine_case
+    assert jax.tree.structure(grads) == jax.tree.structure(params)
+    prompt_only = prompt_only_tokens(batch)
+    assert prompt_only.size and np.abs(np.asarray(grads["embed"])[prompt_only]).min() > 0
+    for g in (naive_grads, grads):  # autograd of the full graph, and the engine
+        assert_only_selection_has_no_gradient(g)
+    err = rel_err(grads, naive_grads)
+    print(f"GLM exact vs naive: loss {float(loss):.6f} vs {float(naive_loss):.6f}, grad rel err {err:.2e}")
+    assert err <= 1e-4
+    assert abs(float(loss) - float(naive_loss)) <= 1e-5
+    assert_metrics_equal(metrics, naive_metrics)
+
+
+def test_detached_equals_stop_gradient_autograd_and_differs_from_exact(tiny, engine_case):
+    model, params, _, _ = tiny
+    case = CASES["A"]
+    batch, (exact_loss, exact_grads, exact_metrics), _ = engine_case
+    loss, grads, metrics = grads_fn(model, params, batch, case["cfg"], "detached", case["chunk"])
+    ref_loss, ref_grads, ref_metrics = jax.jit(_detached_reference, static_argnums=(0, 3, 4))(
+        model, params, batch, case["cfg"], case["chunk"])
+    err, gap = rel_err(grads, ref_grads), rel_err(grads, exact_grads)
+    print(f"GLM detached vs stop_gradient autograd: rel err {err:.2e}; detached vs exact: rel diff {gap:.2e}")
+    assert err <= 1e-4 and abs(float(loss) - float(ref_loss)) <= 1e-5
+    assert_metrics_equal(metrics, ref_metrics)
+    assert gap > 1e-2 and abs(float(loss) - float(exact_loss)) <= 1e-5
+    assert_metrics_equal(metrics, exact_metrics)
+    assert not np.any(np.asarray(grads["embed"])[prompt_only_tokens(batch)])
+
