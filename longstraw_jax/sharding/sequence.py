@@ -77,7 +77,7 @@ def psum_merge(part: attn_ops.Attended, axis=SEQ) -> attn_ops.Attended:
 def _empty(q: jax.Array, value_dim: int) -> attn_ops.Attended:
     """Attention over no keys (the merge identity): out 0, lse "minus infinity"."""
     acc = accum_dtype(q.dtype)
-    return attn_ops.Attended(jnp.zeros(q.shape[:-1] + (value_dim,), acc), jnp.full(q.shape[:-1], attn_ops._MASKED, acc))
+    return attn_ops.Attended(jnp.zeros(q.shape[:-1] + (value_dim,), acc), jnp.full(q.shape[:-1], attn_ops.MASKED, acc))
 
 
 def causal_attention(q, k, v, positions, layout: SeqLayout, *, scale: float, block_size: int,
