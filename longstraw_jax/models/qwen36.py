@@ -273,35 +273,78 @@ class PromptState:
 # Layers (pure functions of one layer's parameters)
 
 
+def gdn_inputs(cfg: Qwen36Config, p: dict, x: jax.Array):
+    """Input projections of the Gated DeltaNet mixer (1.5). x [T, D] -> (mixed [T, conv_dim] before the conv,
+    z [T, Hv, dv], beta [T, Hv], g [T, Hv] float32 log-decay <= 0)."""
+    t, hv, dv = x.shape[0], cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    mixed = linear(x, p["in_proj_qkv"])  # [T, conv_dim]: q | k | v, head-major
+    z = linear(x, p["in_proj_z"]).reshape(t, hv, dv)
+    beta = jax.nn.sigmoid(linear(x, p["in_proj_b"]))
+    core = accum_dtype(x.dtype)  # the delta-rule core runs in float32 whatever the model dtype
+    a = linear(x, p["in_proj_a"])
+    g = -jnp.exp(p["A_log"].astype(core)) * jax.nn.softplus(a.astype(core) + p["dt_bias"].astype(core))
+    return mixed, z, beta, g
+
+
+def gdn_qkv(cfg: Qwen36Config, conv_out: jax.Array):
+    """Conv output [T, conv_dim] (before the SiLU) -> q, k [T, Hv, dk] (l2-normalised float32, q scaled by
+    dk**-0.5, expanded so value head j reads key head j // rep) and v [T, Hv, dv] (model dtype)."""
+    t, hk, hv = conv_out.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    qkv = jax.nn.silu(conv_out)
+    q = qkv[:, : cfg.key_dim].reshape(t, hk, dk)
+    k = qkv[:, cfg.key_dim : 2 * cfg.key_dim].reshape(t, hk, dk)
+    v = qkv[:, 2 * cfg.key_dim :].reshape(t, hv, dv)
+    core = accum_dtype(conv_out.dtype)
+    q = l2_normalise(q.astype(core)) * dk**-0.5
+    k = l2_normalise(k.astype(core))
+    return jnp.repeat(q, hv // hk, axis=1), jnp.repeat(k, hv // hk, axis=1), v
+
+
+def gdn_core(cfg: Qwen36Config, q, k, v, g, beta, state):
+    """The gated delta rule with the configured implementation: (o [T, Hv, dv'], state [Hv, dk, dv']) in float32.
+    Linear in (v, state) jointly, so any value width dv' works (sharding/ appends identity columns)."""
+    if cfg.gdn_impl == "chunked":
+        return gated_delta_rule_chunked(q, k, v, g, beta, state, cfg.gdn_chunk_size)
+    return gated_delta_rule_sequential(q, k, v, g, beta, state)
+
+
+def gdn_output(cfg: Qwen36Config, p: dict, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
+    """Core output o [T, Hv, dv] -> y [T, D]: gated RMSNorm with z, then out_proj (1.5)."""
+    o = rms_norm_gated(o.astype(dtype), z, p["norm"], cfg.rms_norm_eps)
+    return linear(o.reshape(o.shape[0], -1), p["out_proj"])
+
+
 def gated_deltanet(cfg: Qwen36Config, p: dict, x: jax.Array, conv_tail: jax.Array, state: jax.Array):
     """Gated DeltaNet mixer (1.5). x [T, D]; conv_tail [K-1, conv_dim]; state [Hv, dk, dv] fp32.
 
     Returns (y [T, D], new conv tail, new state).
     """
-    t = x.shape[0]
-    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed = linear(x, p["in_proj_qkv"])  # [T, conv_dim]: q | k | v, head-major
-    z = linear(x, p["in_proj_z"]).reshape(t, hv, dv)
-    b = linear(x, p["in_proj_b"])
-    a = linear(x, p["in_proj_a"])
+    mixed, z, beta, g = gdn_inputs(cfg, p, x)
     conv_out, conv_tail = causal_depthwise_conv(mixed, p["conv1d"], conv_tail)
-    qkv = jax.nn.silu(conv_out)
-    q = qkv[:, : cfg.key_dim].reshape(t, hk, dk)
-    k = qkv[:, cfg.key_dim : 2 * cfg.key_dim].reshape(t, hk, dk)
-    v = qkv[:, 2 * cfg.key_dim :].reshape(t, hv, dv)
+    q, k, v = gdn_qkv(cfg, conv_out)
+    o, state = gdn_core(cfg, q, k, v, g, beta, state)
+    return gdn_output(cfg, p, o, z, x.dtype), conv_tail, state
 
-    beta = jax.nn.sigmoid(b)
-    core = accum_dtype(x.dtype)  # the delta-rule core runs in float32 whatever the model dtype
-    g = -jnp.exp(p["A_log"].astype(core)) * jax.nn.softplus(a.astype(core) + p["dt_bias"].astype(core))
-    q = l2_normalise(q.astype(core)) * dk**-0.5
-    k = l2_normalise(k.astype(core))
-    q, k = jnp.repeat(q, hv // hk, axis=1), jnp.repeat(k, hv // hk, axis=1)  # value head j reads key head j // rep
-    if cfg.gdn_impl == "chunked":
-        o, state = gated_delta_rule_chunked(q, k, v, g, beta, state, cfg.gdn_chunk_size)
-    else:
-        o, state = gated_delta_rule_sequential(q, k, v, g, beta, state)
-    o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
-    return linear(o.reshape(t, hv * dv), p["out_proj"]), conv_tail, state
+
+def attention_inputs(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Array):
+    """Projections of gated attention (1.6, 1.7). x [T, D]; positions int [T] -> (q [T, Hq, hd], gate [T, Hq*hd],
+    k [T, Hkv, hd], v [T, Hkv, hd]); q and k after their norms and RoPE (k is what the cache stores)."""
+    t, hq, hkv, hd = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qg = linear(x, p["q_proj"]).reshape(t, hq, 2 * hd)  # per head [query | gate]
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(t, hq * hd)
+    q = rms_norm_1p(q, p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm_1p(linear(x, p["k_proj"]).reshape(t, hkv, hd), p["k_norm"], cfg.rms_norm_eps)
+    v = linear(x, p["v_proj"]).reshape(t, hkv, hd)
+    inv_freq, scaling = inverse_frequencies(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings)
+    cos, sin = cos_sin(positions, inv_freq, scaling, x.dtype)
+    return apply_partial_rope(q, cos, sin), gate, apply_partial_rope(k, cos, sin), v
+
+
+def attention_output(cfg: Qwen36Config, p: dict, attended: attn_ops.Attended, gate: jax.Array, dtype) -> jax.Array:
+    """Attention result over all visible keys -> y [T, D]: output gate sigmoid(gate), then o_proj (1.6)."""
+    o = attended.out.astype(dtype).reshape(gate.shape)
+    return linear(o * jax.nn.sigmoid(gate), p["o_proj"])  # output gate before o_proj
 
 
 def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Array, state: PromptState, index,
@@ -313,23 +356,12 @@ def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Arr
     causally, over the new tokens; the two are merged by log-sum-exp. The state is only read.
     Returns (y [T, D], (keys [T, Hkv, hd] after norm + RoPE, values [T, Hkv, hd])) for the caller to cache.
     """
-    t, hq, hkv, hd = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qg = linear(x, p["q_proj"]).reshape(t, hq, 2 * hd)  # per head [query | gate]
-    q, gate = qg[..., :hd], qg[..., hd:].reshape(t, hq * hd)
-    q = rms_norm_1p(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm_1p(linear(x, p["k_proj"]).reshape(t, hkv, hd), p["k_norm"], cfg.rms_norm_eps)
-    v = linear(x, p["v_proj"]).reshape(t, hkv, hd)
-    inv_freq, scaling = inverse_frequencies(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings)
-    cos, sin = cos_sin(positions, inv_freq, scaling, x.dtype)
-    q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
-
-    common = dict(q_positions=positions, scale=hd**-0.5, block_size=cfg.attention_block_size)
+    q, gate, k, v = attention_inputs(cfg, p, x, positions)
+    common = dict(q_positions=positions, scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size)
     cached = attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=False, kv_length=cache_length,
                              kv_index=index, **common)
     new = attn_ops.attend(q, k, v, k_offset=positions[0], causal=True, **common)
-    o = attn_ops.merge(cached, new).out.astype(x.dtype).reshape(t, hq * hd)
-    o = o * jax.nn.sigmoid(gate)  # output gate before o_proj
-    return linear(o, p["o_proj"]), (k, v)
+    return attention_output(cfg, p, attn_ops.merge(cached, new), gate, x.dtype), (k, v)
 
 
 def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int]]:

@@ -13,7 +13,7 @@ used by default: inside a chunk of L tokens with G = cumsum(g) and u the pseudo-
     o_t       = e^{G_t} S_0^T q_t + sum_{j <= t} e^{G_t - G_j} (q_t.k_j) u_j
     S_L       = e^{G_L} S_0 + sum_j e^{G_L - G_j} k_j u_j^T
 
-solved with one unit-lower-triangular solve per chunk. Only exponents <= 0 are ever evaluated.
+solved per chunk by matmuls (`_solve_unit_lower`). Only exponents <= 0 are ever evaluated.
 Inputs are already l2-normalised and scaled; q/k heads already expanded to the value heads.
 """
 import jax
@@ -36,6 +36,19 @@ def gated_delta_rule_sequential(q, k, v, g, beta, state):
     return o, state
 
 
+def _solve_unit_lower(a, rhs):
+    """x with (I - a) x = rhs, for a [H, L, L] strictly lower triangular (so a^L = 0): the doubling product
+    (I - a)^-1 = (I + a)(I + a^2)(I + a^4)..., ceil(log2 L) steps of matmuls. (Not `solve_triangular`: XLA:CPU's
+    triangular-solve call deadlocked next to shard_map collectives on 8 simulated CPU devices.)"""
+    steps = (a.shape[-1] - 1).bit_length()
+    power = a
+    for i in range(steps):
+        rhs = rhs + jnp.einsum("htj,hjd->htd", power, rhs)
+        if i + 1 < steps:
+            power = jnp.einsum("htj,hjk->htk", power, power)
+    return rhs
+
+
 def _chunk(state, inputs):
     """One chunk of L tokens, all heads. inputs: q, k [H, L, dk]; v [H, L, dv]; g, beta [H, L]."""
     q, k, v, g, beta = inputs
@@ -48,9 +61,8 @@ def _chunk(state, inputs):
 
     k_beta = k * beta[..., None]
     a = -jnp.einsum("htd,hjd->htj", k_beta, k) * jnp.where(strictly_lower, decay, 0.0)
-    eye = jnp.eye(length, dtype=q.dtype)
     rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
-    solved = jax.scipy.linalg.solve_triangular(eye - a, rhs, lower=True, unit_diagonal=True)
+    solved = _solve_unit_lower(a, rhs)
     value, k_cumdecay = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
     u = value - jnp.einsum("htk,hkv->htv", k_cumdecay, state)
 

@@ -1,0 +1,236 @@
+"""Sequence-parallel capture and sharded replay for Qwen3.6 (MODELS.md 1) on a ("data", "seq") mesh.
+
+Capture: the prompt is laid out by `SeqLayout` (two segments per `seq` shard, padded at the end), parameters stay
+FSDP-sharded and each layer is all-gathered inside the layer scan just before use. Per layer, every shard works on
+its own segments only:
+- gated attention: `sequence.causal_attention` (ring or all-gather of keys/values);
+- Gated DeltaNet: the conv reads a K-1 row halo from the previous segment; the delta rule runs once per segment
+  from the augmented state [0 | I] with values [v | 0] (the rule is linear in (values, state) jointly), which yields
+  in one pass the local outputs o0, the segment's affine map S_out = A S_in + B (B and A are the two column blocks
+  of the final state) and q'_t = A_{<=t}^T q_t (the last dk output columns). `sequence.affine_fold` gives the
+  incoming state S_in, and the exact outputs are o_t = o0_t + S_in^T q'_t: no second pass, no shard idles.
+Replay (`extend_hidden`): the branch runs on every shard; the GDN state is replicated, and attention over the
+seq-sharded prompt cache is merged across shards by log-sum-exp (`sequence.psum_merge`).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from longstraw_jax.models.qwen36 import (FULL, LINEAR, PromptState, Qwen36, attention_inputs, attention_output,
+                                         gated_deltanet, gdn_core, gdn_inputs, gdn_output, gdn_qkv)
+from longstraw_jax.ops import attention as attn_ops
+from longstraw_jax.ops.conv import causal_depthwise_conv
+from longstraw_jax.ops.dtypes import accum_dtype
+from longstraw_jax.ops.mlp import swiglu
+from longstraw_jax.ops.norms import rms_norm_1p
+from longstraw_jax.sharding import sequence
+from longstraw_jax.sharding.layout import SeqLayout
+from longstraw_jax.sharding.rules import gather_layer, param_specs, prompt_state_specs
+from longstraw_jax.validation import check_tokens
+
+_GROUP = {LINEAR: "linear", FULL: "full"}
+
+
+@struct.dataclass
+class ShardedPromptState:
+    """A PromptState whose position axes are in `layout`'s stored order, padded to `layout.padded`, and split along
+    `seq`; `state.length` is the real prompt length P (padding slots hold zeros and are never attended)."""
+
+    state: PromptState
+    layout: SeqLayout = struct.field(pytree_node=False)
+
+    def natural(self) -> PromptState:
+        """The same state in natural order with the padding dropped (gathers the cache: for checks and export)."""
+        s, to_nat = self.state, self.layout.to_natural
+        return s.replace(keys=to_nat(s.keys, axis=2), values=to_nat(s.values, axis=2))
+
+
+def _pattern(cfg):
+    """[(kind, index within that kind's stacked group)] for one block, in layer order."""
+    seen = {LINEAR: 0, FULL: 0}
+    out = []
+    for kind in cfg.block_pattern:
+        out.append((kind, seen[kind]))
+        seen[kind] += 1
+    return out
+
+
+def _scan_blocks(cfg, blocks, block_specs, h, layer):
+    """Scan over blocks; inside, each layer's parameter shards are gathered whole just before `layer(kind, p, h,
+    b, j) -> (h, entry)` runs. Returns (h, {kind: entries stacked [num_blocks, per_block, ...] or None})."""
+    def body(h, xs):
+        bp, b = xs
+        entries = {LINEAR: [], FULL: []}
+        for kind, j in _pattern(cfg):
+            group = _GROUP[kind]
+            p = gather_layer(jax.tree.map(lambda a: a[j], bp[group]), block_specs[group])
+            h, entry = layer(kind, p, h, b, j)
+            entries[kind].append(entry)
+        return h, {kind: jax.tree.map(lambda *x: jnp.stack(x), *e) if e else None for kind, e in entries.items()}
+
+    return jax.lax.scan(body, h, (blocks, jnp.arange(cfg.num_blocks)))
+
+
+def _residual(cfg, p, h, mixer):
+    """Decoder layer (1.3) around a mixer: h + mixer(norm(h)) then h + mlp(norm(h)); returns (h, mixer's entry)."""
+    y, entry = mixer(rms_norm_1p(h, p["input_norm"], cfg.rms_norm_eps))
+    h = h + y
+    return h + swiglu(p["mlp"], rms_norm_1p(h, p["post_norm"], cfg.rms_norm_eps)), entry
+
+
+# ----- capture -------------------------------------------------------------------------------------------------
+
+
+def _gdn_segments(cfg, p, x, positions, layout: SeqLayout):
+    """Sequence-parallel Gated DeltaNet over this shard's segments. x [2L, D]; positions [2, L].
+    Returns (y [2L, D], (final conv tail [K-1, C], final state [Hv, dk, dv])), the state entries replicated."""
+    seg, km1 = layout.segment, cfg.linear_conv_kernel_dim - 1
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    mixed, z, beta, g = gdn_inputs(cfg, p, x)
+    mixed = mixed.reshape(2, seg, -1)
+    halo = sequence.previous_rows(mixed[:, seg - km1 :], jnp.zeros((km1, mixed.shape[-1]), mixed.dtype), layout)
+    conv_out = jax.vmap(lambda m, t: causal_depthwise_conv(m, p["conv1d"], t)[0])(mixed, halo)
+    q, k, v = gdn_qkv(cfg, conv_out.reshape(2 * seg, -1))
+    real = (positions < layout.length).reshape(-1, 1)  # padding: no decay, no write -> the state passes unchanged
+    beta, g = jnp.where(real, beta, 0), jnp.where(real, g, 0)
+
+    core = accum_dtype(x.dtype)
+    v_aug = jnp.concatenate([v.astype(core), jnp.zeros(v.shape[:-1] + (dk,), core)], axis=-1)
+    s_aug = jnp.concatenate([jnp.zeros((hv, dk, dv), core), jnp.broadcast_to(jnp.eye(dk, dtype=core), (hv, dk, dk))],
+                            axis=-1)
+    per_segment = lambda a: a.reshape((2, seg) + a.shape[1:])
+    # a Python loop, not vmap: a vmapped chunked rule (batched triangular solves) deadlocked XLA:CPU collectives
+    runs = [gdn_core(cfg, *(a[h] for a in map(per_segment, (q, k, v_aug, g, beta))), s_aug) for h in (0, 1)]
+    o_aug, end = (jnp.stack(x) for x in zip(*runs))
+    incoming, final = sequence.affine_fold(end[..., dv:], end[..., :dv], jnp.zeros((hv, dk, dv), core), layout)
+    o = o_aug[..., :dv] + jnp.einsum("sthk,shkv->sthv", o_aug[..., dv:], incoming)
+    y = gdn_output(cfg, p, o.reshape(2 * seg, hv, dv), z, x.dtype)
+
+    # The new conv tail: the K-1 inputs before position P, read from the segment holding position P-1.
+    last = (layout.length - 1) // seg
+    owner, half = (int(a[last]) for a in layout.natural_segment_source())
+    extended = jnp.concatenate([halo[half], mixed[half]], axis=0)
+    start = layout.length - last * seg
+    tail = jnp.where(jax.lax.axis_index(sequence.SEQ) == owner, extended[start : start + km1], 0)
+    return y, (jax.lax.psum(tail, sequence.SEQ), final)
+
+
+def _attention_segments(cfg, p, x, positions, layout: SeqLayout, method: str):
+    """Sequence-parallel gated attention over this shard's segments. Returns (y [2L, D], (keys, values) [2L, Hkv,
+    hd] for the cache, zero at padding positions)."""
+    q, gate, k, v = attention_inputs(cfg, p, x, positions.reshape(-1))
+    per_segment = lambda a: a.reshape((2, layout.segment) + a.shape[1:])
+    att = sequence.causal_attention(per_segment(q), per_segment(k), per_segment(v), positions, layout,
+                                    scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size, method=method)
+    att = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), att)
+    real = (positions < layout.length).reshape(-1, 1, 1)
+    return attention_output(cfg, p, att, gate, x.dtype), (jnp.where(real, k, 0), jnp.where(real, v, 0))
+
+
+def _capture_local(cfg, layout, block_specs, method, blocks, h):
+    positions = sequence.local_positions(layout)
+
+    def layer(kind, p, h, b, j):
+        if kind == LINEAR:
+            return _residual(cfg, p, h, lambda x: _gdn_segments(cfg, p, x, positions, layout))
+        return _residual(cfg, p, h, lambda x: _attention_segments(cfg, p, x, positions, layout, method))
+
+    _, entries = _scan_blocks(cfg, blocks, block_specs, h, layer)
+    return entries
+
+
+def capture(model: Qwen36, params: dict, tokens, mesh, attention: str = "ring", pad_id: int = 0) -> ShardedPromptState:
+    """Prompt tokens int32 [P] -> ShardedPromptState, sequence-parallel over `mesh`'s `seq` axis.
+
+    `params` may be placed anywhere (ideally by `rules.param_specs`: then nothing is moved but one layer at a time).
+    attention: "ring" or "allgather" (sequence.causal_attention). `pad_id` only fills padding slots; it cannot
+    change any result (tests check this).
+    """
+    cfg = model.config
+    tokens = check_tokens(tokens, cfg.vocab_size)
+    if attention not in sequence.ATTENTION_METHODS:
+        raise ValueError(f"attention={attention!r}; allowed: {sequence.ATTENTION_METHODS}")
+    layout = SeqLayout.for_prompt(tokens.shape[0], mesh.shape[sequence.SEQ], cfg.linear_conv_kernel_dim - 1)
+    return _capture(model, params, layout.to_stored(tokens, pad_id), mesh, layout, attention)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
+def _capture(model, params, stored_tokens, mesh, layout, attention):
+    cfg = model.config
+    specs = param_specs(params, mesh)
+    h = jax.lax.with_sharding_constraint(params["embed"][stored_tokens], NamedSharding(mesh, P(sequence.SEQ)))
+    kv_spec = P(None, None, sequence.SEQ)
+    entries = jax.shard_map(
+        functools.partial(_capture_local, cfg, layout, specs["blocks"], attention), mesh=mesh,
+        in_specs=(specs["blocks"], P(sequence.SEQ)),
+        out_specs={LINEAR: (P(), P()), FULL: (kv_spec, kv_spec)},  # Qwen3.6 block patterns hold both kinds
+        check_vma=False,
+    )(params["blocks"], h)
+    conv, recurrent = entries[LINEAR]
+    keys, values = entries[FULL]
+    return ShardedPromptState(PromptState(conv=conv, recurrent=recurrent, keys=keys, values=values,
+                                          length=layout.length), layout)
+
+
+# ----- replay ------------------------------------------------------------------------------------------------------
+
+
+def _cached_attention(cfg, p, x, positions, sstate_local: PromptState, layout: SeqLayout, b, j):
+    """Gated attention of new tokens over the seq-sharded prompt cache (log-sum-exp across shards) and, causally,
+    over themselves. sstate_local.keys: this shard's [nb, nf, 2L, Hkv, hd]."""
+    q, gate, k, v = attention_inputs(cfg, p, x, positions)
+    common = dict(q_positions=positions, scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size)
+    split = lambda cache: cache.reshape(cache.shape[:2] + (2, layout.segment) + cache.shape[3:])
+    keys, values = split(sstate_local.keys), split(sstate_local.values)
+    visible = jnp.clip(layout.length - sequence.local_segments(layout) * layout.segment, 0, layout.segment)
+    parts = [attn_ops.attend(q, keys, values, k_offset=0, causal=False, kv_length=visible[h], kv_index=(b, j, h),
+                             **common) for h in (0, 1)]
+    prompt = sequence.psum_merge(attn_ops.merge(*parts))
+    new = attn_ops.attend(q, k, v, k_offset=layout.length, causal=True, **common)
+    return attention_output(cfg, p, attn_ops.merge(prompt, new), gate, x.dtype), None
+
+
+def _extend_local(cfg, layout, block_specs, blocks, state, h):
+    positions = layout.length + jnp.arange(h.shape[0], dtype=jnp.int32)
+
+    def layer(kind, p, h, b, j):
+        if kind == LINEAR:
+            mixer = lambda x: (gated_deltanet(cfg, p, x, state.conv[b, j], state.recurrent[b, j])[0], None)
+        else:
+            mixer = lambda x: _cached_attention(cfg, p, x, positions, state, layout, b, j)
+        return _residual(cfg, p, h, mixer)
+
+    h, _ = _scan_blocks(cfg, blocks, block_specs, h, layer)
+    return h
+
+
+def extend_hidden(model: Qwen36, params: dict, sstate: ShardedPromptState, tokens, mesh) -> jax.Array:
+    """As `model.extend_hidden` on the sharded state: tokens int32 [T] -> final-normed hidden [T, D]."""
+    return _extend_hidden(model, params, sstate, check_tokens(tokens, model.config.vocab_size), mesh)
+
+
+def extend(model: Qwen36, params: dict, sstate: ShardedPromptState, tokens, mesh) -> jax.Array:
+    """As `model.extend` on the sharded state: tokens int32 [T] -> float32 logits [T, vocab]."""
+    return _logits(model, params, extend_hidden(model, params, sstate, tokens, mesh))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(model, params, hidden):
+    return model.logits(params, hidden)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _extend_hidden(model, params, sstate, tokens, mesh):
+    cfg = model.config
+    specs = param_specs(params, mesh)
+    h = params["embed"][tokens]
+    h = jax.shard_map(
+        functools.partial(_extend_local, cfg, sstate.layout, specs["blocks"]), mesh=mesh,
+        in_specs=(specs["blocks"], prompt_state_specs(sstate.state), P()), out_specs=P(), check_vma=False,
+    )(params["blocks"], sstate.state, h)
+    return rms_norm_1p(h, params["final_norm"], cfg.rms_norm_eps)
