@@ -172,7 +172,9 @@ class Trainer:
         if saved is None and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
             raise RunError(f"{os.path.abspath(ckpt_dir)} already holds checkpoints: pass --resume to continue "
                            "that run, or choose another --out")
-        self.opt_state = jax.jit(self.optimizer.init)(self.params)
+        # committed like the params: a jit output built from an uncommitted init would be committed after step 1
+        # and recompile the step once more
+        self.opt_state = jax.device_put(jax.jit(self.optimizer.init)(self.params), jax.local_devices()[0])
         self.key = jax.random.key(args.seed)
         self.step, self.data_position = 0, 0
         if saved is not None:

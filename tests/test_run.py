@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from longstraw_jax import make_optimizer, models, run
+from longstraw_jax import make_optimizer, models, run, train
 from longstraw_jax.checkpoint import TrainCheckpoints, save_init_dir
 
 SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
@@ -56,7 +56,10 @@ def restore(out, step=None):
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("run") / "a")
+    train._train_step.clear_cache()
     assert run.main(SMALL + ["--steps", "3", "--out", out, "--export-hf", os.path.join(out, "hf")]) == 0
+    # one compile of the step for the whole run (argument placement must not change after step 1)
+    assert train._train_step._cache_size() == 1
     return out
 
 
