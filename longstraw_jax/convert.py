@@ -1,6 +1,6 @@
 """Hugging Face safetensors <-> Orbax, streamed at real size: `python -m longstraw_jax.convert` (tools/convert_hf.py).
 
-    hf2orbax --hf DIR --out DIR [--dtype bfloat16] [--force] [--dry-run]
+    hf2orbax --hf DIR --out DIR [--dtype bfloat16] [--mesh AxB] [--force] [--dry-run]
     orbax2hf --ckpt DIR --config DIR --out DIR [--dtype D] [--shard-size 5GB] [--force] [--dry-run]
 
 hf2orbax writes an *init directory*: `OUT/config.json` (the HF config.json, verbatim, plus the other small non-weight
@@ -18,7 +18,9 @@ them). All arrays are created up front with chunks of one slice's rows, CHUNK_BY
 chunks, so no write reads anything back and a block's chunks compress in parallel. Plain zarr rather than OCDBT: each
 chunk is a file, so tens of thousands of slice writes (GLM's per-expert tensors) need no database commit each. No
 `_sharding` file is written: restore with shardings in `abstract_params` (else numpy arrays come back); the checkpoint
-does not depend on a mesh. All arrays have one dtype (`--dtype`); orbax2hf restores each tensor's original dtype.
+restores onto any mesh. `--mesh AxB` only aligns the chunks with the FSDP shards of A*B devices
+(`sharding.rules.param_specs`: each leaf split along one own dimension), so that each device of that mesh reads whole
+chunks of its own shard and no chunk is decoded by two devices. All arrays have one dtype (`--dtype`); orbax2hf restores each tensor's original dtype.
 Reading accepts both Orbax layouts (OCDBT or not, zarr v2 or v3), i.e. also what the trainer's StandardCheckpointer
 saves; a chunk cache of one chunk keeps whole-leaf chunks from being decoded once per slice.
 
@@ -50,6 +52,8 @@ from flax import traverse_util
 
 from longstraw_jax import models
 from longstraw_jax.models import hf
+from longstraw_jax.sharding import rules
+from longstraw_jax.sharding.mesh import parse_mesh_spec
 
 BLOCK_BYTES = 64 << 20  # one read/write unit
 CHUNK_BYTES = 16 << 20  # zarr chunk: a block is several chunks, compressed in parallel
@@ -122,27 +126,52 @@ def _chunk_rows(row_bytes: int) -> int:
     return max(1, CHUNK_BYTES // max(row_bytes, 1))
 
 
-def _row_ranges(rows: int, row_bytes: int, block_bytes: int) -> list[tuple[int, int]]:
-    """[(r0, r1)] covering `rows`: whole chunks (`_chunk_rows`), about `block_bytes` at a time."""
-    step = _chunk_rows(row_bytes) * max(1, block_bytes // CHUNK_BYTES)
+def _row_ranges(rows: int, row_bytes: int, block_bytes: int, chunk_rows: int | None = None) -> list[tuple[int, int]]:
+    """[(r0, r1)] covering `rows`: whole chunks of `chunk_rows` rows (default `_chunk_rows`), about `block_bytes` at a
+    time."""
+    chunk_rows = chunk_rows or _chunk_rows(row_bytes)
+    step = chunk_rows * max(1, block_bytes // max(chunk_rows * row_bytes, 1))
     return [(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
-def _slice_blocks(slot: hf.Slot, leaf_shape: tuple[int, ...], itemsize: int, block_bytes: int):
+def _slice_blocks(slot: hf.Slot, leaf_shape: tuple[int, ...], itemsize: int, block_bytes: int,
+                  chunk_rows: int | None = None):
     """Row ranges [(r0, r1)] of the slice `leaf[slot.index]` ([S0, ...]) that are HF rows [r0, r1) too, in blocks of
-    `block_bytes` at `itemsize`; [None] (the whole tensor at once) when the two layouts differ on the first axis."""
+    `block_bytes` at `itemsize` (whole chunks of `chunk_rows`); [None] (the whole tensor at once) when the two
+    layouts differ on the first axis."""
     shape = leaf_shape[len(slot.index):]
     if shape and slot.hf_shape and shape[0] == slot.hf_shape[0]:
-        return _row_ranges(shape[0], math.prod(shape[1:]) * itemsize, block_bytes)
+        return _row_ranges(shape[0], math.prod(shape[1:]) * itemsize, block_bytes, chunk_rows)
     return [None]
 
 
-def _chunk_shape(shape: tuple[int, ...], depth: int, itemsize: int) -> tuple[int, ...]:
-    """Zarr chunks: one slice (`depth` leading indices) split into row chunks that `_row_ranges` blocks align to."""
-    rest = shape[depth:]
+def _chunk_shape(shape: tuple[int, ...], depth: int, itemsize: int, split_dim: int | None = None,
+                 devices: int = 1) -> tuple[int, ...]:
+    """Zarr chunks: one slice (`depth` leading indices) split into row chunks of <= CHUNK_BYTES that `_row_ranges`
+    blocks align to. With `split_dim` (the leaf's FSDP dimension over `devices`, `sharding.rules.fsdp_dim`), each
+    device's shard is a union of whole chunks, so a sharded restore reads no chunk twice."""
+    rest = list(shape[depth:])
     if not rest:
         return (1,) * depth
-    return (1,) * depth + (min(_chunk_rows(math.prod(rest[1:]) * itemsize), rest[0]),) + rest[1:]
+    chunk = list(rest)
+    if split_dim is not None and split_dim > depth:
+        chunk[split_dim - depth] //= devices
+    rows = min(_chunk_rows(math.prod(chunk[1:]) * itemsize), rest[0])
+    if split_dim == depth:
+        shard = rest[0] // devices
+        rows = max(r for r in range(1, min(rows, shard) + 1) if shard % r == 0)
+    return (1,) * depth + (rows,) + tuple(chunk[1:])
+
+
+def _chunk_shapes(shapes: dict[str, tuple[int, ...]], depths: dict[str, int], itemsize: int,
+                  devices: int = 1) -> dict[str, tuple[int, ...]]:
+    """Leaf path -> zarr chunk shape; `devices` > 1 aligns chunks with the FSDP shards of that many devices."""
+    def split(path, shape):
+        stacked = 2 if path.split("/")[0] in rules.STACKED_ROOTS else 0
+        return rules.fsdp_dim(shape, stacked, devices)
+
+    return {path: _chunk_shape(shape, depths.get(path, 0), itemsize, split(path, shape), devices)
+            for path, shape in shapes.items()}
 
 
 def _slot_depths(layout: dict[str, hf.Slot]) -> dict[str, int]:
@@ -168,16 +197,20 @@ def orbax_name(path: str) -> str:
 class OrbaxWriter:
     """Creates every zarr array of a params checkpoint in `directory`, then takes slice/row-block writes."""
 
-    def __init__(self, directory: str, shapes: dict[str, tuple[int, ...]], dtype, depths: dict[str, int]):
-        self.directory, self.shapes, self.dtype = directory, shapes, jnp.dtype(dtype)
+    def __init__(self, directory: str, shapes: dict[str, tuple[int, ...]], dtype, chunks: dict[str, tuple[int, ...]]):
+        self.directory, self.shapes, self.dtype, self.chunks = directory, shapes, jnp.dtype(dtype), chunks
         self.pending: collections.deque = collections.deque()
         self.arrays = {}
         for path, shape in shapes.items():
-            chunks = _chunk_shape(shape, depths.get(path, 0), self.dtype.itemsize)
-            metadata = {"shape": list(shape), "chunks": list(chunks), "compressor": {"id": "zstd", "level": 1}}
+            metadata = {"shape": list(shape), "chunks": list(chunks[path]), "compressor": {"id": "zstd", "level": 1}}
             spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": os.path.join(directory, orbax_name(path))},
                     "metadata": metadata, "dtype": self.dtype.name, "create": True}
             self.arrays[path] = ts.open(spec).result()
+
+    def chunk_rows(self, path: str) -> int | None:
+        """Rows per chunk of one slice of leaf `path` (None for a scalar slice)."""
+        depth = len(self.chunks[path]) - 1
+        return self.chunks[path][depth] if depth < len(self.shapes[path]) else None
 
     def write(self, path: str, index: tuple[int, ...], rows: tuple[int, int] | None, block: np.ndarray) -> None:
         """Write `block` (already in the checkpoint dtype) to `leaf[index]` or `leaf[index][r0:r1]`."""
@@ -316,13 +349,6 @@ def _param_shapes(model) -> dict[str, tuple[int, ...]]:
     return {path: tuple(s.shape) for path, s in traverse_util.flatten_dict(abstract, sep="/").items()}
 
 
-def _parse_mesh(mesh: str) -> tuple[int, int]:
-    match = re.fullmatch(r"(\d+)x(\d+)", mesh)
-    if not match or 0 in (sizes := (int(match[1]), int(match[2]))):
-        raise ValueError(f"--mesh {mesh!r}: expected AxB with positive integers (data x seq), e.g. 4x8")
-    return sizes
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # hf2orbax
 
@@ -331,18 +357,17 @@ def hf2orbax(hf_dir: str, out: str | None, dtype: str = "bfloat16", *, mesh: str
              dry_run: bool = False, block_bytes: int = BLOCK_BYTES, log=None) -> Summary:
     """HF safetensors directory (or, for a dry run, just a config.json) -> init directory `out`."""
     log = log or sys.stdout
-    if mesh is not None:
-        _parse_mesh(mesh)
-        raise NotImplementedError(
-            f"--mesh {mesh}: not available yet (longstraw_jax.sharding has no partition rules to write with). "
-            "Omit --mesh: the checkpoint is mesh-independent; StandardCheckpointer.restore places each leaf on the "
-            "shardings given in abstract_params.")
+    try:
+        devices = math.prod(parse_mesh_spec(mesh)) if mesh is not None else 1
+    except ValueError as e:
+        raise ValueError(f"--mesh {mesh!r}: {e}") from None
     dtype = _float_dtype(dtype)
     source_dir, config_path = _config_dir(hf_dir)
     model = models.build(models.config_from_hf(config_path))
     layout = hf.checkpoint_layout(model)
     depths = _slot_depths(layout)
     shapes = _param_shapes(model)
+    chunks = _chunk_shapes(shapes, depths, dtype.itemsize, devices)
     abstract = dry_run and (os.path.isfile(os.fspath(hf_dir)) or not _has_weights(source_dir))
     found, skipped = ({}, []) if abstract else hf.match_checkpoint(model, source_dir)
     tensor_bytes = {name: math.prod(slot.hf_shape) * dtype.itemsize for name, slot in layout.items()}
@@ -352,6 +377,10 @@ def hf2orbax(hf_dir: str, out: str | None, dtype: str = "bfloat16", *, mesh: str
           + (f"{len(layout)} tensors expected (abstract: config only)" if abstract else
              f"{len(found)} tensors matched in {source_dir}, {len(skipped)} not used {' '.join(unused)}"), file=log)
     print(f"  params: {len(shapes)} Orbax arrays, {len(layout)} HF tensors, {_gb(total)} at {dtype.name}", file=log)
+    if mesh is not None:
+        split = sum(c < n for path in shapes for c, n in zip(chunks[path], shapes[path]))
+        print(f"  --mesh {mesh}: zarr chunks aligned with the FSDP shards of {devices} devices "
+              f"(sharding.rules.param_specs); {split} chunked dimensions", file=log)
     if dry_run:
         for path in sorted(shapes):
             nbytes = math.prod(shapes[path]) * dtype.itemsize
@@ -368,11 +397,12 @@ def hf2orbax(hf_dir: str, out: str | None, dtype: str = "bfloat16", *, mesh: str
     with _staged(out) as staging:
         params_dir = os.path.join(staging, "params")
         os.makedirs(params_dir)
-        writer = OrbaxWriter(params_dir, shapes, dtype, depths)
+        writer = OrbaxWriter(params_dir, shapes, dtype, chunks)
         written = collections.defaultdict(set)
         for name in order:
             slot, stored = layout[name], found[name]
-            for rows in _slice_blocks(slot, shapes[slot.path], dtype.itemsize, block_bytes):
+            for rows in _slice_blocks(slot, shapes[slot.path], dtype.itemsize, block_bytes,
+                                      writer.chunk_rows(slot.path)):
                 block = hf.read_rows(stored) if rows is None else hf.read_rows(stored, *rows)
                 writer.write(slot.path, slot.index, rows, block.astype(dtype, copy=False))
             written[slot.path].add(slot.index)
@@ -381,7 +411,7 @@ def hf2orbax(hf_dir: str, out: str | None, dtype: str = "bfloat16", *, mesh: str
         if zero_filled:
             print(f"  zero-filled {len(zero_filled)} slices no HF tensor maps to (as load_hf): "
                   f"{', '.join(zero_filled[:8])}{' ...' if len(zero_filled) > 8 else ''}", file=log)
-        record = {"source": source_dir, "dtype": dtype.name, "tensors": len(order), "bytes": total,
+        record = {"source": source_dir, "dtype": dtype.name, "tensors": len(order), "bytes": total, "mesh": mesh,
                   "hf_prefix_aliases_used": sorted({(old, new) for old, new in model.hf_prefix_aliases
                                                     for t in found.values() if t.name.startswith(old)})}
         writer.finish(record, started_ns)
@@ -403,7 +433,7 @@ def _zero_fill(writer: OrbaxWriter, shapes, depths, written, dtype, block_bytes)
                 continue
             rest = shape[depth:]
             slot = hf.Slot(path, index, rest)
-            for rows in _slice_blocks(slot, shape, dtype.itemsize, block_bytes):
+            for rows in _slice_blocks(slot, shape, dtype.itemsize, block_bytes, writer.chunk_rows(path)):
                 block_shape = rest if rows is None else (rows[1] - rows[0], *rest[1:])
                 writer.write(path, index, rows, np.zeros(block_shape, dtype))
             filled.append(f"{orbax_name(path)}{list(index) if index else ''}")
@@ -513,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--hf", required=True, help="HF checkpoint directory (or, with --dry-run, a config.json file)")
     a.add_argument("--out", help="init directory to write (required unless --dry-run)")
     a.add_argument("--dtype", default="bfloat16", help="dtype of the Orbax arrays (default bfloat16)")
-    a.add_argument("--mesh", help="AxB device mesh (data x seq): not available yet, see the error it gives")
+    a.add_argument("--mesh", help="AxB device mesh (data x seq) the checkpoint will be restored onto: zarr chunks are "
+                   "cut along each leaf's FSDP dimension so every device reads only whole chunks of its own shard")
     b = sub.add_parser("orbax2hf", help="Orbax params checkpoint -> HF sharded safetensors directory")
     b.add_argument("--ckpt", required=True, help="Orbax checkpoint: an init directory, its params/, or a training "
                    "checkpoint step (<out>/checkpoints/<step>, params read from its state item)")

@@ -247,10 +247,30 @@ def test_interrupted_conversion_leaves_nothing_complete_looking(tiny_hf, tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["init"]
 
 
+def test_mesh_aligns_chunks_with_fsdp_shards(tiny_hf, tmp_path, monkeypatch):
+    """--mesh 2x4: every leaf's zarr chunks tile each of the 8 devices' FSDP shards (sharding.rules.fsdp_dim) exactly,
+    with small chunks (shards of one chunk and of several occur), and the values restore unchanged."""
+    from longstraw_jax.sharding import rules
+
+    monkeypatch.setattr(convert, "CHUNK_BYTES", 2048)
+    convert.hf2orbax(tiny_hf, tmp_path / "init", "float32", mesh="2x4", block_bytes=8192)
+    model, params = models.load_hf(tiny_hf)
+    restored = ocp.StandardCheckpointer().restore(tmp_path / "init" / "params", jax.eval_shape(lambda: params))
+    _assert_same_params(restored, params)
+    split_kinds = set()
+    for path, shape in convert._param_shapes(model).items():
+        chunks = json.loads((tmp_path / "init" / "params" / convert.orbax_name(path) / ".zarray").read_text())["chunks"]
+        assert math.prod(chunks) * 4 <= 2048 or chunks[-1] == shape[-1], (path, chunks)
+        dim = rules.fsdp_dim(shape, 2 if path.startswith("blocks/") else 0, 8)
+        if dim is not None:
+            assert (shape[dim] // 8) % chunks[dim] == 0, (path, shape, chunks)
+            split_kinds.add("finer than a shard" if chunks[dim] < shape[dim] // 8 else "one shard")
+    assert split_kinds == {"finer than a shard", "one shard"}
+    assert json.loads((tmp_path / "init" / convert.CONVERT_RECORD).read_text())["mesh"] == "2x4"
+
+
 def test_bad_flags_are_named(tiny_hf, tmp_path):
-    with pytest.raises(NotImplementedError, match="--mesh 2x4: not available yet"):
-        convert.hf2orbax(tiny_hf, tmp_path / "out", mesh="2x4")
-    with pytest.raises(ValueError, match="--mesh '2by4': expected AxB"):
+    with pytest.raises(ValueError, match="--mesh '2by4': .*not of the form 'AxB'"):
         convert.hf2orbax(tiny_hf, tmp_path / "out", mesh="2by4")
     with pytest.raises(ValueError, match="--dtype 'int8': expected one of bfloat16, float16, float32"):
         convert.hf2orbax(tiny_hf, tmp_path / "out", "int8")

@@ -25,17 +25,26 @@ TOKENS = P("seq")  # prompt tokens [P]: positions along seq
 SEQ_AXES = {"keys": 2, "values": 2}  # PromptState field -> position axis (Qwen36; GLM adds its latent caches)
 
 
+STACKED_ROOTS = ("blocks", "layers")  # Qwen3.6 [num_blocks, per_block, ...]; GLM-5.x [repeats, per_pattern, ...]
+
+
 def stacked_dims(path: tuple) -> int:
-    """Leading stacked (layer) axes of a parameter leaf: 2 under `blocks` ([num_blocks, per_block, ...]), else 0."""
-    return 2 if path and getattr(path[0], "key", None) == "blocks" else 0
+    """Leading stacked (layer) axes of a parameter leaf (a key path): 2 under `blocks` / `layers`, else 0."""
+    return 2 if path and getattr(path[0], "key", None) in STACKED_ROOTS else 0
+
+
+def fsdp_dim(shape: tuple, skip: int, devices: int) -> int | None:
+    """The dimension of a leaf of `shape` that FSDP splits over `devices` (None: replicated): the largest of its
+    dimensions from `skip` on that `devices` divides, the first on ties."""
+    candidates = [d for d in range(skip, len(shape)) if shape[d] % devices == 0]
+    if devices == 1 or not candidates:
+        return None
+    return max(candidates, key=lambda d: (shape[d], -d))
 
 
 def _leaf_spec(shape: tuple, skip: int, devices: int) -> P:
-    candidates = [d for d in range(skip, len(shape)) if shape[d] % devices == 0]
-    if devices == 1 or not candidates:
-        return P()
-    dim = max(candidates, key=lambda d: (shape[d], -d))
-    return P(*([None] * dim + [FSDP]))
+    dim = fsdp_dim(shape, skip, devices)
+    return P() if dim is None else P(*([None] * dim + [FSDP]))
 
 
 def param_specs(params, mesh: Mesh, stacked: Callable[[tuple], int] = stacked_dims):
