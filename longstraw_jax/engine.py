@@ -37,15 +37,22 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
                chunk_size: int = 2048, mesh=None):
     """(loss, grads, metrics) for one group. `model`, `cfg`, `mode`, `chunk_size`, `mesh` are static.
 
+    mesh: a ("data", "seq") `jax.sharding.Mesh` (sharding.make_mesh) runs the sequence-parallel engine of
+    `sharding/grpo.py` (Qwen3.6; same loss and gradients, grads FSDP-sharded; chunk_size unused there).
+
     Validates the batch on the host when its arrays are concrete (under an outer `jit` only shapes are checked).
     grads has the structure and dtype of params.
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; allowed: {', '.join(map(repr, MODES))}")
     if mesh is not None:
-        raise NotImplementedError("sharded grpo_grads (mesh=...) is not available yet; pass mesh=None")
+        from longstraw_jax.sharding import grpo as sharded
+
+        sharded.check_supported(model)
     validate_batch(batch, model.config.vocab_size)
     chunk_layout(batch.prompt.shape[0] - 1, chunk_size)
+    if mesh is not None:
+        return sharded.grpo_grads(model, params, batch, cfg, mode, mesh)
     return _grpo_grads(model, params, batch, cfg, mode, chunk_size)
 
 
@@ -75,9 +82,14 @@ def _add(acc, tree):
     return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, tree)
 
 
-def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, with_state_grad: bool):
+def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, with_state_grad: bool,
+                    branch_grads=layerwise.branch_grads, like_params=lambda tree: tree, like_state=lambda tree: tree):
     """Scan over the G branches; each step runs one branch's forward and backward to completion, so only one
     branch's graph is ever live (the replay is recomputed per branch; nothing is stored across steps).
+
+    branch_grads(model, params, state, tokens, head, acc) -> (loss, aux, grads, acc) does one branch
+    (`layerwise.branch_grads`; the sharded engine passes its own). like_params / like_state place the float32
+    accumulators (a sharding constraint on a mesh).
 
     Returns (loss, param grads (float32), state cotangent summed over branches (float32; None unless
     with_state_grad), metric sums).
@@ -97,15 +109,16 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
 
     def step(carry, x):
         loss, grads, state_cot, sums = carry
-        branch, branch_sums, branch_grads, state_cot = layerwise.branch_grads(
+        branch, branch_sums, d_params, state_cot = branch_grads(
             model, params, state, x["inputs"], lambda p, h: head(p, h, x), state_cot)
-        return (loss + branch, _add(grads, branch_grads), state_cot, _add(sums, branch_sums)), None
+        state_cot = None if state_cot is None else like_state(state_cot)
+        return (loss + branch, like_params(_add(grads, d_params)), state_cot, _add(sums, branch_sums)), None
 
     head_matrix = model.lm_head(params)  # [V, D]
     hidden = jax.ShapeDtypeStruct((length, head_matrix.shape[1]), head_matrix.dtype)
     sums0 = jax.eval_shape(lambda h: head(params, h, jax.tree.map(lambda a: a[0], xs))[1], hidden)
-    carry = (jnp.zeros((), jnp.float32), _zeros_f32(params), _zeros_f32(state) if with_state_grad else None,
-             _zeros_f32(sums0))
+    carry = (jnp.zeros((), jnp.float32), like_params(_zeros_f32(params)),
+             like_state(_zeros_f32(state)) if with_state_grad else None, _zeros_f32(sums0))
     (loss, grads, state_cot, sums), _ = jax.lax.scan(step, carry, xs)
     return loss, grads, state_cot, sums
 

@@ -121,8 +121,13 @@ def chunk_grads(model, params, state, tokens, start, acc):
 
 
 def _branch_grads_autodiff(model, params, state, tokens, head, acc):
+    return branch_grads_autodiff(model._extend_hidden, params, state, tokens, head, acc)
+
+
+def branch_grads_autodiff(extend_hidden, params, state, tokens, head, acc):
+    """As `branch_grads`, by autodiff of `extend_hidden(params, state, tokens) -> final-normed hidden [R, D]`."""
     def objective(params, state):
-        return head(params, model._extend_hidden(params, state, tokens))
+        return head(params, extend_hidden(params, state, tokens))
 
     if acc is None:
         (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, state)

@@ -60,7 +60,8 @@ def test_sharded_capture_and_extend_equal_one_device(tiny, spec, attention):
 
 def _check_32_devices():
     """Run in a fresh process with 32 CPU devices: 4x8 mesh, a one-block model (LLLF), 37 prompt positions (16
-    segments of 3, 11 padding). Prints the largest logit difference from one device."""
+    segments of 3, 11 padding). Prints the largest logit difference from one device, then the relative error of
+    the exact-mode `grpo_grads` (prompt 38, two ragged branches of the 6 remaining tokens, KL on)."""
     jax.config.update("jax_num_cpu_devices", 32)
     jax.config.update("jax_default_matmul_precision", "highest")
     model = models.build(Qwen36Config.tiny(num_hidden_layers=4, layer_types=Qwen36Config.tiny().layer_types[:4]))
@@ -74,8 +75,20 @@ def _check_32_devices():
     print("max_abs_diff", float(jnp.max(jnp.abs(got - reference))), "devices", len({d for s in
           sstate.state.keys.addressable_shards for d in [s.device]}))
 
+    from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads
+    from tests.test_engine import rel_err
 
-def test_sharded_capture_and_extend_equal_one_device_on_32_devices():
+    mask = np.array([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], np.float32)
+    batch = GroupBatch(prompt=tokens[:38], responses=jnp.stack([tokens[38:], tokens[38:][::-1]]), mask=mask,
+                       rewards=np.array([1.0, 0.0], np.float32), ref_logprobs=np.full((2, 5), -6.0, np.float32))
+    cfg = GRPOConfig(kl_coef=0.1)
+    single = jax.device_put(jax.tree.map(np.asarray, params), jax.devices()[0])
+    loss, grads, _ = grpo_grads(model, single, batch, cfg, "exact", chunk_size=16)
+    got_loss, got_grads, _ = grpo_grads(model, params, batch, cfg, "exact", mesh=mesh)
+    print("grads_rel_err", rel_err(got_grads, grads), "loss_diff", abs(float(got_loss) - float(loss)))
+
+
+def test_sharded_capture_extend_and_grads_equal_one_device_on_32_devices():
     """4x8 needs 32 devices, more than this session's 8: a subprocess (small model, one jitted shape each)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
@@ -84,6 +97,8 @@ def test_sharded_capture_and_extend_equal_one_device_on_32_devices():
     assert run.returncode == 0, run.stderr[-3000:]
     line = [ln for ln in run.stdout.splitlines() if ln.startswith("max_abs_diff")][-1].split()
     assert float(line[1]) <= 1e-4 and int(line[3]) == 32, line
+    line = [ln for ln in run.stdout.splitlines() if ln.startswith("grads_rel_err")][-1].split()
+    assert float(line[1]) <= 1e-4 and float(line[3]) <= 1e-5, line
 
 
 def test_padding_cannot_leak(tiny):

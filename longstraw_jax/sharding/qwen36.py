@@ -62,7 +62,10 @@ def _pattern(cfg):
 
 def _scan_blocks(cfg, blocks, block_specs, h, layer):
     """Scan over blocks; inside, each layer's parameter shards are gathered whole just before `layer(kind, p, h,
-    b, j) -> (h, entry)` runs. Returns (h, {kind: entries stacked [num_blocks, per_block, ...] or None})."""
+    b, j) -> (h, entry)` runs. Returns (h, {kind: entries stacked [num_blocks, per_block, ...] or None}).
+    Under autodiff each block is rematerialised: the backward keeps only every block's input h (and its gathered
+    layers are gathered again), never a block's internals."""
+    @jax.checkpoint
     def body(h, xs):
         bp, b = xs
         entries = {LINEAR: [], FULL: []}

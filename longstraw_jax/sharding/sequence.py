@@ -67,7 +67,7 @@ def affine_fold(a: jax.Array, b: jax.Array, initial: jax.Array, layout: SeqLayou
 
 def psum_merge(part: attn_ops.Attended, axis=SEQ) -> attn_ops.Attended:
     """Exact attention over the union of the shards' disjoint key sets: rescale each partial by exp(lse - max)."""
-    top = jax.lax.stop_gradient(jax.lax.pmax(part.lse, axis))  # any common shift is exact; keep it out of autodiff
+    top = jax.lax.pmax(jax.lax.stop_gradient(part.lse), axis)  # any common shift is exact; keep it out of autodiff
     weight = jnp.exp(part.lse - top)
     total = jax.lax.psum(weight, axis)  # >= 1: the shard holding the max contributes exp(0)
     out = jax.lax.psum(part.out * weight[..., None], axis) / total[..., None]

@@ -1,0 +1,58 @@
+"""Sharded `grpo_grads(..., mesh=...)` == one device (float32, tiny Qwen3.6, 8 CPU devices; 4x8 runs in the
+32-device subprocess of test_sharding_sequence.py).
+
+P - 1 = 45 prompt positions divide evenly over neither 2x4 (8 segments of 6) nor 1x8 (16 segments of 3); the batch
+has ragged masks, KL on and old log-probs given, so every term of the loss reaches the sharded backward.
+"""
+import jax
+import numpy as np
+import pytest
+
+from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, sharding
+from longstraw_jax.sharding import rules
+from tests.random_params import o1_params
+from tests.test_engine import assert_metrics_equal, rel_err
+
+P, R = 46, 7
+CFG = GRPOConfig(kl_coef=0.1)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = models.build(models.Qwen36Config.tiny())
+    params = o1_params(model.init(jax.random.key(0)), jax.random.key(1))
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    mask = (np.arange(R)[None, :] < np.array([[7], [4], [6]])).astype(np.float32)
+    batch = GroupBatch(prompt=rng.integers(0, vocab, P).astype(np.int32),
+                       responses=rng.integers(0, vocab, (3, R)).astype(np.int32), mask=mask,
+                       rewards=np.array([1.0, 0.0, 0.5], np.float32),
+                       old_logprobs=np.where(mask == 1, rng.normal(-6, 0.3, mask.shape), np.nan).astype(np.float32),
+                       ref_logprobs=rng.normal(-6, 0.3, mask.shape).astype(np.float32))
+    return model, params, batch
+
+
+@pytest.mark.parametrize("spec,mode", [("2x4", "exact"), ("1x8", "detached")])
+def test_sharded_grpo_grads_equal_one_device(setup, spec, mode):
+    model, params, batch = setup
+    loss, grads, metrics = grpo_grads(model, params, batch, CFG, mode, chunk_size=16)
+    mesh = sharding.make_mesh(spec)
+    specs = rules.param_specs(params, mesh)
+    placed = jax.device_put(params, rules.named(specs, mesh))
+    got_loss, got_grads, got_metrics = grpo_grads(model, placed, batch, CFG, mode, mesh=mesh)
+    assert abs(float(got_loss) - float(loss)) <= 1e-5
+    assert rel_err(got_grads, grads) <= 1e-4
+    assert_metrics_equal(got_metrics, metrics)
+    # the gradient comes back FSDP-sharded like the parameters: each device holds 1/8 of a split leaf
+    embed = got_grads["embed"]
+    assert specs["embed"] != jax.sharding.PartitionSpec()
+    assert embed.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, specs["embed"]), embed.ndim)
+    assert {s.data.size for s in embed.addressable_shards} == {embed.size // 8}
+
+
+def test_sharded_glm_is_refused_by_name():
+    model = models.build(models.Glm52Config.tiny())
+    batch = GroupBatch(prompt=np.zeros(8, np.int32), responses=np.zeros((1, 2), np.int32),
+                       mask=np.ones((1, 2), np.float32), rewards=np.zeros(1, np.float32))
+    with pytest.raises(NotImplementedError, match="Qwen3.6 only so far, not Glm52"):
+        grpo_grads(model, None, batch, CFG, "exact", mesh=sharding.make_mesh("1x8"))
