@@ -26,9 +26,11 @@ CHECKPOINT_DIR = "checkpoints"
 
 
 def _on_device(tree, dtype=None):
-    """Abstract arrays (ShapeDtypeStruct) placed on the first local device, optionally cast to `dtype`."""
-    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=sharding), tree)
+    """Abstract arrays (ShapeDtypeStruct) placed like each leaf when it is a placed array (e.g. FSDP-sharded), else
+    on the first local device; optionally cast to `dtype`."""
+    first = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype,
+                                                       sharding=getattr(x, "sharding", None) or first), tree)
 
 
 def save_init_dir(model, params: dict, directory: str | os.PathLike) -> None:

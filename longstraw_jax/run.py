@@ -160,9 +160,13 @@ class Trainer:
             raise RunError(f"--steps={args.steps}: the checkpoint is already at step {saved['step']}")
         self.mesh = self._make_mesh()
         self.model, params = self._load_model()
-        # committed to one device whatever the source (init, safetensors, Orbax), so the jitted sampler and step
-        # see the same argument placement on every call and compile once
-        self.params = jax.device_put(params, jax.local_devices()[0])
+        if self.mesh is not None:
+            from longstraw_jax.sharding.grpo import check_supported
+
+            check_supported(self.model)
+        # committed to one device (or FSDP-sharded over --mesh) whatever the source (init, safetensors, Orbax), so
+        # the jitted sampler and step see the same argument placement on every call and compile once
+        self.params = self._place(params)
         self.vocab = self.model.config.vocab_size
         self._setup_data()
         from longstraw_jax import GRPOConfig
@@ -174,7 +178,7 @@ class Trainer:
                            "that run, or choose another --out")
         # committed like the params: a jit output built from an uncommitted init would be committed after step 1
         # and recompile the step once more
-        self.opt_state = jax.device_put(jax.jit(self.optimizer.init)(self.params), jax.local_devices()[0])
+        self.opt_state = self._place(jax.jit(self.optimizer.init)(self.params))
         self.key = jax.random.key(args.seed)
         self.step, self.data_position = 0, 0
         if saved is not None:
@@ -200,6 +204,19 @@ class Trainer:
                 raise RunError(f"--{name.replace('_', '-')}={getattr(self.args, name)!r} differs from the run being "
                                f"resumed ({value!r}); only {sorted(RESUMABLE)} may change on --resume")
             setattr(self.args, name, value)
+
+    def _place(self, tree):
+        """Params or optimizer state -> committed to the first device, or on --mesh sharded by the FSDP rules
+        (`sharding.rules.param_specs`; optimizer moments like the params, step counts replicated)."""
+        import jax
+
+        if self.mesh is None:
+            return jax.device_put(tree, jax.local_devices()[0])
+        from longstraw_jax.sharding import rules
+
+        params = getattr(self, "params", tree)
+        specs = rules.like_params_specs(tree, params, rules.param_specs(params, self.mesh))
+        return jax.device_put(tree, rules.named(specs, self.mesh))
 
     def _make_mesh(self):
         if self.args.mesh is None:

@@ -3,6 +3,7 @@
 - a 3-step run writes metrics.jsonl (finite loss, every documented field), metrics.png, Orbax checkpoints and an HF
   export that loads back to the checkpointed params; --hf and --init-from start from those weights;
 - resume: 2 steps, stop, --resume to 3 gives bit-identical params and identical metrics to the uninterrupted run;
+- --mesh 1x8 (sharded params, optimizer state and grpo_grads) and its --resume match the one-device run;
 - bad input: a one-line error naming the thing, exit status 2, and the saved run directory is not touched.
 
 All runs share one model / optimizer / sampling setting, so the sampler and the train step compile once.
@@ -108,6 +109,23 @@ def test_resume_equals_uninterrupted(full_run, tmp_path):
     drop = {"tokens_per_s", "rollout_s", "update_s", "step_s", "peak_mem_bytes"}  # timings differ
     assert [{k: v for k, v in r.items() if k not in drop} for r in read(out)] == \
            [{k: v for k, v in r.items() if k not in drop} for r in read(full_run)]
+
+
+def test_mesh_run_and_resume_match_one_device(full_run, tmp_path):
+    """--mesh 1x8: FSDP-sharded params and optimizer state, sequence-parallel grpo_grads; 2 steps, then --resume to
+    3 (restoring onto the shardings) gives the one-device run's rewards and losses."""
+    out = str(tmp_path / "mesh")
+    assert run.main(SMALL + ["--steps", "2", "--out", out, "--mesh", "1x8"]) == 0
+    assert run.main(["--out", out, "--resume", "--steps", "3"]) == 0
+    read = lambda d: [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+    sharded, single = read(out), read(full_run)
+    assert [r["step"] for r in sharded] == [1, 2, 3]
+    for got, want in zip(sharded, single):
+        assert got["reward_mean"] == want["reward_mean"]
+        np.testing.assert_allclose([got["loss"], got["grad_norm"]], [want["loss"], want["grad_norm"]], rtol=1e-4,
+                                   atol=1e-6)
+    params, _, _ = restore(out)
+    np.testing.assert_allclose(params["embed"], restore(full_run)[0]["embed"], rtol=1e-4, atol=1e-5)
 
 
 def write(path, text):
