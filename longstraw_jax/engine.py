@@ -38,7 +38,8 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
     """(loss, grads, metrics) for one group. `model`, `cfg`, `mode`, `chunk_size`, `mesh` are static.
 
     mesh: a ("data", "seq") `jax.sharding.Mesh` (sharding.make_mesh) runs the sequence-parallel engine of
-    `sharding/grpo.py` (Qwen3.6; same loss and gradients, grads FSDP-sharded; chunk_size unused there).
+    `sharding/grpo.py` (Qwen3.6; same loss and gradients, grads FSDP-sharded; detached mode captures in rounds of
+    about chunk_size positions, exact mode in one).
 
     Validates the batch on the host when its arrays are concrete (under an outer `jit` only shapes are checked).
     grads has the structure and dtype of params.
@@ -52,7 +53,7 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
     validate_batch(batch, model.config.vocab_size)
     chunk_layout(batch.prompt.shape[0] - 1, chunk_size)
     if mesh is not None:
-        return sharded.grpo_grads(model, params, batch, cfg, mode, mesh)
+        return sharded.grpo_grads(model, params, batch, cfg, mode, mesh, round_len=chunk_size)
     return _grpo_grads(model, params, batch, cfg, mode, chunk_size)
 
 

@@ -15,6 +15,7 @@ import pytest
 from longstraw_jax import models, sharding
 from longstraw_jax.models.qwen36 import Qwen36Config
 from longstraw_jax.sharding import SeqLayout, rules
+from longstraw_jax.sharding.layout import RoundLayout
 from tests.random_params import o1_params
 
 PROMPT, TOTAL = 45, 56  # 45 = 2 * 8 segments of 3 with 3 padding positions (2x4: 8 segments of 6, 3 padding)
@@ -27,6 +28,18 @@ def tiny():
     tokens = jax.random.randint(jax.random.key(2), (TOTAL,), 0, model.config.vocab_size, dtype=jnp.int32)
     reference = model.capture(params, tokens[:PROMPT], chunk_size=16)
     return model, params, tokens, reference, model.extend(params, reference, tokens[PROMPT:])
+
+
+def test_round_layout():
+    rounds = RoundLayout.for_prompt(44, 2, min_segment=3, round_len=12)
+    assert (rounds.full, rounds.round.segment, rounds.last.length, rounds.padded) == (3, 3, 8, 48)
+    stored = rounds.stored_positions()
+    assert list(stored[:12]) == [0, 1, 2, 9, 10, 11, 12, 13, 14, 21, 22, 23]  # shard 0: rounds 0 and 1
+    x = jnp.arange(44) * 10
+    np.testing.assert_array_equal(rounds.to_natural(rounds.to_stored(x, pad_id=-1), axis=0), x)
+    single = RoundLayout.for_prompt(45, 4, min_segment=3)
+    assert single.full == 0 and list(single.stored_positions()) == list(SeqLayout.for_prompt(45, 4, 3)
+                                                                         .stored_positions())
 
 
 def test_layout_zigzag_round_trip():
@@ -56,6 +69,40 @@ def test_sharded_capture_and_extend_equal_one_device(tiny, spec, attention):
     assert not np.any(np.asarray(sstate.state.keys)[:, :, padding])
     got = sharding.extend(model, params, sstate, tokens[PROMPT:], mesh)
     np.testing.assert_allclose(got, logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec,round_len", [("4x2", 12), ("2x4", 16)])
+def test_capture_in_rounds_equals_one_device(tiny, spec, round_len):
+    """Rounds: 4x2 with rounds of 12 = 3 full rounds + a last one of 9 (padded to 12); 2x4 with rounds of 16
+    (segments of 3: 24 positions) = 1 full round + 21. Same state and replay logits as one device."""
+    model, params, tokens, reference, logits = tiny
+    mesh = sharding.make_mesh(spec)
+    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, round_len=round_len)
+    assert sstate.layout.full == {"4x2": 3, "2x4": 1}[spec]
+    for name in ("conv", "recurrent", "keys", "values"):
+        np.testing.assert_allclose(getattr(sstate.natural(), name), getattr(reference, name), atol=1e-4, err_msg=name)
+    np.testing.assert_allclose(sharding.extend(model, params, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
+
+
+def test_row_blocks_change_nothing(tiny, monkeypatch):
+    """Position-wise work in blocks of 7 rows (ROWS is 4096; 2x4 holds 12 positions per device): same state and
+    logits as one device; `_by_rows` pads a ragged last block and returns pytrees."""
+    from longstraw_jax.sharding import qwen36 as sharded_qwen36
+
+    x = jnp.arange(30.0).reshape(10, 3)
+    out = sharded_qwen36._by_rows(lambda a, b: {"s": a * 2 + b[:, :1]}, x, x + 1, rows=4)
+    np.testing.assert_array_equal(out["s"], x * 2 + (x + 1)[:, :1])
+    model, params, tokens, reference, logits = tiny
+    monkeypatch.setattr(sharded_qwen36, "ROWS", 7)
+    for fn in (sharded_qwen36._capture, sharded_qwen36._extend_hidden):
+        fn.clear_cache()
+    mesh = sharding.make_mesh("2x4")
+    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh)
+    for name in ("conv", "recurrent", "keys", "values"):
+        np.testing.assert_allclose(getattr(sstate.natural(), name), getattr(reference, name), atol=1e-4, err_msg=name)
+    np.testing.assert_allclose(sharding.extend(model, params, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
+    for fn in (sharded_qwen36._capture, sharded_qwen36._extend_hidden):
+        fn.clear_cache()
 
 
 def _check_32_devices():

@@ -14,8 +14,10 @@ capture's layer scan is rematerialised (block inputs kept, `sharding.qwen36._sca
 holds the P / seq block inputs of each device and one block's recomputation at a time.
 
 The `data` axis holds parameter shards (FSDP) and otherwise repeats this group's work: independent groups are what
-it runs side by side. Not yet: a prompt backward in rounds of chunks (its activation memory is every block's input
-for the device's P / seq positions), and GLM-5.x (no sequence-parallel MLA / DSA capture yet).
+it runs side by side. Detached mode captures in rounds (`chunk_size` positions: one round's activations live at a
+time). Not yet: an exact-mode prompt backward in rounds (it differentiates a one-round capture, so its activation
+memory is every block's input and one block's internals for the device's P / seq positions), and GLM-5.x (no
+sequence-parallel MLA / DSA capture yet).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from longstraw_jax import engine, layerwise
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, finalize_metrics
 from longstraw_jax.models.qwen36 import Qwen36
 from longstraw_jax.sharding import qwen36 as sharded_qwen36
-from longstraw_jax.sharding.layout import SeqLayout
+from longstraw_jax.sharding.layout import RoundLayout
 from longstraw_jax.sharding.rules import named, param_specs, prompt_state_specs
 
 
@@ -37,17 +39,19 @@ def check_supported(model) -> None:
                                   f"{type(model).__name__}: pass mesh=None")
 
 
-def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, attention: str = "ring"):
+def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, round_len: int | None = None,
+               attention: str = "ring"):
     """(loss, grads, metrics) as `engine.grpo_grads`, on `mesh`; grads are sharded like `rules.param_specs`.
-    The batch must already be validated (engine.grpo_grads does it)."""
+    The batch must already be validated (engine.grpo_grads does it). Detached mode captures in rounds of about
+    `round_len` positions (`sharding.qwen36.capture`); exact mode differentiates a one-round capture."""
     check_supported(model)
-    layout = SeqLayout.for_prompt(batch.prompt.shape[0] - 1, mesh.shape["seq"],
-                                  model.config.linear_conv_kernel_dim - 1)
+    layout = RoundLayout.for_prompt(batch.prompt.shape[0] - 1, mesh.shape["seq"],
+                                    model.config.linear_conv_kernel_dim - 1, round_len if mode == "detached" else None)
     return _grpo_grads(model, params, batch, cfg, mode, mesh, layout, attention)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7))
-def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, layout: SeqLayout,
+def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, layout: RoundLayout,
                 attention: str):
     stored = layout.to_stored(batch.prompt[:-1].astype("int32"))
 

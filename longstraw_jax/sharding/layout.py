@@ -10,6 +10,10 @@ the Gated DeltaNet (the recurrent state passes through them unchanged) and zero 
 replay masks them out by position.
 
 "Stored order" is the order along a seq-sharded position axis (shard-major); `to_natural` undoes it.
+
+`RoundLayout`: a long prompt is captured in rounds (bounded activation memory): full rounds of one fixed SeqLayout
+(no padding) followed by a last round with its own SeqLayout; each shard stores its two segments of round 0, then
+of round 1, ..., then of the last round.
 """
 from __future__ import annotations
 
@@ -59,11 +63,79 @@ class SeqLayout:
         return (seg * self.segment + t).astype(np.int32)
 
     def to_stored(self, tokens: jnp.ndarray, pad_id: int = 0) -> jnp.ndarray:
-        """tokens [P, ...] in natural order -> [padded, ...] in stored order (padding filled with `pad_id`)."""
-        pad = [(0, self.padded - self.length)] + [(0, 0)] * (tokens.ndim - 1)
-        return jnp.pad(tokens, pad, constant_values=pad_id)[self.stored_positions()]
+        return _to_stored(self, tokens, pad_id)
 
     def to_natural(self, x: jnp.ndarray, axis: int) -> jnp.ndarray:
-        """x with a stored-order position axis of size `padded` -> natural order, padding dropped (size P)."""
-        inverse = np.argsort(self.stored_positions())[: self.length]
-        return jnp.take(x, inverse, axis=axis)
+        return _to_natural(self, x, axis)
+
+
+def _to_stored(layout, tokens: jnp.ndarray, pad_id: int) -> jnp.ndarray:
+    """tokens [P, ...] in natural order -> [padded, ...] in stored order (padding filled with `pad_id`)."""
+    pad = [(0, layout.padded - layout.length)] + [(0, 0)] * (tokens.ndim - 1)
+    return jnp.pad(tokens, pad, constant_values=pad_id)[layout.stored_positions()]
+
+
+def _to_natural(layout, x: jnp.ndarray, axis: int) -> jnp.ndarray:
+    """x with a stored-order position axis of size `padded` -> natural order, padding dropped (size P)."""
+    inverse = np.argsort(layout.stored_positions())[: layout.length]
+    return jnp.take(x, inverse, axis=axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundLayout:
+    """P = length positions in `full` rounds laid out by `round` (each round.padded positions, none padding) and a
+    last round of length - full * round.padded positions laid out by `last`. One round: full = 0, round None."""
+
+    length: int
+    full: int
+    round: SeqLayout | None
+    last: SeqLayout
+
+    @classmethod
+    def for_prompt(cls, length: int, shards: int, min_segment: int = 1, round_len: int | None = None):
+        """Rounds of about `round_len` positions (rounded up to whole segments); None: the whole prompt at once."""
+        single = SeqLayout.for_prompt(length, shards, min_segment)
+        if round_len is None or round_len >= length:
+            return cls(length, 0, None, single)
+        round_ = SeqLayout.for_prompt(round_len, shards, min_segment)
+        round_ = SeqLayout(round_.padded, shards, round_.segment)  # a full round has no padding
+        full = (length - 1) // round_.padded
+        if full == 0:
+            return cls(length, 0, None, single)
+        return cls(length, full, round_, SeqLayout.for_prompt(length - full * round_.padded, shards, min_segment))
+
+    @property
+    def shards(self) -> int:
+        return self.last.shards
+
+    @property
+    def round_positions(self) -> int:
+        """Positions per full round (0 with a single round)."""
+        return self.round.padded if self.full else 0
+
+    @property
+    def round_slots(self) -> int:
+        """Slots per shard of one full round."""
+        return self.round.per_shard if self.full else 0
+
+    @property
+    def per_shard(self) -> int:
+        return self.full * self.round_slots + self.last.per_shard
+
+    @property
+    def padded(self) -> int:
+        return self.shards * self.per_shard
+
+    def stored_positions(self) -> np.ndarray:
+        """int32 [padded]: the natural position of each stored index (per shard: its slots round by round)."""
+        rounds = [(r * self.round_positions, self.round) for r in range(self.full)]
+        rounds.append((self.full * self.round_positions, self.last))
+        per_shard = [np.concatenate([offset + layout.stored_positions().reshape(self.shards, -1)[s]
+                                     for offset, layout in rounds]) for s in range(self.shards)]
+        return np.concatenate(per_shard).astype(np.int32)
+
+    def to_stored(self, tokens: jnp.ndarray, pad_id: int = 0) -> jnp.ndarray:
+        return _to_stored(self, tokens, pad_id)
+
+    def to_natural(self, x: jnp.ndarray, axis: int) -> jnp.ndarray:
+        return _to_natural(self, x, axis)

@@ -29,7 +29,7 @@ from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.ops.mlp import swiglu
 from longstraw_jax.ops.norms import rms_norm_1p
 from longstraw_jax.sharding import sequence
-from longstraw_jax.sharding.layout import SeqLayout
+from longstraw_jax.sharding.layout import RoundLayout, SeqLayout
 from longstraw_jax.sharding.rules import gather_layer, param_specs, prompt_state_specs
 from longstraw_jax.validation import check_tokens
 
@@ -42,7 +42,7 @@ class ShardedPromptState:
     `seq`; `state.length` is the real prompt length P (padding slots hold zeros and are never attended)."""
 
     state: PromptState
-    layout: SeqLayout = struct.field(pytree_node=False)
+    layout: RoundLayout = struct.field(pytree_node=False)
 
     def natural(self) -> PromptState:
         """The same state in natural order with the padding dropped (gathers the cache: for checks and export)."""
@@ -79,26 +79,43 @@ def _scan_blocks(cfg, blocks, block_specs, h, layer):
     return jax.lax.scan(body, h, (blocks, jnp.arange(cfg.num_blocks)))
 
 
+ROWS = 4096  # position-wise work (projections, norms, MLP) runs over at most this many local positions at a time
+
+
+def _by_rows(fn, *xs, rows: int | None = None):
+    """fn(*xs) for a row-wise fn (row i of every output depends only on row i of every input), computed over blocks
+    of `rows` leading-axis rows in a `lax.map` (the last block zero-padded), so that fn's intermediates exist for one
+    block at a time: at P / seq positions per device the wide ones (MLP, GDN projections) would not fit whole."""
+    t, rows = xs[0].shape[0], rows or ROWS
+    if t <= rows:
+        return fn(*xs)
+    n = -(-t // rows)
+    blocks = [jnp.pad(x, [(0, n * rows - t)] + [(0, 0)] * (x.ndim - 1)).reshape((n, rows) + x.shape[1:]) for x in xs]
+    out = jax.lax.map(lambda args: fn(*args), tuple(blocks))
+    return jax.tree.map(lambda y: y.reshape((n * rows,) + y.shape[2:])[:t], out)
+
+
 def _residual(cfg, p, h, mixer):
     """Decoder layer (1.3) around a mixer: h + mixer(norm(h)) then h + mlp(norm(h)); returns (h, mixer's entry)."""
-    y, entry = mixer(rms_norm_1p(h, p["input_norm"], cfg.rms_norm_eps))
-    h = h + y
-    return h + swiglu(p["mlp"], rms_norm_1p(h, p["post_norm"], cfg.rms_norm_eps)), entry
+    y, entry = mixer(_by_rows(lambda h: rms_norm_1p(h, p["input_norm"], cfg.rms_norm_eps), h))
+    return _by_rows(lambda h, y: (h + y) + swiglu(p["mlp"], rms_norm_1p(h + y, p["post_norm"], cfg.rms_norm_eps)),
+                    h, y), entry
 
 
 # ----- capture -------------------------------------------------------------------------------------------------
 
 
-def _gdn_segments(cfg, p, x, positions, layout: SeqLayout):
-    """Sequence-parallel Gated DeltaNet over this shard's segments. x [2L, D]; positions [2, L].
+def _gdn_segments(cfg, p, x, positions, layout: SeqLayout, conv_in, state_in):
+    """Sequence-parallel Gated DeltaNet over this shard's segments of one round. x [2L, D]; positions [2, L] within
+    the round; conv_in [K-1, C] and state_in [Hv, dk, dv] float32: the carried state before the round.
     Returns (y [2L, D], (final conv tail [K-1, C], final state [Hv, dk, dv])), the state entries replicated."""
     seg, km1 = layout.segment, cfg.linear_conv_kernel_dim - 1
     hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed, z, beta, g = gdn_inputs(cfg, p, x)
+    mixed, z, beta, g = _by_rows(lambda x: gdn_inputs(cfg, p, x), x)
     mixed = mixed.reshape(2, seg, -1)
-    halo = sequence.previous_rows(mixed[:, seg - km1 :], jnp.zeros((km1, mixed.shape[-1]), mixed.dtype), layout)
+    halo = sequence.previous_rows(mixed[:, seg - km1 :], conv_in.astype(mixed.dtype), layout)
     conv_out = jax.vmap(lambda m, t: causal_depthwise_conv(m, p["conv1d"], t)[0])(mixed, halo)
-    q, k, v = gdn_qkv(cfg, conv_out.reshape(2 * seg, -1))
+    q, k, v = _by_rows(lambda c: gdn_qkv(cfg, c), conv_out.reshape(2 * seg, -1))
     real = (positions < layout.length).reshape(-1, 1)  # padding: no decay, no write -> the state passes unchanged
     beta, g = jnp.where(real, beta, 0), jnp.where(real, g, 0)
 
@@ -110,9 +127,9 @@ def _gdn_segments(cfg, p, x, positions, layout: SeqLayout):
     # a Python loop, not vmap: a vmapped chunked rule (batched triangular solves) deadlocked XLA:CPU collectives
     runs = [gdn_core(cfg, *(a[h] for a in map(per_segment, (q, k, v_aug, g, beta))), s_aug) for h in (0, 1)]
     o_aug, end = (jnp.stack(x) for x in zip(*runs))
-    incoming, final = sequence.affine_fold(end[..., dv:], end[..., :dv], jnp.zeros((hv, dk, dv), core), layout)
+    incoming, final = sequence.affine_fold(end[..., dv:], end[..., :dv], state_in.astype(core), layout)
     o = o_aug[..., :dv] + jnp.einsum("sthk,shkv->sthv", o_aug[..., dv:], incoming)
-    y = gdn_output(cfg, p, o.reshape(2 * seg, hv, dv), z, x.dtype)
+    y = _by_rows(lambda o, z: gdn_output(cfg, p, o, z, x.dtype), o.reshape(2 * seg, hv, dv), z)
 
     # The new conv tail: the K-1 inputs before position P, read from the segment holding position P-1.
     last = (layout.length - 1) // seg
@@ -123,42 +140,85 @@ def _gdn_segments(cfg, p, x, positions, layout: SeqLayout):
     return y, (jax.lax.psum(tail, sequence.SEQ), final)
 
 
-def _attention_segments(cfg, p, x, positions, layout: SeqLayout, method: str):
-    """Sequence-parallel gated attention over this shard's segments. Returns (y [2L, D], (keys, values) [2L, Hkv,
-    hd] for the cache, zero at padding positions)."""
-    q, gate, k, v = attention_inputs(cfg, p, x, positions.reshape(-1))
+def _attention_segments(cfg, p, x, positions, offset, layout: SeqLayout, method: str, earlier=None):
+    """Sequence-parallel gated attention over this shard's segments of one round (positions [2, L] within the round,
+    which starts at natural position `offset`). earlier: None, or (keys, values, slots, (b, j)): this shard's cache
+    [nb, nf, S, Hkv, hd] whose first `slots` slots hold earlier rounds (all visible to every query of the round). Returns (y [2L, D], (keys, values) [2L, Hkv, hd] for the cache, zero at padding positions)."""
+    q, gate, k, v = _by_rows(lambda x, pos: attention_inputs(cfg, p, x, pos), x, offset + positions.reshape(-1))
     per_segment = lambda a: a.reshape((2, layout.segment) + a.shape[1:])
-    att = sequence.causal_attention(per_segment(q), per_segment(k), per_segment(v), positions, layout,
-                                    scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size, method=method)
+    common = dict(scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size)
+    att = sequence.causal_attention(per_segment(q), per_segment(k), per_segment(v), positions, layout, method=method,
+                                    **common)
+    if earlier is not None:
+        # Every shard's queries see every shard's earlier slots: each shard attends the round's queries of all
+        # shards over its own slots (same work as its own queries over all slots), the partials merge across shards.
+        keys, values, slots, index = earlier
+        queries = jax.lax.all_gather(q, sequence.SEQ)  # [n, 2L, Hq, hd]
+        part = attn_ops.attend(queries.reshape((-1,) + q.shape[1:]), keys, values, k_offset=0, causal=False,
+                               q_positions=jnp.zeros(queries.shape[0] * queries.shape[1], jnp.int32),
+                               kv_length=slots, kv_index=index, **common)
+        mine = jax.tree.map(lambda a: per_segment(a.reshape(queries.shape[:2] + a.shape[1:])[
+            jax.lax.axis_index(sequence.SEQ)]), sequence.psum_merge(part))
+        att = attn_ops.merge(att, mine)
     att = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), att)
     real = (positions < layout.length).reshape(-1, 1, 1)
-    return attention_output(cfg, p, att, gate, x.dtype), (jnp.where(real, k, 0), jnp.where(real, v, 0))
+    y = _by_rows(lambda out, gate: attention_output(cfg, p, attn_ops.Attended(out, None), gate, x.dtype), att.out, gate)
+    return y, (jnp.where(real, k, 0), jnp.where(real, v, 0))
 
 
-def _capture_local(cfg, layout, block_specs, method, blocks, h):
+def _capture_round(cfg, block_specs, method, blocks, h, layout: SeqLayout, index, rounds: RoundLayout, carry):
+    """One round (round number `index`, laid out by `layout`) over this shard's h [2L, D], given the carried state
+    and cache of the rounds before it; returns the carry with the round's state written in."""
+    conv, recurrent, keys, values = carry
     positions = sequence.local_positions(layout)
+    slots = index * rounds.round_slots
 
     def layer(kind, p, h, b, j):
         if kind == LINEAR:
-            return _residual(cfg, p, h, lambda x: _gdn_segments(cfg, p, x, positions, layout))
-        return _residual(cfg, p, h, lambda x: _attention_segments(cfg, p, x, positions, layout, method))
+            return _residual(cfg, p, h, lambda x: _gdn_segments(cfg, p, x, positions, layout, conv[b, j],
+                                                                recurrent[b, j]))
+        earlier = None if rounds.full == 0 else (keys, values, slots, (b, j))
+        return _residual(cfg, p, h, lambda x: _attention_segments(
+            cfg, p, x, positions, index * rounds.round_positions, layout, method, earlier))
 
     _, entries = _scan_blocks(cfg, blocks, block_specs, h, layer)
-    return entries
+    (conv, recurrent), (k, v) = entries[LINEAR], entries[FULL]
+    write = lambda cache, new: jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), slots, axis=2)
+    return conv, recurrent, write(keys, k), write(values, v)
 
 
-def capture(model: Qwen36, params: dict, tokens, mesh, attention: str = "ring", pad_id: int = 0) -> ShardedPromptState:
+def _capture_local(cfg, rounds: RoundLayout, block_specs, method, blocks, h):
+    """This shard's h [rounds.per_shard, D] -> (conv, recurrent, keys, values): a scan over the full rounds, then the
+    last round. Only one round's activations are ever live; the cache fills in place."""
+    nb, hv = cfg.num_blocks, cfg.linear_num_value_heads
+    linear, full = cfg.block_pattern.count(LINEAR), cfg.block_pattern.count(FULL)
+    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim
+    carry = (jnp.zeros((nb, linear, cfg.linear_conv_kernel_dim - 1, conv_dim), h.dtype),
+             jnp.zeros((nb, linear, hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim), accum_dtype(h.dtype)),
+             *(jnp.zeros((nb, full, rounds.per_shard, cfg.num_key_value_heads, cfg.head_dim), h.dtype),) * 2)
+    one_round = functools.partial(_capture_round, cfg, block_specs, method, blocks)
+    if rounds.full:
+        h_full = h[: rounds.full * rounds.round_slots].reshape(rounds.full, rounds.round_slots, -1)
+        carry, _ = jax.lax.scan(lambda c, xs: (one_round(xs[0], rounds.round, xs[1], rounds, c), None), carry,
+                                (h_full, jnp.arange(rounds.full)))
+    return one_round(h[rounds.full * rounds.round_slots :], rounds.last, rounds.full, rounds, carry)
+
+
+def capture(model: Qwen36, params: dict, tokens, mesh, attention: str = "ring", pad_id: int = 0,
+            round_len: int | None = None) -> ShardedPromptState:
     """Prompt tokens int32 [P] -> ShardedPromptState, sequence-parallel over `mesh`'s `seq` axis.
 
     `params` may be placed anywhere (ideally by `rules.param_specs`: then nothing is moved but one layer at a time).
     attention: "ring" or "allgather" (sequence.causal_attention). `pad_id` only fills padding slots; it cannot
-    change any result (tests check this).
+    change any result (tests check this). round_len: capture in rounds of about this many positions (activation
+    memory of one round; later rounds attend over the cache of earlier ones); None: the whole prompt in one round.
     """
     cfg = model.config
     tokens = check_tokens(tokens, cfg.vocab_size)
     if attention not in sequence.ATTENTION_METHODS:
         raise ValueError(f"attention={attention!r}; allowed: {sequence.ATTENTION_METHODS}")
-    layout = SeqLayout.for_prompt(tokens.shape[0], mesh.shape[sequence.SEQ], cfg.linear_conv_kernel_dim - 1)
+    layout = RoundLayout.for_prompt(tokens.shape[0], mesh.shape[sequence.SEQ], cfg.linear_conv_kernel_dim - 1,
+                                    round_len)
     return _capture(model, params, layout.to_stored(tokens, pad_id), mesh, layout, attention)
 
 
@@ -168,14 +228,10 @@ def _capture(model, params, stored_tokens, mesh, layout, attention):
     specs = param_specs(params, mesh)
     h = jax.lax.with_sharding_constraint(params["embed"][stored_tokens], NamedSharding(mesh, P(sequence.SEQ)))
     kv_spec = P(None, None, sequence.SEQ)
-    entries = jax.shard_map(
+    conv, recurrent, keys, values = jax.shard_map(
         functools.partial(_capture_local, cfg, layout, specs["blocks"], attention), mesh=mesh,
-        in_specs=(specs["blocks"], P(sequence.SEQ)),
-        out_specs={LINEAR: (P(), P()), FULL: (kv_spec, kv_spec)},  # Qwen3.6 block patterns hold both kinds
-        check_vma=False,
+        in_specs=(specs["blocks"], P(sequence.SEQ)), out_specs=(P(), P(), kv_spec, kv_spec), check_vma=False,
     )(params["blocks"], h)
-    conv, recurrent = entries[LINEAR]
-    keys, values = entries[FULL]
     return ShardedPromptState(PromptState(conv=conv, recurrent=recurrent, keys=keys, values=values,
                                           length=layout.length), layout)
 
@@ -183,18 +239,24 @@ def _capture(model, params, stored_tokens, mesh, layout, attention):
 # ----- replay ------------------------------------------------------------------------------------------------------
 
 
-def _cached_attention(cfg, p, x, positions, sstate_local: PromptState, layout: SeqLayout, b, j):
+def _cached_attention(cfg, p, x, positions, sstate_local: PromptState, rounds: RoundLayout, b, j):
     """Gated attention of new tokens over the seq-sharded prompt cache (log-sum-exp across shards) and, causally,
-    over themselves. sstate_local.keys: this shard's [nb, nf, 2L, Hkv, hd]."""
+    over themselves. sstate_local.keys: this shard's [nb, nf, S, Hkv, hd], `rounds`' slots: every slot of the full
+    rounds is a real position; of the last round's two segments, a prefix of each."""
     q, gate, k, v = attention_inputs(cfg, p, x, positions)
     common = dict(q_positions=positions, scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size)
-    split = lambda cache: cache.reshape(cache.shape[:2] + (2, layout.segment) + cache.shape[3:])
+    earlier, last = rounds.full * rounds.round_slots, rounds.last
+    parts = []
+    if rounds.full:
+        parts.append(attn_ops.attend(q, sstate_local.keys, sstate_local.values, k_offset=0, causal=False,
+                                     kv_length=earlier, kv_index=(b, j), **common))
+    split = lambda cache: cache[:, :, earlier:].reshape(cache.shape[:2] + (2, last.segment) + cache.shape[3:])
     keys, values = split(sstate_local.keys), split(sstate_local.values)
-    visible = jnp.clip(layout.length - sequence.local_segments(layout) * layout.segment, 0, layout.segment)
-    parts = [attn_ops.attend(q, keys, values, k_offset=0, causal=False, kv_length=visible[h], kv_index=(b, j, h),
-                             **common) for h in (0, 1)]
-    prompt = sequence.psum_merge(attn_ops.merge(*parts))
-    new = attn_ops.attend(q, k, v, k_offset=layout.length, causal=True, **common)
+    visible = jnp.clip(last.length - sequence.local_segments(last) * last.segment, 0, last.segment)
+    parts += [attn_ops.attend(q, keys, values, k_offset=0, causal=False, kv_length=visible[h], kv_index=(b, j, h),
+                              **common) for h in (0, 1)]
+    prompt = sequence.psum_merge(functools.reduce(attn_ops.merge, parts))
+    new = attn_ops.attend(q, k, v, k_offset=rounds.length, causal=True, **common)
     return attention_output(cfg, p, attn_ops.merge(prompt, new), gate, x.dtype), None
 
 
