@@ -77,7 +77,7 @@ def _local_bytes(abstract_tree) -> int:
 
 
 class Planner:
-    def __init__(self, config_path: str, mesh_spec: str, dtype: str, response_len: int):
+    def __init__(self, config_path: str, mesh_spec: str, dtype: str, response_len: int, chunk: int):
         import jax
         import jax.numpy as jnp
 
@@ -90,7 +90,7 @@ class Planner:
         check_supported(self.model)
         self.mesh = sharding.make_mesh(mesh_spec)
         self.dtype = jnp.dtype(dtype)
-        self.response_len = response_len
+        self.response_len, self.chunk = response_len, chunk
         params = jax.eval_shape(lambda key: self.model.init(key, self.dtype), jax.random.key(0))
         self.param_shardings = rules.named(rules.param_specs(params, self.mesh), self.mesh)
         self.params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
@@ -147,7 +147,7 @@ class Planner:
                            old_logprobs=arr((g, r), jnp.float32), ref_logprobs=None)
         start = time.perf_counter()
         compiled = self.step.lower(self.model, self.params, self.opt_state, batch, self.optimizer, GRPOConfig(),
-                                   mode, 2048, self.mesh).compile()
+                                   mode, self.chunk, self.mesh).compile()
         seconds = time.perf_counter() - start
         m = compiled.memory_analysis()
         total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
@@ -208,13 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-gb", type=float, default=96.0, help="device memory in GB (1e9 bytes; default 96)")
     ap.add_argument("--search", action="store_true", help="binary-search the longest prompt that fits")
     ap.add_argument("--search-step", type=_count, default=65536, help="search resolution in positions (64K)")
+    ap.add_argument("--chunk", type=_count, default=65536,
+                    help="capture round length in positions (detached mode captures in rounds; default 64K)")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
     from longstraw_jax.sharding.mesh import parse_mesh_spec
 
     try:
         _setup_jax(math.prod(parse_mesh_spec(args.mesh)))
-        planner = Planner(args.config, args.mesh, args.dtype, args.response_len)
+        planner = Planner(args.config, args.mesh, args.dtype, args.response_len, args.chunk)
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -222,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = planner.model.config
     print(f"{type(cfg).__name__} from {args.config}: {planner.num_params / 1e9:.2f}B params at {args.dtype}; mesh "
-          f"{args.mesh} (simulated, jax {jax.__version__}, XLA:CPU); R={args.response_len}; device "
+          f"{args.mesh} (simulated, jax {jax.__version__}, XLA:CPU); R={args.response_len}; rounds of "
+          f"{args.chunk:,} positions (detached); device "
           f"{args.device_gb:g} GB", flush=True)
     rows, limit = [], int(args.device_gb * 1e9)
     for mode in args.modes.split(","):
@@ -237,6 +240,13 @@ def main(argv: list[str] | None = None) -> int:
                 if row is not None:
                     rows.append(dict(row, mode=mode + " (longest)"))
     print(format_rows(rows, args.device_gb, args.markdown))
+    for mode in args.modes.split(","):
+        for prompt_len in args.prompt_len:
+            cells = {row["G"]: row["total"] for row in rows if row["mode"] == mode and row["P"] == prompt_len}
+            if len(cells) > 1:
+                lo, hi = min(cells), max(cells)
+                print(f"{mode} P={prompt_len:,}: G {lo} -> {hi} costs {(cells[hi] - cells[lo]) / 1e9:+.4f} GB "
+                      f"({cells[hi] - cells[lo]:+,} bytes)")
     return 0
 
 
