@@ -24,11 +24,13 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from longstraw_jax import engine, layerwise
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, finalize_metrics
 from longstraw_jax.models.qwen36 import Qwen36
 from longstraw_jax.sharding import qwen36 as sharded_qwen36
+from longstraw_jax.sharding.prompt_backward import prompt_backward
 from longstraw_jax.sharding.layout import RoundLayout
 from longstraw_jax.sharding.rules import named, param_specs, prompt_state_specs
 
@@ -46,7 +48,7 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mes
     `round_len` positions (`sharding.qwen36.capture`); exact mode differentiates a one-round capture."""
     check_supported(model)
     layout = RoundLayout.for_prompt(batch.prompt.shape[0] - 1, mesh.shape["seq"],
-                                    model.config.linear_conv_kernel_dim - 1, round_len if mode == "detached" else None)
+                                    model.config.linear_conv_kernel_dim - 1, round_len)
     return _grpo_grads(model, params, batch, cfg, mode, mesh, layout, attention)
 
 
@@ -54,11 +56,8 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mes
 def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, layout: RoundLayout,
                 attention: str):
     stored = layout.to_stored(batch.prompt[:-1].astype("int32"))
-
-    def capture(params):
-        return sharded_qwen36._capture(model, params, stored, mesh, layout, attention)
-
-    sstate = capture(jax.lax.stop_gradient(params))
+    sstate, boundaries = sharded_qwen36._capture(model, jax.lax.stop_gradient(params), stored, mesh, layout,
+                                                 attention)
     param_shardings = named(param_specs(params, mesh), mesh)
     state_shardings = named(sstate.replace(state=prompt_state_specs(sstate.state)), mesh)
 
@@ -71,9 +70,9 @@ def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, me
         like_params=lambda tree: jax.lax.with_sharding_constraint(tree, param_shardings),
         like_state=lambda tree: jax.lax.with_sharding_constraint(tree, state_shardings))
     if mode == "exact":
-        _, capture_vjp = jax.vjp(capture, params)
-        cot = jax.tree.map(lambda c, s: c.astype(s.dtype), state_cot, sstate)
-        grads = jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads, capture_vjp(cot)[0])
+        prompt_grads = prompt_backward(model, params, stored, mesh, layout, attention, sstate.state, boundaries,
+                                       state_cot.state)
+        grads = jax.tree.map(jnp.add, grads, prompt_grads)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return loss, jax.lax.with_sharding_constraint(grads, param_shardings), finalize_metrics(sums, batch.rewards,
                                                                                             batch.mask)

@@ -166,30 +166,48 @@ def _attention_segments(cfg, p, x, positions, offset, layout: SeqLayout, method:
     return y, (jnp.where(real, k, 0), jnp.where(real, v, 0))
 
 
+def round_block(cfg, block_specs, method, rounds: RoundLayout, layout: SeqLayout, index, bp, h, state, b):
+    """Block `b` of round `index` (laid out by `layout`) on this shard: h [2L, D] -> (h, entries). bp: the block's
+    FSDP-sharded parameters ({group: leaves [per_block, ...]}), gathered one layer at a time. state: (conv,
+    recurrent) carried into the round and (keys, values) caches, all with a leading block axis indexed by b; the
+    caches are only read (earlier rounds' slots). entries: {LINEAR: (conv tail, final state) [nl, ...], FULL:
+    (keys, values) [nf, 2L, Hkv, hd]}."""
+    conv, recurrent, keys, values = state
+    positions = sequence.local_positions(layout)
+    entries = {LINEAR: [], FULL: []}
+    for kind, j in _pattern(cfg):
+        group = _GROUP[kind]
+        p = gather_layer(jax.tree.map(lambda a: a[j], bp[group]), block_specs[group])
+        if kind == LINEAR:
+            mixer = lambda x: _gdn_segments(cfg, p, x, positions, layout, conv[b, j], recurrent[b, j])
+        else:
+            earlier = None if rounds.full == 0 else (keys, values, index * rounds.round_slots, (b, j))
+            mixer = lambda x: _attention_segments(cfg, p, x, positions, index * rounds.round_positions, layout,
+                                                  method, earlier)
+        h, entry = _residual(cfg, p, h, mixer)
+        entries[kind].append(entry)
+    return h, {kind: jax.tree.map(lambda *x: jnp.stack(x), *e) for kind, e in entries.items()}
+
+
 def _capture_round(cfg, block_specs, method, blocks, h, layout: SeqLayout, index, rounds: RoundLayout, carry):
     """One round (round number `index`, laid out by `layout`) over this shard's h [2L, D], given the carried state
     and cache of the rounds before it; returns the carry with the round's state written in."""
-    conv, recurrent, keys, values = carry
-    positions = sequence.local_positions(layout)
-    slots = index * rounds.round_slots
+    @jax.checkpoint
+    def body(h, xs):
+        bp, b = xs
+        return round_block(cfg, block_specs, method, rounds, layout, index, bp, h, carry, b)
 
-    def layer(kind, p, h, b, j):
-        if kind == LINEAR:
-            return _residual(cfg, p, h, lambda x: _gdn_segments(cfg, p, x, positions, layout, conv[b, j],
-                                                                recurrent[b, j]))
-        earlier = None if rounds.full == 0 else (keys, values, slots, (b, j))
-        return _residual(cfg, p, h, lambda x: _attention_segments(
-            cfg, p, x, positions, index * rounds.round_positions, layout, method, earlier))
-
-    _, entries = _scan_blocks(cfg, blocks, block_specs, h, layer)
+    _, entries = jax.lax.scan(body, h, (blocks, jnp.arange(cfg.num_blocks)))
     (conv, recurrent), (k, v) = entries[LINEAR], entries[FULL]
+    slots = index * rounds.round_slots
     write = lambda cache, new: jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), slots, axis=2)
-    return conv, recurrent, write(keys, k), write(values, v)
+    return conv, recurrent, write(carry[2], k), write(carry[3], v)
 
 
 def _capture_local(cfg, rounds: RoundLayout, block_specs, method, blocks, h):
-    """This shard's h [rounds.per_shard, D] -> (conv, recurrent, keys, values): a scan over the full rounds, then the
-    last round. Only one round's activations are ever live; the cache fills in place."""
+    """This shard's h [rounds.per_shard, D] -> ((conv, recurrent, keys, values), boundaries): a scan over the full
+    rounds, then the last round. Only one round's activations are ever live; the cache fills in place.
+    boundaries: (conv, recurrent) carried into each round, stacked [rounds.full + 1, ...] (for the exact backward)."""
     nb, hv = cfg.num_blocks, cfg.linear_num_value_heads
     linear, full = cfg.block_pattern.count(LINEAR), cfg.block_pattern.count(FULL)
     conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim
@@ -197,11 +215,14 @@ def _capture_local(cfg, rounds: RoundLayout, block_specs, method, blocks, h):
              jnp.zeros((nb, linear, hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim), accum_dtype(h.dtype)),
              *(jnp.zeros((nb, full, rounds.per_shard, cfg.num_key_value_heads, cfg.head_dim), h.dtype),) * 2)
     one_round = functools.partial(_capture_round, cfg, block_specs, method, blocks)
+    before = [jax.tree.map(lambda a: a[None], carry[:2])]
     if rounds.full:
         h_full = h[: rounds.full * rounds.round_slots].reshape(rounds.full, rounds.round_slots, -1)
-        carry, _ = jax.lax.scan(lambda c, xs: (one_round(xs[0], rounds.round, xs[1], rounds, c), None), carry,
-                                (h_full, jnp.arange(rounds.full)))
-    return one_round(h[rounds.full * rounds.round_slots :], rounds.last, rounds.full, rounds, carry)
+        carry, before_full = jax.lax.scan(lambda c, xs: (one_round(xs[0], rounds.round, xs[1], rounds, c), c[:2]),
+                                          carry, (h_full, jnp.arange(rounds.full)))
+        before = [before_full, jax.tree.map(lambda a: a[None], carry[:2])]
+    boundaries = jax.tree.map(lambda *a: jnp.concatenate(a), *before)
+    return one_round(h[rounds.full * rounds.round_slots :], rounds.last, rounds.full, rounds, carry), boundaries
 
 
 def capture(model: Qwen36, params: dict, tokens, mesh, attention: str = "ring", pad_id: int = 0,
@@ -219,21 +240,23 @@ def capture(model: Qwen36, params: dict, tokens, mesh, attention: str = "ring", 
         raise ValueError(f"attention={attention!r}; allowed: {sequence.ATTENTION_METHODS}")
     layout = RoundLayout.for_prompt(tokens.shape[0], mesh.shape[sequence.SEQ], cfg.linear_conv_kernel_dim - 1,
                                     round_len)
-    return _capture(model, params, layout.to_stored(tokens, pad_id), mesh, layout, attention)
+    return _capture(model, params, layout.to_stored(tokens, pad_id), mesh, layout, attention)[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
 def _capture(model, params, stored_tokens, mesh, layout, attention):
+    """-> (ShardedPromptState, boundaries: the GDN (conv, recurrent) carried into each round [full + 1, ...])."""
     cfg = model.config
     specs = param_specs(params, mesh)
     h = jax.lax.with_sharding_constraint(params["embed"][stored_tokens], NamedSharding(mesh, P(sequence.SEQ)))
     kv_spec = P(None, None, sequence.SEQ)
-    conv, recurrent, keys, values = jax.shard_map(
+    (conv, recurrent, keys, values), boundaries = jax.shard_map(
         functools.partial(_capture_local, cfg, layout, specs["blocks"], attention), mesh=mesh,
-        in_specs=(specs["blocks"], P(sequence.SEQ)), out_specs=(P(), P(), kv_spec, kv_spec), check_vma=False,
+        in_specs=(specs["blocks"], P(sequence.SEQ)), out_specs=((P(), P(), kv_spec, kv_spec), (P(), P())),
+        check_vma=False,
     )(params["blocks"], h)
-    return ShardedPromptState(PromptState(conv=conv, recurrent=recurrent, keys=keys, values=values,
-                                          length=layout.length), layout)
+    state = PromptState(conv=conv, recurrent=recurrent, keys=keys, values=values, length=layout.length)
+    return ShardedPromptState(state, layout), boundaries
 
 
 # ----- replay ------------------------------------------------------------------------------------------------------

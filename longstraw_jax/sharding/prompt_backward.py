@@ -1,0 +1,107 @@
+"""Exact mode's prompt backward on the mesh: round by round in reverse, block by block (the sequence-parallel
+counterpart of `engine.prompt_backward` + `layerwise.chunk_grads`).
+
+Given the float32 cotangent of the captured state (the branches' sum: KV cache seq-sharded, GDN carried state
+replicated), each round is recomputed from the GDN state carried into it (`boundaries`) and the final cache (its
+earlier slots are exactly what the round read during capture; later slots are never read): a forward over blocks
+keeps each block's input h (one round's positions), then a reverse scan over blocks takes the vjp of one block
+(`sharding.qwen36.round_block` inside its own `shard_map`) with
+- the cotangent of the block's new keys/values, read from the running cotangent at the round's slots,
+- the cotangent of the block's outgoing GDN state (the carried cotangent),
+and adds the block's parameter gradient (FSDP-sharded: the layer all-gathers transpose to reduce-scatters), adds
+the cotangent of the cache reads into the running KV cotangent at block b (1/num_blocks of it at a time, in place),
+and replaces the carried cotangent by that of the state the round started from. Collectives inside a block (ring
+`ppermute`, the GDN fold's all-gathers, the log-sum-exp merge over earlier rounds) are transposed by JAX.
+
+Memory: the state, its cotangent, the round boundaries (GDN state per round) and one round's block inputs and one
+block's recomputation; nothing scales with P except the first two.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from longstraw_jax.models.qwen36 import FULL, LINEAR
+from longstraw_jax.sharding.layout import RoundLayout
+from longstraw_jax.sharding.qwen36 import round_block
+from longstraw_jax.sharding.rules import param_specs
+from longstraw_jax.sharding.sequence import SEQ
+
+_KV = P(None, None, SEQ)  # a cache with a leading (length 1) block axis: [1, nf, S, Hkv, hd]
+
+
+def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, state, boundaries,
+                    state_cot) -> dict:
+    """Float32 gradient (a params-shaped tree, FSDP-sharded) of the sequence-parallel capture of `stored_tokens`
+    ([rounds.padded] in stored order) given `state_cot`, the float32 cotangent of the captured PromptState."""
+    cfg = model.config
+    specs = param_specs(params, mesh)
+    block_specs = specs["blocks"]
+    slice_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), block_specs, is_leaf=lambda s: isinstance(s, P))
+    blocks = params["blocks"]
+
+    def shard_map(fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    def block(layout, index, bp, h, conv, recurrent, keys, values):
+        """Block of round `index` on the mesh: h [n * 2L, D] (stored order) -> (h, tail, final, keys, values)."""
+        def local(bp, h, conv, recurrent, keys, values, index):
+            h, entries = round_block(cfg, block_specs, attention, rounds, layout, index, bp, h,
+                                     (conv, recurrent, keys, values), 0)
+            return h, *entries[LINEAR], *entries[FULL]
+
+        return shard_map(local, (slice_specs, P(SEQ), P(), P(), _KV, _KV, P()),
+                         (P(SEQ), P(), P(), P(None, SEQ), P(None, SEQ)))(bp, h, conv, recurrent, keys, values, index)
+
+    def read_round(x, index, size: int, axis: int, in_spec, out_spec):
+        """Each shard's slots [index * round_slots, + size) along `axis` of a seq-sharded array."""
+        return shard_map(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * rounds.round_slots, size, axis),
+                         (in_spec, P()), out_spec)(x, index)
+
+    def round_backward(carry, layout, index):
+        grads, keys_cot, values_cot, conv_cot, rec_cot = carry
+        size = layout.per_shard
+        tokens = read_round(stored_tokens, index, size, 0, P(SEQ), P(SEQ))
+        conv_in, rec_in = (b[index] for b in boundaries)
+        at = lambda tree, b: jax.tree.map(lambda a: a[b], tree)
+        state_of = lambda b: (conv_in[b][None], rec_in[b][None], state.keys[b][None], state.values[b][None])
+        h0 = jax.lax.with_sharding_constraint(params["embed"][tokens], NamedSharding(mesh, P(SEQ)))
+
+        def forward(h, b):
+            return block(layout, index, at(blocks, b), h, *state_of(b))[0], h
+
+        _, inputs = jax.lax.scan(forward, h0, jnp.arange(cfg.num_blocks))
+
+        def backward(carry, b):
+            dh, grads_blocks, keys_cot, values_cot, conv_cot, rec_cot = carry
+            primals = (at(blocks, b), inputs[b], *state_of(b))
+            outputs, vjp = jax.vjp(functools.partial(block, layout, index), *primals)
+            entries_cot = (conv_cot[b], rec_cot[b],
+                           read_round(keys_cot[b], index, size, 1, P(None, SEQ), P(None, SEQ)),
+                           read_round(values_cot[b], index, size, 1, P(None, SEQ), P(None, SEQ)))
+            cot = (dh,) + tuple(c.astype(o.dtype) for c, o in zip(entries_cot, outputs[1:]))
+            d_bp, dh, d_conv, d_rec, d_keys, d_values = vjp(cot)
+            grads_blocks = jax.tree.map(lambda g, d: g.at[b].add(d.astype(g.dtype)), grads_blocks, d_bp)
+            keys_cot = keys_cot.at[b].add(d_keys[0].astype(keys_cot.dtype))
+            values_cot = values_cot.at[b].add(d_values[0].astype(values_cot.dtype))
+            conv_cot = conv_cot.at[b].set(d_conv[0].astype(conv_cot.dtype))
+            rec_cot = rec_cot.at[b].set(d_rec[0].astype(rec_cot.dtype))
+            return (dh, grads_blocks, keys_cot, values_cot, conv_cot, rec_cot), None
+
+        carry = (jnp.zeros_like(h0), grads["blocks"], keys_cot, values_cot, conv_cot, rec_cot)
+        (dh, grads_blocks, *cots), _ = jax.lax.scan(backward, carry, jnp.arange(cfg.num_blocks), reverse=True)
+        embed = grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype))
+        return (dict(grads, blocks=grads_blocks, embed=embed), *cots)
+
+    f32 = lambda a: a.astype(jnp.float32)
+    grads = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32),
+                                                                      NamedSharding(mesh, s)), params, specs)
+    carry = (grads, f32(state_cot.keys), f32(state_cot.values), f32(state_cot.conv), f32(state_cot.recurrent))
+    carry = round_backward(carry, rounds.last, jnp.int32(rounds.full))
+    if rounds.full:
+        carry, _ = jax.lax.scan(lambda c, r: (round_backward(c, rounds.round, r), None), carry,
+                                jnp.arange(rounds.full), reverse=True)
+    return carry[0]
