@@ -38,8 +38,8 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
     """(loss, grads, metrics) for one group. `model`, `cfg`, `mode`, `chunk_size`, `mesh` are static.
 
     mesh: a ("data", "seq") `jax.sharding.Mesh` (sharding.make_mesh) runs the sequence-parallel engine of
-    `sharding/grpo.py` (Qwen3.6; same loss and gradients, grads FSDP-sharded; detached mode captures in rounds of
-    about chunk_size positions, exact mode in one).
+    `sharding/grpo.py` (Qwen3.6; same loss and gradients, grads FSDP-sharded; the prompt is captured and
+    backpropagated in rounds of about chunk_size positions).
 
     Validates the batch on the host when its arrays are concrete (under an outer `jit` only shapes are checked).
     grads has the structure and dtype of params.

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--search", action="store_true", help="binary-search the longest prompt that fits")
     ap.add_argument("--search-step", type=_count, default=65536, help="search resolution in positions (64K)")
     ap.add_argument("--chunk", type=_count, default=65536,
-                    help="capture round length in positions (detached mode captures in rounds; default 64K)")
+                    help="capture / prompt-backward round length in positions (default 64K)")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
     from longstraw_jax.sharding.mesh import parse_mesh_spec
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = planner.model.config
     print(f"{type(cfg).__name__} from {args.config}: {planner.num_params / 1e9:.2f}B params at {args.dtype}; mesh "
           f"{args.mesh} (simulated, jax {jax.__version__}, XLA:CPU); R={args.response_len}; rounds of "
-          f"{args.chunk:,} positions (detached); device "
+          f"{args.chunk:,} positions; device "
           f"{args.device_gb:g} GB", flush=True)
     rows, limit = [], int(args.device_gb * 1e9)
     for mode in args.modes.split(","):

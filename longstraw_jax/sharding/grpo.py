@@ -1,30 +1,25 @@
 """`grpo_grads` on a ("data", "seq") mesh (ARCHITECTURE.md 5): the engine's algorithm with the sequence-parallel
 Qwen3.6 capture and replay of `sharding/qwen36.py`.
 
-    capture   sstate = capture(prompt[:-1]) on the mesh           seq-sharded KV cache, replicated GDN state
+    capture   sstate = capture(prompt[:-1]) on the mesh, in rounds    seq-sharded KV cache, replicated GDN state
     replay    for g in branches (lax.scan): autodiff of the branch loss through the sharded replay: parameter
               gradients (FSDP-sharded, float32) and, in exact mode, the state cotangent (sharded like the state)
-    prompt    exact mode: one vjp of the sequence-parallel capture with the summed state cotangent
+    prompt    exact mode: rounds in reverse, blocks in reverse (sharding/prompt_backward.py)
 
-Gradients flow through `shard_map` by JAX's transposes of the collectives: the ring's `ppermute` runs backwards, the
-layers' `all_gather` becomes a reduce-scatter (each device receives only its own shard of a layer's gradient), the
-log-sum-exp merge's `psum` folds the branch's cotangent back to each shard's partial, and the GDN affine fold's
-all-gather carries the cotangents of later segments' incoming states back to the segments that produced them. The
-capture's layer scan is rematerialised (block inputs kept, `sharding.qwen36._scan_blocks`), so the prompt backward
-holds the P / seq block inputs of each device and one block's recomputation at a time.
+Gradients flow through `shard_map` by JAX's transposes of the collectives: the layers' `all_gather` becomes a
+reduce-scatter (each device receives only its own shard of a layer's gradient), the log-sum-exp merge's `psum`
+hands each shard the cotangent of its own partial, the ring's `ppermute` runs backwards and the GDN affine fold's
+all-gather carries later segments' cotangents back to the segments that produced them.
 
 The `data` axis holds parameter shards (FSDP) and otherwise repeats this group's work: independent groups are what
-it runs side by side. Detached mode captures in rounds (`chunk_size` positions: one round's activations live at a
-time). Not yet: an exact-mode prompt backward in rounds (it differentiates a one-round capture, so its activation
-memory is every block's input and one block's internals for the device's P / seq positions), and GLM-5.x (no
-sequence-parallel MLA / DSA capture yet).
+it runs side by side. Not yet: GLM-5.x (no sequence-parallel MLA / DSA capture).
 """
 from __future__ import annotations
 
 import functools
 
 import jax
-import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from longstraw_jax import engine, layerwise
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, finalize_metrics
@@ -32,6 +27,7 @@ from longstraw_jax.models.qwen36 import Qwen36
 from longstraw_jax.sharding import qwen36 as sharded_qwen36
 from longstraw_jax.sharding.prompt_backward import prompt_backward
 from longstraw_jax.sharding.layout import RoundLayout
+from longstraw_jax.ops.norms import rms_norm_1p
 from longstraw_jax.sharding.rules import named, param_specs, prompt_state_specs
 
 
@@ -44,8 +40,8 @@ def check_supported(model) -> None:
 def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, round_len: int | None = None,
                attention: str = "ring"):
     """(loss, grads, metrics) as `engine.grpo_grads`, on `mesh`; grads are sharded like `rules.param_specs`.
-    The batch must already be validated (engine.grpo_grads does it). Detached mode captures in rounds of about
-    `round_len` positions (`sharding.qwen36.capture`); exact mode differentiates a one-round capture."""
+    The batch must already be validated (engine.grpo_grads does it). The prompt is captured (and, in exact mode,
+    backpropagated) in rounds of about `round_len` positions (`sharding.qwen36.capture`; None: one round)."""
     check_supported(model)
     layout = RoundLayout.for_prompt(batch.prompt.shape[0] - 1, mesh.shape["seq"],
                                     model.config.linear_conv_kernel_dim - 1, round_len)
@@ -61,18 +57,47 @@ def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, me
     param_shardings = named(param_specs(params, mesh), mesh)
     state_shardings = named(sstate.replace(state=prompt_state_specs(sstate.state)), mesh)
 
-    def extend_hidden(params, sstate, tokens):
-        return sharded_qwen36._extend_hidden(model, params, sstate, tokens, mesh)
-
+    on_mesh = _BlocksOnMesh(model, mesh, layout, param_specs(params, mesh)["blocks"])
     loss, grads, state_cot, sums = engine.replay_branches(
         model, params, sstate, batch, cfg, with_state_grad=mode == "exact",
-        branch_grads=lambda model, *args: layerwise.branch_grads_autodiff(extend_hidden, *args),
+        branch_grads=lambda model, *args: layerwise.branch_grads(on_mesh, *args),
         like_params=lambda tree: jax.lax.with_sharding_constraint(tree, param_shardings),
         like_state=lambda tree: jax.lax.with_sharding_constraint(tree, state_shardings))
     if mode == "exact":
-        prompt_grads = prompt_backward(model, params, stored, mesh, layout, attention, sstate.state, boundaries,
-                                       state_cot.state)
-        grads = jax.tree.map(jnp.add, grads, prompt_grads)
+        grads = prompt_backward(model, params, stored, mesh, layout, attention, sstate.state, boundaries,
+                                state_cot.state, grads)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return loss, jax.lax.with_sharding_constraint(grads, param_shardings), finalize_metrics(sums, batch.rewards,
                                                                                             batch.mask)
+
+
+class _BlocksOnMesh:
+    """The block protocol of `layerwise` for the sharded replay: `block` runs one block in its own `shard_map` over
+    the seq-sharded state slice, so `layerwise.branch_grads` backpropagates block by block and adds each block's
+    slice of the state cotangent into the accumulator in place (no full-size cotangent per branch)."""
+
+    def __init__(self, model, mesh, rounds: RoundLayout, block_specs):
+        self.cfg, self.mesh, self.rounds, self.block_specs = model.config, mesh, rounds, block_specs
+        self.num_blocks = model.config.num_blocks
+        self.slice_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), block_specs, is_leaf=lambda s: isinstance(s, P))
+
+    def embed(self, params, tokens):
+        return params["embed"][tokens]
+
+    def block_params(self, params):
+        return params["blocks"]
+
+    def final_norm(self, params, h):
+        return rms_norm_1p(h, params["final_norm"], self.cfg.rms_norm_eps)
+
+    def block(self, bp, h, state_block, positions, cache_length):
+        """One block over tokens h [T, D] (replicated); state_block: a ShardedPromptState sliced at one block."""
+        state = jax.tree.map(lambda a: a[None], state_block.state)  # leading block axis of 1: indexed by b = 0
+
+        def local(bp, h, state):
+            return sharded_qwen36.extend_block(self.cfg, self.block_specs, self.rounds, bp, h, state, 0)
+
+        h = jax.shard_map(local, mesh=self.mesh, in_specs=(self.slice_specs, P(), prompt_state_specs(state)),
+                          out_specs=P(), check_vma=False)(bp, h, state)
+        return h, None
+

@@ -34,9 +34,10 @@ _KV = P(None, None, SEQ)  # a cache with a leading (length 1) block axis: [1, nf
 
 
 def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, state, boundaries,
-                    state_cot) -> dict:
-    """Float32 gradient (a params-shaped tree, FSDP-sharded) of the sequence-parallel capture of `stored_tokens`
-    ([rounds.padded] in stored order) given `state_cot`, the float32 cotangent of the captured PromptState."""
+                    state_cot, grads) -> dict:
+    """grads + the float32 gradient of the sequence-parallel capture of `stored_tokens` ([rounds.padded] in stored
+    order) given `state_cot`, the float32 cotangent of the captured PromptState. grads: a float32 params-shaped
+    tree, FSDP-sharded (the replay's gradient: added to in place, no second params-sized buffer)."""
     cfg = model.config
     specs = param_specs(params, mesh)
     block_specs = specs["blocks"]
@@ -97,8 +98,6 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
         return (dict(grads, blocks=grads_blocks, embed=embed), *cots)
 
     f32 = lambda a: a.astype(jnp.float32)
-    grads = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32),
-                                                                      NamedSharding(mesh, s)), params, specs)
     carry = (grads, f32(state_cot.keys), f32(state_cot.values), f32(state_cot.conv), f32(state_cot.recurrent))
     carry = round_backward(carry, rounds.last, jnp.int32(rounds.full))
     if rounds.full:

@@ -44,6 +44,10 @@ class ShardedPromptState:
     state: PromptState
     layout: RoundLayout = struct.field(pytree_node=False)
 
+    @property
+    def length(self) -> int:
+        return self.state.length
+
     def natural(self) -> PromptState:
         """The same state in natural order with the padding dropped (gathers the cache: for checks and export)."""
         s, to_nat = self.state, self.layout.to_natural
@@ -60,23 +64,12 @@ def _pattern(cfg):
     return out
 
 
-def _scan_blocks(cfg, blocks, block_specs, h, layer):
-    """Scan over blocks; inside, each layer's parameter shards are gathered whole just before `layer(kind, p, h,
-    b, j) -> (h, entry)` runs. Returns (h, {kind: entries stacked [num_blocks, per_block, ...] or None}).
-    Under autodiff each block is rematerialised: the backward keeps only every block's input h (and its gathered
-    layers are gathered again), never a block's internals."""
-    @jax.checkpoint
-    def body(h, xs):
-        bp, b = xs
-        entries = {LINEAR: [], FULL: []}
-        for kind, j in _pattern(cfg):
-            group = _GROUP[kind]
-            p = gather_layer(jax.tree.map(lambda a: a[j], bp[group]), block_specs[group])
-            h, entry = layer(kind, p, h, b, j)
-            entries[kind].append(entry)
-        return h, {kind: jax.tree.map(lambda *x: jnp.stack(x), *e) if e else None for kind, e in entries.items()}
-
-    return jax.lax.scan(body, h, (blocks, jnp.arange(cfg.num_blocks)))
+def _layers(cfg, bp, block_specs):
+    """(kind, index within its group, the layer's parameters gathered whole) for one block's layers, in order.
+    bp: the block's FSDP-sharded parameters ({group: leaves [per_block, ...]}); one layer is gathered at a time."""
+    for kind, j in _pattern(cfg):
+        group = _GROUP[kind]
+        yield kind, j, gather_layer(jax.tree.map(lambda a: a[j], bp[group]), block_specs[group])
 
 
 ROWS = 4096  # position-wise work (projections, norms, MLP) runs over at most this many local positions at a time
@@ -175,9 +168,7 @@ def round_block(cfg, block_specs, method, rounds: RoundLayout, layout: SeqLayout
     conv, recurrent, keys, values = state
     positions = sequence.local_positions(layout)
     entries = {LINEAR: [], FULL: []}
-    for kind, j in _pattern(cfg):
-        group = _GROUP[kind]
-        p = gather_layer(jax.tree.map(lambda a: a[j], bp[group]), block_specs[group])
+    for kind, j, p in _layers(cfg, bp, block_specs):
         if kind == LINEAR:
             mixer = lambda x: _gdn_segments(cfg, p, x, positions, layout, conv[b, j], recurrent[b, j])
         else:
@@ -283,18 +274,22 @@ def _cached_attention(cfg, p, x, positions, sstate_local: PromptState, rounds: R
     return attention_output(cfg, p, attn_ops.merge(prompt, new), gate, x.dtype), None
 
 
-def _extend_local(cfg, layout, block_specs, blocks, state, h):
-    positions = layout.length + jnp.arange(h.shape[0], dtype=jnp.int32)
-
-    def layer(kind, p, h, b, j):
+def extend_block(cfg, block_specs, rounds: RoundLayout, bp, h, state: PromptState, b):
+    """Block b of the replay on this shard: new tokens' h [T, D] (the same on every shard) at positions P.. over this
+    shard's slice of the prompt cache; state: this shard's PromptState, leading block axis indexed by b."""
+    positions = rounds.length + jnp.arange(h.shape[0], dtype=jnp.int32)
+    for kind, j, p in _layers(cfg, bp, block_specs):
         if kind == LINEAR:
             mixer = lambda x: (gated_deltanet(cfg, p, x, state.conv[b, j], state.recurrent[b, j])[0], None)
         else:
-            mixer = lambda x: _cached_attention(cfg, p, x, positions, state, layout, b, j)
-        return _residual(cfg, p, h, mixer)
-
-    h, _ = _scan_blocks(cfg, blocks, block_specs, h, layer)
+            mixer = lambda x: _cached_attention(cfg, p, x, positions, state, rounds, b, j)
+        h, _ = _residual(cfg, p, h, mixer)
     return h
+
+
+def _extend_local(cfg, rounds, block_specs, blocks, state, h):
+    body = jax.checkpoint(lambda h, xs: (extend_block(cfg, block_specs, rounds, xs[0], h, state, xs[1]), None))
+    return jax.lax.scan(body, h, (blocks, jnp.arange(cfg.num_blocks)))[0]
 
 
 def extend_hidden(model: Qwen36, params: dict, sstate: ShardedPromptState, tokens, mesh) -> jax.Array:
