@@ -44,6 +44,10 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
     slice_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), block_specs, is_leaf=lambda s: isinstance(s, P))
     blocks = params["blocks"]
 
+    place = lambda tree, spec_tree: jax.tree.map(
+        lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), tree, spec_tree)
+    cache_spec = P(None, None, SEQ)
+
     def shard_map(fn, in_specs, out_specs):
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
@@ -85,16 +89,18 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
                            read_round(values_cot[b], index, size, 1, P(None, SEQ), P(None, SEQ)))
             cot = (dh,) + tuple(c.astype(o.dtype) for c, o in zip(entries_cot, outputs[1:]))
             d_bp, dh, d_conv, d_rec, d_keys, d_values = vjp(cot)
-            grads_blocks = jax.tree.map(lambda g, d: g.at[b].add(d.astype(g.dtype)), grads_blocks, d_bp)
-            keys_cot = keys_cot.at[b].add(d_keys[0].astype(keys_cot.dtype))
-            values_cot = values_cot.at[b].add(d_values[0].astype(values_cot.dtype))
+            # the constraints keep the carried accumulators sharded (FSDP / seq) through the scan
+            grads_blocks = place(jax.tree.map(lambda g, d: g.at[b].add(d.astype(g.dtype)), grads_blocks, d_bp),
+                                 block_specs)
+            keys_cot = place(keys_cot.at[b].add(d_keys[0].astype(keys_cot.dtype)), cache_spec)
+            values_cot = place(values_cot.at[b].add(d_values[0].astype(values_cot.dtype)), cache_spec)
             conv_cot = conv_cot.at[b].set(d_conv[0].astype(conv_cot.dtype))
             rec_cot = rec_cot.at[b].set(d_rec[0].astype(rec_cot.dtype))
             return (dh, grads_blocks, keys_cot, values_cot, conv_cot, rec_cot), None
 
         carry = (jnp.zeros_like(h0), grads["blocks"], keys_cot, values_cot, conv_cot, rec_cot)
         (dh, grads_blocks, *cots), _ = jax.lax.scan(backward, carry, jnp.arange(cfg.num_blocks), reverse=True)
-        embed = grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype))
+        embed = place(grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)), specs["embed"])
         return (dict(grads, blocks=grads_blocks, embed=embed), *cots)
 
     f32 = lambda a: a.astype(jnp.float32)

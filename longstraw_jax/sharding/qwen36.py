@@ -147,9 +147,9 @@ def _attention_segments(cfg, p, x, positions, offset, layout: SeqLayout, method:
         # shards over its own slots (same work as its own queries over all slots), the partials merge across shards.
         keys, values, slots, index = earlier
         queries = jax.lax.all_gather(q, sequence.SEQ)  # [n, 2L, Hq, hd]
-        part = attn_ops.attend(queries.reshape((-1,) + q.shape[1:]), keys, values, k_offset=0, causal=False,
-                               q_positions=jnp.zeros(queries.shape[0] * queries.shape[1], jnp.int32),
-                               kv_length=slots, kv_index=index, **common)
+        part = _by_rows(lambda q: attn_ops.attend(q, keys, values, k_offset=0, causal=False, kv_length=slots,
+                                                  q_positions=jnp.zeros(q.shape[0], jnp.int32), kv_index=index,
+                                                  **common), queries.reshape((-1,) + q.shape[1:]))
         mine = jax.tree.map(lambda a: per_segment(a.reshape(queries.shape[:2] + a.shape[1:])[
             jax.lax.axis_index(sequence.SEQ)]), sequence.psum_merge(part))
         att = attn_ops.merge(att, mine)
