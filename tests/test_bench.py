@@ -15,3 +15,24 @@ def test_bench_step_quick_prints_a_table():
     assert rows, result.stdout[-2000:]
     row = " ".join(rows[-1])
     assert "MiB" in row and row.count(" s") >= 1, row  # compiled memory and a measured step time
+
+
+def _plan(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan_capacity.py"), *args],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env=dict(os.environ, XLA_FLAGS="--xla_cpu_use_fusion_emitters=false"))
+
+
+def test_plan_capacity_prints_per_device_components():
+    """tools/plan_capacity.py: one AOT compile of the sharded train step on a simulated 2x4 mesh (tiny Qwen3.6,
+    float32): the per-device components and the compiled total, and a GLM config refused by name."""
+    result = _plan("--config", "configs/qwen3.6-tiny.json", "--mesh", "2x4", "-P", "200", "-G", "2", "-R", "8",
+                   "--modes", "detached", "--dtype", "float32", "--chunk", "64", "--device-gb", "0.001", "--unit", "MiB")
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("detached ")][-1]
+    params, optimizer, grads, state, cotangent, rest, total = map(float, row[3:10])
+    # AdamW moments and grads: float32, sharded like the params
+    assert params > 0 and abs(optimizer - 2 * params) <= 0.02 and abs(grads - params) <= 0.01
+    assert state > 0 and cotangent == 0 and total >= params + optimizer + grads + state and row[-1] == "no"
+    glm = _plan("--config", "configs/glm-5.2-tiny.json", "--mesh", "1x8", "-P", "64")
+    assert glm.returncode == 2 and "Qwen3.6 only so far, not Glm52" in glm.stderr

@@ -177,15 +177,12 @@ class Planner:
 COLUMNS = ("params", "optimizer", "grads", "state", "cotangent", "rest", "total")
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f}"
-
-
-def format_rows(rows: list[dict], device_gb: float, markdown: bool) -> str:
-    head = ["mode", "G", "P"] + [c + " GiB" for c in COLUMNS] + [f"fits {device_gb:g} GB"]
+def format_rows(rows: list[dict], device_gb: float, markdown: bool, unit: str = "GiB") -> str:
+    scale = {"GiB": GIB, "MiB": MIB}[unit]
+    head = ["mode", "G", "P"] + [f"{c} {unit}" for c in COLUMNS] + [f"fits {device_gb:g} GB"]
     lines = []
     for row in rows:
-        lines.append([row["mode"], str(row["G"]), f"{row['P']:,}"] + [_gib(row[c]) for c in COLUMNS]
+        lines.append([row["mode"], str(row["G"]), f"{row['P']:,}"] + [f"{row[c] / scale:.2f}" for c in COLUMNS]
                      + ["yes" if row["total"] <= device_gb * 1e9 else "no"])
     if markdown:
         out = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + " |"]
@@ -211,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=_count, default=65536,
                     help="capture / prompt-backward round length in positions (default 64K)")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--unit", choices=("GiB", "MiB"), default="GiB", help="table unit (default GiB)")
     args = ap.parse_args(argv)
     from longstraw_jax.sharding.mesh import parse_mesh_spec
 
@@ -239,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  longest prompt that fits ({mode}, G={group}): {longest:,} positions", flush=True)
                 if row is not None:
                     rows.append(dict(row, mode=mode + " (longest)"))
-    print(format_rows(rows, args.device_gb, args.markdown))
+    print(format_rows(rows, args.device_gb, args.markdown, args.unit))
     for mode in args.modes.split(","):
         for prompt_len in args.prompt_len:
             cells = {row["G"]: row["total"] for row in rows if row["mode"] == mode and row["P"] == prompt_len}
