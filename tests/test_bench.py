@@ -27,7 +27,8 @@ def test_plan_capacity_prints_per_device_components():
     """tools/plan_capacity.py: one AOT compile of the sharded train step on a simulated 2x4 mesh (tiny Qwen3.6,
     float32): the per-device components and the compiled total, and a GLM config refused by name."""
     result = _plan("--config", "configs/qwen3.6-tiny.json", "--mesh", "2x4", "-P", "200", "-G", "2", "-R", "8",
-                   "--modes", "detached", "--dtype", "float32", "--chunk", "64", "--device-gb", "0.001", "--unit", "MiB")
+                   "--modes", "detached", "--dtype", "float32", "--chunk", "64", "--device-gb", "0.001",
+                   "--unit", "MiB")
     assert result.returncode == 0, result.stderr[-3000:]
     row = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("detached ")][-1]
     params, optimizer, grads, state, cotangent, rest, total = map(float, row[3:10])

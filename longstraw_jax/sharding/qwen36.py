@@ -9,6 +9,9 @@ its own segments only:
   in one pass the local outputs o0, the segment's affine map S_out = A S_in + B (B and A are the two column blocks
   of the final state) and q'_t = A_{<=t}^T q_t (the last dk output columns). `sequence.affine_fold` gives the
   incoming state S_in, and the exact outputs are o_t = o0_t + S_in^T q'_t: no second pass, no shard idles.
+Rounds (`RoundLayout`): a long prompt is captured round by round, each round laid out as above; a round's queries
+also attend over the cache of all earlier rounds, and the GDN carries its state (and conv tail) across rounds. Only
+one round's activations are live; position-wise work runs in blocks of ROWS rows (`_by_rows`).
 Replay (`extend_hidden`): the branch runs on every shard; the GDN state is replicated, and attention over the
 seq-sharded prompt cache is merged across shards by log-sum-exp (`sequence.psum_merge`).
 """
@@ -136,7 +139,8 @@ def _gdn_segments(cfg, p, x, positions, layout: SeqLayout, conv_in, state_in):
 def _attention_segments(cfg, p, x, positions, offset, layout: SeqLayout, method: str, earlier=None):
     """Sequence-parallel gated attention over this shard's segments of one round (positions [2, L] within the round,
     which starts at natural position `offset`). earlier: None, or (keys, values, slots, (b, j)): this shard's cache
-    [nb, nf, S, Hkv, hd] whose first `slots` slots hold earlier rounds (all visible to every query of the round). Returns (y [2L, D], (keys, values) [2L, Hkv, hd] for the cache, zero at padding positions)."""
+    [nb, nf, S, Hkv, hd] whose first `slots` slots hold earlier rounds (all visible to every query of the round).
+    Returns (y [2L, D], (keys, values) [2L, Hkv, hd] for the cache, zero at padding positions)."""
     q, gate, k, v = _by_rows(lambda x, pos: attention_inputs(cfg, p, x, pos), x, offset + positions.reshape(-1))
     per_segment = lambda a: a.reshape((2, layout.segment) + a.shape[1:])
     common = dict(scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size)
