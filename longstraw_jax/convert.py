@@ -22,7 +22,8 @@ restores onto any mesh. `--mesh AxB` only aligns the chunks with the FSDP shards
 (`sharding.rules.param_specs`: each leaf split along one own dimension), so that each device of that mesh reads whole
 chunks of its own shard and no chunk is decoded by two devices. All arrays have one dtype (`--dtype`); orbax2hf
 restores each tensor's original dtype. Reading accepts both Orbax layouts (OCDBT or not, zarr v2 or v3), i.e. also
-what the trainer's StandardCheckpointer saves; a chunk cache of one chunk keeps whole-leaf chunks from being decoded once per slice.
+what the trainer's StandardCheckpointer saves; a chunk cache of one chunk keeps whole-leaf chunks from being decoded
+once per slice.
 
 Safety: nothing is unpickled (`*.bin`/`*.pt` are refused); every name and shape is checked before data is read;
 output is assembled in `OUT.tmp-convert-PID` and renamed to OUT only when complete (removed on any error), and an
