@@ -20,7 +20,7 @@ run: $(STAMP)
 	$(PY) -m longstraw_jax.run
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
