@@ -79,6 +79,7 @@ def test_score_and_load_callable():
         with pytest.raises(ValueError, match=message):
             load_callable(spec)
     assert isinstance(make_task("retrieval", prompt_len=64, vocab_size=64, seed=0), RetrievalTask)
+    assert make_task("retrieval", prompt_len=64, vocab_size=64, seed=0, depth=1.0).depth == 1.0  # run --depth
     with pytest.raises(ValueError, match="--task 'bogus': unknown task"):
         make_task("bogus", prompt_len=64, vocab_size=64, seed=0)
 

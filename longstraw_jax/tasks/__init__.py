@@ -71,16 +71,16 @@ def score(reward_fn: Callable, prompt: Prompt, responses: np.ndarray, mask: np.n
     return np.asarray(rewards, np.float32)
 
 
-def make_task(spec: str, prompt_len: int, vocab_size: int, seed: int) -> Task:
+def make_task(spec: str, prompt_len: int, vocab_size: int, seed: int, **options) -> Task:
     """A built-in task by name ("retrieval") or a factory "module:function" called with keyword arguments
-    prompt_len, vocab_size, seed."""
+    prompt_len, vocab_size, seed and any `options` (e.g. the retrieval task's depth)."""
     from longstraw_jax.tasks.retrieval import RetrievalTask
 
     builtins = {"retrieval": RetrievalTask}
     factory = builtins.get(spec) or (load_callable(spec) if ":" in spec else None)
     if factory is None:
         raise ValueError(f"--task {spec!r}: unknown task; built-ins: {', '.join(builtins)}, or 'module:function'")
-    return factory(prompt_len=prompt_len, vocab_size=vocab_size, seed=seed)
+    return factory(prompt_len=prompt_len, vocab_size=vocab_size, seed=seed, **options)
 
 
 __all__ = ["Prompt", "Task", "load_callable", "make_task", "score"]
