@@ -4,7 +4,8 @@ Runs the trainer (`longstraw_jax.run`, in this process) from a random init, then
 mean reward and accuracy (first response token = the planted fact's value) per window of steps, next to chance
 (uniform guessing among the answers). Not a test: it takes minutes to tens of minutes on a small CPU.
 
-    python tools/bench_learning.py --steps 300 --out out/bench_learning [-- extra trainer options]
+    python tools/bench_learning.py --steps 600 --window 50 --out out/bench_learning -- --depth 1.0
+    python tools/bench_learning.py --steps 600 --window 50 --out out/bench_learning_random     # random depth
 
 Everything after `--` is passed to the trainer unchanged (e.g. `-- --lr 3e-3 --depth 0.5`).
 """
@@ -22,7 +23,7 @@ from longstraw_jax import run  # noqa: E402
 from longstraw_jax.metrics import read_metrics  # noqa: E402
 
 DEFAULTS = ["--vocab-size", "32", "--prompt-len", "128", "--group-size", "8", "--response-len", "2",
-            "--mode", "exact", "--chunk-size", "64", "--lr", "3e-3", "--log-every", "10", "--save-every", "100"]
+            "--mode", "exact", "--chunk-size", "64", "--lr", "1e-3", "--log-every", "10", "--save-every", "100"]
 
 
 def table(records: list[dict], window: int, chance: float, chance_reward: float) -> str:
