@@ -2,8 +2,9 @@
 Qwen3.6 capture and replay of `sharding/qwen36.py`.
 
     capture   sstate = capture(prompt[:-1]) on the mesh, in rounds    seq-sharded KV cache, replicated GDN state
-    replay    for g in branches (lax.scan): autodiff of the branch loss through the sharded replay: parameter
-              gradients (FSDP-sharded, float32) and, in exact mode, the state cotangent (sharded like the state)
+    replay    for g in branches (lax.scan): the branch's backward block by block (`layerwise.branch_grads`, each
+              block in its own shard_map): parameter gradients (FSDP-sharded, float32) and, in exact mode, the
+              state cotangent (sharded like the state, added in place one block slice at a time)
     prompt    exact mode: rounds in reverse, blocks in reverse (sharding/prompt_backward.py)
 
 Gradients flow through `shard_map` by JAX's transposes of the collectives: the layers' `all_gather` becomes a
@@ -24,11 +25,11 @@ from jax.sharding import PartitionSpec as P
 from longstraw_jax import engine, layerwise
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, finalize_metrics
 from longstraw_jax.models.qwen36 import Qwen36
-from longstraw_jax.sharding import qwen36 as sharded_qwen36
-from longstraw_jax.sharding.prompt_backward import prompt_backward
-from longstraw_jax.sharding.layout import RoundLayout
 from longstraw_jax.ops.norms import rms_norm_1p
-from longstraw_jax.sharding.rules import named, param_specs, prompt_state_specs
+from longstraw_jax.sharding import qwen36 as sharded_qwen36
+from longstraw_jax.sharding.layout import RoundLayout
+from longstraw_jax.sharding.prompt_backward import prompt_backward
+from longstraw_jax.sharding.rules import block_slice_specs, named, param_specs, prompt_state_specs
 
 
 def check_supported(model) -> None:
@@ -54,10 +55,11 @@ def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, me
     stored = layout.to_stored(batch.prompt[:-1].astype("int32"))
     sstate, boundaries = sharded_qwen36._capture(model, jax.lax.stop_gradient(params), stored, mesh, layout,
                                                  attention)
-    param_shardings = named(param_specs(params, mesh), mesh)
+    specs = param_specs(params, mesh)
+    param_shardings = named(specs, mesh)
     state_shardings = named(sstate.replace(state=prompt_state_specs(sstate.state)), mesh)
 
-    on_mesh = _BlocksOnMesh(model, mesh, layout, param_specs(params, mesh)["blocks"])
+    on_mesh = _BlocksOnMesh(model, mesh, layout, specs["blocks"])
     loss, grads, state_cot, sums = engine.replay_branches(
         model, params, sstate, batch, cfg, with_state_grad=mode == "exact",
         branch_grads=lambda model, *args: layerwise.branch_grads(on_mesh, *args),
@@ -79,7 +81,7 @@ class _BlocksOnMesh:
     def __init__(self, model, mesh, rounds: RoundLayout, block_specs):
         self.cfg, self.mesh, self.rounds, self.block_specs = model.config, mesh, rounds, block_specs
         self.num_blocks = model.config.num_blocks
-        self.slice_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), block_specs, is_leaf=lambda s: isinstance(s, P))
+        self.slice_specs = block_slice_specs(block_specs)
 
     def embed(self, params, tokens):
         return params["embed"][tokens]

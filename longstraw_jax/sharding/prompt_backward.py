@@ -27,10 +27,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from longstraw_jax.models.qwen36 import FULL, LINEAR
 from longstraw_jax.sharding.layout import RoundLayout
 from longstraw_jax.sharding.qwen36 import round_block
-from longstraw_jax.sharding.rules import param_specs
+from longstraw_jax.sharding.rules import block_slice_specs, param_specs
 from longstraw_jax.sharding.sequence import SEQ
 
-_KV = P(None, None, SEQ)  # a cache with a leading (length 1) block axis: [1, nf, S, Hkv, hd]
+_KV = P(None, None, SEQ)  # a KV cache or its cotangent: [blocks (or 1), nf, S, Hkv, hd], S split along seq
 
 
 def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, state, boundaries,
@@ -41,12 +41,11 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
     cfg = model.config
     specs = param_specs(params, mesh)
     block_specs = specs["blocks"]
-    slice_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), block_specs, is_leaf=lambda s: isinstance(s, P))
+    slice_specs = block_slice_specs(block_specs)
     blocks = params["blocks"]
 
     place = lambda tree, spec_tree: jax.tree.map(
         lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), tree, spec_tree)
-    cache_spec = P(None, None, SEQ)
 
     def shard_map(fn, in_specs, out_specs):
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
@@ -92,8 +91,8 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
             # the constraints keep the carried accumulators sharded (FSDP / seq) through the scan
             grads_blocks = place(jax.tree.map(lambda g, d: g.at[b].add(d.astype(g.dtype)), grads_blocks, d_bp),
                                  block_specs)
-            keys_cot = place(keys_cot.at[b].add(d_keys[0].astype(keys_cot.dtype)), cache_spec)
-            values_cot = place(values_cot.at[b].add(d_values[0].astype(values_cot.dtype)), cache_spec)
+            keys_cot = place(keys_cot.at[b].add(d_keys[0].astype(keys_cot.dtype)), _KV)
+            values_cot = place(values_cot.at[b].add(d_values[0].astype(values_cot.dtype)), _KV)
             conv_cot = conv_cot.at[b].set(d_conv[0].astype(conv_cot.dtype))
             rec_cot = rec_cot.at[b].set(d_rec[0].astype(rec_cot.dtype))
             return (dh, grads_blocks, keys_cot, values_cot, conv_cot, rec_cot), None

@@ -75,6 +75,12 @@ def named(specs, mesh: Mesh):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
 
 
+def block_slice_specs(block_specs):
+    """Specs of one block's parameters ([per_block, ...]: the leading num_blocks axis indexed away) from the specs of
+    the stacked `blocks` leaves."""
+    return jax.tree.map(lambda s: P(*tuple(s)[1:]), block_specs, is_leaf=lambda s: isinstance(s, P))
+
+
 def gather_layer(layer, layer_specs, skip: int = 2):
     """Inside `shard_map`: all-gather one layer's parameter shards (leaves with the `skip` stacked axes already
     indexed away) into whole arrays. `layer_specs` are the full leaves' specs from `param_specs`."""
