@@ -378,23 +378,49 @@ def _rope_tables(c: Glm52Config, positions: jax.Array, dtype):
     return cos_sin(positions, inv_freq, scaling, dtype)
 
 
-def indexer(c: Glm52Config, p: dict, x, q_resid, cos, sin, positions, state: GlmState, full, start, k: int):
+class PromptReader(NamedTuple):
+    """How a layer reads what came before its tokens, on one device: `state` at positions < start (MODELS.md 2.6,
+    2.8). tokens sit at `positions` [T] = start + arange(T). The sequence-parallel engine (`sharding/glm52.py`)
+    passes its own reader with the same three methods, so the layer code below is shared."""
+
+    state: GlmState
+    positions: jax.Array
+    start: jax.Array | int
+
+    def layer_params(self, lp: dict, segment: int, group: str) -> dict:
+        """One layer's parameters, whole (identity here; FSDP all-gathers them)."""
+        return lp
+
+    def select(self, c: Glm52Config, q, w, keys, full, k: int) -> jax.Array:
+        """DSA top-k (2.8): q [T, Hi, Di], w [T, Hi] float32, keys [T, Di] this chunk's indexer keys -> int32
+        [T, k] positions (-1: unused slot) among the cache's keys of full layer `full` and the causal new keys."""
+        return select_topk(q, w, jax.lax.stop_gradient(self.state.index_keys), full, keys, self.positions, self.start, k=k,
+                           scale=c.index_head_dim**-0.5, query_block=c.query_block_size,
+                           key_block=c.index_key_block_size)
+
+    def attend(self, c: Glm52Config, q_abs, rows, layer, selected) -> jax.Array:
+        """Absorbed sparse attention (2.6): q_abs [T, H, Dk], rows [T, Dk] this chunk's cache rows -> latent
+        output [T, H, kv_lora_rank] float32 over the selected positions of layer `layer`'s cache and the chunk."""
+        return sparse_latent_attention(q_abs, self.state.kv, layer, rows, selected, self.start,
+                                       scale=c.qk_head_dim**-0.5, value_dim=c.kv_lora_rank,
+                                       block_size=c.query_block_size)
+
+
+def indexer(c: Glm52Config, p: dict, x, q_resid, cos, sin, reader, full, k: int):
     """DSA lightning indexer (2.8) of full layer number `full`: returns (selected int32 [T, k], this chunk's indexer
     keys [T, index_head_dim]). Runs without gradient: its inputs are stop_gradient-ed (selection is discrete; the
     policy loss gives the indexer no gradient, as transformers' `torch.no_grad()`)."""
-    p, x, q_resid, cache = jax.lax.stop_gradient((p, x, q_resid, state.index_keys))
+    p, x, q_resid = jax.lax.stop_gradient((p, x, q_resid))
     t, heads, dim = x.shape[0], c.index_n_heads, c.index_head_dim
     q = apply_rope_interleaved(linear(q_resid, p["wq_b"], _HIGHEST).reshape(t, heads, dim), cos, sin)
     key = layer_norm(linear(x, p["wk"], _HIGHEST), p["k_norm"], p["k_norm_bias"], INDEXER_NORM_EPS)
     key = apply_rope_interleaved(key[:, None], cos, sin)[:, 0]
     w = jnp.einsum("td,hd->th", at_least_f32(x), at_least_f32(p["weights_proj"]), precision=_HIGHEST) * heads**-0.5
-    selected = select_topk(at_least_f32(q), w.astype(jnp.float32), cache, full, key, positions, start, k=k,
-                           scale=dim**-0.5, query_block=c.query_block_size, key_block=c.index_key_block_size)
-    return selected, key
+    return reader.select(c, at_least_f32(q), w.astype(jnp.float32), key, full, k), key
 
 
-def mla_attention(c: Glm52Config, p: dict, x, positions, state: GlmState, layer, full, start, selected):
-    """MLA with DSA (2.6) for layer `layer` over x [T, D] at positions start..start+T-1.
+def mla_attention(c: Glm52Config, p: dict, x, reader, layer, full, selected):
+    """MLA with DSA (2.6) for layer `layer` over x [T, D] at positions reader.positions.
 
     A full layer (p has "indexer") selects its own top-k; a shared one attends to `selected` from the latest full
     layer. Returns (y [T, D], this chunk's cache rows [T, kv_row_dim], indexer keys [T, Di] or None, selected).
@@ -404,7 +430,7 @@ def mla_attention(c: Glm52Config, p: dict, x, positions, state: GlmState, layer,
     q_resid = rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], LATENT_NORM_EPS)
     q = linear(q_resid, p["q_b_proj"]).reshape(t, heads, c.qk_head_dim)  # per head [q_nope | q_pe]
     ckv = linear(x, p["kv_a_proj"])  # [T, lora + rope] = [latent | k_pe]
-    cos, sin = _rope_tables(c, positions, x.dtype)
+    cos, sin = _rope_tables(c, reader.positions, x.dtype)
     rows = jnp.concatenate([rms_norm(ckv[:, :lora], p["kv_a_norm"], LATENT_NORM_EPS),
                             apply_rope_interleaved(ckv[:, None, lora:], cos, sin)[:, 0]], axis=-1)
     w_kv = p["kv_b_proj"].reshape(heads, nope + c.v_head_dim, lora)  # per head [W_UK (nope) | W_UV (v)]
@@ -412,10 +438,8 @@ def mla_attention(c: Glm52Config, p: dict, x, positions, state: GlmState, layer,
                              apply_rope_interleaved(q[..., nope:], cos, sin)], axis=-1)
     index_key = None
     if "indexer" in p:
-        k = selected.shape[1]
-        selected, index_key = indexer(c, p["indexer"], x, q_resid, cos, sin, positions, state, full, start, k)
-    o = sparse_latent_attention(q_abs, state.kv, layer, rows, selected, start, scale=c.qk_head_dim**-0.5,
-                                value_dim=lora, block_size=c.query_block_size)
+        selected, index_key = indexer(c, p["indexer"], x, q_resid, cos, sin, reader, full, selected.shape[1])
+    o = reader.attend(c, q_abs, rows, layer, selected)
     o = jnp.einsum("thr,hvr->thv", o.astype(x.dtype), w_kv[:, nope:])
     return linear(o.reshape(t, heads * c.v_head_dim), p["o_proj"]), rows, index_key, selected
 
@@ -429,10 +453,10 @@ def moe(c: Glm52Config, p: dict, x: jax.Array) -> jax.Array:
     return routed + swiglu(p["shared"], x)
 
 
-def _layer(c: Glm52Config, p: dict, h, selected, state, layer, full, positions, start):
+def _layer(c: Glm52Config, p: dict, h, selected, reader, layer, full):
     """Decoder layer (2.5): h + attn(norm(h)), then h + mlp(norm(h)). Returns (h, selected, rows, index key)."""
     y, rows, index_key, selected = mla_attention(c, p["attn"], rms_norm(h, p["input_norm"], c.rms_norm_eps),
-                                                 positions, state, layer, full, start, selected)
+                                                 reader, layer, full, selected)
     h = h + y
     x = rms_norm(h, p["post_norm"], c.rms_norm_eps)
     return h + (moe(c, p["mlp"], x) if "router" in p["mlp"] else swiglu(p["mlp"], x)), selected, rows, index_key
@@ -450,9 +474,10 @@ def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def _segment(c: Glm52Config, seg: Segment, seg_params: dict, h, selected, state, positions, start, remat=False):
-    """One segment: a scan over its repeats; inside a repeat, a scan over each run of one group. The state is only
-    read. remat: under autodiff keep only each repeat's inputs and recompute it in the backward pass. Returns (h, selected, rows [layers, T, kv_row_dim], index keys [full layers, T, Di] or None, the full
+def _segment(c: Glm52Config, s: int, seg: Segment, seg_params: dict, h, selected, reader, remat=False):
+    """Segment `s`: a scan over its repeats; inside a repeat, a scan over each run of one group. The prompt is only
+    read (through `reader`). remat: under autodiff keep only each repeat's inputs and recompute it in the backward
+    pass. Returns (h, selected, rows [layers, T, kv_row_dim], index keys [full layers, T, Di] or None, the full
     layers' selections [full layers, T, k] or None)."""
     plen = len(seg.pattern)
     full_per_repeat = sum(g.startswith(FULL) for g in seg.pattern)
@@ -464,9 +489,10 @@ def _segment(c: Glm52Config, seg: Segment, seg_params: dict, h, selected, state,
             layer0 = seg.first_layer + r * plen + pos
             full0 = seg.first_full + r * full_per_repeat + sum(g.startswith(FULL) for g in seg.pattern[:pos])
 
-            def step(carry, xs, layer0=layer0, full0=full0):
+            def step(carry, xs, layer0=layer0, full0=full0, group=group):
                 lp, i = xs
-                h, selected, rows, key = _layer(c, lp, *carry, state, layer0 + i, full0 + i, positions, start)
+                lp = reader.layer_params(lp, s, group)
+                h, selected, rows, key = _layer(c, lp, *carry, reader, layer0 + i, full0 + i)
                 return (h, selected), (rows, key, selected if key is not None else None)
 
             run_params = jax.tree.map(lambda a: a[j : j + count], rp[group])
@@ -482,19 +508,25 @@ def _segment(c: Glm52Config, seg: Segment, seg_params: dict, h, selected, state,
     return (h, selected) + tuple(flatten(a) for a in outs)
 
 
-def _layers(c: Glm52Config, params: dict, state: GlmState, tokens: jax.Array, start, remat: bool = False):
-    """All layers over tokens [T] at positions start.., reading `state` (positions < start). Returns (h [T, D]
-    before the final norm, entries {"kv": [L, T, kv_row_dim], "index_keys": [F, T, Di]}, selections [F, T, k])."""
-    t = tokens.shape[0]
-    positions = start + jnp.arange(t, dtype=jnp.int32)
-    k = min(c.index_topk, state.length + t)  # every row gets k slots (-1 where fewer keys are visible)
-    h, selected = params["embed"][tokens], jnp.full((t, k), -1, jnp.int32)
+def _layers(c: Glm52Config, layers: dict, h, reader, k: int, remat: bool = False):
+    """All layers over h [T, D] (embedded tokens at reader.positions), reading the prompt through `reader`.
+    k: the top-k width (slots beyond the visible keys hold -1). Returns (h [T, D] before the final norm, entries
+    {"kv": [L, T, kv_row_dim], "index_keys": [F, T, Di]}, selections [F, T, k])."""
+    selected = jnp.full((h.shape[0], k), -1, jnp.int32)
     parts = []
     for s, seg in enumerate(c.segments):
-        h, selected, *out = _segment(c, seg, params["layers"][str(s)], h, selected, state, positions, start, remat)
+        h, selected, *out = _segment(c, s, seg, layers[str(s)], h, selected, reader, remat)
         parts.append(out)
     rows, keys, selections = (jnp.concatenate([p[n] for p in parts if p[n] is not None]) for n in range(3))
     return h, {"kv": rows, "index_keys": keys}, selections
+
+
+def _chunk(c: Glm52Config, params: dict, state: GlmState, tokens: jax.Array, start, remat: bool = False):
+    """`_layers` on one device over tokens [T] at positions start.., reading `state` (positions < start)."""
+    t = tokens.shape[0]
+    reader = PromptReader(state, start + jnp.arange(t, dtype=jnp.int32), start)
+    k = min(c.index_topk, state.length + t)  # every row gets k slots (-1 where fewer keys are visible)
+    return _layers(c, params["layers"], params["embed"][tokens], reader, k, remat)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -575,12 +607,12 @@ class Glm52(CausalLM):
     # ----- pure implementations (public entry points: models/base.py CausalLM) -----
     @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
     def _extend_hidden(self, params, state, tokens, remat: bool = False):
-        h, _, _ = _layers(self.config, params, state, tokens, state.length, remat)
+        h, _, _ = _chunk(self.config, params, state, tokens, state.length, remat)
         return rms_norm(h, params["final_norm"], self.config.rms_norm_eps)
 
     @functools.partial(jax.jit, static_argnums=0)
     def _selection(self, params, tokens):
-        return _layers(self.config, params, self.init_state(0, params["embed"].dtype), tokens, 0)[2]
+        return _chunk(self.config, params, self.init_state(0, params["embed"].dtype), tokens, 0)[2]
 
     def carried(self, state: GlmState):
         """Nothing is overwritten chunk to chunk: every part of the state is appended (pure attention)."""
@@ -592,12 +624,12 @@ class Glm52(CausalLM):
     def chunk_entries(self, params: dict, state: GlmState, tokens: jax.Array, start) -> dict:
         """The state rows that tokens [C] at positions start.. produce, reading (not writing) `state`:
         kv [L, C, kv_row_dim], index_keys [F, C, Di] (the latter carry no gradient)."""
-        return _layers(self.config, params, state, tokens, start)[1]
+        return _chunk(self.config, params, state, tokens, start)[1]
 
     def advance(self, params: dict, state: GlmState, tokens: jax.Array, start) -> tuple[jax.Array, GlmState]:
         """`capture_chunk` that also returns the final-normed hidden states [C, D] of the tokens (decoding; the
         state must have room: `init_state(capacity)` with capacity > the last position written)."""
-        h, entries, _ = _layers(self.config, params, state, tokens, start)
+        h, entries, _ = _chunk(self.config, params, state, tokens, start)
         return rms_norm(h, params["final_norm"], self.config.rms_norm_eps), self.write_entries(state, entries, start)
 
     def write_entries(self, state: GlmState, entries: dict, start) -> GlmState:

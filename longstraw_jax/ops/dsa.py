@@ -31,6 +31,57 @@ def _merge_topk(carry, scores, positions, k):
     return top, jnp.take_along_axis(chosen, where, axis=-1)
 
 
+def topk_over_keys(q: jax.Array, w: jax.Array, keys: jax.Array, key_positions: jax.Array, q_positions: jax.Array,
+                   *, k: int, scale: float, query_block: int, key_block: int, visible_prefix=None, layer=None):
+    """Each query's k best candidates among `keys` [K, Di] (float32 scores, any order along K); with `layer`, keys
+    is [F, K, Di] and `keys[layer]` is read block by block (never copied whole).
+
+    q [T, Hi, Di] and w [T, Hi] as in `select_topk`; key_positions int [K]: the keys' natural positions; query t
+    sees key u iff u < visible_prefix (a count, or a function of a query block's positions [query_block] giving
+    one: keys beyond it are never visited) and key_positions[u] <= q_positions[t].
+
+    Returns (scores float32 [T, k], positions int32 [T, k]); -inf / -1 where fewer than k keys are visible.
+    Candidates from disjoint key sets combine exactly with `merge_candidates` (the sequence-parallel indexer).
+    """
+    num_q, heads, dim = q.shape
+    blocks = -(-num_q // query_block)
+    pad = blocks * query_block - num_q
+    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(blocks, query_block, heads, dim)
+    w = jnp.pad(w, ((0, pad), (0, 0))).reshape(blocks, query_block, heads)
+    q_pos = jnp.pad(q_positions, (0, pad), constant_values=-1).reshape(blocks, query_block)
+    num_keys = keys.shape[-2]
+    if visible_prefix is None:
+        visible_prefix = num_keys
+    if layer is None:
+        keys, layer = keys[None], 0
+
+    def one_block(args):
+        qb, wb, pb = args
+
+        prefix = visible_prefix(pb) if callable(visible_prefix) else visible_prefix
+
+        def visit(carry, first, size):
+            u = jax.lax.dynamic_slice_in_dim(key_positions, first, size)
+            seen = (first + jnp.arange(size) < prefix)[None, :] & (u[None, :] <= pb[:, None])
+            block = jax.lax.dynamic_slice(keys, (layer, first, 0), (1, size, dim))[0]
+            s = _index_scores(qb, wb, block, scale)
+            return _merge_topk(carry, jnp.where(seen, s, -jnp.inf), u, k), None
+
+        carry = (jnp.full((query_block, k), -jnp.inf, jnp.float32), jnp.full((query_block, k), -1, jnp.int32))
+        (values, chosen), _ = for_each_block(num_keys, key_block, carry, visit, prefix)
+        return values, jnp.where(values > -jnp.inf, chosen, -1)
+
+    values, chosen = jax.lax.map(one_block, (q, w, q_pos))
+    return values.reshape(-1, k)[:num_q], chosen.reshape(-1, k)[:num_q]
+
+
+def merge_candidates(scores: jax.Array, positions: jax.Array, k: int) -> jax.Array:
+    """The k best of several candidate lists, concatenated along the last axis: scores [T, m], positions [T, m]
+    (-inf / -1: no candidate) -> positions int32 [T, k], -1 where fewer than k candidates exist."""
+    top, where = jax.lax.top_k(scores, k)
+    return jnp.where(top > -jnp.inf, jnp.take_along_axis(positions, where, axis=-1), -1)
+
+
 def select_topk(q: jax.Array, w: jax.Array, cache_keys: jax.Array, layer, new_keys: jax.Array, positions: jax.Array,
                 start, *, k: int, scale: float, query_block: int, key_block: int) -> jax.Array:
     """Positions of the k largest index scores among the keys each query may see.
@@ -43,33 +94,9 @@ def select_topk(q: jax.Array, w: jax.Array, cache_keys: jax.Array, layer, new_ke
     Returns int32 [T, k]; -1 marks unused slots when fewer than k keys are visible (then every visible key is chosen,
     which is exactly dense causal attention).
     """
-    num_q, heads, dim = q.shape
-    blocks = -(-num_q // query_block)
-    pad = blocks * query_block - num_q
-    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(blocks, query_block, heads, dim)
-    w = jnp.pad(w, ((0, pad), (0, 0))).reshape(blocks, query_block, heads)
-    q_pos = jnp.pad(positions, (0, pad), constant_values=-1).reshape(blocks, query_block)
-    cache_len, new_len = cache_keys.shape[1], new_keys.shape[0]
-
-    def one_block(args):
-        qb, wb, pb = args
-
-        def visit_cache(carry, first, size):
-            keys = jax.lax.dynamic_slice(cache_keys, (layer, first, 0), (1, size, dim))[0]
-            u = first + jnp.arange(size)
-            s = jnp.where((u < start)[None, :], _index_scores(qb, wb, keys, scale), -jnp.inf)
-            return _merge_topk(carry, s, u, k), None
-
-        def visit_new(carry, first, size):
-            keys = jax.lax.dynamic_slice_in_dim(new_keys, first, size)
-            u = start + first + jnp.arange(size)
-            s = jnp.where(u[None, :] <= pb[:, None], _index_scores(qb, wb, keys, scale), -jnp.inf)
-            return _merge_topk(carry, s, u, k), None
-
-        carry = (jnp.full((query_block, k), -jnp.inf, jnp.float32), jnp.full((query_block, k), -1, jnp.int32))
-        carry, _ = for_each_block(cache_len, key_block, carry, visit_cache, jnp.asarray(start, jnp.int32))
-        carry, _ = for_each_block(new_len, key_block, carry, visit_new, jnp.max(pb) - start + 1)
-        values, chosen = carry
-        return jnp.where(values > -jnp.inf, chosen, -1)
-
-    return jax.lax.map(one_block, (q, w, q_pos)).reshape(blocks * query_block, k)[:num_q]
+    common = dict(k=k, scale=scale, query_block=query_block, key_block=key_block)
+    cached = topk_over_keys(q, w, cache_keys, jnp.arange(cache_keys.shape[1], dtype=jnp.int32), positions,
+                            visible_prefix=jnp.asarray(start, jnp.int32), layer=layer, **common)
+    new = topk_over_keys(q, w, new_keys, start + jnp.arange(new_keys.shape[0], dtype=jnp.int32), positions,
+                         visible_prefix=lambda pb: jnp.max(pb) - start + 1, **common)
+    return merge_candidates(*(jnp.concatenate(pair, axis=-1) for pair in zip(cached, new)), k)

@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from longstraw_jax.ops.attention import MASKED
+from longstraw_jax.ops.attention import MASKED, Attended
 from longstraw_jax.ops.dtypes import accum_dtype
 
 
@@ -26,8 +26,17 @@ def sparse_latent_attention(q: jax.Array, cache: jax.Array, layer, new: jax.Arra
     start..start+T-1); selected int [T, k]: the positions query t attends to (-1 = unused slot; every query must
     have at least one). Returns the latent output [T, H, value_dim] in float32 (the first value_dim channels of kv).
     """
-    return _attend(scale, value_dim, block_size, q, cache, new, jnp.asarray(layer, jnp.int32),
-                   selected.astype(jnp.int32), jnp.asarray(start, jnp.int32))
+    return sparse_latent_attention_partial(q, cache, layer, new, selected, start, scale=scale, value_dim=value_dim,
+                                           block_size=block_size).out
+
+
+def sparse_latent_attention_partial(q: jax.Array, cache: jax.Array, layer, new: jax.Array, selected: jax.Array,
+                                    start, *, scale: float, value_dim: int, block_size: int) -> Attended:
+    """As `sparse_latent_attention`, also returning the log-sum-exp [T, H] of the scores: a partial result over
+    some of the selected positions (queries may have none: out 0, lse MASKED) that `ops.attention.merge` or
+    `sharding.sequence.psum_merge` combine exactly with partials over the others. Differentiable in both."""
+    return Attended(*_attend(scale, value_dim, block_size, q, cache, new, jnp.asarray(layer, jnp.int32),
+                             selected.astype(jnp.int32), jnp.asarray(start, jnp.int32)))
 
 
 def _blocks(x: jax.Array, block: int, fill=0) -> jax.Array:
@@ -76,16 +85,17 @@ def _attend_fwd(scale, value_dim, block_size, q, cache, new, layer, selected, st
     out, lse = jax.lax.map(block, (_blocks(q, block_size), _blocks(selected, block_size, -1)))
     num_q = q.shape[0]
     out, lse = out.reshape((-1,) + out.shape[2:])[:num_q], lse.reshape((-1,) + lse.shape[2:])[:num_q]
-    return out, (q, cache, new, layer, selected, start, out, lse)
+    return (out, lse), (q, cache, new, layer, selected, start, out, lse)
 
 
-def _attend_bwd(scale, value_dim, block_size, residuals, d_out):
-    """Per query block: p = exp(s - lse); dp = do . v; ds = p * (dp - sum(do * out)) * scale; dq = ds kv;
+def _attend_bwd(scale, value_dim, block_size, residuals, cotangents):
+    """Per query block: p = exp(s - lse); dp = do . v; ds = p * (dp - sum(do * out) + dlse) * scale; dq = ds kv;
     d kv = ds^T q (+ p^T do on the value channels), scatter-added to the positions it was gathered from."""
     q, cache, new, layer, selected, start, out, lse = residuals
+    d_out, d_lse = cotangents
     acc = accum_dtype(q.dtype)
     cache_len, new_len = cache.shape[1], new.shape[0]
-    delta = jnp.sum(d_out.astype(acc) * out, axis=-1)  # [T, H]
+    delta = jnp.sum(d_out.astype(acc) * out, axis=-1) - d_lse.astype(acc)  # [T, H]
 
     def block(carry, args):
         d_cache, d_new = carry
