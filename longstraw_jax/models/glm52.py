@@ -508,7 +508,7 @@ def _segment(c: Glm52Config, s: int, seg: Segment, seg_params: dict, h, selected
     return (h, selected) + tuple(flatten(a) for a in outs)
 
 
-def _layers(c: Glm52Config, layers: dict, h, reader, k: int, remat: bool = False):
+def decoder_layers(c: Glm52Config, layers: dict, h, reader, k: int, remat: bool = False):
     """All layers over h [T, D] (embedded tokens at reader.positions), reading the prompt through `reader`.
     k: the top-k width (slots beyond the visible keys hold -1). Returns (h [T, D] before the final norm, entries
     {"kv": [L, T, kv_row_dim], "index_keys": [F, T, Di]}, selections [F, T, k])."""
@@ -522,11 +522,11 @@ def _layers(c: Glm52Config, layers: dict, h, reader, k: int, remat: bool = False
 
 
 def _chunk(c: Glm52Config, params: dict, state: GlmState, tokens: jax.Array, start, remat: bool = False):
-    """`_layers` on one device over tokens [T] at positions start.., reading `state` (positions < start)."""
+    """`decoder_layers` on one device over tokens [T] at positions start.., reading `state` (positions < start)."""
     t = tokens.shape[0]
     reader = PromptReader(state, start + jnp.arange(t, dtype=jnp.int32), start)
     k = min(c.index_topk, state.length + t)  # every row gets k slots (-1 where fewer keys are visible)
-    return _layers(c, params["layers"], params["embed"][tokens], reader, k, remat)
+    return decoder_layers(c, params["layers"], params["embed"][tokens], reader, k, remat)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -75,11 +75,11 @@ def topk_over_keys(q: jax.Array, w: jax.Array, keys: jax.Array, key_positions: j
     return values.reshape(-1, k)[:num_q], chosen.reshape(-1, k)[:num_q]
 
 
-def merge_candidates(scores: jax.Array, positions: jax.Array, k: int) -> jax.Array:
+def merge_candidates(scores: jax.Array, positions: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """The k best of several candidate lists, concatenated along the last axis: scores [T, m], positions [T, m]
-    (-inf / -1: no candidate) -> positions int32 [T, k], -1 where fewer than k candidates exist."""
+    (-inf / -1: no candidate) -> (scores [T, k], positions int32 [T, k]), -inf / -1 where fewer than k exist."""
     top, where = jax.lax.top_k(scores, k)
-    return jnp.where(top > -jnp.inf, jnp.take_along_axis(positions, where, axis=-1), -1)
+    return top, jnp.where(top > -jnp.inf, jnp.take_along_axis(positions, where, axis=-1), -1)
 
 
 def select_topk(q: jax.Array, w: jax.Array, cache_keys: jax.Array, layer, new_keys: jax.Array, positions: jax.Array,
@@ -99,4 +99,4 @@ def select_topk(q: jax.Array, w: jax.Array, cache_keys: jax.Array, layer, new_ke
                             visible_prefix=jnp.asarray(start, jnp.int32), layer=layer, **common)
     new = topk_over_keys(q, w, new_keys, start + jnp.arange(new_keys.shape[0], dtype=jnp.int32), positions,
                          visible_prefix=lambda pb: jnp.max(pb) - start + 1, **common)
-    return merge_candidates(*(jnp.concatenate(pair, axis=-1) for pair in zip(cached, new)), k)
+    return merge_candidates(*(jnp.concatenate(pair, axis=-1) for pair in zip(cached, new)), k)[1]

@@ -1,19 +1,22 @@
 """`grpo_grads` on a ("data", "seq") mesh (ARCHITECTURE.md 5): the engine's algorithm with the sequence-parallel
-Qwen3.6 capture and replay of `sharding/qwen36.py`.
+capture and replay of `sharding/qwen36.py` and `sharding/glm52.py`.
 
-    capture   sstate = capture(prompt[:-1]) on the mesh, in rounds    seq-sharded KV cache, replicated GDN state
-    replay    for g in branches (lax.scan): the branch's backward block by block (`layerwise.branch_grads`, each
-              block in its own shard_map): parameter gradients (FSDP-sharded, float32) and, in exact mode, the
-              state cotangent (sharded like the state, added in place one block slice at a time)
-    prompt    exact mode: rounds in reverse, blocks in reverse (sharding/prompt_backward.py)
+    capture   sstate = capture(prompt[:-1]) on the mesh, in rounds    seq-sharded caches, replicated GDN state
+    replay    for g in branches (lax.scan): parameter gradients (FSDP-sharded, float32) and, in exact mode, the
+              state cotangent (sharded like the state). Qwen3.6: block by block (`layerwise.branch_grads`, each
+              block in its own shard_map), the cotangent added in place one block slice at a time; GLM-5.x: autodiff
+              of the sharded replay (no block protocol yet), a sharded state-sized cotangent per branch
+    prompt    exact mode: rounds in reverse (Qwen3.6: and blocks in reverse, sharding/prompt_backward.py; GLM-5.x:
+              sharding/glm52.prompt_backward)
 
 Gradients flow through `shard_map` by JAX's transposes of the collectives: the layers' `all_gather` becomes a
 reduce-scatter (each device receives only its own shard of a layer's gradient), the log-sum-exp merge's `psum`
-hands each shard the cotangent of its own partial, the ring's `ppermute` runs backwards and the GDN affine fold's
-all-gather carries later segments' cotangents back to the segments that produced them.
+hands each shard the cotangent of its own partial, the ring's `ppermute` runs backwards, the GDN affine fold's
+all-gather carries later segments' cotangents back to the segments that produced them, and GLM's all-gathered latent
+rows send each gathered row's cotangent back to the shard that holds it.
 
 The `data` axis holds parameter shards (FSDP) and otherwise repeats this group's work: independent groups are what
-it runs side by side. Not yet: GLM-5.x (no sequence-parallel MLA / DSA capture).
+it runs side by side.
 """
 from __future__ import annotations
 
@@ -24,8 +27,10 @@ from jax.sharding import PartitionSpec as P
 
 from longstraw_jax import engine, layerwise
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, finalize_metrics
+from longstraw_jax.models.glm52 import Glm52
 from longstraw_jax.models.qwen36 import Qwen36
 from longstraw_jax.ops.norms import rms_norm_1p
+from longstraw_jax.sharding import glm52 as sharded_glm52
 from longstraw_jax.sharding import qwen36 as sharded_qwen36
 from longstraw_jax.sharding.layout import RoundLayout
 from longstraw_jax.sharding.prompt_backward import prompt_backward
@@ -33,8 +38,8 @@ from longstraw_jax.sharding.rules import block_slice_specs, named, param_specs, 
 
 
 def check_supported(model) -> None:
-    if not isinstance(model, Qwen36):
-        raise NotImplementedError(f"sharded grpo_grads (mesh=...) supports Qwen3.6 only so far, not "
+    if not isinstance(model, (Qwen36, Glm52)):
+        raise NotImplementedError(f"sharded grpo_grads (mesh=...) supports Qwen3.6 and GLM-5.x, not "
                                   f"{type(model).__name__}: pass mesh=None")
 
 
@@ -42,10 +47,10 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mes
                attention: str = "ring"):
     """(loss, grads, metrics) as `engine.grpo_grads`, on `mesh`; grads are sharded like `rules.param_specs`.
     The batch must already be validated (engine.grpo_grads does it). The prompt is captured (and, in exact mode,
-    backpropagated) in rounds of about `round_len` positions (`sharding.qwen36.capture`; None: one round)."""
+    backpropagated) in rounds of about `round_len` positions (None: one round)."""
     check_supported(model)
-    layout = RoundLayout.for_prompt(batch.prompt.shape[0] - 1, mesh.shape["seq"],
-                                    model.config.linear_conv_kernel_dim - 1, round_len)
+    halo = model.config.linear_conv_kernel_dim - 1 if isinstance(model, Qwen36) else 1
+    layout = RoundLayout.for_prompt(batch.prompt.shape[0] - 1, mesh.shape["seq"], halo, round_len)
     return _grpo_grads(model, params, batch, cfg, mode, mesh, layout, attention)
 
 
@@ -53,21 +58,29 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mes
 def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, layout: RoundLayout,
                 attention: str):
     stored = layout.to_stored(batch.prompt[:-1].astype("int32"))
-    sstate, boundaries = sharded_qwen36._capture(model, jax.lax.stop_gradient(params), stored, mesh, layout,
-                                                 attention)
+    frozen = jax.lax.stop_gradient(params)
     specs = param_specs(params, mesh)
+    if isinstance(model, Glm52):
+        # no block protocol (IndexShare selections cross layers): each branch by autodiff of the sharded replay
+        sstate = sharded_glm52._capture(model, frozen, stored, mesh, layout)
+        extend_hidden = sharded_glm52.extend_hidden_fn(model, mesh, specs)
+        branch_grads = lambda model, *args: layerwise.branch_grads_autodiff(extend_hidden, *args)
+        backward = lambda state_cot, grads: sharded_glm52.prompt_backward(model, params, stored, mesh, layout,
+                                                                           sstate.state, state_cot, grads)
+    else:
+        sstate, boundaries = sharded_qwen36._capture(model, frozen, stored, mesh, layout, attention)
+        on_mesh = _BlocksOnMesh(model, mesh, layout, specs["blocks"])
+        branch_grads = lambda model, *args: layerwise.branch_grads(on_mesh, *args)
+        backward = lambda state_cot, grads: prompt_backward(model, params, stored, mesh, layout, attention,
+                                                            sstate.state, boundaries, state_cot, grads)
     param_shardings = named(specs, mesh)
     state_shardings = named(sstate.replace(state=prompt_state_specs(sstate.state)), mesh)
-
-    on_mesh = _BlocksOnMesh(model, mesh, layout, specs["blocks"])
     loss, grads, state_cot, sums = engine.replay_branches(
-        model, params, sstate, batch, cfg, with_state_grad=mode == "exact",
-        branch_grads=lambda model, *args: layerwise.branch_grads(on_mesh, *args),
+        model, params, sstate, batch, cfg, with_state_grad=mode == "exact", branch_grads=branch_grads,
         like_params=lambda tree: jax.lax.with_sharding_constraint(tree, param_shardings),
         like_state=lambda tree: jax.lax.with_sharding_constraint(tree, state_shardings))
     if mode == "exact":
-        grads = prompt_backward(model, params, stored, mesh, layout, attention, sstate.state, boundaries,
-                                state_cot.state, grads)
+        grads = backward(state_cot.state, grads)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return loss, jax.lax.with_sharding_constraint(grads, param_shardings), finalize_metrics(sums, batch.rewards,
                                                                                             batch.mask)

@@ -21,6 +21,7 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,18 @@ class SeqLayout:
         """For natural segment i: (shard, half) that holds it. Used to reorder all-gathered [n, 2, ...] arrays."""
         seg = np.arange(2 * self.shards)
         return np.where(seg < self.shards, seg, 2 * self.shards - 1 - seg), (seg >= self.shards).astype(np.int32)
+
+    def shard_and_slot(self, positions):
+        """Where natural positions (an int array, 0 <= p < padded) are stored: (shard, slot within the shard)."""
+        seg, t = positions // self.segment, positions % self.segment
+        upper = seg >= self.shards
+        return jnp.where(upper, 2 * self.shards - 1 - seg, seg), jnp.where(upper, self.segment, 0) + t
+
+    def slot_positions(self, shard):
+        """int32 [per_shard]: the natural positions of `shard`'s slots (shard may be traced)."""
+        first, second = self.segments_of(shard)
+        t = jnp.arange(self.segment, dtype=jnp.int32)
+        return jnp.concatenate([first * self.segment + t, second * self.segment + t]).astype(jnp.int32)
 
     def stored_positions(self) -> np.ndarray:
         """int32 [padded]: the natural position of each stored index."""
@@ -126,6 +139,23 @@ class RoundLayout:
     def padded(self) -> int:
         return self.shards * self.per_shard
 
+    def shard_and_slot(self, positions):
+        """Where natural positions (an int array, 0 <= p < padded) are stored: (shard, slot within the shard)."""
+        if not self.full:
+            return self.last.shard_and_slot(positions)
+        in_full = positions < self.full * self.round_positions
+        r = jnp.minimum(positions // self.round_positions, self.full)
+        shard_f, slot_f = self.round.shard_and_slot(positions % self.round_positions)
+        shard_l, slot_l = self.last.shard_and_slot(jnp.maximum(positions - self.full * self.round_positions, 0))
+        return (jnp.where(in_full, shard_f, shard_l),
+                r * self.round_slots + jnp.where(in_full, slot_f, slot_l))
+
+    def slot_positions(self, shard):
+        """int32 [per_shard]: the natural positions of `shard`'s slots, round by round (shard may be traced)."""
+        parts = [r * self.round_positions + self.round.slot_positions(shard) for r in range(self.full)]
+        parts.append(self.full * self.round_positions + self.last.slot_positions(shard))
+        return jnp.concatenate(parts).astype(jnp.int32)
+
     def stored_positions(self) -> np.ndarray:
         """int32 [padded]: the natural position of each stored index (per shard: its slots round by round)."""
         rounds = [(r * self.round_positions, self.round) for r in range(self.full)]
@@ -139,3 +169,25 @@ class RoundLayout:
 
     def to_natural(self, x: jnp.ndarray, axis: int) -> jnp.ndarray:
         return _to_natural(self, x, axis)
+
+
+@struct.dataclass
+class ShardedPromptState:
+    """A model's prompt state (Qwen3.6 PromptState, GLM-5.x GlmState) whose position axes (`rules.SEQ_AXES`) are in
+    `layout`'s stored order, padded to `layout.padded`, and split along `seq`; `state.length` is the real prompt
+    length P (padding slots hold zeros and are never attended)."""
+
+    state: object
+    layout: RoundLayout = struct.field(pytree_node=False)
+
+    @property
+    def length(self) -> int:
+        return self.state.length
+
+    def natural(self):
+        """The same state in natural order with the padding dropped (gathers the cache: for checks and export)."""
+        from longstraw_jax.sharding.rules import SEQ_AXES
+
+        fields = {f.name for f in dataclasses.fields(self.state)}
+        return self.state.replace(**{name: self.layout.to_natural(getattr(self.state, name), axis=axis)
+                                     for name, axis in SEQ_AXES.items() if name in fields})

@@ -21,7 +21,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from longstraw_jax.models.qwen36 import (FULL, LINEAR, PromptState, Qwen36, attention_inputs, attention_output,
@@ -32,29 +31,11 @@ from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.ops.mlp import swiglu
 from longstraw_jax.ops.norms import rms_norm_1p
 from longstraw_jax.sharding import sequence
-from longstraw_jax.sharding.layout import RoundLayout, SeqLayout
+from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
 from longstraw_jax.sharding.rules import gather_layer, param_specs, prompt_state_specs
 from longstraw_jax.validation import check_tokens
 
 _GROUP = {LINEAR: "linear", FULL: "full"}
-
-
-@struct.dataclass
-class ShardedPromptState:
-    """A PromptState whose position axes are in `layout`'s stored order, padded to `layout.padded`, and split along
-    `seq`; `state.length` is the real prompt length P (padding slots hold zeros and are never attended)."""
-
-    state: PromptState
-    layout: RoundLayout = struct.field(pytree_node=False)
-
-    @property
-    def length(self) -> int:
-        return self.state.length
-
-    def natural(self) -> PromptState:
-        """The same state in natural order with the padding dropped (gathers the cache: for checks and export)."""
-        s, to_nat = self.state, self.layout.to_natural
-        return s.replace(keys=to_nat(s.keys, axis=2), values=to_nat(s.values, axis=2))
 
 
 def _pattern(cfg):
@@ -299,16 +280,6 @@ def _extend_local(cfg, rounds, block_specs, blocks, state, h):
 def extend_hidden(model: Qwen36, params: dict, sstate: ShardedPromptState, tokens, mesh) -> jax.Array:
     """As `model.extend_hidden` on the sharded state: tokens int32 [T] -> final-normed hidden [T, D]."""
     return _extend_hidden(model, params, sstate, check_tokens(tokens, model.config.vocab_size), mesh)
-
-
-def extend(model: Qwen36, params: dict, sstate: ShardedPromptState, tokens, mesh) -> jax.Array:
-    """As `model.extend` on the sharded state: tokens int32 [T] -> float32 logits [T, vocab]."""
-    return _logits(model, params, extend_hidden(model, params, sstate, tokens, mesh))
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _logits(model, params, hidden):
-    return model.logits(params, hidden)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))

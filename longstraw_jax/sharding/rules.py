@@ -7,9 +7,8 @@
   no such dimension (e.g. a per-head vector of 6 entries) stays replicated.
 - Optimizer state follows the parameters leaf for leaf (AdamW moments have the parameters' structure); scalars
   (step counts) are replicated.
-- Prompt tokens and the prompt state: position axes are split along `seq` (KV caches: axis 2 of
-  [num_blocks, per_block, P, Hkv, hd]); carried recurrent parts (GDN conv tails and matrices) are replicated.
-  GLM caches plug in by naming their position-indexed fields in `seq_axes`.
+- Prompt tokens and the prompt state: position axes are split along `seq` (`SEQ_AXES`: Qwen3.6 KV caches, GLM-5.x
+  latent rows and indexer keys); carried recurrent parts (GDN conv tails and matrices) are replicated.
 """
 from __future__ import annotations
 
@@ -22,7 +21,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 FSDP = ("data", "seq")  # parameter shards: the whole mesh
 TOKENS = P("seq")  # prompt tokens [P]: positions along seq
-SEQ_AXES = {"keys": 2, "values": 2}  # PromptState field -> position axis (Qwen36; GLM adds its latent caches)
+# prompt-state field -> its position axis: Qwen3.6 KV caches [nb, nf, P, Hkv, hd]; GLM-5.x latent rows [L, P, Dk]
+# and indexer keys [F, P, Di]
+SEQ_AXES = {"keys": 2, "values": 2, "kv": 1, "index_keys": 1}
 
 
 STACKED_ROOTS = ("blocks", "layers")  # Qwen3.6 [num_blocks, per_block, ...]; GLM-5.x [repeats, per_pattern, ...]

@@ -1,0 +1,302 @@
+"""Sequence-parallel capture, sharded replay and exact prompt backward for GLM-5.x (MODELS.md 2) on a
+("data", "seq") mesh.
+
+The layer code is the model's own (`models.glm52.decoder_layers`); only the way a layer reads the prompt changes: a
+`PromptReader` with the same three methods, working inside `shard_map` on this shard's slice of the cache.
+
+Capture (in rounds, `RoundLayout`; each round laid out zigzag like Qwen3.6's). Per layer, for this shard's queries:
+- DSA indexer: the round's indexer queries are all-gathered; each shard scores them against its *own* indexer keys
+  (earlier rounds' slots and its part of the round, causally) and keeps a top-k per query; an `all_to_all` sends
+  each query's candidates to the query's shard, which merges the n candidate lists into the global top-k. The
+  scores are the O(P^2) part of GLM's prompt work, and the zigzag layout gives every shard the same share of it.
+- MLA: each query attends to exactly k rows, anywhere before it. The layer's latent rows (one 576-wide row per
+  position, shared by all heads: 1/48 of a per-head KV at 64 heads) are all-gathered and each shard gathers its
+  queries' selected rows locally. A ring would need the same k gathers per query at every hop, n times the work;
+  all-gathering the rows is one collective and O(P) transient memory for one layer.
+Replay: a branch's queries run on every shard. Each shard scores its own prompt keys (top-k candidates, all-gathered
+and merged with the branch's own keys' candidates); attention is a partial over the selected rows this shard holds,
+merged across shards by log-sum-exp (`sequence.psum_merge`), then merged with the branch's own rows.
+Exact backward: rounds in reverse, each recomputed from the final cache (its earlier slots are what it read) under
+`jax.vjp` of its `shard_map`, with the round's slice of the state cotangent; the all-gathers transpose to
+reduce-scatters (cache-read cotangents land on the shards that hold the rows, layer gradients on their FSDP shards).
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from longstraw_jax.models.glm52 import Glm52, Glm52Config, GlmState, decoder_layers
+from longstraw_jax.ops import attention as attn_ops
+from longstraw_jax.ops.dsa import merge_candidates, topk_over_keys
+from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attention_partial
+from longstraw_jax.ops.norms import rms_norm
+from longstraw_jax.sharding import sequence
+from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
+from longstraw_jax.sharding.rules import gather_layer, param_specs, prompt_state_specs
+from longstraw_jax.sharding.sequence import SEQ
+from longstraw_jax.validation import check_tokens
+
+_ROWS = P(None, SEQ)  # latent rows / indexer keys [layers, positions, width], positions split along seq
+_NEVER = jnp.iinfo(jnp.int32).max  # key position of a padding slot: never visible to any query
+
+
+def _everyone(x):
+    """All shards' x, concatenated along the leading axis in shard order (stored order of a round)."""
+    return jax.lax.all_gather(x, SEQ, tiled=True)
+
+
+def _topk_common(c: Glm52Config, k: int) -> dict:
+    return dict(k=k, scale=c.index_head_dim**-0.5, query_block=c.query_block_size, key_block=c.index_key_block_size)
+
+
+def _attend_common(c: Glm52Config) -> dict:
+    return dict(scale=c.qk_head_dim**-0.5, value_dim=c.kv_lora_rank, block_size=c.query_block_size)
+
+
+class _Layers(NamedTuple):
+    """FSDP-sharded layer parameters: each layer is all-gathered whole right before use."""
+
+    specs: dict  # param_specs(params)["layers"]
+
+    def layer_params(self, lp, segment: int, group: str):
+        return gather_layer(lp, self.specs[str(segment)][group])
+
+
+class RoundReader(NamedTuple):
+    """Inside `shard_map`: a layer of capture round `index` (laid out by `layout`) on this shard. kv [L, S, Dk] and
+    index_keys [F, S, Di]: this shard's cache slots (`rounds`' stored order), of which the first index *
+    round_slots hold the earlier rounds; positions [2L]: the natural positions of this shard's tokens."""
+
+    kv: jax.Array
+    index_keys: jax.Array
+    positions: jax.Array
+    index: jax.Array
+    rounds: RoundLayout
+    layout: SeqLayout
+    params: _Layers
+
+    def layer_params(self, lp, segment, group):
+        return self.params.layer_params(lp, segment, group)
+
+    @property
+    def offset(self):
+        return self.index * self.rounds.round_positions
+
+    def select(self, c, q, w, keys, full, k):
+        """Global top-k: every shard scores all the round's queries over its own keys; candidates go to the
+        queries' shards (all_to_all) and merge there."""
+        common = _topk_common(c, k)
+        queries, weights, q_positions = _everyone(q), _everyone(w), _everyone(self.positions)
+        candidates = [topk_over_keys(queries, weights, keys, self.positions, q_positions, **common)]
+        if self.rounds.full:
+            me = jax.lax.axis_index(SEQ)
+            candidates.append(topk_over_keys(
+                queries, weights, jax.lax.stop_gradient(self.index_keys), self.rounds.slot_positions(me),
+                q_positions, visible_prefix=self.index * self.rounds.round_slots, layer=full, **common))
+        scores, positions = merge_candidates(*(jnp.concatenate(x, axis=-1) for x in zip(*candidates)), k)
+        n, per_shard = self.layout.shards, self.layout.per_shard
+        to_owner = lambda x: jax.lax.all_to_all(x.reshape(n, per_shard, k), SEQ, 0, 0, tiled=True)
+        mine = lambda x: jnp.moveaxis(to_owner(x), 0, 1).reshape(per_shard, n * k)  # [2L, n shards' k]
+        return merge_candidates(mine(scores), mine(positions), k)[1]
+
+    def attend(self, c, q_abs, rows, layer, selected):
+        """The selected rows, gathered from the all-gathered layer: this round's rows and earlier rounds' cache."""
+        round_rows = _everyone(rows)  # [n * 2L, Dk]: the round in stored order
+        shard, slot = self.layout.shard_and_slot(jnp.maximum(selected - self.offset, 0))
+        index = shard * self.layout.per_shard + slot
+        if self.rounds.full:
+            cache = _everyone(self.kv[layer])[None]  # [1, n * S, Dk]
+            shard, slot = self.rounds.shard_and_slot(jnp.maximum(selected, 0))
+            earlier = shard * self.rounds.per_shard + slot
+            index = jnp.where(selected < self.offset, earlier, cache.shape[1] + index)
+        else:
+            cache = jnp.zeros((1, 0, rows.shape[-1]), rows.dtype)
+        index = jnp.where(selected >= 0, index, -1)
+        return sparse_latent_attention(q_abs, cache, 0, round_rows, index, cache.shape[1], **_attend_common(c))
+
+
+class ReplayReader(NamedTuple):
+    """Inside `shard_map`: a layer of the replay of tokens at positions [T] = P.. (the same on every shard) over
+    this shard's slice of the prompt state (kv [L, S, Dk], index_keys [F, S, Di])."""
+
+    kv: jax.Array
+    index_keys: jax.Array
+    positions: jax.Array
+    rounds: RoundLayout
+    params: _Layers
+
+    def layer_params(self, lp, segment, group):
+        return self.params.layer_params(lp, segment, group)
+
+    def select(self, c, q, w, keys, full, k):
+        common = _topk_common(c, k)
+        slots = self.rounds.slot_positions(jax.lax.axis_index(SEQ))
+        slots = jnp.where(slots < self.rounds.length, slots, _NEVER)
+        prompt = topk_over_keys(q, w, jax.lax.stop_gradient(self.index_keys), slots, self.positions, layer=full,
+                                **common)
+        prompt = [jnp.moveaxis(jax.lax.all_gather(x, SEQ), 0, 1).reshape(q.shape[0], -1) for x in prompt]
+        start = self.rounds.length
+        new = topk_over_keys(q, w, keys, self.positions, self.positions,
+                             visible_prefix=lambda pb: jnp.max(pb) - start + 1, **common)
+        return merge_candidates(*(jnp.concatenate(x, axis=-1) for x in zip(prompt, new)), k)[1]
+
+    def attend(self, c, q_abs, rows, layer, selected):
+        length, common = self.rounds.length, _attend_common(c)
+        shard, slot = self.rounds.shard_and_slot(jnp.clip(selected, 0, length - 1))
+        held = (selected >= 0) & (selected < length) & (shard == jax.lax.axis_index(SEQ))
+        prompt = sparse_latent_attention_partial(q_abs, self.kv, layer, rows, jnp.where(held, slot, -1),
+                                                 self.kv.shape[1], **common)
+        empty = jnp.zeros((1, 0, rows.shape[-1]), rows.dtype)
+        new = sparse_latent_attention_partial(q_abs, empty, 0, rows, jnp.where(selected >= length, selected - length,
+                                                                                -1), 0, **common)
+        return attn_ops.merge(sequence.psum_merge(prompt), new).out
+
+
+# ----- capture -------------------------------------------------------------------------------------------------
+
+
+def _shard_map(mesh, fn, in_specs, out_specs):
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def _round_slots(mesh, rounds: RoundLayout, x, index, size: int, axis: int):
+    """Each shard's slots [index * round_slots, + size) along `axis` (the seq-sharded axis) of x."""
+    spec = P(*([None] * axis + [SEQ]))
+    return _shard_map(mesh, lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * rounds.round_slots, size, axis),
+                      (spec, P()), spec)(x, index)
+
+
+def _write_round(mesh, rounds: RoundLayout, cache, new, index):
+    """cache [layers, S, width] with each shard's round slots from index * round_slots overwritten by new."""
+    write = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), i * rounds.round_slots, 1)
+    return _shard_map(mesh, write, (_ROWS, _ROWS, P()), _ROWS)(cache, new, index)
+
+
+def round_entries(model: Glm52, mesh, rounds: RoundLayout, layout: SeqLayout, layer_specs, layers, h, kv,
+                  index_keys, index):
+    """All layers of capture round `index` (laid out by `layout`) on the mesh: h [n * 2L, D] the round's embedded
+    tokens (stored order, seq-sharded) -> (rows [L, n * 2L, Dk], indexer keys [F, n * 2L, Di]), zero at padding.
+    Reads kv / index_keys (the sharded cache) at earlier rounds' slots only."""
+    c = model.config
+
+    def local(layers, h, kv, index_keys, index):
+        positions = index * rounds.round_positions + sequence.local_positions(layout).reshape(-1)
+        reader = RoundReader(kv, index_keys, positions, index, rounds, layout, _Layers(layer_specs))
+        _, entries, _ = decoder_layers(c, layers, h, reader, min(c.index_topk, rounds.length), remat=True)
+        real = (positions < rounds.length)[None, :, None]
+        return jnp.where(real, entries["kv"], 0), jnp.where(real, entries["index_keys"], 0)
+
+    return _shard_map(mesh, local, (layer_specs, P(SEQ), _ROWS, _ROWS, P()), (_ROWS, _ROWS))(
+        layers, h, kv, index_keys, index)
+
+
+def _embedded_round(params, mesh, rounds, stored_tokens, index, size):
+    tokens = _round_slots(mesh, rounds, stored_tokens, index, size, 0)
+    return tokens, jax.lax.with_sharding_constraint(params["embed"][tokens], NamedSharding(mesh, P(SEQ)))
+
+
+def _each_round(rounds: RoundLayout, carry, one_round, reverse: bool = False):
+    """carry = one_round(carry, layout, index) over the full rounds (a scan) and the last round, in order or
+    reversed."""
+    def full(carry):
+        if not rounds.full:
+            return carry
+        step = lambda c, r: (one_round(c, rounds.round, r), None)
+        return jax.lax.scan(step, carry, jnp.arange(rounds.full), reverse=reverse)[0]
+
+    last = lambda carry: one_round(carry, rounds.last, jnp.int32(rounds.full))
+    return last(full(carry)) if not reverse else full(last(carry))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _capture(model: Glm52, params, stored_tokens, mesh, rounds: RoundLayout) -> ShardedPromptState:
+    c = model.config
+    layer_specs = param_specs(params, mesh)["layers"]
+    dtype = params["embed"].dtype
+    place = lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, _ROWS))
+    caches = (place(jnp.zeros((c.num_hidden_layers, rounds.padded, c.kv_row_dim), dtype)),
+              place(jnp.zeros((c.num_full_layers, rounds.padded, c.index_head_dim), dtype)))
+
+    def one_round(caches, layout, index):
+        _, h = _embedded_round(params, mesh, rounds, stored_tokens, index, layout.per_shard)
+        entries = round_entries(model, mesh, rounds, layout, layer_specs, params["layers"], h, *caches, index)
+        return tuple(_write_round(mesh, rounds, cache, new, index) for cache, new in zip(caches, entries))
+
+    kv, index_keys = _each_round(rounds, caches, one_round)
+    return ShardedPromptState(GlmState(kv=kv, index_keys=index_keys, length=rounds.length), rounds)
+
+
+def capture(model: Glm52, params: dict, tokens, mesh, pad_id: int = 0,
+            round_len: int | None = None) -> ShardedPromptState:
+    """Prompt tokens int32 [P] -> ShardedPromptState (a GlmState split along `seq`), sequence-parallel over `mesh`.
+    round_len: capture in rounds of about this many positions (None: one round). `pad_id` fills padding slots only."""
+    tokens = check_tokens(tokens, model.config.vocab_size)
+    rounds = RoundLayout.for_prompt(tokens.shape[0], mesh.shape[SEQ], 1, round_len)
+    return _capture(model, params, rounds.to_stored(tokens, pad_id), mesh, rounds)
+
+
+# ----- replay --------------------------------------------------------------------------------------------------
+
+
+def extend_hidden_fn(model: Glm52, mesh, params_specs):
+    """(params, sstate, tokens [T]) -> final-normed hidden [T, D]: the replay over the sharded state (traceable;
+    differentiable in params and the state, whose cotangent comes back sharded like the state)."""
+    c = model.config
+
+    def fn(params, sstate: ShardedPromptState, tokens):
+        rounds = sstate.layout
+        k = min(c.index_topk, rounds.length + tokens.shape[0])
+
+        def local(layers, state, h):
+            positions = rounds.length + jnp.arange(h.shape[0], dtype=jnp.int32)
+            reader = ReplayReader(state.kv, state.index_keys, positions, rounds, _Layers(params_specs["layers"]))
+            return decoder_layers(c, layers, h, reader, k, remat=True)[0]
+
+        h = _shard_map(mesh, local, (params_specs["layers"], prompt_state_specs(sstate.state), P()), P())(
+            params["layers"], sstate.state, params["embed"][tokens])
+        return rms_norm(h, params["final_norm"], c.rms_norm_eps)
+
+    return fn
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _extend_hidden(model, params, sstate, tokens, mesh):
+    return extend_hidden_fn(model, mesh, param_specs(params, mesh))(params, sstate, tokens)
+
+
+def extend_hidden(model: Glm52, params: dict, sstate: ShardedPromptState, tokens, mesh) -> jax.Array:
+    """As `model.extend_hidden` on the sharded state: tokens int32 [T] -> final-normed hidden [T, D]."""
+    return _extend_hidden(model, params, sstate, check_tokens(tokens, model.config.vocab_size), mesh)
+
+
+# ----- exact mode: the prompt's backward -----------------------------------------------------------------------
+
+
+def prompt_backward(model: Glm52, params, stored_tokens, mesh, rounds: RoundLayout, state: GlmState, state_cot,
+                    grads) -> dict:
+    """grads + the float32 gradient of the sequence-parallel capture given `state_cot` (the float32 cotangent of the
+    captured GlmState, sharded like it). Rounds in reverse: round r's entries are recomputed under `jax.vjp` from
+    the final cache; their cotangent is the round's slots of the running cotangent; the cotangent of its cache
+    reads (earlier rounds' rows) is added into the running cotangent. Indexer keys carry no gradient."""
+    specs = param_specs(params, mesh)
+    place = lambda tree, spec_tree: jax.tree.map(
+        lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), tree, spec_tree)
+
+    def one_round(carry, layout, index):
+        grads, kv_cot = carry
+        tokens, h = _embedded_round(params, mesh, rounds, stored_tokens, index, layout.per_shard)
+        entries = lambda layers, h, kv: round_entries(model, mesh, rounds, layout, specs["layers"], layers, h, kv,
+                                                      state.index_keys, index)[0]
+        rows, vjp = jax.vjp(entries, params["layers"], h, state.kv)
+        rows_cot = _round_slots(mesh, rounds, kv_cot, index, layout.per_shard, 1)
+        d_layers, dh, d_kv = vjp(rows_cot.astype(rows.dtype))
+        layers = place(jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads["layers"], d_layers), specs["layers"])
+        embed = place(grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)), specs["embed"])
+        kv_cot = jax.lax.with_sharding_constraint(kv_cot + d_kv.astype(kv_cot.dtype), NamedSharding(mesh, _ROWS))
+        return dict(grads, layers=layers, embed=embed), kv_cot
+
+    return _each_round(rounds, (grads, state_cot.kv.astype(jnp.float32)), one_round, reverse=True)[0]

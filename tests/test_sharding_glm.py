@@ -1,0 +1,127 @@
+"""Sequence-parallel GLM-5.x == one device (float32, tiny config: index_topk 16, so DSA selection is sparse over
+these prompts; 8 CPU devices, 4x8 in a 32-device subprocess).
+
+The prompt (45 positions) divides evenly by no mesh's 2 * seq segments; capture runs in one round and in rounds;
+the sharded indexer (per-shard top-k + all_to_all merge) must pick the same positions as one device, or the
+logits would differ.
+"""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, sharding
+from longstraw_jax.models.glm52 import Glm52Config
+from longstraw_jax.sharding import rules
+from tests.random_params import o1_params
+from tests.test_engine import assert_metrics_equal, rel_err
+
+PROMPT, TOTAL = 45, 56
+CFG = GRPOConfig(kl_coef=0.1)
+
+
+def _model(**overrides):
+    model = models.build(Glm52Config.tiny(**overrides))
+    return model, o1_params(model.init(jax.random.key(0)), jax.random.key(1))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, params = _model()
+    tokens = jax.random.randint(jax.random.key(2), (TOTAL,), 0, model.config.vocab_size, dtype=jnp.int32)
+    reference = model.capture(params, tokens[:PROMPT], chunk_size=16)
+    return model, params, tokens, reference, model.extend(params, reference, tokens[PROMPT:])
+
+
+@pytest.mark.parametrize("spec,round_len", [("2x4", None), ("1x8", 16), ("4x2", 12)])
+def test_sharded_capture_and_extend_equal_one_device(tiny, spec, round_len):
+    """One round on 2x4; rounds on 1x8 (2 full rounds of 16 + 13) and 4x2 (3 full rounds of 12 + 9)."""
+    model, params, tokens, reference, logits = tiny
+    mesh = sharding.make_mesh(spec)
+    params = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
+    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, round_len=round_len)
+    assert sstate.layout.full == {"2x4": 0, "1x8": 2, "4x2": 3}[spec]
+    seq = mesh.shape["seq"]
+    for name in ("kv", "index_keys"):  # split along seq: each device holds 1/seq of the positions
+        assert {s.data.shape[1] for s in getattr(sstate.state, name).addressable_shards} == {sstate.layout.padded // seq}
+        np.testing.assert_allclose(getattr(sstate.natural(), name), getattr(reference, name), atol=1e-4, err_msg=name)
+    np.testing.assert_allclose(sharding.extend(model, params, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
+
+
+def test_padding_cannot_leak(tiny):
+    model, params, tokens, _, _ = tiny
+    mesh = sharding.make_mesh("1x8")
+    a = sharding.capture(model, params, tokens[:PROMPT], mesh, pad_id=0)
+    b = sharding.capture(model, params, tokens[:PROMPT], mesh, pad_id=7)
+    padding = np.setdiff1d(np.arange(a.layout.padded), np.argsort(a.layout.stored_positions())[:PROMPT])
+    assert not np.any(np.asarray(a.state.kv)[:, padding])
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+
+
+def _batch(vocab: int, prompt: int = PROMPT + 1, length: int = 7):
+    rng = np.random.default_rng(0)
+    mask = (np.arange(length)[None, :] < np.array([[length], [4], [length - 1]])).astype(np.float32)
+    return GroupBatch(prompt=rng.integers(0, vocab, prompt).astype(np.int32),
+                      responses=rng.integers(0, vocab, (3, length)).astype(np.int32), mask=mask,
+                      rewards=np.array([1.0, 0.0, 0.5], np.float32),
+                      old_logprobs=np.where(mask == 1, rng.normal(-6, 0.3, mask.shape), np.nan).astype(np.float32),
+                      ref_logprobs=rng.normal(-6, 0.3, mask.shape).astype(np.float32))
+
+
+@pytest.mark.parametrize("spec,mode", [("2x4", "exact"), ("1x8", "detached")])
+def test_sharded_grpo_grads_equal_one_device(spec, mode):
+    """2x4 exact in rounds (chunk_size 16: 2 full rounds of 16 + 13; the exact backward walks all three), 1x8
+    detached in rounds (2 of 16 + 13). Ragged masks, KL on, old log-probs: every loss term reaches the backward."""
+    model, params = _model()
+    batch = _batch(model.config.vocab_size)
+    loss, grads, metrics = grpo_grads(model, params, batch, CFG, mode, chunk_size=16)
+    mesh = sharding.make_mesh(spec)
+    specs = rules.param_specs(params, mesh)
+    placed = jax.device_put(params, rules.named(specs, mesh))
+    got_loss, got_grads, got_metrics = grpo_grads(model, placed, batch, CFG, mode, chunk_size=16, mesh=mesh)
+    assert abs(float(got_loss) - float(loss)) <= 1e-5
+    assert rel_err(got_grads, grads) <= 1e-4
+    assert_metrics_equal(got_metrics, metrics)
+    experts = got_grads["layers"]["0"]["full_sparse"]["mlp"]["experts_gate"]  # [repeats, per_pattern, E, I, D]
+    assert {s.data.size for s in experts.addressable_shards} == {experts.size // 8}  # FSDP-sharded like params
+
+
+def _check_32_devices():
+    """In a fresh process with 32 CPU devices, 4x8: capture + extend (37 prompt positions: 16 segments of 3, 11
+    padding) and exact grpo_grads (prompt 38, rounds of 24) against one device."""
+    jax.config.update("jax_num_cpu_devices", 32)
+    jax.config.update("jax_default_matmul_precision", "highest")
+    model, params = _model(num_hidden_layers=2, indexer_types=("full", "shared"), mlp_layer_types=("sparse",) * 2)
+    tokens = jax.random.randint(jax.random.key(2), (43,), 0, model.config.vocab_size, dtype=jnp.int32)
+    reference = model.extend(params, model.capture(params, tokens[:37], chunk_size=16), tokens[37:])
+    mesh = sharding.make_mesh("4x8")
+    placed = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
+    sstate = sharding.capture(model, placed, tokens[:37], mesh)
+    got = sharding.extend(model, placed, sstate, tokens[37:], mesh)
+    devices = {s.device for s in sstate.state.kv.addressable_shards}
+    print("max_abs_diff", float(jnp.max(jnp.abs(got - reference))), "devices", len(devices))
+    batch = _batch(model.config.vocab_size, prompt=38, length=5)
+    loss, grads, _ = grpo_grads(model, params, batch, CFG, "exact", chunk_size=16)
+    got_loss, got_grads, _ = grpo_grads(model, placed, batch, CFG, "exact", chunk_size=24, mesh=mesh)
+    print("grads_rel_err", rel_err(got_grads, grads), "loss_diff", abs(float(got_loss) - float(loss)))
+
+
+def test_capture_extend_and_grads_equal_one_device_on_32_devices():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-m", "tests.test_sharding_glm"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = [ln for ln in run.stdout.splitlines() if ln.startswith("max_abs_diff")][-1].split()
+    assert float(line[1]) <= 1e-4 and int(line[3]) == 32, line
+    line = [ln for ln in run.stdout.splitlines() if ln.startswith("grads_rel_err")][-1].split()
+    assert float(line[1]) <= 1e-4 and float(line[3]) <= 1e-5, line
+
+
+if __name__ == "__main__":
+    _check_32_devices()
