@@ -69,8 +69,7 @@ def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, ch
 
     loss, grads, state_cot, sums = replay_branches(model, params, state, batch, cfg, with_state_grad=mode == "exact")
     if mode == "exact":
-        grads = jax.tree.map(jnp.add, grads,
-                             prompt_backward(model, params, prompt[:-1], chunk_size, state, boundaries, state_cot))
+        grads = prompt_backward(model, params, prompt[:-1], chunk_size, state, boundaries, state_cot, grads)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return loss, grads, finalize_metrics(sums, batch.rewards, batch.mask)
 
@@ -88,8 +87,8 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
     """Scan over the G branches; each step runs one branch's forward and backward to completion, so only one
     branch's graph is ever live (the replay is recomputed per branch; nothing is stored across steps).
 
-    branch_grads(model, params, state, tokens, head, acc) -> (loss, aux, grads, acc) does one branch
-    (`layerwise.branch_grads`; the sharded engine passes its own). like_params / like_state place the float32
+    branch_grads(model, params, state, tokens, head, grads, acc) -> (loss, aux, grads, acc) does one branch and adds
+    its parameter gradient into `grads` (`layerwise.branch_grads`; the sharded engine passes its own). like_params / like_state place the float32
     accumulators (a sharding constraint on a mesh).
 
     Returns (loss, param grads (float32), state cotangent summed over branches (float32; None unless
@@ -110,10 +109,10 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
 
     def step(carry, x):
         loss, grads, state_cot, sums = carry
-        branch, branch_sums, d_params, state_cot = branch_grads(
-            model, params, state, x["inputs"], lambda p, h: head(p, h, x), state_cot)
+        branch, branch_sums, grads, state_cot = branch_grads(
+            model, params, state, x["inputs"], lambda p, h: head(p, h, x), grads, state_cot)
         state_cot = None if state_cot is None else like_state(state_cot)
-        return (loss + branch, like_params(_add(grads, d_params)), state_cot, _add(sums, branch_sums)), None
+        return (loss + branch, like_params(grads), state_cot, _add(sums, branch_sums)), None
 
     head_matrix = model.lm_head(params)  # [V, D]
     hidden = jax.ShapeDtypeStruct((length, head_matrix.shape[1]), head_matrix.dtype)
@@ -124,8 +123,9 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
     return loss, grads, state_cot, sums
 
 
-def prompt_backward(model, params, tokens: jax.Array, chunk_size: int, state, boundaries, state_cot):
-    """Parameter gradient of the prompt's computation, given the cotangent of the captured state.
+def prompt_backward(model, params, tokens: jax.Array, chunk_size: int, state, boundaries, state_cot, grads):
+    """grads + the parameter gradient of the prompt's computation, given the cotangent of the captured state
+    (grads: the replay's float32 gradient, added to in place).
 
     Walks the chunks in reverse. Chunk i's entries (its keys/values, and the carried GDN state after it) are
     recomputed from its boundary (the carried state before it) and the final KV cache, read-only: positions
@@ -140,11 +140,10 @@ def prompt_backward(model, params, tokens: jax.Array, chunk_size: int, state, bo
 
     def chunk_vjp(carry, chunk_tokens, start, boundary):
         grads, cot = carry
-        chunk_grads, cot = layerwise.chunk_grads(model, params, model.with_carried(state, boundary), chunk_tokens,
-                                                 start, cot)
-        return _add(grads, chunk_grads), cot
+        return layerwise.chunk_grads(model, params, model.with_carried(state, boundary), chunk_tokens, start, grads,
+                                     cot)
 
-    carry = (_zeros_f32(params), state_cot)
+    carry = (grads, state_cot)
     if remainder:
         carry = chunk_vjp(carry, tokens[num_full * chunk_size :], num_full * chunk_size, last_boundary)
     if num_full:

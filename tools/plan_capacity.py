@@ -13,7 +13,8 @@ aliases) next to a per-device breakdown:
     params      the device's FSDP shard of the parameters (sharding.rules.param_specs)
     optimizer   its shard of the AdamW moments (like the params)
     grads       the float32 gradient accumulator's shard (the engine accumulates in float32)
-    state       the prompt state: the KV cache split along `seq`, the GDN conv/recurrent state whole
+    state       the prompt state: position-indexed caches split along `seq` (Qwen3.6 KV, GLM-5.x latent rows and
+                indexer keys), the GDN conv/recurrent state whole
     cotangent   exact mode: the float32 state cotangent (sharded like the state)
     rest        compiled total - the above: activations, gathered layers, the capture's block inputs (exact)
 
@@ -22,8 +23,7 @@ aliases) next to a per-device breakdown:
 Caveats: sizes come from XLA:CPU's buffer assignment for the per-device SPMD program; a GPU compile differs
 (fusion, scheduling, collective buffers), so read them as estimates. bf16 sizing sets
 `--xla_disable_hlo_passes=while-loop-invariant-code-motion` (otherwise the CPU compiler hoists a whole-input
-float32 conversion out of loops and overstates scratch memory). Only what the engine supports on a mesh can be
-planned: Qwen3.6 (GLM-5.x has no sequence-parallel path yet and is reported as such).
+float32 conversion out of loops and overstates scratch memory). Qwen3.6 and GLM-5.x configs are supported.
 """
 from __future__ import annotations
 
@@ -108,30 +108,37 @@ class Planner:
         import jax
         import jax.numpy as jnp
 
-        from longstraw_jax.sharding.layout import SeqLayout
-
-        seq = self.mesh.shape["seq"]
-        layout = SeqLayout.for_prompt(prompt_len - 1, seq, self.model.config.linear_conv_kernel_dim - 1)
         out = {"params": _local_bytes(self.params), "optimizer": _local_bytes(self.opt_state),
                "grads": _local_bytes(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32,
                                                                                  sharding=p.sharding), self.params))}
-        kv, gdn = self._state_bytes(layout.padded)
-        out["state"] = kv // seq + gdn
-        out["cotangent"] = 0 if mode == "detached" else kv // seq * 4 // self.dtype.itemsize + gdn
+        state, cotangent = self._state_bytes(prompt_len - 1)
+        out["state"] = state
+        out["cotangent"] = 0 if mode == "detached" else cotangent
         return out
 
-    def _state_bytes(self, positions: int) -> tuple[int, int]:
-        """(bytes of the position-indexed KV cache for `positions`, bytes of the carried GDN state) at self.dtype."""
-        from longstraw_jax.models.qwen36 import FULL, LINEAR
+    def _state_bytes(self, prompt_positions: int) -> tuple[int, int]:
+        """Per-device bytes of the prompt state at self.dtype and of its float32 cotangent: position-indexed fields
+        (`rules.SEQ_AXES`, in the engine's padded round layout) split along `seq`, carried ones whole."""
+        import dataclasses
 
-        cfg = self.model.config
-        nb, full, linear = cfg.num_blocks, cfg.block_pattern.count(FULL), cfg.block_pattern.count(LINEAR)
-        kv = 2 * nb * full * positions * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize
-        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
-            cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        gdn = nb * linear * ((cfg.linear_conv_kernel_dim - 1) * conv_dim * self.dtype.itemsize
-                             + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
-        return kv, gdn
+        import jax
+        import numpy as np
+
+        from longstraw_jax.sharding.layout import RoundLayout
+        from longstraw_jax.sharding.rules import SEQ_AXES
+
+        seq, cfg = self.mesh.shape["seq"], self.model.config
+        halo = getattr(cfg, "linear_conv_kernel_dim", 2) - 1
+        padded = RoundLayout.for_prompt(prompt_positions, seq, halo, self.chunk).padded
+        state = jax.eval_shape(lambda: self.model.init_state(padded, self.dtype))
+        total = cotangent = 0
+        for field in dataclasses.fields(state):
+            leaf = getattr(state, field.name)
+            if not isinstance(leaf, jax.ShapeDtypeStruct):
+                continue
+            count = int(np.prod(leaf.shape)) // (seq if field.name in SEQ_AXES else 1)
+            total, cotangent = total + count * leaf.dtype.itemsize, cotangent + count * 4
+        return total, cotangent
 
     def compile(self, prompt_len: int, group: int, mode: str) -> dict:
         import jax

@@ -573,6 +573,9 @@ class Qwen36(CausalLM):
         """The per-block parameters, every leaf stacked [num_blocks, ...]."""
         return params["blocks"]
 
+    def with_block_params(self, params: dict, blocks: dict) -> dict:
+        return dict(params, blocks=blocks)
+
     def block(self, bp: dict, h: jax.Array, state_block: PromptState, positions: jax.Array, cache_length):
         """One block on h [T, D] at `positions`, reading `state_block` (every state leaf indexed at the block, e.g.
         keys [nf, P, Hkv, hd]). Returns (h, the block's entries as `chunk_entries` gives them, minus the block axis)."""

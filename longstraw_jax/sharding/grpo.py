@@ -102,6 +102,9 @@ class _BlocksOnMesh:
     def block_params(self, params):
         return params["blocks"]
 
+    def with_block_params(self, params, blocks):
+        return dict(params, blocks=blocks)
+
     def final_norm(self, params, h):
         return rms_norm_1p(h, params["final_norm"], self.cfg.rms_norm_eps)
 
