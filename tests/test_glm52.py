@@ -114,10 +114,15 @@ def test_sparse_latent_attention_matches_masked_dense_attention_and_its_gradient
     assert np.abs(np.asarray(got_grads[1])[layer, :cached]).max() > 0.01
 
 
-def test_grouped_experts_and_router_match_a_per_expert_loop():
+@pytest.mark.parametrize("grouped", ["_grouped_scan", "_grouped_ragged"])
+def test_grouped_experts_and_router_match_a_per_expert_loop(grouped, monkeypatch):
     """ops/moe.py: sorted grouped compute == every expert on every token, then the chosen ones (values, gradients
-    with respect to x, the expert weights and the router weight); group-limited routing keeps top-k in the best
-    groups; the correction bias changes the choice but not the weights' formula."""
+    with respect to x, the expert weights and the router weight, also under vmap); group-limited routing keeps
+    top-k in the best groups; the correction bias changes the choice but not the weights' formula. Both grouped
+    matmuls: the CPU one (a scan over experts) and the GPU one (`ragged_dot`)."""
+    from longstraw_jax.ops import moe
+
+    monkeypatch.setattr(moe, "_grouped", getattr(moe, grouped))
     key = jax.random.split(jax.random.key(3), 6)
     n, d, i, e, topk = 11, 8, 6, 8, 3
     x = jax.random.normal(key[0], (n, d))
@@ -152,6 +157,9 @@ def test_grouped_experts_and_router_match_a_per_expert_loop():
     want = jax.grad(lambda *a: jnp.sum(loop(*a) * probe), argnums=range(5))(*args)
     for g, w in zip(grads, want):
         np.testing.assert_allclose(g, w, atol=1e-5)
+    batched = jnp.stack([x, probe])  # vmap over tokens' batches with shared (unbatched) weights
+    np.testing.assert_allclose(jax.vmap(ours, in_axes=(0, None, None, None, None))(batched, *args[1:]),
+                               jnp.stack([ours(x, *args[1:]), ours(probe, *args[1:])]), atol=1e-5)
 
 
 # ----- memory, real size ------------------------------------------------------------------------------------------

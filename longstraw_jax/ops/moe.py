@@ -7,8 +7,11 @@ The experts run as a grouped matmul: the N x K (token, expert) assignments are s
 weights multiply only its own contiguous rows (`jax.lax.ragged_dot_general`), and the weighted rows are added back
 to their tokens. Weights keep transformers' `[out, in]` orientation per expert (no transposes).
 
-Backends: on GPU/TPU `ragged_dot` lowers to a grouped GEMM; on XLA:CPU jax 0.10.2 expands it to a masked dense
-`[E, N*K, D]` product (correct, differentiable, but E times the work: fine for tests, not for real sizes on CPU).
+Backends: on GPU/TPU `ragged_dot` lowers to a grouped GEMM. On XLA:CPU jax 0.10.2 expands `ragged_dot` to a masked
+dense `[E, N*K, D]` product (E times the memory of a grouped GEMM: 192 GiB per layer for GLM-5.2 at 64K tokens), so
+on CPU the experts run one at a time in a `lax.scan` (`_grouped_scan`: each step multiplies all rows by one expert
+and keeps its own rows; E times the work, the memory of a grouped GEMM). Tests run that path; the capacity planner
+compiles it, so its sizes stand for the GPU's grouped GEMM rather than for CPU's expansion.
 """
 import jax
 import jax.numpy as jnp
@@ -68,14 +71,57 @@ _ragged_bwd = _broadcast_batched(lambda lhs, rhs, sizes, d_out: jax.vjp(lambda l
 
 
 @jax.custom_vjp
-def _grouped(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def _grouped_ragged(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """lhs [M, in] (rows sorted by group) x rhs [E, out, in] -> [M, out] (float32): row block e multiplies rhs[e].
     A custom VJP (the transpose `ragged_dot` defines) so that the forward and backward can both be vmapped."""
     return _ragged_fwd(lhs, rhs, group_sizes)
 
 
-_grouped.defvjp(lambda lhs, rhs, sizes: (_ragged_fwd(lhs, rhs, sizes), (lhs, rhs, sizes)),
-                lambda res, d_out: (*_ragged_bwd(*res, d_out), None))
+_grouped_ragged.defvjp(lambda lhs, rhs, sizes: (_ragged_fwd(lhs, rhs, sizes), (lhs, rhs, sizes)),
+                       lambda res, d_out: (*_ragged_bwd(*res, d_out), None))
+
+
+def _rows_of(group_sizes: jax.Array, num_rows: int):
+    """e -> bool [M]: the rows of group e (rows sorted by group, group e has group_sizes[e] rows)."""
+    ends = jnp.cumsum(group_sizes)
+    row = jnp.arange(num_rows)
+    return lambda e: (row >= ends[e] - group_sizes[e]) & (row < ends[e])
+
+
+@jax.custom_vjp
+def _grouped_scan(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """As `_grouped_ragged`, one expert at a time (a scan over E): memory O(M * out), never O(E * M * out)."""
+    rows_of = _rows_of(group_sizes, lhs.shape[0])
+
+    def step(out, e):
+        y = jnp.einsum("mi,oi->mo", lhs, rhs[e], preferred_element_type=accum_dtype(lhs.dtype))
+        return jnp.where(rows_of(e)[:, None], y, out), None
+
+    init = jnp.zeros((lhs.shape[0], rhs.shape[1]), accum_dtype(lhs.dtype))
+    return jax.lax.scan(step, init, jnp.arange(rhs.shape[0]))[0]
+
+
+def _grouped_scan_bwd(residuals, d_out):
+    """d lhs = sum_e [rows of e] d_out rhs[e]; d rhs[e] = (d_out on rows of e)^T lhs (stacked by the scan)."""
+    lhs, rhs, group_sizes = residuals
+    rows_of = _rows_of(group_sizes, lhs.shape[0])
+    acc = accum_dtype(lhs.dtype)
+
+    def step(d_lhs, e):
+        d = jnp.where(rows_of(e)[:, None], d_out, 0).astype(acc)
+        d_lhs = d_lhs + jnp.einsum("mo,oi->mi", d, rhs[e].astype(acc))
+        return d_lhs, jnp.einsum("mo,mi->oi", d, lhs.astype(acc)).astype(rhs.dtype)
+
+    d_lhs, d_rhs = jax.lax.scan(step, jnp.zeros(lhs.shape, acc), jnp.arange(rhs.shape[0]))
+    return d_lhs.astype(lhs.dtype), d_rhs, None
+
+
+_grouped_scan.defvjp(lambda lhs, rhs, sizes: (_grouped_scan(lhs, rhs, sizes), (lhs, rhs, sizes)), _grouped_scan_bwd)
+
+
+def _grouped(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The backend's grouped matmul (module docstring): `ragged_dot` on GPU/TPU, one expert at a time on CPU."""
+    return (_grouped_scan if jax.default_backend() == "cpu" else _grouped_ragged)(lhs, rhs, group_sizes)
 
 
 def grouped_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
