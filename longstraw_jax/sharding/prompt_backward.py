@@ -13,8 +13,8 @@ the cotangent of the cache reads into the running KV cotangent at block b (1/num
 and replaces the carried cotangent by that of the state the round started from. Collectives inside a block (ring
 `ppermute`, the GDN fold's all-gathers, the log-sum-exp merge over earlier rounds) are transposed by JAX.
 
-Memory: the state, its cotangent, the round boundaries (GDN state per round) and one round's block inputs and one
-block's recomputation; nothing scales with P except the first two.
+Memory: the state, its cotangent, the round boundaries (GDN state per round, spread over the seq shards) and one
+round's block inputs and one block's recomputation; nothing scales with P except the first two and the boundaries.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from longstraw_jax.models.qwen36 import FULL, LINEAR
 from longstraw_jax.sharding.layout import RoundLayout
-from longstraw_jax.sharding.qwen36 import round_block
+from longstraw_jax.sharding.qwen36 import boundaries_per_shard, read_boundary, round_block
 from longstraw_jax.sharding.rules import block_slice_specs, param_specs
 from longstraw_jax.sharding.sequence import SEQ
 
@@ -43,6 +43,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
     block_specs = specs["blocks"]
     slice_specs = block_slice_specs(block_specs)
     blocks = params["blocks"]
+    per = boundaries_per_shard(rounds)
 
     place = lambda tree, spec_tree: jax.tree.map(
         lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), tree, spec_tree)
@@ -69,7 +70,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
         grads, keys_cot, values_cot, conv_cot, rec_cot = carry
         size = layout.per_shard
         tokens = read_round(stored_tokens, index, size, 0, P(SEQ), P(SEQ))
-        conv_in, rec_in = (b[index] for b in boundaries)
+        conv_in, rec_in = shard_map(lambda b, r: read_boundary(b, r, per), (P(SEQ), P()), P())(boundaries, index)
         at = lambda tree, b: jax.tree.map(lambda a: a[b], tree)
         state_of = lambda b: (conv_in[b][None], rec_in[b][None], state.keys[b][None], state.values[b][None])
         h0 = jax.lax.with_sharding_constraint(params["embed"][tokens], NamedSharding(mesh, P(SEQ)))

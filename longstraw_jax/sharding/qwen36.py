@@ -180,10 +180,31 @@ def _capture_round(cfg, block_specs, method, blocks, h, layout: SeqLayout, index
     return conv, recurrent, write(carry[2], k), write(carry[3], v)
 
 
+def boundaries_per_shard(rounds: RoundLayout) -> int:
+    """Round boundaries each shard keeps: the rounds.full + 1 GDN states carried into the rounds are spread over the
+    shards (round r on shard r // per), so no device holds all of them."""
+    return -(-(rounds.full + 1) // rounds.shards)
+
+
+def _keep_boundary(owned, carried, r, per: int):
+    """Store the GDN state carried into round r at its owner's slot r % per; other shards write the scratch slot
+    `per` (buffers [per + 1, ...])."""
+    slot = jnp.where(jax.lax.axis_index(sequence.SEQ) == r // per, r % per, per)
+    return jax.tree.map(lambda buf, x: buf.at[slot].set(x.astype(buf.dtype)), owned, carried)
+
+
+def read_boundary(owned, r, per: int):
+    """Inside `shard_map`: round r's boundary (conv, recurrent), on every shard (a psum from its owner; exact)."""
+    mine = jax.lax.axis_index(sequence.SEQ) == r // per
+    return jax.tree.map(lambda buf: jax.lax.psum(jnp.where(mine, buf[r % per], 0).astype(buf.dtype), sequence.SEQ),
+                        owned)
+
+
 def _capture_local(cfg, rounds: RoundLayout, block_specs, method, blocks, h):
     """This shard's h [rounds.per_shard, D] -> ((conv, recurrent, keys, values), boundaries): a scan over the full
     rounds, then the last round. Only one round's activations are ever live; the cache fills in place.
-    boundaries: (conv, recurrent) carried into each round, stacked [rounds.full + 1, ...] (for the exact backward)."""
+    boundaries: this shard's (conv, recurrent) carried into its rounds, [per + 1, ...] (`boundaries_per_shard`;
+    the last slot is scratch), for the exact backward (`read_boundary`)."""
     nb, hv = cfg.num_blocks, cfg.linear_num_value_heads
     linear, full = cfg.block_pattern.count(LINEAR), cfg.block_pattern.count(FULL)
     conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim
@@ -191,14 +212,18 @@ def _capture_local(cfg, rounds: RoundLayout, block_specs, method, blocks, h):
              jnp.zeros((nb, linear, hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim), accum_dtype(h.dtype)),
              *(jnp.zeros((nb, full, rounds.per_shard, cfg.num_key_value_heads, cfg.head_dim), h.dtype),) * 2)
     one_round = functools.partial(_capture_round, cfg, block_specs, method, blocks)
-    before = [jax.tree.map(lambda a: a[None], carry[:2])]
+    per = boundaries_per_shard(rounds)
+    owned = tuple(jnp.zeros((per + 1,) + a.shape, a.dtype) for a in carry[:2])
     if rounds.full:
+        def step(c, xs):
+            carry, owned = c
+            owned = _keep_boundary(owned, carry[:2], xs[1], per)
+            return (one_round(xs[0], rounds.round, xs[1], rounds, carry), owned), None
+
         h_full = h[: rounds.full * rounds.round_slots].reshape(rounds.full, rounds.round_slots, -1)
-        carry, before_full = jax.lax.scan(lambda c, xs: (one_round(xs[0], rounds.round, xs[1], rounds, c), c[:2]),
-                                          carry, (h_full, jnp.arange(rounds.full)))
-        before = [before_full, jax.tree.map(lambda a: a[None], carry[:2])]
-    boundaries = jax.tree.map(lambda *a: jnp.concatenate(a), *before)
-    return one_round(h[rounds.full * rounds.round_slots :], rounds.last, rounds.full, rounds, carry), boundaries
+        (carry, owned), _ = jax.lax.scan(step, (carry, owned), (h_full, jnp.arange(rounds.full)))
+    owned = _keep_boundary(owned, carry[:2], rounds.full, per)
+    return one_round(h[rounds.full * rounds.round_slots :], rounds.last, rounds.full, rounds, carry), owned
 
 
 def capture(model: Qwen36, params: dict, tokens, mesh, attention: str = "ring", pad_id: int = 0,
@@ -221,14 +246,16 @@ def capture(model: Qwen36, params: dict, tokens, mesh, attention: str = "ring", 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
 def _capture(model, params, stored_tokens, mesh, layout, attention):
-    """-> (ShardedPromptState, boundaries: the GDN (conv, recurrent) carried into each round [full + 1, ...])."""
+    """-> (ShardedPromptState, boundaries: the GDN (conv, recurrent) carried into each round, spread over the seq
+    shards as `_capture_local` keeps them)."""
     cfg = model.config
     specs = param_specs(params, mesh)
     h = jax.lax.with_sharding_constraint(params["embed"][stored_tokens], NamedSharding(mesh, P(sequence.SEQ)))
     kv_spec = P(None, None, sequence.SEQ)
     (conv, recurrent, keys, values), boundaries = jax.shard_map(
         functools.partial(_capture_local, cfg, layout, specs["blocks"], attention), mesh=mesh,
-        in_specs=(specs["blocks"], P(sequence.SEQ)), out_specs=((P(), P(), kv_spec, kv_spec), (P(), P())),
+        in_specs=(specs["blocks"], P(sequence.SEQ)),
+        out_specs=((P(), P(), kv_spec, kv_spec), (P(sequence.SEQ), P(sequence.SEQ))),
         check_vma=False,
     )(params["blocks"], h)
     state = PromptState(conv=conv, recurrent=recurrent, keys=keys, values=values, length=layout.length)
