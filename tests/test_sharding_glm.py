@@ -5,23 +5,20 @@ The prompt (45 positions) divides evenly by no mesh's 2 * seq segments; capture 
 the sharded indexer (per-shard top-k + all_to_all merge) must pick the same positions as one device, or the
 logits would differ.
 """
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, sharding
+from longstraw_jax import GroupBatch, grpo_grads, models, sharding
 from longstraw_jax.models.glm52 import Glm52Config
 from longstraw_jax.sharding import rules
 from tests.random_params import o1_params
-from tests.test_engine import assert_metrics_equal, rel_err
+from tests.test_engine import rel_err
+from tests.test_sharding_grpo import CFG, assert_sharded_grads_match
+from tests.test_sharding_sequence import assert_32_device_check_passes
 
 PROMPT, TOTAL = 45, 56
-CFG = GRPOConfig(kl_coef=0.1)
 
 
 def _model(**overrides):
@@ -91,15 +88,7 @@ def test_sharded_grpo_grads_equal_one_device(spec, mode):
     """2x4 exact in rounds (chunk_size 16: 2 full rounds of 16 + 13; the exact backward walks all three), 1x8
     detached in rounds (2 of 16 + 13). Ragged masks, KL on, old log-probs: every loss term reaches the backward."""
     model, params = _model()
-    batch = _batch(model.config.vocab_size)
-    loss, grads, metrics = grpo_grads(model, params, batch, CFG, mode, chunk_size=16)
-    mesh = sharding.make_mesh(spec)
-    specs = rules.param_specs(params, mesh)
-    placed = jax.device_put(params, rules.named(specs, mesh))
-    got_loss, got_grads, got_metrics = grpo_grads(model, placed, batch, CFG, mode, chunk_size=16, mesh=mesh)
-    assert abs(float(got_loss) - float(loss)) <= 1e-5
-    assert rel_err(got_grads, grads) <= 1e-4
-    assert_metrics_equal(got_metrics, metrics)
+    got_grads, _ = assert_sharded_grads_match(model, params, _batch(model.config.vocab_size), spec, mode)
     experts = got_grads["layers"]["0"]["full_sparse"]["mlp"]["experts_gate"]  # [repeats, per_pattern, E, I, D]
     assert {s.data.size for s in experts.addressable_shards} == {experts.size // 8}  # FSDP-sharded like params
 
@@ -125,15 +114,7 @@ def _check_32_devices():
 
 
 def test_capture_extend_and_grads_equal_one_device_on_32_devices():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, "-m", "tests.test_sharding_glm"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = [ln for ln in run.stdout.splitlines() if ln.startswith("max_abs_diff")][-1].split()
-    assert float(line[1]) <= 1e-4 and int(line[3]) == 32, line
-    line = [ln for ln in run.stdout.splitlines() if ln.startswith("grads_rel_err")][-1].split()
-    assert float(line[1]) <= 1e-4 and float(line[3]) <= 1e-5, line
+    assert_32_device_check_passes("tests.test_sharding_glm")
 
 
 if __name__ == "__main__":

@@ -32,18 +32,25 @@ def setup():
     return model, params, batch
 
 
-@pytest.mark.parametrize("spec,mode", [("2x4", "exact"), ("1x8", "detached")])
-def test_sharded_grpo_grads_equal_one_device(setup, spec, mode):
-    model, params, batch = setup
-    loss, grads, metrics = grpo_grads(model, params, batch, CFG, mode, chunk_size=16)
+def assert_sharded_grads_match(model, params, batch, spec: str, mode: str, chunk_size: int = 16):
+    """grpo_grads on the mesh == on one device (loss, relative gradient error <= 1e-4, metrics); returns
+    (the sharded grads, the parameter specs)."""
+    loss, grads, metrics = grpo_grads(model, params, batch, CFG, mode, chunk_size=chunk_size)
     mesh = sharding.make_mesh(spec)
     specs = rules.param_specs(params, mesh)
     placed = jax.device_put(params, rules.named(specs, mesh))
-    # chunk_size 16: rounds on 2x4 (one full round of 24 positions + 21; the exact backward walks both), one on 1x8
-    got_loss, got_grads, got_metrics = grpo_grads(model, placed, batch, CFG, mode, chunk_size=16, mesh=mesh)
+    got_loss, got_grads, got_metrics = grpo_grads(model, placed, batch, CFG, mode, chunk_size=chunk_size, mesh=mesh)
     assert abs(float(got_loss) - float(loss)) <= 1e-5
     assert rel_err(got_grads, grads) <= 1e-4
     assert_metrics_equal(got_metrics, metrics)
+    return got_grads, specs
+
+
+@pytest.mark.parametrize("spec,mode", [("2x4", "exact"), ("1x8", "detached")])
+def test_sharded_grpo_grads_equal_one_device(setup, spec, mode):
+    # chunk_size 16: rounds on 2x4 (one full round of 24 positions + 21; the exact backward walks both), one on 1x8
+    got_grads, specs = assert_sharded_grads_match(*setup, spec, mode)
+    mesh = sharding.make_mesh(spec)
     # the gradient comes back FSDP-sharded like the parameters: each device holds 1/8 of a split leaf
     embed = got_grads["embed"]
     assert specs["embed"] != jax.sharding.PartitionSpec()

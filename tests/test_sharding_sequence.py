@@ -138,10 +138,16 @@ def _check_32_devices():
 
 def test_sharded_capture_extend_and_grads_equal_one_device_on_32_devices():
     """4x8 needs 32 devices, more than this session's 8: a subprocess (small model, one jitted shape each)."""
+    assert_32_device_check_passes("tests.test_sharding_sequence")
+
+
+def assert_32_device_check_passes(module: str):
+    """Run `python -m module` (its `_check_32_devices`) and check the printed logit difference, device count,
+    gradient relative error and loss difference."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, "-m", "tests.test_sharding_sequence"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-m", module], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     line = [ln for ln in run.stdout.splitlines() if ln.startswith("max_abs_diff")][-1].split()
     assert float(line[1]) <= 1e-4 and int(line[3]) == 32, line

@@ -212,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-gb", type=float, default=96.0, help="device memory in GB (1e9 bytes; default 96)")
     ap.add_argument("--search", action="store_true", help="binary-search the longest prompt that fits")
     ap.add_argument("--search-step", type=_count, default=65536, help="search resolution in positions (64K)")
-    ap.add_argument("--chunk", type=_count, default=65536,
-                    help="capture / prompt-backward round length in positions (default 64K)")
+    ap.add_argument("--chunk", type=_count, default=16384,
+                    help="capture / prompt-backward round length in positions (default 16K: a round's working set "
+                         "is most of the exact step's transient memory)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--unit", choices=("GiB", "MiB"), default="GiB", help="table unit (default GiB)")
     args = ap.parse_args(argv)

@@ -476,8 +476,8 @@ def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int, int]]:
 
 def _segment(c: Glm52Config, s: int, seg: Segment, seg_params: dict, h, selected, reader, remat=False):
     """Segment `s`: a scan over its repeats; inside a repeat, a scan over each run of one group. The prompt is only
-    read (through `reader`). remat: under autodiff keep only each repeat's inputs and recompute it in the backward
-    pass. Returns (h, selected, rows [layers, T, kv_row_dim], index keys [full layers, T, Di] or None, the full
+    read (through `reader`). remat: under autodiff keep only each layer's inputs and recompute the layer in the
+    backward pass (one layer's activations, and on a mesh one layer's gathered weights, live at a time). Returns (h, selected, rows [layers, T, kv_row_dim], index keys [full layers, T, Di] or None, the full
     layers' selections [full layers, T, k] or None)."""
     plen = len(seg.pattern)
     full_per_repeat = sum(g.startswith(FULL) for g in seg.pattern)
@@ -496,13 +496,12 @@ def _segment(c: Glm52Config, s: int, seg: Segment, seg_params: dict, h, selected
                 return (h, selected), (rows, key, selected if key is not None else None)
 
             run_params = jax.tree.map(lambda a: a[j : j + count], rp[group])
-            carry, out = jax.lax.scan(step, carry, (run_params, jnp.arange(count)))
+            carry, out = jax.lax.scan(jax.checkpoint(step) if remat else step, carry, (run_params, jnp.arange(count)))
             outputs.append(out)
         rows, keys, selections = (None if all(o[n] is None for o in outputs) else
                                   jnp.concatenate([o[n] for o in outputs if o[n] is not None]) for n in range(3))
         return carry, (rows, keys, selections)
 
-    repeat = jax.checkpoint(repeat) if remat else repeat
     (h, selected), outs = jax.lax.scan(repeat, (h, selected), (seg_params, jnp.arange(seg.repeats)))
     flatten = lambda a: None if a is None else a.reshape((-1,) + a.shape[2:])
     return (h, selected) + tuple(flatten(a) for a in outs)
