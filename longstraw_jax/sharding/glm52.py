@@ -10,7 +10,7 @@ Capture (in rounds, `RoundLayout`; each round laid out zigzag like Qwen3.6's). P
   each query's candidates to the query's shard, which merges the n candidate lists into the global top-k. The
   scores are the O(P^2) part of GLM's prompt work, and the zigzag layout gives every shard the same share of it.
 - MLA: each query attends to exactly k rows, anywhere before it. The layer's latent rows (one 576-wide row per
-  position, shared by all heads: 1/48 of a per-head KV at 64 heads) are all-gathered and each shard gathers its
+  position, shared by all heads: 1/57 of a per-head K and V at 64 heads) are all-gathered and each shard gathers its
   queries' selected rows locally. A ring would need the same k gathers per query at every hop, n times the work;
   all-gathering the rows is one collective and O(P) transient memory for one layer.
 Replay: a branch's queries run on every shard. Each shard scores its own prompt keys (top-k candidates, all-gathered
