@@ -163,13 +163,6 @@ def _shard_map(mesh, fn, in_specs, out_specs):
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def _round_slots(mesh, rounds: RoundLayout, x, index, size: int, axis: int):
-    """Each shard's slots [index * round_slots, + size) along `axis` (the seq-sharded axis) of x."""
-    spec = P(*([None] * axis + [SEQ]))
-    return _shard_map(mesh, lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * rounds.round_slots, size, axis),
-                      (spec, P()), spec)(x, index)
-
-
 def _write_round(mesh, rounds: RoundLayout, cache, new, index):
     """cache [layers, S, width] with each shard's round slots from index * round_slots overwritten by new."""
     write = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), i * rounds.round_slots, 1)
@@ -195,21 +188,8 @@ def round_entries(model: Glm52, mesh, rounds: RoundLayout, layout: SeqLayout, la
 
 
 def _embedded_round(params, mesh, rounds, stored_tokens, index, size):
-    tokens = _round_slots(mesh, rounds, stored_tokens, index, size, 0)
+    tokens = sequence.round_slots(mesh, rounds, stored_tokens, index, size, 0)
     return tokens, jax.lax.with_sharding_constraint(params["embed"][tokens], NamedSharding(mesh, P(SEQ)))
-
-
-def _each_round(rounds: RoundLayout, carry, one_round, reverse: bool = False):
-    """carry = one_round(carry, layout, index) over the full rounds (a scan) and the last round, in order or
-    reversed."""
-    def full(carry):
-        if not rounds.full:
-            return carry
-        step = lambda c, r: (one_round(c, rounds.round, r), None)
-        return jax.lax.scan(step, carry, jnp.arange(rounds.full), reverse=reverse)[0]
-
-    last = lambda carry: one_round(carry, rounds.last, jnp.int32(rounds.full))
-    return last(full(carry)) if not reverse else full(last(carry))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
@@ -226,7 +206,7 @@ def _capture(model: Glm52, params, stored_tokens, mesh, rounds: RoundLayout) -> 
         entries = round_entries(model, mesh, rounds, layout, layer_specs, params["layers"], h, *caches, index)
         return tuple(_write_round(mesh, rounds, cache, new, index) for cache, new in zip(caches, entries))
 
-    kv, index_keys = _each_round(rounds, caches, one_round)
+    kv, index_keys = sequence.each_round(rounds, caches, one_round)
     return ShardedPromptState(GlmState(kv=kv, index_keys=index_keys, length=rounds.length), rounds)
 
 
@@ -292,11 +272,11 @@ def prompt_backward(model: Glm52, params, stored_tokens, mesh, rounds: RoundLayo
         entries = lambda layers, h, kv: round_entries(model, mesh, rounds, layout, specs["layers"], layers, h, kv,
                                                       state.index_keys, index)[0]
         rows, vjp = jax.vjp(entries, params["layers"], h, state.kv)
-        rows_cot = _round_slots(mesh, rounds, kv_cot, index, layout.per_shard, 1)
+        rows_cot = sequence.round_slots(mesh, rounds, kv_cot, index, layout.per_shard, 1)
         d_layers, dh, d_kv = vjp(rows_cot.astype(rows.dtype))
         layers = place(jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads["layers"], d_layers), specs["layers"])
         embed = place(grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)), specs["embed"])
         kv_cot = jax.lax.with_sharding_constraint(kv_cot + d_kv.astype(kv_cot.dtype), NamedSharding(mesh, _ROWS))
         return dict(grads, layers=layers, embed=embed), kv_cot
 
-    return _each_round(rounds, (grads, state_cot.kv.astype(jnp.float32)), one_round, reverse=True)[0]
+    return sequence.each_round(rounds, (grads, state_cot.kv.astype(jnp.float32)), one_round, reverse=True)[0]

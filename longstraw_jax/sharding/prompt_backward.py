@@ -28,7 +28,7 @@ from longstraw_jax.models.qwen36 import FULL, LINEAR
 from longstraw_jax.sharding.layout import RoundLayout
 from longstraw_jax.sharding.qwen36 import boundaries_per_shard, read_boundary, round_block
 from longstraw_jax.sharding.rules import block_slice_specs, param_specs
-from longstraw_jax.sharding.sequence import SEQ
+from longstraw_jax.sharding.sequence import SEQ, each_round, round_slots
 
 _KV = P(None, None, SEQ)  # a KV cache or its cotangent: [blocks (or 1), nf, S, Hkv, hd], S split along seq
 
@@ -61,15 +61,12 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
         return shard_map(local, (slice_specs, P(SEQ), P(), P(), _KV, _KV, P()),
                          (P(SEQ), P(), P(), P(None, SEQ), P(None, SEQ)))(bp, h, conv, recurrent, keys, values, index)
 
-    def read_round(x, index, size: int, axis: int, in_spec, out_spec):
-        """Each shard's slots [index * round_slots, + size) along `axis` of a seq-sharded array."""
-        return shard_map(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * rounds.round_slots, size, axis),
-                         (in_spec, P()), out_spec)(x, index)
+    read_round = functools.partial(round_slots, mesh, rounds)
 
     def round_backward(carry, layout, index):
         grads, keys_cot, values_cot, conv_cot, rec_cot = carry
         size = layout.per_shard
-        tokens = read_round(stored_tokens, index, size, 0, P(SEQ), P(SEQ))
+        tokens = read_round(stored_tokens, index, size, 0)
         conv_in, rec_in = shard_map(lambda b, r: read_boundary(b, r, per), (P(SEQ), P()), P())(boundaries, index)
         at = lambda tree, b: jax.tree.map(lambda a: a[b], tree)
         state_of = lambda b: (conv_in[b][None], rec_in[b][None], state.keys[b][None], state.values[b][None])
@@ -85,8 +82,8 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
             primals = (at(blocks, b), inputs[b], *state_of(b))
             outputs, vjp = jax.vjp(functools.partial(block, layout, index), *primals)
             entries_cot = (conv_cot[b], rec_cot[b],
-                           read_round(keys_cot[b], index, size, 1, P(None, SEQ), P(None, SEQ)),
-                           read_round(values_cot[b], index, size, 1, P(None, SEQ), P(None, SEQ)))
+                           read_round(keys_cot[b], index, size, 1),
+                           read_round(values_cot[b], index, size, 1))
             cot = (dh,) + tuple(c.astype(o.dtype) for c, o in zip(entries_cot, outputs[1:]))
             d_bp, dh, d_conv, d_rec, d_keys, d_values = vjp(cot)
             # the constraints keep the carried accumulators sharded (FSDP / seq) through the scan
@@ -105,8 +102,4 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
 
     f32 = lambda a: a.astype(jnp.float32)
     carry = (grads, f32(state_cot.keys), f32(state_cot.values), f32(state_cot.conv), f32(state_cot.recurrent))
-    carry = round_backward(carry, rounds.last, jnp.int32(rounds.full))
-    if rounds.full:
-        carry, _ = jax.lax.scan(lambda c, r: (round_backward(c, rounds.round, r), None), carry,
-                                jnp.arange(rounds.full), reverse=True)
-    return carry[0]
+    return each_round(rounds, carry, round_backward, reverse=True)[0]

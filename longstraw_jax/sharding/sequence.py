@@ -9,6 +9,8 @@ Every shard holds two segments of L positions in the layout of `SeqLayout` (loca
 - `affine_fold`: the exclusive fold of per-segment affine maps S_out = A S_in + B (Gated DeltaNet) across segments,
   giving each segment its incoming state.
 - `previous_rows`: the last rows of the previous segment (the causal conv's K-1 halo).
+Called outside `shard_map`, for engines that walk a prompt in rounds (`RoundLayout`): `round_slots` (each shard's
+slots of one round) and `each_round` (the walk itself, forwards or in reverse).
 """
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ import jax.numpy as jnp
 
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.dtypes import accum_dtype
-from longstraw_jax.sharding.layout import SeqLayout
+from jax.sharding import PartitionSpec as P
+
+from longstraw_jax.sharding.layout import RoundLayout, SeqLayout
 
 SEQ = "seq"
 ATTENTION_METHODS = ("ring", "allgather")
@@ -121,3 +125,24 @@ def causal_attention(q, k, v, positions, layout: SeqLayout, *, scale: float, blo
 
     acc, _ = jax.lax.fori_loop(1, n, hop, (acc, (k, v)))
     return acc
+
+
+def round_slots(mesh, rounds: RoundLayout, x, index, size: int, axis: int):
+    """Each shard's slots [index * rounds.round_slots, + size) along `axis` (the seq-sharded axis) of x: round
+    `index` of a seq-sharded array, still seq-sharded."""
+    spec = P(*([None] * axis + [SEQ]))
+    take = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * rounds.round_slots, size, axis)
+    return jax.shard_map(take, mesh=mesh, in_specs=(spec, P()), out_specs=spec, check_vma=False)(x, index)
+
+
+def each_round(rounds: RoundLayout, carry, one_round, reverse: bool = False):
+    """carry = one_round(carry, layout, index) over the full rounds (a scan; `rounds.round`) and the last round
+    (`rounds.last`), in order or reversed."""
+    def full(carry):
+        if not rounds.full:
+            return carry
+        step = lambda c, r: (one_round(c, rounds.round, r), None)
+        return jax.lax.scan(step, carry, jnp.arange(rounds.full), reverse=reverse)[0]
+
+    last = lambda carry: one_round(carry, rounds.last, jnp.int32(rounds.full))
+    return full(last(carry)) if reverse else last(full(carry))
