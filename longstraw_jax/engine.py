@@ -38,8 +38,8 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
     """(loss, grads, metrics) for one group. `model`, `cfg`, `mode`, `chunk_size`, `mesh` are static.
 
     mesh: a ("data", "seq") `jax.sharding.Mesh` (sharding.make_mesh) runs the sequence-parallel engine of
-    `sharding/grpo.py` (Qwen3.6; same loss and gradients, grads FSDP-sharded; the prompt is captured and
-    backpropagated in rounds of about chunk_size positions).
+    `sharding/grpo.py` (Qwen3.6 and GLM-5.x; same loss and gradients, grads FSDP-sharded; the prompt is captured
+    and backpropagated in rounds of about chunk_size positions).
 
     Validates the batch on the host when its arrays are concrete (under an outer `jit` only shapes are checked).
     grads has the structure and dtype of params.
@@ -88,8 +88,8 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
     branch's graph is ever live (the replay is recomputed per branch; nothing is stored across steps).
 
     branch_grads(model, params, state, tokens, head, grads, acc) -> (loss, aux, grads, acc) does one branch and adds
-    its parameter gradient into `grads` (`layerwise.branch_grads`; the sharded engine passes its own). like_params / like_state place the float32
-    accumulators (a sharding constraint on a mesh).
+    its parameter gradient into `grads` (`layerwise.branch_grads`; the sharded engine passes its own). like_params /
+    like_state place the float32 accumulators (a sharding constraint on a mesh).
 
     Returns (loss, param grads (float32), state cotangent summed over branches (float32; None unless
     with_state_grad), metric sums).

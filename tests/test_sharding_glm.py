@@ -42,9 +42,9 @@ def test_sharded_capture_and_extend_equal_one_device(tiny, spec, round_len):
     params = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
     sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, round_len=round_len)
     assert sstate.layout.full == {"2x4": 0, "1x8": 2, "4x2": 3}[spec]
-    seq = mesh.shape["seq"]
+    per_device = sstate.layout.padded // mesh.shape["seq"]
     for name in ("kv", "index_keys"):  # split along seq: each device holds 1/seq of the positions
-        assert {s.data.shape[1] for s in getattr(sstate.state, name).addressable_shards} == {sstate.layout.padded // seq}
+        assert {s.data.shape[1] for s in getattr(sstate.state, name).addressable_shards} == {per_device}
         np.testing.assert_allclose(getattr(sstate.natural(), name), getattr(reference, name), atol=1e-4, err_msg=name)
     np.testing.assert_allclose(sharding.extend(model, params, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
 

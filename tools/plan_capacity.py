@@ -124,12 +124,11 @@ class Planner:
         import jax
         import numpy as np
 
-        from longstraw_jax.sharding.layout import RoundLayout
+        from longstraw_jax.sharding.prompt import round_layout
         from longstraw_jax.sharding.rules import SEQ_AXES
 
-        seq, cfg = self.mesh.shape["seq"], self.model.config
-        halo = getattr(cfg, "linear_conv_kernel_dim", 2) - 1
-        padded = RoundLayout.for_prompt(prompt_positions, seq, halo, self.chunk).padded
+        seq = self.mesh.shape["seq"]
+        padded = round_layout(self.model, prompt_positions, seq, self.chunk).padded
         state = jax.eval_shape(lambda: self.model.init_state(padded, self.dtype))
         total = cotangent = 0
         for field in dataclasses.fields(state):

@@ -394,8 +394,8 @@ class PromptReader(NamedTuple):
     def select(self, c: Glm52Config, q, w, keys, full, k: int) -> jax.Array:
         """DSA top-k (2.8): q [T, Hi, Di], w [T, Hi] float32, keys [T, Di] this chunk's indexer keys -> int32
         [T, k] positions (-1: unused slot) among the cache's keys of full layer `full` and the causal new keys."""
-        return select_topk(q, w, jax.lax.stop_gradient(self.state.index_keys), full, keys, self.positions, self.start, k=k,
-                           scale=c.index_head_dim**-0.5, query_block=c.query_block_size,
+        return select_topk(q, w, jax.lax.stop_gradient(self.state.index_keys), full, keys, self.positions,
+                           self.start, k=k, scale=c.index_head_dim**-0.5, query_block=c.query_block_size,
                            key_block=c.index_key_block_size)
 
     def attend(self, c: Glm52Config, q_abs, rows, layer, selected) -> jax.Array:
@@ -477,8 +477,9 @@ def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int, int]]:
 def _segment(c: Glm52Config, s: int, seg: Segment, seg_params: dict, h, selected, reader, remat=False):
     """Segment `s`: a scan over its repeats; inside a repeat, a scan over each run of one group. The prompt is only
     read (through `reader`). remat: under autodiff keep only each layer's inputs and recompute the layer in the
-    backward pass (one layer's activations, and on a mesh one layer's gathered weights, live at a time). Returns (h, selected, rows [layers, T, kv_row_dim], index keys [full layers, T, Di] or None, the full
-    layers' selections [full layers, T, k] or None)."""
+    backward pass (one layer's activations, and on a mesh one layer's gathered weights, live at a time).
+    Returns (h, selected, rows [layers, T, kv_row_dim], index keys [full layers, T, Di] or None, the full layers'
+    selections [full layers, T, k] or None)."""
     plen = len(seg.pattern)
     full_per_repeat = sum(g.startswith(FULL) for g in seg.pattern)
 

@@ -44,6 +44,11 @@ _ROWS = P(None, SEQ)  # latent rows / indexer keys [layers, positions, width], p
 _NEVER = jnp.iinfo(jnp.int32).max  # key position of a padding slot: never visible to any query
 
 
+def min_segment(cfg) -> int:
+    """GLM reads no halo from the previous segment: any segment length works."""
+    return 1
+
+
 def _everyone(x):
     """All shards' x, concatenated along the leading axis in shard order (stored order of a round)."""
     return jax.lax.all_gather(x, SEQ, tiled=True)
@@ -215,7 +220,7 @@ def capture(model: Glm52, params: dict, tokens, mesh, pad_id: int = 0,
     """Prompt tokens int32 [P] -> ShardedPromptState (a GlmState split along `seq`), sequence-parallel over `mesh`.
     round_len: capture in rounds of about this many positions (None: one round). `pad_id` fills padding slots only."""
     tokens = check_tokens(tokens, model.config.vocab_size)
-    rounds = RoundLayout.for_prompt(tokens.shape[0], mesh.shape[SEQ], 1, round_len)
+    rounds = RoundLayout.for_prompt(tokens.shape[0], mesh.shape[SEQ], min_segment(model.config), round_len)
     return _capture(model, params, rounds.to_stored(tokens, pad_id), mesh, rounds)
 
 

@@ -33,6 +33,7 @@ from longstraw_jax.ops.norms import rms_norm_1p
 from longstraw_jax.sharding import glm52 as sharded_glm52
 from longstraw_jax.sharding import qwen36 as sharded_qwen36
 from longstraw_jax.sharding.layout import RoundLayout
+from longstraw_jax.sharding.prompt import round_layout
 from longstraw_jax.sharding.prompt_backward import prompt_backward
 from longstraw_jax.sharding.rules import block_slice_specs, named, param_specs, prompt_state_specs
 
@@ -49,8 +50,7 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mes
     The batch must already be validated (engine.grpo_grads does it). The prompt is captured (and, in exact mode,
     backpropagated) in rounds of about `round_len` positions (None: one round)."""
     check_supported(model)
-    halo = model.config.linear_conv_kernel_dim - 1 if isinstance(model, Qwen36) else 1
-    layout = RoundLayout.for_prompt(batch.prompt.shape[0] - 1, mesh.shape["seq"], halo, round_len)
+    layout = round_layout(model, batch.prompt.shape[0] - 1, mesh.shape["seq"], round_len)
     return _grpo_grads(model, params, batch, cfg, mode, mesh, layout, attention)
 
 

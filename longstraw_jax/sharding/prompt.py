@@ -10,7 +10,7 @@ from longstraw_jax.models.glm52 import Glm52
 from longstraw_jax.models.qwen36 import Qwen36
 from longstraw_jax.sharding import glm52 as sharded_glm52
 from longstraw_jax.sharding import qwen36 as sharded_qwen36
-from longstraw_jax.sharding.layout import ShardedPromptState
+from longstraw_jax.sharding.layout import RoundLayout, ShardedPromptState
 
 
 def _family(model):
@@ -19,6 +19,11 @@ def _family(model):
     if isinstance(model, Glm52):
         return sharded_glm52
     raise NotImplementedError(f"no sequence-parallel path for {type(model).__name__}")
+
+
+def round_layout(model, prompt_positions: int, shards: int, round_len: int | None) -> RoundLayout:
+    """The layout `capture` and `grpo_grads(mesh=...)` use for `prompt_positions` on `shards` seq shards."""
+    return RoundLayout.for_prompt(prompt_positions, shards, _family(model).min_segment(model.config), round_len)
 
 
 def capture(model, params: dict, tokens, mesh, attention: str = "ring", pad_id: int = 0,

@@ -38,6 +38,11 @@ from longstraw_jax.validation import check_tokens
 _GROUP = {LINEAR: "linear", FULL: "full"}
 
 
+def min_segment(cfg) -> int:
+    """The shortest segment a layout may use: the causal conv reads a K-1 row halo from the previous segment."""
+    return cfg.linear_conv_kernel_dim - 1
+
+
 def _pattern(cfg):
     """[(kind, index within that kind's stacked group)] for one block, in layer order."""
     seen = {LINEAR: 0, FULL: 0}
@@ -239,8 +244,7 @@ def capture(model: Qwen36, params: dict, tokens, mesh, attention: str = "ring", 
     tokens = check_tokens(tokens, cfg.vocab_size)
     if attention not in sequence.ATTENTION_METHODS:
         raise ValueError(f"attention={attention!r}; allowed: {sequence.ATTENTION_METHODS}")
-    layout = RoundLayout.for_prompt(tokens.shape[0], mesh.shape[sequence.SEQ], cfg.linear_conv_kernel_dim - 1,
-                                    round_len)
+    layout = RoundLayout.for_prompt(tokens.shape[0], mesh.shape[sequence.SEQ], min_segment(cfg), round_len)
     return _capture(model, params, layout.to_stored(tokens, pad_id), mesh, layout, attention)[0]
 
 
