@@ -13,8 +13,8 @@ The prompt is shared, so the branches' cotangents on the state add linearly; one
 turns their sum into the prompt's contribution to the gradient. The result is the gradient of the full-graph loss
 (`naive_grpo_grads`). `mode="detached"` stops after the replay: the paper's behaviour, prompt state constant.
 
-Replay input convention (ARCHITECTURE.md 2): capture prompt[:-1], replay [prompt[-1]] + response[:-1] to score
-response, so every scored logit comes from the replay and the capture never touches the LM head.
+Replay input convention (`replay.py`): capture prompt[:-1], replay [prompt[-1]] + response[:-1] to score response,
+so every scored logit comes from the replay and the capture never touches the LM head.
 """
 from __future__ import annotations
 
@@ -23,12 +23,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from longstraw_jax import layerwise
-from longstraw_jax.grpo import GroupBatch, GRPOConfig, branch_loss, finalize_metrics, group_advantages, token_weights
-from longstraw_jax.grpo import validate_batch
+from longstraw_jax.grpo import GroupBatch, GRPOConfig, finalize_metrics, validate_batch
 from longstraw_jax.models.base import capture_chunks, chunk_layout
-from longstraw_jax.ops.dtypes import accum_dtype
-from longstraw_jax.ops.logprobs import token_logprobs
+from longstraw_jax.replay import replay_branches
+from longstraw_jax.sharding import grpo as sharded
 
 MODES = ("exact", "detached")
 
@@ -47,9 +45,7 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; allowed: {', '.join(map(repr, MODES))}")
     if mesh is not None:
-        from longstraw_jax.sharding import grpo as sharded
-
-        sharded.check_supported(model)
+        model.sequence_parallel()  # a family without a sharded path says so before any work
     validate_batch(batch, model.config.vocab_size)
     chunk_layout(batch.prompt.shape[0] - 1, chunk_size)
     if mesh is not None:
@@ -74,55 +70,6 @@ def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, ch
     return loss, grads, finalize_metrics(sums, batch.rewards, batch.mask)
 
 
-def _zeros_f32(tree):
-    return jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype(x.dtype)), tree)
-
-
-def _add(acc, tree):
-    return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, tree)
-
-
-def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, with_state_grad: bool,
-                    branch_grads=layerwise.branch_grads, like_params=lambda tree: tree, like_state=lambda tree: tree):
-    """Scan over the G branches; each step runs one branch's forward and backward to completion, so only one
-    branch's graph is ever live (the replay is recomputed per branch; nothing is stored across steps).
-
-    branch_grads(model, params, state, tokens, head, grads, acc) -> (loss, aux, grads, acc) does one branch and adds
-    its parameter gradient into `grads` (`layerwise.branch_grads`; the sharded engine passes its own). like_params /
-    like_state place the float32 accumulators (a sharding constraint on a mesh).
-
-    Returns (loss, param grads (float32), state cotangent summed over branches (float32; None unless
-    with_state_grad), metric sums).
-    """
-    responses = batch.responses.astype(jnp.int32)
-    num_branches, length = responses.shape
-    inputs = jnp.concatenate([jnp.full((num_branches, 1), batch.prompt[-1], jnp.int32), responses[:, :-1]], axis=1)
-    xs = dict(inputs=inputs, targets=responses, mask=batch.mask.astype(jnp.float32),
-              weights=token_weights(batch.mask, cfg), advantage=group_advantages(batch.rewards, cfg),
-              old=batch.old_logprobs, ref=batch.ref_logprobs)
-    chunk = min(cfg.logprob_chunk, length)
-
-    def head(params, hidden, x):
-        logp, entropy = token_logprobs(hidden, model.lm_head(params), x["targets"], chunk)
-        return branch_loss(logp, x["old"], x["ref"], x["advantage"], x["weights"], x["mask"], cfg,
-                           entropy=jax.lax.stop_gradient(entropy))
-
-    def step(carry, x):
-        loss, grads, state_cot, sums = carry
-        branch, branch_sums, grads, state_cot = branch_grads(
-            model, params, state, x["inputs"], lambda p, h: head(p, h, x), grads, state_cot)
-        state_cot = None if state_cot is None else like_state(state_cot)
-        return (loss + branch, like_params(grads), state_cot, _add(sums, branch_sums)), None
-
-    head_matrix = model.lm_head(params)  # [V, D]
-    hidden = jax.ShapeDtypeStruct((length, head_matrix.shape[1]), head_matrix.dtype)
-    sums0 = jax.eval_shape(lambda h: head(params, h, jax.tree.map(lambda a: a[0], xs))[1], hidden)
-    carry = (jnp.zeros((), jnp.float32), like_params(_zeros_f32(params)),
-             like_state(_zeros_f32(state)) if with_state_grad else None, _zeros_f32(sums0))
-    (loss, grads, state_cot, sums), _ = jax.lax.scan(step, carry, xs)
-    return loss, grads, state_cot, sums
-
-
 def prompt_backward(model, params, tokens: jax.Array, chunk_size: int, state, boundaries, state_cot, grads):
     """grads + the parameter gradient of the prompt's computation, given the cotangent of the captured state
     (grads: the replay's float32 gradient, added to in place).
@@ -133,15 +80,14 @@ def prompt_backward(model, params, tokens: jax.Array, chunk_size: int, state, bo
     entries' cotangent (the chunk's slice of the running KV cotangent, and the carried cotangent) to a parameter
     gradient and to cotangents of what the chunk read: cache reads are added into the running KV cotangent (they
     belong to earlier chunks), the carried input's cotangent becomes chunk i - 1's carried cotangent. Both happen
-    block by block inside `layerwise.chunk_grads`, in place in `state_cot`.
+    block by block inside `model.chunk_grads` (`layerwise.chunk_grads`), in place in `state_cot`.
     """
     full_boundaries, last_boundary = boundaries
     num_full, remainder = chunk_layout(tokens.shape[0], chunk_size)
 
     def chunk_vjp(carry, chunk_tokens, start, boundary):
         grads, cot = carry
-        return layerwise.chunk_grads(model, params, model.with_carried(state, boundary), chunk_tokens, start, grads,
-                                     cot)
+        return model.chunk_grads(params, model.with_carried(state, boundary), chunk_tokens, start, grads, cot)
 
     carry = (grads, state_cot)
     if remainder:

@@ -9,12 +9,10 @@ which XLA updates in place; the block's parameter gradient is added the same way
 accumulator at block b (no stacked per-block gradients, no second params-sized buffer). Activation memory is one
 block's; the state cotangent and the gradient exist once.
 
-Models provide the block protocol: `num_blocks`, `embed(params, tokens)`, `block_params(params)` (leaves stacked
-[num_blocks, ...]) and `with_block_params(params, blocks)`, `block(bp, h, state_block, positions, cache_length) ->
-(h, entries)`, `final_norm(params, h)`,
-and `read_entries` / `carried` / `with_carried`, which must also work on one block's slice of a state. A model
-without it (GLM-5.2 so far: its layers carry IndexShare selections and come in several segments) gets the same
-results from plain autodiff of its whole layer stack: correct, with a full-size state cotangent per branch/chunk.
+Models provide the block protocol (`models.base.BlockModel`) and call `branch_grads` / `chunk_grads` from their own
+methods of those names (Qwen3.6). A family without it (GLM-5.x: its layers carry IndexShare selections and come in
+several segments) keeps `CausalLM`'s defaults, `branch_grads_autodiff` / `chunk_grads_autodiff`: the same results
+from plain autodiff of its whole layer stack, with a full-size state cotangent per branch/chunk.
 """
 from __future__ import annotations
 
@@ -105,8 +103,6 @@ def branch_grads(model, params, state, tokens, head, grads, acc):
     Returns (loss, aux, grads + this branch's parameter gradient, acc + the state cotangent of this branch; acc None:
     detached, no state gradient).
     """
-    if not hasattr(model, "block"):
-        return _branch_grads_autodiff(model, params, state, tokens, head, grads, acc)
     h, inputs = _forward(model, params, state, tokens, state.length, None)
     loss, vjp, aux = jax.vjp(lambda p, h: head(p, model.final_norm(p, h)), params, h, has_aux=True)
     d_head, dh = vjp(jnp.ones_like(loss))
@@ -120,18 +116,12 @@ def chunk_grads(model, params, state, tokens, start, grads, acc):
     part as it was before this chunk). acc holds the cotangent of everything the chunk wrote (its keys/values at
     start.., the carried state after it). Returns (grads + the chunk's parameter gradient, acc with the chunk's cache
     reads added and its carried part now the cotangent of the carried state before the chunk)."""
-    if not hasattr(model, "block"):
-        return _chunk_grads_autodiff(model, params, state, tokens, start, grads, acc)
     h, inputs = _forward(model, params, state, tokens, start, start)
     return _backward(model, params, state, tokens, start, start, inputs, jnp.zeros_like(h), grads, acc,
                      chunk_entries=True)
 
 
 # ----- models without the block protocol: autodiff of the whole layer stack -----
-
-
-def _branch_grads_autodiff(model, params, state, tokens, head, grads, acc):
-    return branch_grads_autodiff(model._extend_hidden, params, state, tokens, head, grads, acc)
 
 
 def branch_grads_autodiff(extend_hidden, params, state, tokens, head, grads, acc):
@@ -147,7 +137,8 @@ def branch_grads_autodiff(extend_hidden, params, state, tokens, head, grads, acc
     return loss, aux, _add(grads, d_params), acc
 
 
-def _chunk_grads_autodiff(model, params, state, tokens, start, grads, acc):
+def chunk_grads_autodiff(model, params, state, tokens, start, grads, acc):
+    """As `chunk_grads`, by autodiff of `model.chunk_entries` (a full-size state cotangent for the chunk)."""
     entries, vjp = jax.vjp(lambda p, s: model.chunk_entries(p, s, tokens, start), params, state)
     entries_cot = jax.tree.map(lambda c, e: c.astype(e.dtype), model.read_entries(acc, start, tokens.shape[0]),
                                entries)

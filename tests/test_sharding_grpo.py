@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, sharding
+from longstraw_jax.models.base import CausalLM
 from longstraw_jax.sharding import rules
 from tests.random_params import o1_params
 from tests.test_engine import assert_metrics_equal, rel_err
@@ -59,10 +60,10 @@ def test_sharded_grpo_grads_equal_one_device(setup, spec, mode):
 
 
 def test_unsupported_model_is_refused_by_name():
-    class Other:
+    class Other(CausalLM):  # a family without a `sequence_parallel` adapter
         config = models.Qwen36Config.tiny()
 
     batch = GroupBatch(prompt=np.zeros(8, np.int32), responses=np.zeros((1, 2), np.int32),
                        mask=np.ones((1, 2), np.float32), rewards=np.zeros(1, np.float32))
-    with pytest.raises(NotImplementedError, match="Qwen3.6 and GLM-5.x, not Other"):
+    with pytest.raises(NotImplementedError, match="Other has no sequence-parallel path"):
         grpo_grads(Other(), None, batch, CFG, "exact", mesh=sharding.make_mesh("1x8"))

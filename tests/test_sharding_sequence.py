@@ -88,6 +88,7 @@ def test_row_blocks_change_nothing(tiny, monkeypatch):
     """Position-wise work (and the earlier-rounds attention of the gathered queries) in blocks of 7 rows (ROWS is
     4096; 2x4 holds 12 positions per device): same state and logits as one device; `_by_rows` pads a ragged last
     block and returns pytrees."""
+    from longstraw_jax.sharding import api
     from longstraw_jax.sharding import qwen36 as sharded_qwen36
 
     x = jnp.arange(30.0).reshape(10, 3)
@@ -95,14 +96,14 @@ def test_row_blocks_change_nothing(tiny, monkeypatch):
     np.testing.assert_array_equal(out["s"], x * 2 + (x + 1)[:, :1])
     model, params, tokens, reference, logits = tiny
     monkeypatch.setattr(sharded_qwen36, "ROWS", 7)
-    for fn in (sharded_qwen36._capture, sharded_qwen36._extend_hidden):
+    for fn in (api._capture, api._extend_hidden):
         fn.clear_cache()
     mesh = sharding.make_mesh("2x4")
     sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, round_len=16)  # 2 rounds: 24 gathered queries
     for name in ("conv", "recurrent", "keys", "values"):
         np.testing.assert_allclose(getattr(sstate.natural(), name), getattr(reference, name), atol=1e-4, err_msg=name)
     np.testing.assert_allclose(sharding.extend(model, params, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
-    for fn in (sharded_qwen36._capture, sharded_qwen36._extend_hidden):
+    for fn in (api._capture, api._extend_hidden):
         fn.clear_cache()
 
 

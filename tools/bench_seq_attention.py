@@ -29,7 +29,7 @@ def main():
 
     from longstraw_jax import models, sharding
     from longstraw_jax.models.qwen36 import Qwen36Config
-    from longstraw_jax.sharding import qwen36 as sharded, rules, sequence
+    from longstraw_jax.sharding import api, rules, sequence
 
     model = models.build(Qwen36Config.tiny(hidden_size=args.hidden, num_key_value_heads=args.kv_heads,
                                              num_attention_heads=2 * args.kv_heads, head_dim=args.head_dim))
@@ -37,12 +37,12 @@ def main():
     params = model.init(jax.random.key(0))
     params = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
     tokens = jax.random.randint(jax.random.key(1), (args.prompt,), 0, model.config.vocab_size, dtype=jnp.int32)
-    layout = sharding.SeqLayout.for_prompt(args.prompt, seq, model.config.linear_conv_kernel_dim - 1)
+    layout = api.round_layout(model, args.prompt, seq, None)
     stored = layout.to_stored(tokens)
     print(f"mesh {args.mesh}, prompt {args.prompt}, hidden {args.hidden}, kv heads {args.kv_heads} x {args.head_dim}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"{'method':10s} {'median s':>9s} {'min s':>7s} {'temp MiB/device':>16s}")
     for method in sequence.ATTENTION_METHODS:
-        compiled = sharded._capture.lower(model, params, stored, mesh, layout, method).compile()
+        compiled = api._capture.lower(model, params, stored, mesh, layout, method).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
         jax.block_until_ready(compiled(params, stored))
         times = []

@@ -83,11 +83,10 @@ class Planner:
 
         from longstraw_jax import models, sharding, train
         from longstraw_jax.sharding import rules
-        from longstraw_jax.sharding.grpo import check_supported
 
         self.jax, self.rules, self.train = jax, rules, train
         self.model = models.build(models.config_from_hf(config_path))
-        check_supported(self.model)
+        self.model.sequence_parallel()  # a family without a sharded path says so here
         self.mesh = sharding.make_mesh(mesh_spec)
         self.dtype = jnp.dtype(dtype)
         self.response_len, self.chunk = response_len, chunk
@@ -124,7 +123,7 @@ class Planner:
         import jax
         import numpy as np
 
-        from longstraw_jax.sharding.prompt import round_layout
+        from longstraw_jax.sharding.api import round_layout
         from longstraw_jax.sharding.rules import SEQ_AXES
 
         seq = self.mesh.shape["seq"]

@@ -1,22 +1,118 @@
-"""What every model shares: the chunked walk over a prompt.
+"""What every model family shares: the contracts (`typing.Protocol`s) the engines rely on, the chunked walk over a
+prompt, and the public entry points (`CausalLM`).
 
-A model provides `init_state(length, dtype)`, `capture_chunk(params, state, tokens, start)` (write tokens at
-positions start.. into the state, reading only positions < start + len(tokens)), `advance(params, state, tokens,
-start)` (the same, also returning the tokens' final-normed hidden states: decoding), and `carried(state)` /
-`with_carried(state, carried)`: the part of the state that each chunk overwrites rather than appends to (GDN conv
-tails and recurrent matrices; empty for pure-attention models). Appended parts (KV caches) are final after the
-chunk that writes them, so the carried part before each chunk is all a backward pass needs to recompute it.
+Contracts (structural: a family implements them by having the methods, no registration):
+- `PromptState`: what `capture` returns (a flax struct dataclass: a pytree with a static `length`).
+- `Model`: the state protocol every family implements; `engine.py`, `naive.py`, `rollout.py` use only this.
+- `BlockModel`: the block protocol of `layerwise.py` (block-by-block backward over stacked layers).
+- `SequenceParallel`: the family's adapter for the sharded engine (`model.sequence_parallel()`), used by
+  `sharding/api.py` and `sharding/grpo.py`.
+A new family writes its model (and, for meshes, its adapter); nothing in the engines dispatches on model classes.
 """
 import functools
 import json
 import os
 import warnings
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
 
+from longstraw_jax import layerwise
 from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.validation import check_tokens
+
+
+class PromptState(Protocol):
+    """What later tokens need from a prompt of `length` tokens: appended parts (KV caches, latent rows: position
+    axis listed in `sharding.rules.SEQ_AXES`) and carried parts (overwritten by each chunk: GDN conv tails and
+    recurrent matrices). Families: `qwen36.Qwen36State`, `glm52.GlmState`."""
+
+    length: int
+
+    def nbytes(self) -> int: ...
+
+    def replace(self, **fields) -> "PromptState": ...
+
+
+class Model(Protocol):
+    """The state protocol. A chunk writes tokens [C] at positions start.. into a state that holds positions < start:
+    `chunk_entries` reads the state (never writes it) and returns the chunk's entries; `write_entries` puts them in
+    (in place: appended parts at start.., carried parts replaced); `read_entries` is its transpose (used on
+    cotangents). `carried` / `with_carried` get and set the carried part: before each chunk it is all that a
+    backward pass needs to recompute the chunk, since appended parts are final after the chunk that writes them."""
+
+    config: Any
+    state_type: type
+
+    def init(self, key: jax.Array, dtype=jnp.float32) -> dict: ...
+
+    def init_state(self, length: int, dtype=jnp.float32) -> PromptState: ...
+
+    def capture_chunk(self, params: dict, state: PromptState, tokens: jax.Array, start) -> PromptState: ...
+
+    def chunk_entries(self, params: dict, state: PromptState, tokens: jax.Array, start) -> dict: ...
+
+    def write_entries(self, state: PromptState, entries: dict, start) -> PromptState: ...
+
+    def read_entries(self, state: PromptState, start, size: int) -> dict: ...
+
+    def carried(self, state: PromptState) -> Any: ...
+
+    def with_carried(self, state: PromptState, carried) -> PromptState: ...
+
+    def advance(self, params: dict, state: PromptState, tokens: jax.Array, start) -> tuple[jax.Array, PromptState]:
+        """capture_chunk that also returns the tokens' final-normed hidden states [C, D] (decoding)."""
+
+    def lm_head(self, params: dict) -> jax.Array: ...
+
+    def logits(self, params: dict, hidden: jax.Array) -> jax.Array: ...
+
+    def branch_grads(self, params, state, tokens, head, grads, acc): ...
+
+    def chunk_grads(self, params, state, tokens, start, grads, acc): ...
+
+    def sequence_parallel(self) -> "SequenceParallel": ...
+
+
+class BlockModel(Protocol):
+    """The block protocol of `layerwise.py`: layers stacked in `num_blocks` identical blocks. `block_params` leaves
+    are stacked [num_blocks, ...]; `block` runs one block on h [T, D] at `positions`, reading `state_block` (every
+    state leaf indexed at the block) up to `cache_length` (None: all), and returns (h, the block's entries as
+    `chunk_entries` gives them, minus the block axis). `read_entries` / `carried` / `with_carried` must also work on
+    one block's slice of a state."""
+
+    num_blocks: int
+
+    def embed(self, params: dict, tokens: jax.Array) -> jax.Array: ...
+
+    def block_params(self, params: dict) -> dict: ...
+
+    def with_block_params(self, params: dict, blocks: dict) -> dict: ...
+
+    def block(self, bp: dict, h: jax.Array, state_block, positions: jax.Array, cache_length) -> tuple: ...
+
+    def final_norm(self, params: dict, h: jax.Array) -> jax.Array: ...
+
+
+class SequenceParallel(Protocol):
+    """A family's pieces for the sharded engine on a ("data", "seq") mesh. Tokens arrive in a `RoundLayout`'s
+    stored order (`sharding/layout.py`); every method is traceable (the callers jit)."""
+
+    min_segment: int  # the shortest segment a layout may use (e.g. a conv halo must fit in the previous segment)
+
+    def capture(self, params, stored_tokens, mesh, rounds, attention: str) -> tuple[Any, Any]:
+        """-> (ShardedPromptState, capture_aux: what the exact backward needs from the capture, or None)."""
+
+    def extend_hidden(self, params, sstate, tokens, mesh) -> jax.Array:
+        """tokens [T] after the sharded state -> final-normed hidden [T, D]."""
+
+    def branch_grads(self, mesh, rounds, specs) -> Callable:
+        """The replay's `branch_grads(params, sstate, tokens, head, grads, acc)` on the mesh (`replay.py`)."""
+
+    def prompt_backward(self, params, stored_tokens, mesh, rounds, attention: str, sstate, capture_aux, state_cot,
+                        grads) -> dict:
+        """grads + the gradient of the sharded capture given the float32 state cotangent (exact mode)."""
 
 
 def chunk_layout(length: int, chunk_size: int) -> tuple[int, int]:
@@ -115,6 +211,19 @@ class CausalLM:
         hold positions < start and have room for start + C. Layers only read the state; entries are written once,
         after the last layer, so the cache is updated in place."""
         return self.write_entries(state, self.chunk_entries(params, state, tokens, start), start)
+
+    def branch_grads(self, params: dict, state, tokens: jax.Array, head, grads, acc):
+        """One replayed branch (`replay.replay_branches`): tokens [R] after `state`; head(params, hidden) -> (loss,
+        aux). Returns (loss, aux, grads + its parameter gradient, acc + its state cotangent (acc None: detached)).
+        Here by autodiff of the whole layer stack; a family with the block protocol backpropagates block by block."""
+        return layerwise.branch_grads_autodiff(self._extend_hidden, params, state, tokens, head, grads, acc)
+
+    def chunk_grads(self, params: dict, state, tokens: jax.Array, start, grads, acc):
+        """One prompt chunk of exact mode's backward (`engine.prompt_backward`); see `layerwise.chunk_grads`."""
+        return layerwise.chunk_grads_autodiff(self, params, state, tokens, start, grads, acc)
+
+    def sequence_parallel(self) -> SequenceParallel:
+        raise NotImplementedError(f"{type(self).__name__} has no sequence-parallel path (mesh=...): pass mesh=None")
 
     # remat=True: rematerialise each block/repeat in the backward pass (same values, less memory).
     @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")

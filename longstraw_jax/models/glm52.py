@@ -35,6 +35,7 @@ from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.moe import grouped_swiglu, route
 from longstraw_jax.ops.norms import layer_norm, rms_norm
 from longstraw_jax.ops.rope import RopeConfig, apply_rope_interleaved, cos_sin, inverse_frequencies
+from longstraw_jax.sharding import glm52 as sharded
 from longstraw_jax.validation import check_tokens
 
 FULL, SHARED = "full", "shared"
@@ -538,6 +539,7 @@ class Glm52(CausalLM):
     """Frozen, hashable: pass it as a static argument to `jax.jit`. Methods are pure functions of params."""
 
     config: Glm52Config
+    state_type = GlmState  # what `init_state` / `capture` return
 
     # ----- parameters -----
     def init(self, key: jax.Array, dtype=jnp.float32) -> dict:
@@ -613,6 +615,15 @@ class Glm52(CausalLM):
     @functools.partial(jax.jit, static_argnums=0)
     def _selection(self, params, tokens):
         return _chunk(self.config, params, self.init_state(0, params["embed"].dtype), tokens, 0)[2]
+
+    def decoder_layers(self, layers: dict, h: jax.Array, reader, k: int, remat: bool = False):
+        """All layers over h [T, D], the prompt read through `reader` (a `PromptReader` or a sharded reader with the
+        same methods): the layer code every engine runs (`decoder_layers`)."""
+        return decoder_layers(self.config, layers, h, reader, k, remat)
+
+    def sequence_parallel(self):
+        """Capture, replay and prompt backward on a ("data", "seq") mesh: `sharding/glm52.py`."""
+        return sharded.Glm52OnMesh(self)
 
     def carried(self, state: GlmState):
         """Nothing is overwritten chunk to chunk: every part of the state is appended (pure attention)."""

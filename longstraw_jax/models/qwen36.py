@@ -8,7 +8,7 @@ does not grow with depth. Weights keep the transformers orientation `[out_featur
 
 Execution. Everything is one function of (params, state, tokens):
 - `capture` walks the prompt in chunks of `chunk_size`, writing each chunk's keys/values, conv tail and recurrent
-  matrix into a preallocated `PromptState`; it never touches the LM head.
+  matrix into a preallocated `Qwen36State`; it never touches the LM head.
 - `extend` continues after a state without modifying it: attention = (prompt cache) merged with (new tokens, causal).
 - `forward` is `extend` from an empty state.
 """
@@ -17,13 +17,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct, traverse_util
 
+from longstraw_jax import layerwise
 from longstraw_jax.models.base import CausalLM, check_config_fields, read_json_config
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
@@ -32,8 +33,10 @@ from longstraw_jax.ops.gated_delta import gated_delta_rule_chunked, gated_delta_
 from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.norms import l2_normalise, rms_norm_1p, rms_norm_gated
 from longstraw_jax.ops.rope import RopeConfig, apply_partial_rope, cos_sin, inverse_frequencies
+from longstraw_jax.sharding import qwen36 as sharded
 
 LINEAR, FULL = "linear_attention", "full_attention"
+GROUP = {LINEAR: "linear", FULL: "full"}  # the params/entries key of each layer kind
 
 # config.json keys that transformers' Qwen3_5TextConfig accepts but that do not change the math we implement.
 _HF_KEYS_IGNORED = frozenset(
@@ -250,11 +253,11 @@ class Qwen36Config:
 
 
 @struct.dataclass
-class PromptState:
+class Qwen36State:
     """What later tokens need from a prompt of `length` tokens (MODELS.md 1.10), per layer of each kind.
 
     conv:      [num_blocks, linear_per_block, K-1, conv_dim]   last K-1 pre-conv `in_proj_qkv` outputs (model dtype)
-    recurrent: [num_blocks, linear_per_block, Hv, dk, dv]      S after the last token (float32)
+    recurrent: [num_blocks, linear_per_block, Hv, dk, dv]      S_t after the last token t (float32)
     keys:      [num_blocks, full_per_block, length, Hkv, head_dim]  after k_norm and RoPE (model dtype)
     values:    [num_blocks, full_per_block, length, Hkv, head_dim]
     """
@@ -315,16 +318,17 @@ def gdn_output(cfg: Qwen36Config, p: dict, o: jax.Array, z: jax.Array, dtype) ->
     return linear(o.reshape(o.shape[0], -1), p["out_proj"])
 
 
-def gated_deltanet(cfg: Qwen36Config, p: dict, x: jax.Array, conv_tail: jax.Array, state: jax.Array):
-    """Gated DeltaNet mixer (1.5). x [T, D]; conv_tail [K-1, conv_dim]; state [Hv, dk, dv] fp32.
+def gated_deltanet(cfg: Qwen36Config, p: dict, x: jax.Array, reader, j):
+    """Gated DeltaNet mixer (1.5) of linear layer j of the block. x [T, D] at reader.positions.
 
-    Returns (y [T, D], new conv tail, new state).
+    The carried state before the tokens (conv tail [K-1, conv_dim], recurrent matrix [Hv, dk, dv] float32) is read
+    through `reader.conv` and `reader.delta_rule`. Returns (y [T, D], (new conv tail, new recurrent matrix)).
     """
-    mixed, z, beta, g = gdn_inputs(cfg, p, x)
-    conv_out, conv_tail = causal_depthwise_conv(mixed, p["conv1d"], conv_tail)
-    q, k, v = gdn_qkv(cfg, conv_out)
-    o, state = gdn_core(cfg, q, k, v, g, beta, state)
-    return gdn_output(cfg, p, o, z, x.dtype), conv_tail, state
+    mixed, z, beta, g = reader.rowwise(lambda x: gdn_inputs(cfg, p, x), x)
+    conv_out, tail = reader.conv(mixed, p["conv1d"], j)
+    q, k, v = reader.rowwise(lambda c: gdn_qkv(cfg, c), conv_out)
+    o, state = reader.delta_rule(functools.partial(gdn_core, cfg), q, k, v, g, beta, j)
+    return reader.rowwise(lambda o, z: gdn_output(cfg, p, o, z, x.dtype), o, z), (tail, state)
 
 
 def attention_inputs(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Array):
@@ -341,27 +345,66 @@ def attention_inputs(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Ar
     return apply_partial_rope(q, cos, sin), gate, apply_partial_rope(k, cos, sin), v
 
 
-def attention_output(cfg: Qwen36Config, p: dict, attended: attn_ops.Attended, gate: jax.Array, dtype) -> jax.Array:
-    """Attention result over all visible keys -> y [T, D]: output gate sigmoid(gate), then o_proj (1.6)."""
-    o = attended.out.astype(dtype).reshape(gate.shape)
-    return linear(o * jax.nn.sigmoid(gate), p["o_proj"])  # output gate before o_proj
+def attention_output(cfg: Qwen36Config, p: dict, out: jax.Array, gate: jax.Array, dtype) -> jax.Array:
+    """Attention output over all visible keys out [T, Hq, hd] -> y [T, D]: output gate sigmoid(gate), then o_proj
+    (1.6)."""
+    return linear(out.astype(dtype).reshape(gate.shape) * jax.nn.sigmoid(gate), p["o_proj"])
 
 
-def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, positions: jax.Array, state: PromptState, index,
-                    cache_length):
-    """Gated full attention (1.6, 1.7) for the layer at `index` of state.keys/values ((block, j), or (j,) in a
-    block's slice of the state). x [T, D]; positions int [T], contiguous.
+def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, reader, j):
+    """Gated full attention (1.6, 1.7) of full layer j of the block. x [T, D] at reader.positions.
 
-    Attends over the first `cache_length` cached keys of the layer (None = all; they precede the new tokens) and,
-    causally, over the new tokens; the two are merged by log-sum-exp. The state is only read.
-    Returns (y [T, D], (keys [T, Hkv, hd] after norm + RoPE, values [T, Hkv, hd])) for the caller to cache.
+    `reader.attend` gives softmax attention over every earlier position (the prompt cache) and, causally, over the
+    tokens themselves. Returns (y [T, D], (keys [T, Hkv, hd] after norm + RoPE, values [T, Hkv, hd])): what the
+    caller caches.
     """
-    q, gate, k, v = attention_inputs(cfg, p, x, positions)
-    common = dict(q_positions=positions, scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size)
-    cached = attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=False, kv_length=cache_length,
-                             kv_index=index, **common)
-    new = attn_ops.attend(q, k, v, k_offset=positions[0], causal=True, **common)
-    return attention_output(cfg, p, attn_ops.merge(cached, new), gate, x.dtype), (k, v)
+    q, gate, k, v = reader.rowwise(lambda x, pos: attention_inputs(cfg, p, x, pos), x, reader.positions)
+    attended = reader.attend(q, k, v, j, scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size)
+    return reader.rowwise(lambda out, gate: attention_output(cfg, p, out, gate, x.dtype), attended.out, gate), (k, v)
+
+
+class PromptReader(NamedTuple):
+    """How a layer of one block reads what came before its tokens, on one device: `state` at positions <
+    `cache_length` (None: every cached position), the carried GDN state as it is. tokens sit at `positions` [T]
+    (contiguous). `prefix` locates the block in the state: (b,) in the whole state, () in a block's slice of it.
+
+    The sequence-parallel engine (`sharding/qwen36.py`) passes readers with the same methods that work on a
+    shard's part of the prompt, so the layer code above is shared: `layer_params` (FSDP all-gathers there),
+    `rowwise` (blocks of rows there), `conv` (a halo from the previous segment), `delta_rule` (the affine fold
+    across segments), `attend` (ring / all-gather, log-sum-exp across shards).
+    """
+
+    state: Qwen36State
+    prefix: tuple
+    positions: jax.Array
+    cache_length: Any = None
+
+    def layer_params(self, p: dict, group: str) -> dict:
+        """One layer's parameters, whole (identity here)."""
+        return p
+
+    def rowwise(self, fn, *xs):
+        """fn(*xs) for a row-wise fn (row t of every output depends only on row t of the inputs)."""
+        return fn(*xs)
+
+    def conv(self, mixed: jax.Array, weight: jax.Array, j):
+        """Causal conv of mixed [T, conv_dim] after layer j's carried tail -> (out [T, conv_dim], new tail [K-1,
+        conv_dim] in the state's dtype)."""
+        out, tail = causal_depthwise_conv(mixed, weight, self.state.conv[self.prefix + (j,)])
+        return out, tail.astype(self.state.conv.dtype)
+
+    def delta_rule(self, core, q, k, v, g, beta, j):
+        """core(q, k, v, g, beta, S_0) from layer j's carried recurrent matrix S_0 -> (o [T, Hv, dv], S_T float32)."""
+        return core(q, k, v, g, beta, self.state.recurrent[self.prefix + (j,)])
+
+    def attend(self, q, k, v, j, *, scale: float, block_size: int) -> attn_ops.Attended:
+        """q [T, Hq, hd] over full layer j's cached keys/values, merged by log-sum-exp with causal attention over
+        the tokens' own k, v [T, Hkv, hd]."""
+        common = dict(q_positions=self.positions, scale=scale, block_size=block_size)
+        cached = attn_ops.attend(q, self.state.keys, self.state.values, k_offset=0, causal=False,
+                                 kv_length=self.cache_length, kv_index=self.prefix + (j,), **common)
+        new = attn_ops.attend(q, k, v, k_offset=self.positions[0], causal=True, **common)
+        return attn_ops.merge(cached, new)
 
 
 def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int]]:
@@ -377,35 +420,31 @@ def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def _layer(cfg: Qwen36Config, kind: str, p: dict, h: jax.Array, state: PromptState, index, positions, cache_length):
-    """Decoder layer (1.3): h + mixer(norm(h)), then h + mlp(norm(h)). Returns (h, the layer's new state entry):
-    (conv tail, recurrent matrix) for a linear layer, (keys, values) of the new tokens for a full one.
-    `index` locates the layer's entries in the state: (block, j), or (j,) in a block's slice."""
+def _layer(cfg: Qwen36Config, kind: str, p: dict, h: jax.Array, reader, j):
+    """Decoder layer (1.3): h + mixer(norm(h)), then h + mlp(norm(h)), for layer j of its kind in the block.
+    Returns (h, the layer's new state entry): (conv tail, recurrent matrix) for a linear layer, (keys, values) of
+    the new tokens for a full one."""
     eps = cfg.rms_norm_eps
-    x = rms_norm_1p(h, p["input_norm"], eps)
-    if kind == LINEAR:
-        y, *entry = gated_deltanet(cfg, p, x, state.conv[index], state.recurrent[index])
-    else:
-        y, entry = gated_attention(cfg, p, x, positions, state, index, cache_length)
-    h = h + y
-    return h + swiglu(p["mlp"], rms_norm_1p(h, p["post_norm"], eps)), tuple(entry)
+    p = reader.layer_params(p, GROUP[kind])
+    x = reader.rowwise(lambda h: rms_norm_1p(h, p["input_norm"], eps), h)
+    y, entry = (gated_deltanet if kind == LINEAR else gated_attention)(cfg, p, x, reader, j)
+    return reader.rowwise(lambda h, y: (h + y) + swiglu(p["mlp"], rms_norm_1p(h + y, p["post_norm"], eps)), h, y), entry
 
 
-def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, state: PromptState, prefix: tuple, positions, cache_length):
-    """One repeat of `block_pattern` (e.g. LLLF) over hidden h [T, D]; the state is only read, at `prefix`:
-    (b,) in the whole state, () in a block's slice of it.
+def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, reader):
+    """One repeat of `block_pattern` (e.g. LLLF) over hidden h [T, D]; the prompt is only read, through `reader`.
+    bp: the block's parameters ({"linear": leaves [per_block, ...], "full": ...}).
 
     Consecutive layers of one kind run under `lax.scan` (one trace per run, not per layer). Returns h and the
     block's new state entries per kind, stacked over that kind's layers: {"linear": (tails, mats), "full": (keys,
-    values)} (None for a kind the pattern lacks); tails in the state's dtype, recurrent matrices float32.
+    values)} (None for a kind the pattern lacks); recurrent matrices float32.
     """
     entries = {LINEAR: [], FULL: []}
     for kind, first, count in _runs(cfg.block_pattern):
-        group = bp["linear" if kind == LINEAR else "full"]
+        group = bp[GROUP[kind]]
 
         def step(h, j, kind=kind, group=group):
-            return _layer(cfg, kind, jax.tree.map(lambda a: a[j], group), h, state, prefix + (j,), positions,
-                          cache_length)
+            return _layer(cfg, kind, jax.tree.map(lambda a: a[j], group), h, reader, j)
 
         if count == 1:
             h, entry = step(h, first)
@@ -413,14 +452,11 @@ def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, state: PromptState, prefix
         else:
             h, entry = jax.lax.scan(step, h, first + jnp.arange(count))
         entries[kind].append(entry)
-    stacked = {kind: tuple(jnp.concatenate(parts) for parts in zip(*runs)) if runs else None
+    return h, {GROUP[kind]: tuple(jnp.concatenate(parts) for parts in zip(*runs)) if runs else None
                for kind, runs in entries.items()}
-    if stacked[LINEAR] is not None:
-        stacked[LINEAR] = (stacked[LINEAR][0].astype(state.conv.dtype), stacked[LINEAR][1])
-    return h, {"linear": stacked[LINEAR], "full": stacked[FULL]}
 
 
-def _layers(cfg: Qwen36Config, params: dict, state: PromptState, tokens: jax.Array, start, cache_length,
+def _layers(cfg: Qwen36Config, params: dict, state: Qwen36State, tokens: jax.Array, start, cache_length,
             remat: bool = False):
     """All layers over tokens [T] at positions start.., reading `state` (a scan const: never copied or written).
     Returns (h [T, D] before the final norm, new state entries stacked [num_blocks, per_block, ...]).
@@ -432,7 +468,7 @@ def _layers(cfg: Qwen36Config, params: dict, state: PromptState, tokens: jax.Arr
 
     def body(h, xs):
         bp, b = xs
-        return _block(cfg, bp, h, state, (b,), positions, cache_length)
+        return _block(cfg, bp, h, PromptReader(state, (b,), positions, cache_length))
 
     body = jax.checkpoint(body) if remat else body
     return jax.lax.scan(body, params["embed"][tokens], (params["blocks"], jnp.arange(cfg.num_blocks)))
@@ -459,7 +495,6 @@ _HF_LAYER_KEYS = {
 for _kind in _HF_LAYER_KEYS.values():
     _kind.update({f"mlp/{n}": f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")})
 _HF_TOP_KEYS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
-_GROUP = {LINEAR: "linear", FULL: "full"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -471,6 +506,7 @@ class Qwen36(CausalLM):
     """Frozen, hashable: pass it as a static argument to `jax.jit`. Methods are pure functions of params."""
 
     config: Qwen36Config
+    state_type = Qwen36State  # what `init_state` / `capture` return
 
     # ----- parameters -----
     def init(self, key: jax.Array, dtype=jnp.float32) -> dict:
@@ -525,7 +561,7 @@ class Qwen36(CausalLM):
     hf_prefix_aliases = (("model.language_model.", "model."),)
 
     def hf_layout(self) -> dict:
-        """HF name -> Slot(path, index, hf_shape). conv1d is [C, K] here and [C, 1, K] in PyTorch."""
+        """HF name -> Slot(path, index, hf_shape). conv1d is [conv_dim, K] here and [conv_dim, 1, K] in PyTorch."""
         from longstraw_jax.models.hf import Slot
 
         c = self.config
@@ -536,18 +572,18 @@ class Qwen36(CausalLM):
             for offset, kind in enumerate(c.block_pattern):
                 j, counters[kind] = counters[kind], counters[kind] + 1
                 for leaf, suffix in _HF_LAYER_KEYS[kind].items():
-                    path = f"blocks/{_GROUP[kind]}/{leaf}"
+                    path = f"blocks/{GROUP[kind]}/{leaf}"
                     shape = flat[path].shape[2:]
                     hf_shape = (shape[0], 1, shape[1]) if leaf == "conv1d" else shape
                     layout[f"model.layers.{b * len(c.block_pattern) + offset}.{suffix}"] = Slot(path, (b, j), hf_shape)
         return layout
 
-    def init_state(self, length: int, dtype=jnp.float32) -> PromptState:
+    def init_state(self, length: int, dtype=jnp.float32) -> Qwen36State:
         """Zero state with room for `length` prompt tokens (length 0: the state before any token)."""
         c = self.config
         nb, nl, nf = c.num_blocks, c.linear_per_block, c.full_per_block
         kv_shape = (nb, nf, length, c.num_key_value_heads, c.head_dim)
-        return PromptState(
+        return Qwen36State(
             conv=jnp.zeros((nb, nl, c.linear_conv_kernel_dim - 1, c.conv_dim), dtype),
             recurrent=jnp.zeros((nb, nl, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
                                 accum_dtype(dtype)),
@@ -576,28 +612,49 @@ class Qwen36(CausalLM):
     def with_block_params(self, params: dict, blocks: dict) -> dict:
         return dict(params, blocks=blocks)
 
-    def block(self, bp: dict, h: jax.Array, state_block: PromptState, positions: jax.Array, cache_length):
+    def block(self, bp: dict, h: jax.Array, state_block: Qwen36State, positions: jax.Array, cache_length):
         """One block on h [T, D] at `positions`, reading `state_block` (every state leaf indexed at the block, e.g.
         keys [nf, P, Hkv, hd]). Returns (h, the block's entries as `chunk_entries` gives them, minus the block axis)."""
-        return _block(self.config, bp, h, state_block, (), positions, cache_length)
+        return _block(self.config, bp, h, PromptReader(state_block, (), positions, cache_length))
+
+    def block_with_reader(self, bp: dict, h: jax.Array, reader) -> tuple[jax.Array, dict]:
+        """One block on h [T, D], the prompt read through `reader` (a `PromptReader` or a sharded reader with the
+        same methods): the layer code every engine runs. Returns (h, {"linear": ..., "full": ...} entries)."""
+        return _block(self.config, bp, h, reader)
+
+    def prompt_reader(self, state: Qwen36State, prefix: tuple, positions: jax.Array, cache_length=None):
+        """The one-device reader of `state` for a block at `prefix` ((b,), or () in a block's slice)."""
+        return PromptReader(state, prefix, positions, cache_length)
+
+    def branch_grads(self, params, state, tokens, head, grads, acc):
+        """One replayed branch, backpropagated block by block (`layerwise.branch_grads`)."""
+        return layerwise.branch_grads(self, params, state, tokens, head, grads, acc)
+
+    def chunk_grads(self, params, state, tokens, start, grads, acc):
+        """One prompt chunk of exact mode's backward, block by block (`layerwise.chunk_grads`)."""
+        return layerwise.chunk_grads(self, params, state, tokens, start, grads, acc)
+
+    def sequence_parallel(self):
+        """Capture, replay and prompt backward on a ("data", "seq") mesh: `sharding/qwen36.py`."""
+        return sharded.Qwen36OnMesh(self)
 
     def final_norm(self, params: dict, h: jax.Array) -> jax.Array:
         return rms_norm_1p(h, params["final_norm"], self.config.rms_norm_eps)
 
-    def carried(self, state: PromptState):
+    def carried(self, state: Qwen36State):
         """The part of the state each chunk overwrites (conv tails, recurrent matrices); KV is appended."""
         return (state.conv, state.recurrent)
 
-    def with_carried(self, state: PromptState, carried) -> PromptState:
+    def with_carried(self, state: Qwen36State, carried) -> Qwen36State:
         conv, recurrent = carried
         return state.replace(conv=conv, recurrent=recurrent)
 
-    def chunk_entries(self, params: dict, state: PromptState, tokens: jax.Array, start) -> dict:
+    def chunk_entries(self, params: dict, state: Qwen36State, tokens: jax.Array, start) -> dict:
         """The state entries that tokens [C] at positions start.. produce, reading (not writing) `state`:
         conv [nb, nl, K-1, conv_dim], recurrent [nb, nl, Hv, dk, dv], keys/values [nb, nf, C, Hkv, hd]."""
         return self._chunk(params, state, tokens, start)[1]
 
-    def advance(self, params: dict, state: PromptState, tokens: jax.Array, start) -> tuple[jax.Array, PromptState]:
+    def advance(self, params: dict, state: Qwen36State, tokens: jax.Array, start) -> tuple[jax.Array, Qwen36State]:
         """`capture_chunk` that also returns the final-normed hidden states [C, D] of the tokens: one decoding step
         (the state must have room: `init_state(capacity)` with capacity > the last position written)."""
         h, entries = self._chunk(params, state, tokens, start)
@@ -606,7 +663,7 @@ class Qwen36(CausalLM):
     def _chunk(self, params, state, tokens, start):
         return _layers(self.config, params, state, tokens, start, cache_length=start)
 
-    def write_entries(self, state: PromptState, entries: dict, start) -> PromptState:
+    def write_entries(self, state: Qwen36State, entries: dict, start) -> Qwen36State:
         """Carried parts are replaced; keys/values are written at positions start.. (in place). Works on the whole
         state and on one block's slice of it (positions are axis -3 of keys/values either way)."""
         if entries["linear"] is not None:
@@ -617,7 +674,7 @@ class Qwen36(CausalLM):
             state = state.replace(keys=write(state.keys, entries["full"][0]), values=write(state.values, entries["full"][1]))
         return state
 
-    def read_entries(self, state: PromptState, start, size: int) -> dict:
+    def read_entries(self, state: Qwen36State, start, size: int) -> dict:
         """The transpose of `write_entries`: the entries of positions start..start+size-1 (used on cotangents)."""
         c = self.config
         read = lambda cache: jax.lax.dynamic_slice_in_dim(cache, start, size, axis=cache.ndim - 3)

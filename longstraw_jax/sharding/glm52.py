@@ -1,8 +1,9 @@
 """Sequence-parallel capture, sharded replay and exact prompt backward for GLM-5.x (MODELS.md 2) on a
 ("data", "seq") mesh.
 
-The layer code is the model's own (`models.glm52.decoder_layers`); only the way a layer reads the prompt changes: a
-`PromptReader` with the same three methods, working inside `shard_map` on this shard's slice of the cache.
+The layer code is the model's own (`Glm52.decoder_layers`); only the way a layer reads the prompt changes: a
+`PromptReader` with the same three methods, working inside `shard_map` on this shard's slice of the cache. This
+module depends on the model only through its methods (`models/glm52.py` imports it for `sequence_parallel()`).
 
 Capture (in rounds, `RoundLayout`; each round laid out zigzag like Qwen3.6's). Per layer, for this shard's queries:
 - DSA indexer: the round's indexer queries are all-gathered; each shard scores them against its *own* indexer keys
@@ -10,7 +11,7 @@ Capture (in rounds, `RoundLayout`; each round laid out zigzag like Qwen3.6's). P
   each query's candidates to the query's shard, which merges the n candidate lists into the global top-k. The
   scores are the O(P^2) part of GLM's prompt work, and the zigzag layout gives every shard the same share of it.
 - MLA: each query attends to exactly k rows, anywhere before it. The layer's latent rows (one 576-wide row per
-  position, shared by all heads: 1/57 of a per-head K and V at 64 heads) are all-gathered and each shard gathers its
+  position, shared by all heads: 1/57 of per-head keys and values at 64 heads) are all-gathered and each shard gathers its
   queries' selected rows locally. A ring would need the same k gathers per query at every hop, n times the work;
   all-gathering the rows is one collective and O(P) transient memory for one layer.
 Replay: a branch's queries run on every shard. Each shard scores its own prompt keys (top-k candidates, all-gathered
@@ -22,14 +23,15 @@ reduce-scatters (cache-read cotangents land on the shards that hold the rows, la
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from longstraw_jax.models.glm52 import Glm52, Glm52Config, GlmState, decoder_layers
+from longstraw_jax import layerwise
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.dsa import merge_candidates, topk_over_keys
 from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attention_partial
@@ -38,15 +40,9 @@ from longstraw_jax.sharding import sequence
 from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
 from longstraw_jax.sharding.rules import gather_layer, param_specs, prompt_state_specs
 from longstraw_jax.sharding.sequence import SEQ
-from longstraw_jax.validation import check_tokens
 
-_ROWS = P(None, SEQ)  # latent rows / indexer keys [layers, positions, width], positions split along seq
+_ROWS = P(None, SEQ)  # latent rows / indexer keys [layers, S, Dk] or [F, S, Di], positions split along seq
 _NEVER = jnp.iinfo(jnp.int32).max  # key position of a padding slot: never visible to any query
-
-
-def min_segment(cfg) -> int:
-    """GLM reads no halo from the previous segment: any segment length works."""
-    return 1
 
 
 def _everyone(x):
@@ -54,11 +50,11 @@ def _everyone(x):
     return jax.lax.all_gather(x, SEQ, tiled=True)
 
 
-def _topk_common(c: Glm52Config, k: int) -> dict:
+def _topk_common(c, k: int) -> dict:
     return dict(k=k, scale=c.index_head_dim**-0.5, query_block=c.query_block_size, key_block=c.index_key_block_size)
 
 
-def _attend_common(c: Glm52Config) -> dict:
+def _attend_common(c) -> dict:
     return dict(scale=c.qk_head_dim**-0.5, value_dim=c.kv_lora_rank, block_size=c.query_block_size)
 
 
@@ -72,7 +68,7 @@ class _Layers(NamedTuple):
 
 
 class RoundReader(NamedTuple):
-    """Inside `shard_map`: a layer of capture round `index` (laid out by `layout`) on this shard. kv [L, S, Dk] and
+    """Inside `shard_map`: a layer of capture round `index` (laid out by `layout`) on this shard. kv [layers, S, Dk] and
     index_keys [F, S, Di]: this shard's cache slots (`rounds`' stored order), of which the first index *
     round_slots hold the earlier rounds; positions [2L]: the natural positions of this shard's tokens."""
 
@@ -126,7 +122,7 @@ class RoundReader(NamedTuple):
 
 class ReplayReader(NamedTuple):
     """Inside `shard_map`: a layer of the replay of tokens at positions [T] = P.. (the same on every shard) over
-    this shard's slice of the prompt state (kv [L, S, Dk], index_keys [F, S, Di])."""
+    this shard's slice of the prompt state (kv [layers, S, Dk], index_keys [F, S, Di])."""
 
     kv: jax.Array
     index_keys: jax.Array
@@ -169,22 +165,22 @@ def _shard_map(mesh, fn, in_specs, out_specs):
 
 
 def _write_round(mesh, rounds: RoundLayout, cache, new, index):
-    """cache [layers, S, width] with each shard's round slots from index * round_slots overwritten by new."""
+    """cache [layers, S, Dk] (or [F, S, Di]) with each shard's round slots from index * round_slots overwritten by new."""
     write = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), i * rounds.round_slots, 1)
     return _shard_map(mesh, write, (_ROWS, _ROWS, P()), _ROWS)(cache, new, index)
 
 
-def round_entries(model: Glm52, mesh, rounds: RoundLayout, layout: SeqLayout, layer_specs, layers, h, kv,
+def round_entries(model, mesh, rounds: RoundLayout, layout: SeqLayout, layer_specs, layers, h, kv,
                   index_keys, index):
     """All layers of capture round `index` (laid out by `layout`) on the mesh: h [n * 2L, D] the round's embedded
-    tokens (stored order, seq-sharded) -> (rows [L, n * 2L, Dk], indexer keys [F, n * 2L, Di]), zero at padding.
+    tokens (stored order, seq-sharded) -> (rows [layers, n * 2L, Dk], indexer keys [F, n * 2L, Di]), zero at padding.
     Reads kv / index_keys (the sharded cache) at earlier rounds' slots only."""
     c = model.config
 
     def local(layers, h, kv, index_keys, index):
         positions = index * rounds.round_positions + sequence.local_positions(layout).reshape(-1)
         reader = RoundReader(kv, index_keys, positions, index, rounds, layout, _Layers(layer_specs))
-        _, entries, _ = decoder_layers(c, layers, h, reader, min(c.index_topk, rounds.length), remat=True)
+        _, entries, _ = model.decoder_layers(layers, h, reader, min(c.index_topk, rounds.length), remat=True)
         real = (positions < rounds.length)[None, :, None]
         return jnp.where(real, entries["kv"], 0), jnp.where(real, entries["index_keys"], 0)
 
@@ -197,8 +193,9 @@ def _embedded_round(params, mesh, rounds, stored_tokens, index, size):
     return tokens, jax.lax.with_sharding_constraint(params["embed"][tokens], NamedSharding(mesh, P(SEQ)))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def _capture(model: Glm52, params, stored_tokens, mesh, rounds: RoundLayout) -> ShardedPromptState:
+def capture(model, params, stored_tokens, mesh, rounds: RoundLayout) -> ShardedPromptState:
+    """Traceable: stored_tokens [rounds.padded] (stored order) -> ShardedPromptState (a GlmState split along
+    `seq`), round by round."""
     c = model.config
     layer_specs = param_specs(params, mesh)["layers"]
     dtype = params["embed"].dtype
@@ -212,22 +209,13 @@ def _capture(model: Glm52, params, stored_tokens, mesh, rounds: RoundLayout) -> 
         return tuple(_write_round(mesh, rounds, cache, new, index) for cache, new in zip(caches, entries))
 
     kv, index_keys = sequence.each_round(rounds, caches, one_round)
-    return ShardedPromptState(GlmState(kv=kv, index_keys=index_keys, length=rounds.length), rounds)
-
-
-def capture(model: Glm52, params: dict, tokens, mesh, pad_id: int = 0,
-            round_len: int | None = None) -> ShardedPromptState:
-    """Prompt tokens int32 [P] -> ShardedPromptState (a GlmState split along `seq`), sequence-parallel over `mesh`.
-    round_len: capture in rounds of about this many positions (None: one round). `pad_id` fills padding slots only."""
-    tokens = check_tokens(tokens, model.config.vocab_size)
-    rounds = RoundLayout.for_prompt(tokens.shape[0], mesh.shape[SEQ], min_segment(model.config), round_len)
-    return _capture(model, params, rounds.to_stored(tokens, pad_id), mesh, rounds)
+    return ShardedPromptState(model.state_type(kv=kv, index_keys=index_keys, length=rounds.length), rounds)
 
 
 # ----- replay --------------------------------------------------------------------------------------------------
 
 
-def extend_hidden_fn(model: Glm52, mesh, params_specs):
+def extend_hidden_fn(model, mesh, params_specs):
     """(params, sstate, tokens [T]) -> final-normed hidden [T, D]: the replay over the sharded state (traceable;
     differentiable in params and the state, whose cotangent comes back sharded like the state)."""
     c = model.config
@@ -239,7 +227,7 @@ def extend_hidden_fn(model: Glm52, mesh, params_specs):
         def local(layers, state, h):
             positions = rounds.length + jnp.arange(h.shape[0], dtype=jnp.int32)
             reader = ReplayReader(state.kv, state.index_keys, positions, rounds, _Layers(params_specs["layers"]))
-            return decoder_layers(c, layers, h, reader, k, remat=True)[0]
+            return model.decoder_layers(layers, h, reader, k, remat=True)[0]
 
         h = _shard_map(mesh, local, (params_specs["layers"], prompt_state_specs(sstate.state), P()), P())(
             params["layers"], sstate.state, params["embed"][tokens])
@@ -248,20 +236,10 @@ def extend_hidden_fn(model: Glm52, mesh, params_specs):
     return fn
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _extend_hidden(model, params, sstate, tokens, mesh):
-    return extend_hidden_fn(model, mesh, param_specs(params, mesh))(params, sstate, tokens)
-
-
-def extend_hidden(model: Glm52, params: dict, sstate: ShardedPromptState, tokens, mesh) -> jax.Array:
-    """As `model.extend_hidden` on the sharded state: tokens int32 [T] -> final-normed hidden [T, D]."""
-    return _extend_hidden(model, params, sstate, check_tokens(tokens, model.config.vocab_size), mesh)
-
-
 # ----- exact mode: the prompt's backward -----------------------------------------------------------------------
 
 
-def prompt_backward(model: Glm52, params, stored_tokens, mesh, rounds: RoundLayout, state: GlmState, state_cot,
+def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, state, state_cot,
                     grads) -> dict:
     """grads + the float32 gradient of the sequence-parallel capture given `state_cot` (the float32 cotangent of the
     captured GlmState, sharded like it). Rounds in reverse: round r's entries are recomputed under `jax.vjp` from
@@ -285,3 +263,31 @@ def prompt_backward(model: Glm52, params, stored_tokens, mesh, rounds: RoundLayo
         return dict(grads, layers=layers, embed=embed), kv_cot
 
     return sequence.each_round(rounds, (grads, state_cot.kv.astype(jnp.float32)), one_round, reverse=True)[0]
+
+
+# ----- the adapter the engine asks the model for ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Glm52OnMesh:
+    """GLM-5.x's `SequenceParallel` (models/base.py). Its replay has no block protocol (IndexShare selections cross
+    layers), so each branch is backpropagated by autodiff of the sharded replay: a sharded state-sized cotangent per
+    branch."""
+
+    model: Any
+    min_segment = 1  # GLM reads no halo from the previous segment: any segment length works
+
+    def capture(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str):
+        """`attention` is Qwen3.6's choice; GLM always all-gathers its latent rows. No capture output is kept for
+        the backward (every round is recomputed from the final cache)."""
+        return capture(self.model, params, stored_tokens, mesh, rounds), None
+
+    def extend_hidden(self, params, sstate, tokens, mesh):
+        return extend_hidden_fn(self.model, mesh, param_specs(params, mesh))(params, sstate, tokens)
+
+    def branch_grads(self, mesh, rounds: RoundLayout, specs):
+        return functools.partial(layerwise.branch_grads_autodiff, extend_hidden_fn(self.model, mesh, specs))
+
+    def prompt_backward(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, sstate,
+                        capture_aux, state_cot, grads):
+        return prompt_backward(self.model, params, stored_tokens, mesh, rounds, sstate.state, state_cot, grads)

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from longstraw_jax.sharding.rules import SEQ_AXES
+
 
 @dataclasses.dataclass(frozen=True)
 class SeqLayout:
@@ -186,8 +188,6 @@ class ShardedPromptState:
 
     def natural(self):
         """The same state in natural order with the padding dropped (gathers the cache: for checks and export)."""
-        from longstraw_jax.sharding.rules import SEQ_AXES
-
         fields = {f.name for f in dataclasses.fields(self.state)}
         return self.state.replace(**{name: self.layout.to_natural(getattr(self.state, name), axis=axis)
                                      for name, axis in SEQ_AXES.items() if name in fields})

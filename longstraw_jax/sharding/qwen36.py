@@ -1,67 +1,49 @@
-"""Sequence-parallel capture and sharded replay for Qwen3.6 (MODELS.md 1) on a ("data", "seq") mesh.
+"""Qwen3.6 (docs/models.md 1) on a ("data", "seq") mesh: sequence-parallel capture, sharded replay and exact prompt
+backward. The layer code is the model's own (`Qwen36.block_with_reader`); this file supplies the *readers* through
+which a layer sees the prompt on one shard, and the drivers that walk rounds and blocks.
 
-Capture: the prompt is laid out by `SeqLayout` (two segments per `seq` shard, padded at the end), parameters stay
-FSDP-sharded and each layer is all-gathered inside the layer scan just before use. Per layer, every shard works on
-its own segments only:
-- gated attention: `sequence.causal_attention` (ring or all-gather of keys/values);
+Capture: a round of the prompt is laid out by `SeqLayout` (two segments per `seq` shard, padded at the end);
+parameters stay FSDP-sharded and each layer is all-gathered just before use (`layer_params`). Per layer, every shard
+works on its own segments only (`RoundReader`):
+- gated attention: `sequence.causal_attention` (ring or all-gather of keys/values), merged by log-sum-exp with the
+  round's queries over the cache of earlier rounds (every shard attends all shards' queries over its own slots);
 - Gated DeltaNet: the conv reads a K-1 row halo from the previous segment; the delta rule runs once per segment
-  from the augmented state [0 | I] with values [v | 0] (the rule is linear in (values, state) jointly), which yields
-  in one pass the local outputs o0, the segment's affine map S_out = A S_in + B (B and A are the two column blocks
+  from the augmented state [0 | Id] with values [v | 0] (the rule is linear in (values, state) jointly), which yields
+  in one pass the local outputs o0, the segment's affine map S_out = A_i S_in + B_i (B_i and A_i are the two column blocks
   of the final state) and q'_t = A_{<=t}^T q_t (the last dk output columns). `sequence.affine_fold` gives the
   incoming state S_in, and the exact outputs are o_t = o0_t + S_in^T q'_t: no second pass, no shard idles.
-Rounds (`RoundLayout`): a long prompt is captured round by round, each round laid out as above; a round's queries
-also attend over the cache of all earlier rounds, and the GDN carries its state (and conv tail) across rounds. Only
-one round's activations are live; position-wise work runs in blocks of ROWS rows (`_by_rows`).
-Replay (`extend_hidden`): the branch runs on every shard; the GDN state is replicated, and attention over the
-seq-sharded prompt cache is merged across shards by log-sum-exp (`sequence.psum_merge`).
+Rounds (`RoundLayout`): only one round's activations are live; the GDN state and conv tail carry across rounds;
+position-wise work runs in blocks of ROWS rows (`rowwise`).
+Replay (`ReplayReader`): the branch runs on every shard; the GDN state is replicated and read as on one device;
+attention over the seq-sharded prompt cache is merged across shards by log-sum-exp (`sequence.psum_merge`).
+Exact backward (`prompt_backward`): rounds in reverse, blocks in reverse, each block recomputed under `jax.vjp` of its
+own `shard_map`; JAX transposes the collectives (all-gathers become reduce-scatters, the ring runs backwards).
+
+This module depends on the model only through its methods (no import of `models/qwen36.py`, which imports this).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from einops import rearrange
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from longstraw_jax.models.qwen36 import (FULL, LINEAR, PromptState, Qwen36, attention_inputs, attention_output,
-                                         gated_deltanet, gdn_core, gdn_inputs, gdn_output, gdn_qkv)
+from longstraw_jax import layerwise
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype
-from longstraw_jax.ops.mlp import swiglu
-from longstraw_jax.ops.norms import rms_norm_1p
 from longstraw_jax.sharding import sequence
 from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
-from longstraw_jax.sharding.rules import gather_layer, param_specs, prompt_state_specs
-from longstraw_jax.validation import check_tokens
-
-_GROUP = {LINEAR: "linear", FULL: "full"}
-
-
-def min_segment(cfg) -> int:
-    """The shortest segment a layout may use: the causal conv reads a K-1 row halo from the previous segment."""
-    return cfg.linear_conv_kernel_dim - 1
-
-
-def _pattern(cfg):
-    """[(kind, index within that kind's stacked group)] for one block, in layer order."""
-    seen = {LINEAR: 0, FULL: 0}
-    out = []
-    for kind in cfg.block_pattern:
-        out.append((kind, seen[kind]))
-        seen[kind] += 1
-    return out
-
-
-def _layers(cfg, bp, block_specs):
-    """(kind, index within its group, the layer's parameters gathered whole) for one block's layers, in order.
-    bp: the block's FSDP-sharded parameters ({group: leaves [per_block, ...]}); one layer is gathered at a time."""
-    for kind, j in _pattern(cfg):
-        group = _GROUP[kind]
-        yield kind, j, gather_layer(jax.tree.map(lambda a: a[j], bp[group]), block_specs[group])
-
+from longstraw_jax.sharding.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
+from longstraw_jax.sharding.sequence import SEQ, each_round, round_slots
 
 ROWS = 4096  # position-wise work (projections, norms, MLP) runs over at most this many local positions at a time
+_KV = P(None, None, SEQ)  # a KV cache or its cotangent: [blocks (or 1), nf, S, Hkv, hd], S split along seq
 
 
 def _by_rows(fn, *xs, rows: int | None = None):
@@ -77,109 +59,120 @@ def _by_rows(fn, *xs, rows: int | None = None):
     return jax.tree.map(lambda y: y.reshape((n * rows,) + y.shape[2:])[:t], out)
 
 
-def _residual(cfg, p, h, mixer):
-    """Decoder layer (1.3) around a mixer: h + mixer(norm(h)) then h + mlp(norm(h)); returns (h, mixer's entry)."""
-    y, entry = mixer(_by_rows(lambda h: rms_norm_1p(h, p["input_norm"], cfg.rms_norm_eps), h))
-    return _by_rows(lambda h, y: (h + y) + swiglu(p["mlp"], rms_norm_1p(h + y, p["post_norm"], cfg.rms_norm_eps)),
-                    h, y), entry
+class _ShardedLayers(NamedTuple):
+    """What every reader on the mesh shares: FSDP-sharded layers gathered whole one at a time, rows in blocks."""
+
+    specs: dict  # param_specs(params)["blocks"]: {"linear": ..., "full": ...} specs of the stacked leaves
+
+    def layer_params(self, p: dict, group: str) -> dict:
+        return gather_layer(p, self.specs[group])
+
+    def rowwise(self, fn, *xs):
+        return _by_rows(fn, *xs)
 
 
 # ----- capture -------------------------------------------------------------------------------------------------
 
 
-def _gdn_segments(cfg, p, x, positions, layout: SeqLayout, conv_in, state_in):
-    """Sequence-parallel Gated DeltaNet over this shard's segments of one round. x [2L, D]; positions [2, L] within
-    the round; conv_in [K-1, C] and state_in [Hv, dk, dv] float32: the carried state before the round.
-    Returns (y [2L, D], (final conv tail [K-1, C], final state [Hv, dk, dv])), the state entries replicated."""
-    seg, km1 = layout.segment, cfg.linear_conv_kernel_dim - 1
-    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed, z, beta, g = _by_rows(lambda x: gdn_inputs(cfg, p, x), x)
-    mixed = mixed.reshape(2, seg, -1)
-    halo = sequence.previous_rows(mixed[:, seg - km1 :], conv_in.astype(mixed.dtype), layout)
-    conv_out = jax.vmap(lambda m, t: causal_depthwise_conv(m, p["conv1d"], t)[0])(mixed, halo)
-    q, k, v = _by_rows(lambda c: gdn_qkv(cfg, c), conv_out.reshape(2 * seg, -1))
-    real = (positions < layout.length).reshape(-1, 1)  # padding: no decay, no write -> the state passes unchanged
-    beta, g = jnp.where(real, beta, 0), jnp.where(real, g, 0)
+class RoundReader(NamedTuple):
+    """Inside `shard_map`: block b's layers in capture round `index` (laid out by `layout`) on this shard. carry:
+    (conv, recurrent) carried into the round and this shard's (keys, values) cache [nb, nf, S, Hkv, hd], each with a
+    leading block axis; the caches are only read (the first index * round_slots slots: earlier rounds).
+    positions [2L]: the natural positions of this shard's two segments; within [2, L]: the same within the round."""
 
-    core = accum_dtype(x.dtype)
-    v_aug = jnp.concatenate([v.astype(core), jnp.zeros(v.shape[:-1] + (dk,), core)], axis=-1)
-    s_aug = jnp.concatenate([jnp.zeros((hv, dk, dv), core), jnp.broadcast_to(jnp.eye(dk, dtype=core), (hv, dk, dk))],
-                            axis=-1)
-    per_segment = lambda a: a.reshape((2, seg) + a.shape[1:])
-    # a Python loop, not vmap: a vmapped chunked rule (batched triangular solves) deadlocked XLA:CPU collectives
-    runs = [gdn_core(cfg, *(a[h] for a in map(per_segment, (q, k, v_aug, g, beta))), s_aug) for h in (0, 1)]
-    o_aug, end = (jnp.stack(x) for x in zip(*runs))
-    incoming, final = sequence.affine_fold(end[..., dv:], end[..., :dv], state_in.astype(core), layout)
-    o = o_aug[..., :dv] + jnp.einsum("sthk,shkv->sthv", o_aug[..., dv:], incoming)
-    y = _by_rows(lambda o, z: gdn_output(cfg, p, o, z, x.dtype), o.reshape(2 * seg, hv, dv), z)
+    carry: tuple
+    b: Any
+    index: Any
+    rounds: RoundLayout
+    layout: SeqLayout
+    method: str
+    within: jax.Array
+    positions: jax.Array
+    layers: _ShardedLayers
 
-    # The new conv tail: the K-1 inputs before position P, read from the segment holding position P-1.
-    last = (layout.length - 1) // seg
-    owner, half = (int(a[last]) for a in layout.natural_segment_source())
-    extended = jnp.concatenate([halo[half], mixed[half]], axis=0)
-    start = layout.length - last * seg
-    tail = jnp.where(jax.lax.axis_index(sequence.SEQ) == owner, extended[start : start + km1], 0)
-    return y, (jax.lax.psum(tail, sequence.SEQ), final)
+    def layer_params(self, p, group):
+        return self.layers.layer_params(p, group)
 
+    def rowwise(self, fn, *xs):
+        return self.layers.rowwise(fn, *xs)
 
-def _attention_segments(cfg, p, x, positions, offset, layout: SeqLayout, method: str, earlier=None):
-    """Sequence-parallel gated attention over this shard's segments of one round (positions [2, L] within the round,
-    which starts at natural position `offset`). earlier: None, or (keys, values, slots, (b, j)): this shard's cache
-    [nb, nf, S, Hkv, hd] whose first `slots` slots hold earlier rounds (all visible to every query of the round).
-    Returns (y [2L, D], (keys, values) [2L, Hkv, hd] for the cache, zero at padding positions)."""
-    q, gate, k, v = _by_rows(lambda x, pos: attention_inputs(cfg, p, x, pos), x, offset + positions.reshape(-1))
-    per_segment = lambda a: a.reshape((2, layout.segment) + a.shape[1:])
-    common = dict(scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size)
-    att = sequence.causal_attention(per_segment(q), per_segment(k), per_segment(v), positions, layout, method=method,
-                                    **common)
-    if earlier is not None:
-        # Every shard's queries see every shard's earlier slots: each shard attends the round's queries of all
-        # shards over its own slots (same work as its own queries over all slots), the partials merge across shards.
-        keys, values, slots, index = earlier
-        queries = jax.lax.all_gather(q, sequence.SEQ)  # [n, 2L, Hq, hd]
-        part = _by_rows(lambda q: attn_ops.attend(q, keys, values, k_offset=0, causal=False, kv_length=slots,
-                                                  q_positions=jnp.zeros(q.shape[0], jnp.int32), kv_index=index,
-                                                  **common), queries.reshape((-1,) + q.shape[1:]))
-        mine = jax.tree.map(lambda a: per_segment(a.reshape(queries.shape[:2] + a.shape[1:])[
-            jax.lax.axis_index(sequence.SEQ)]), sequence.psum_merge(part))
-        att = attn_ops.merge(att, mine)
-    att = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), att)
-    real = (positions < layout.length).reshape(-1, 1, 1)
-    y = _by_rows(lambda out, gate: attention_output(cfg, p, attn_ops.Attended(out, None), gate, x.dtype), att.out, gate)
-    return y, (jnp.where(real, k, 0), jnp.where(real, v, 0))
+    def conv(self, mixed, weight, j):
+        """The causal conv of both segments, each after the K-1 rows that precede it (the previous segment's last
+        rows, or the carried tail before the round); the new tail is read from the shard holding the round's end."""
+        layout, km1 = self.layout, weight.shape[-1] - 1
+        seg, tail_in = layout.segment, self.carry[0][self.b, j]
+        mixed = rearrange(mixed, "(a t) c -> a t c", s=2)  # [2 segments, L, conv_dim]
+        halo = sequence.previous_rows(mixed[:, seg - km1 :], tail_in.astype(mixed.dtype), layout)
+        out = jax.vmap(lambda m, t: causal_depthwise_conv(m, weight, t)[0])(mixed, halo)
+        last = (layout.length - 1) // seg  # the natural segment holding the round's last real position
+        owner, half = (int(a[last]) for a in layout.natural_segment_source())
+        extended = jnp.concatenate([halo[half], mixed[half]], axis=0)
+        start = layout.length - last * seg
+        tail = jnp.where(jax.lax.axis_index(SEQ) == owner, extended[start : start + km1], 0)
+        return rearrange(out, "a t c -> (a t) c"), jax.lax.psum(tail, SEQ).astype(tail_in.dtype)
 
+    def delta_rule(self, core, q, k, v, g, beta, j):
+        """Each segment once from the augmented state [0 | Id], then the affine fold across segments (module doc)."""
+        (hv, dk), dv = q.shape[1:], v.shape[-1]
+        real = (self.within < self.layout.length).reshape(-1, 1)  # padding: no decay, no write (state unchanged)
+        beta, g = jnp.where(real, beta, 0), jnp.where(real, g, 0)
+        f32 = accum_dtype(v.dtype)
+        v_aug = jnp.concatenate([v.astype(f32), jnp.zeros(v.shape[:-1] + (dk,), f32)], axis=-1)
+        s_aug = jnp.concatenate([jnp.zeros((hv, dk, dv), f32), jnp.broadcast_to(jnp.eye(dk, dtype=f32), (hv, dk, dk))],
+                                axis=-1)
+        per_segment = lambda a: rearrange(a, "(a t) ... -> a t ...", s=2)
+        # a Python loop, not vmap: a vmapped chunked rule (batched triangular solves) deadlocked XLA:CPU collectives
+        runs = [core(*(a[h] for a in map(per_segment, (q, k, v_aug, g, beta))), s_aug) for h in (0, 1)]
+        o_aug, end = (jnp.stack(x) for x in zip(*runs))
+        state_in = self.carry[1][self.b, j].astype(f32)
+        incoming, final = sequence.affine_fold(end[..., dv:], end[..., :dv], state_in, self.layout)
+        o = o_aug[..., :dv] + jnp.einsum("athd,ahdv->athv", o_aug[..., dv:], incoming)
+        return rearrange(o, "a t h v -> (a t) h v"), final
 
-def round_block(cfg, block_specs, method, rounds: RoundLayout, layout: SeqLayout, index, bp, h, state, b):
-    """Block `b` of round `index` (laid out by `layout`) on this shard: h [2L, D] -> (h, entries). bp: the block's
-    FSDP-sharded parameters ({group: leaves [per_block, ...]}), gathered one layer at a time. state: (conv,
-    recurrent) carried into the round and (keys, values) caches, all with a leading block axis indexed by b; the
-    caches are only read (earlier rounds' slots). entries: {LINEAR: (conv tail, final state) [nl, ...], FULL:
-    (keys, values) [nf, 2L, Hkv, hd]}."""
-    conv, recurrent, keys, values = state
-    positions = sequence.local_positions(layout)
-    entries = {LINEAR: [], FULL: []}
-    for kind, j, p in _layers(cfg, bp, block_specs):
-        if kind == LINEAR:
-            mixer = lambda x: _gdn_segments(cfg, p, x, positions, layout, conv[b, j], recurrent[b, j])
-        else:
-            earlier = None if rounds.full == 0 else (keys, values, index * rounds.round_slots, (b, j))
-            mixer = lambda x: _attention_segments(cfg, p, x, positions, index * rounds.round_positions, layout,
-                                                  method, earlier)
-        h, entry = _residual(cfg, p, h, mixer)
-        entries[kind].append(entry)
-    return h, {kind: jax.tree.map(lambda *x: jnp.stack(x), *e) for kind, e in entries.items()}
+    def attend(self, q, k, v, j, *, scale, block_size):
+        """Causal attention within the round across shards, merged with attention over earlier rounds' cache."""
+        layout, rounds = self.layout, self.rounds
+        per_segment = lambda a: rearrange(a, "(a t) ... -> a t ...", s=2)
+        common = dict(scale=scale, block_size=block_size)
+        att = sequence.causal_attention(per_segment(q), per_segment(k), per_segment(v), self.within, layout,
+                                        method=self.method, **common)
+        if rounds.full:
+            # Every shard's queries see every shard's earlier slots: each shard attends the round's queries of all
+            # shards over its own slots (same work as its own queries over all slots), the partials merge by psum.
+            keys, values = self.carry[2], self.carry[3]
+            queries = jax.lax.all_gather(q, SEQ)  # [n, 2L, Hq, hd]
+            part = _by_rows(lambda q: attn_ops.attend(
+                q, keys, values, k_offset=0, causal=False, kv_length=self.index * rounds.round_slots,
+                q_positions=jnp.zeros(q.shape[0], jnp.int32), kv_index=(self.b, j), **common),
+                rearrange(queries, "n t h d -> (n t) h d"))
+            mine = jax.tree.map(lambda a: per_segment(rearrange(a, "(n t) ... -> n t ...", n=queries.shape[0])[
+                jax.lax.axis_index(SEQ)]), sequence.psum_merge(part))
+            att = attn_ops.merge(att, mine)
+        return jax.tree.map(lambda a: rearrange(a, "a t ... -> (a t) ..."), att)
 
 
-def _capture_round(cfg, block_specs, method, blocks, h, layout: SeqLayout, index, rounds: RoundLayout, carry):
+def round_block(model, block_specs, method, rounds: RoundLayout, layout: SeqLayout, index, bp, h, carry, b):
+    """Block `b` of round `index` on this shard: h [2L, D] -> (h, entries {"linear": (tails, states) [nl, ...],
+    "full": (keys, values) [nf, 2L, Hkv, hd], zero at padding positions}). bp: the block's FSDP-sharded parameters
+    ({group: leaves [per_block, ...]}). carry: as `RoundReader.carry`."""
+    within = sequence.local_positions(layout)
+    reader = RoundReader(carry, b, index, rounds, layout, method, within,
+                         index * rounds.round_positions + within.reshape(-1), _ShardedLayers(block_specs))
+    h, entries = model.block_with_reader(bp, h, reader)
+    real = (within.reshape(-1) < layout.length)[None, :, None, None]
+    return h, dict(entries, full=tuple(jnp.where(real, x, 0) for x in entries["full"]))
+
+
+def _capture_round(model, block_specs, method, blocks, h, layout: SeqLayout, index, rounds: RoundLayout, carry):
     """One round (round number `index`, laid out by `layout`) over this shard's h [2L, D], given the carried state
     and cache of the rounds before it; returns the carry with the round's state written in."""
     @jax.checkpoint
     def body(h, xs):
         bp, b = xs
-        return round_block(cfg, block_specs, method, rounds, layout, index, bp, h, carry, b)
+        return round_block(model, block_specs, method, rounds, layout, index, bp, h, carry, b)
 
-    _, entries = jax.lax.scan(body, h, (blocks, jnp.arange(cfg.num_blocks)))
-    (conv, recurrent), (k, v) = entries[LINEAR], entries[FULL]
+    _, entries = jax.lax.scan(body, h, (blocks, jnp.arange(model.num_blocks)))
+    (conv, recurrent), (k, v) = entries["linear"], entries["full"]
     slots = index * rounds.round_slots
     write = lambda cache, new: jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), slots, axis=2)
     return conv, recurrent, write(carry[2], k), write(carry[3], v)
@@ -194,29 +187,24 @@ def boundaries_per_shard(rounds: RoundLayout) -> int:
 def _keep_boundary(owned, carried, r, per: int):
     """Store the GDN state carried into round r at its owner's slot r % per; other shards write the scratch slot
     `per` (buffers [per + 1, ...])."""
-    slot = jnp.where(jax.lax.axis_index(sequence.SEQ) == r // per, r % per, per)
+    slot = jnp.where(jax.lax.axis_index(SEQ) == r // per, r % per, per)
     return jax.tree.map(lambda buf, x: buf.at[slot].set(x.astype(buf.dtype)), owned, carried)
 
 
 def read_boundary(owned, r, per: int):
     """Inside `shard_map`: round r's boundary (conv, recurrent), on every shard (a psum from its owner; exact)."""
-    mine = jax.lax.axis_index(sequence.SEQ) == r // per
-    return jax.tree.map(lambda buf: jax.lax.psum(jnp.where(mine, buf[r % per], 0).astype(buf.dtype), sequence.SEQ),
-                        owned)
+    mine = jax.lax.axis_index(SEQ) == r // per
+    return jax.tree.map(lambda buf: jax.lax.psum(jnp.where(mine, buf[r % per], 0).astype(buf.dtype), SEQ), owned)
 
 
-def _capture_local(cfg, rounds: RoundLayout, block_specs, method, blocks, h):
+def _capture_local(model, rounds: RoundLayout, block_specs, method, blocks, h):
     """This shard's h [rounds.per_shard, D] -> ((conv, recurrent, keys, values), boundaries): a scan over the full
     rounds, then the last round. Only one round's activations are ever live; the cache fills in place.
     boundaries: this shard's (conv, recurrent) carried into its rounds, [per + 1, ...] (`boundaries_per_shard`;
     the last slot is scratch), for the exact backward (`read_boundary`)."""
-    nb, hv = cfg.num_blocks, cfg.linear_num_value_heads
-    linear, full = cfg.block_pattern.count(LINEAR), cfg.block_pattern.count(FULL)
-    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim
-    carry = (jnp.zeros((nb, linear, cfg.linear_conv_kernel_dim - 1, conv_dim), h.dtype),
-             jnp.zeros((nb, linear, hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim), accum_dtype(h.dtype)),
-             *(jnp.zeros((nb, full, rounds.per_shard, cfg.num_key_value_heads, cfg.head_dim), h.dtype),) * 2)
-    one_round = functools.partial(_capture_round, cfg, block_specs, method, blocks)
+    empty = model.init_state(rounds.per_shard, h.dtype)
+    carry = (empty.conv, empty.recurrent, empty.keys, empty.values)
+    one_round = functools.partial(_capture_round, model, block_specs, method, blocks)
     per = boundaries_per_shard(rounds)
     owned = tuple(jnp.zeros((per + 1,) + a.shape, a.dtype) for a in carry[:2])
     if rounds.full:
@@ -231,95 +219,215 @@ def _capture_local(cfg, rounds: RoundLayout, block_specs, method, blocks, h):
     return one_round(h[rounds.full * rounds.round_slots :], rounds.last, rounds.full, rounds, carry), owned
 
 
-def capture(model: Qwen36, params: dict, tokens, mesh, attention: str = "ring", pad_id: int = 0,
-            round_len: int | None = None) -> ShardedPromptState:
-    """Prompt tokens int32 [P] -> ShardedPromptState, sequence-parallel over `mesh`'s `seq` axis.
-
-    `params` may be placed anywhere (ideally by `rules.param_specs`: then nothing is moved but one layer at a time).
-    attention: "ring" or "allgather" (sequence.causal_attention). `pad_id` only fills padding slots; it cannot
-    change any result (tests check this). round_len: capture in rounds of about this many positions (activation
-    memory of one round; later rounds attend over the cache of earlier ones); None: the whole prompt in one round.
-    """
-    cfg = model.config
-    tokens = check_tokens(tokens, cfg.vocab_size)
-    if attention not in sequence.ATTENTION_METHODS:
-        raise ValueError(f"attention={attention!r}; allowed: {sequence.ATTENTION_METHODS}")
-    layout = RoundLayout.for_prompt(tokens.shape[0], mesh.shape[sequence.SEQ], min_segment(cfg), round_len)
-    return _capture(model, params, layout.to_stored(tokens, pad_id), mesh, layout, attention)[0]
+def _shard_map(mesh, fn, in_specs, out_specs):
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
-def _capture(model, params, stored_tokens, mesh, layout, attention):
-    """-> (ShardedPromptState, boundaries: the GDN (conv, recurrent) carried into each round, spread over the seq
-    shards as `_capture_local` keeps them)."""
-    cfg = model.config
+def capture(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: str):
+    """Traceable: stored_tokens [rounds.padded] (stored order) -> (ShardedPromptState, boundaries: the GDN (conv,
+    recurrent) carried into each round, spread over the seq shards as `_capture_local` keeps them)."""
     specs = param_specs(params, mesh)
-    h = jax.lax.with_sharding_constraint(params["embed"][stored_tokens], NamedSharding(mesh, P(sequence.SEQ)))
-    kv_spec = P(None, None, sequence.SEQ)
-    (conv, recurrent, keys, values), boundaries = jax.shard_map(
-        functools.partial(_capture_local, cfg, layout, specs["blocks"], attention), mesh=mesh,
-        in_specs=(specs["blocks"], P(sequence.SEQ)),
-        out_specs=((P(), P(), kv_spec, kv_spec), (P(sequence.SEQ), P(sequence.SEQ))),
-        check_vma=False,
-    )(params["blocks"], h)
-    state = PromptState(conv=conv, recurrent=recurrent, keys=keys, values=values, length=layout.length)
-    return ShardedPromptState(state, layout), boundaries
+    h = jax.lax.with_sharding_constraint(model.embed(params, stored_tokens), NamedSharding(mesh, P(SEQ)))
+    (conv, recurrent, keys, values), boundaries = _shard_map(
+        mesh, functools.partial(_capture_local, model, rounds, specs["blocks"], attention),
+        (specs["blocks"], P(SEQ)), ((P(), P(), _KV, _KV), (P(SEQ), P(SEQ))))(model.block_params(params), h)
+    state = model.state_type(conv=conv, recurrent=recurrent, keys=keys, values=values, length=rounds.length)
+    return ShardedPromptState(state, rounds), boundaries
 
 
 # ----- replay ------------------------------------------------------------------------------------------------------
 
 
-def _cached_attention(cfg, p, x, positions, sstate_local: PromptState, rounds: RoundLayout, b, j):
-    """Gated attention of new tokens over the seq-sharded prompt cache (log-sum-exp across shards) and, causally,
-    over themselves. sstate_local.keys: this shard's [nb, nf, S, Hkv, hd], `rounds`' slots: every slot of the full
-    rounds is a real position; of the last round's two segments, a prefix of each."""
-    q, gate, k, v = attention_inputs(cfg, p, x, positions)
-    common = dict(q_positions=positions, scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size)
-    earlier, last = rounds.full * rounds.round_slots, rounds.last
-    parts = []
-    if rounds.full:
-        parts.append(attn_ops.attend(q, sstate_local.keys, sstate_local.values, k_offset=0, causal=False,
-                                     kv_length=earlier, kv_index=(b, j), **common))
-    split = lambda cache: cache[:, :, earlier:].reshape(cache.shape[:2] + (2, last.segment) + cache.shape[3:])
-    keys, values = split(sstate_local.keys), split(sstate_local.values)
-    visible = jnp.clip(last.length - sequence.local_segments(last) * last.segment, 0, last.segment)
-    parts += [attn_ops.attend(q, keys, values, k_offset=0, causal=False, kv_length=visible[h], kv_index=(b, j, h),
-                              **common) for h in (0, 1)]
-    prompt = sequence.psum_merge(functools.reduce(attn_ops.merge, parts))
-    new = attn_ops.attend(q, k, v, k_offset=rounds.length, causal=True, **common)
-    return attention_output(cfg, p, attn_ops.merge(prompt, new), gate, x.dtype), None
+class ReplayReader(NamedTuple):
+    """Inside `shard_map`: a block's layers replaying new tokens (the same on every shard) after this shard's slice
+    of the prompt state. local: the model's own one-device reader of that slice (the GDN conv tail and recurrent
+    matrix are replicated, so they are read as on one device); attention over the seq-sharded cache is a partial on
+    each shard, merged across shards by log-sum-exp."""
+
+    local: Any
+    rounds: RoundLayout
+    layers: _ShardedLayers
+
+    @property
+    def positions(self):
+        return self.local.positions
+
+    def layer_params(self, p, group):
+        return self.layers.layer_params(p, group)
+
+    def rowwise(self, fn, *xs):
+        return self.layers.rowwise(fn, *xs)
+
+    def conv(self, mixed, weight, j):
+        return self.local.conv(mixed, weight, j)
+
+    def delta_rule(self, core, q, k, v, g, beta, j):
+        return self.local.delta_rule(core, q, k, v, g, beta, j)
+
+    def attend(self, q, k, v, j, *, scale, block_size):
+        """Every slot of the full rounds is a real position; of the last round's two segments, a prefix of each."""
+        state, index, rounds = self.local.state, self.local.prefix + (j,), self.rounds
+        common = dict(q_positions=self.positions, scale=scale, block_size=block_size)
+        earlier, last = rounds.full * rounds.round_slots, rounds.last
+        parts = []
+        if rounds.full:
+            parts.append(attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=False, kv_length=earlier,
+                                         kv_index=index, **common))
+        split = lambda cache: rearrange(cache[..., earlier:, :, :], "... (a t) h d -> ... a t h d", s=2)
+        visible = jnp.clip(last.length - sequence.local_segments(last) * last.segment, 0, last.segment)
+        parts += [attn_ops.attend(q, split(state.keys), split(state.values), k_offset=0, causal=False,
+                                  kv_length=visible[h], kv_index=index + (h,), **common) for h in (0, 1)]
+        prompt = sequence.psum_merge(functools.reduce(attn_ops.merge, parts))
+        return attn_ops.merge(prompt, attn_ops.attend(q, k, v, k_offset=rounds.length, causal=True, **common))
 
 
-def extend_block(cfg, block_specs, rounds: RoundLayout, bp, h, state: PromptState, b):
+def replay_block(model, block_specs, rounds: RoundLayout, bp, h, state, b):
     """Block b of the replay on this shard: new tokens' h [T, D] (the same on every shard) at positions P.. over this
-    shard's slice of the prompt cache; state: this shard's PromptState, leading block axis indexed by b."""
+    shard's slice of the prompt state (leading block axis indexed by b)."""
     positions = rounds.length + jnp.arange(h.shape[0], dtype=jnp.int32)
-    for kind, j, p in _layers(cfg, bp, block_specs):
-        if kind == LINEAR:
-            mixer = lambda x: (gated_deltanet(cfg, p, x, state.conv[b, j], state.recurrent[b, j])[0], None)
-        else:
-            mixer = lambda x: _cached_attention(cfg, p, x, positions, state, rounds, b, j)
-        h, _ = _residual(cfg, p, h, mixer)
-    return h
+    reader = ReplayReader(model.prompt_reader(state, (b,), positions), rounds, _ShardedLayers(block_specs))
+    return model.block_with_reader(bp, h, reader)[0]
 
 
-def _extend_local(cfg, rounds, block_specs, blocks, state, h):
-    body = jax.checkpoint(lambda h, xs: (extend_block(cfg, block_specs, rounds, xs[0], h, state, xs[1]), None))
-    return jax.lax.scan(body, h, (blocks, jnp.arange(cfg.num_blocks)))[0]
+def extend_hidden(model, params, sstate: ShardedPromptState, tokens, mesh):
+    """Traceable: tokens int32 [T] after the sharded state -> final-normed hidden [T, D] (replicated)."""
+    specs = param_specs(params, mesh)["blocks"]
+
+    def local(blocks, state, h):
+        body = jax.checkpoint(lambda h, xs: (replay_block(model, specs, sstate.layout, xs[0], h, state, xs[1]), None))
+        return jax.lax.scan(body, h, (blocks, jnp.arange(model.num_blocks)))[0]
+
+    h = _shard_map(mesh, local, (specs, prompt_state_specs(sstate.state), P()), P())(
+        model.block_params(params), sstate.state, model.embed(params, tokens))
+    return model.final_norm(params, h)
 
 
-def extend_hidden(model: Qwen36, params: dict, sstate: ShardedPromptState, tokens, mesh) -> jax.Array:
-    """As `model.extend_hidden` on the sharded state: tokens int32 [T] -> final-normed hidden [T, D]."""
-    return _extend_hidden(model, params, sstate, check_tokens(tokens, model.config.vocab_size), mesh)
+class _BlocksOnMesh:
+    """The block protocol of `layerwise` for the sharded replay: `block` runs one block in its own `shard_map` over
+    the seq-sharded state slice, so `layerwise.branch_grads` backpropagates block by block and adds each block's
+    slice of the state cotangent into the accumulator in place (no full-size cotangent per branch). Everything else
+    is the model's."""
+
+    def __init__(self, model, mesh, rounds: RoundLayout, block_specs):
+        self.model, self.mesh, self.rounds, self.block_specs = model, mesh, rounds, block_specs
+        self.slice_specs = block_slice_specs(block_specs)
+        self.num_blocks = model.num_blocks
+        self.embed, self.final_norm = model.embed, model.final_norm
+        self.block_params, self.with_block_params = model.block_params, model.with_block_params
+
+    def block(self, bp, h, state_block, positions, cache_length):
+        """One block over tokens h [T, D] (replicated); state_block: a ShardedPromptState sliced at one block."""
+        state = jax.tree.map(lambda a: a[None], state_block.state)  # leading block axis of 1: indexed by b = 0
+        local = lambda bp, h, state: replay_block(self.model, self.block_specs, self.rounds, bp, h, state, 0)
+        return _shard_map(self.mesh, local, (self.slice_specs, P(), prompt_state_specs(state)), P())(bp, h, state), None
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _extend_hidden(model, params, sstate, tokens, mesh):
-    cfg = model.config
+# ----- exact mode: the prompt's backward -----------------------------------------------------------------------
+
+
+def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, state, boundaries,
+                    state_cot, grads) -> dict:
+    """grads + the float32 gradient of the sequence-parallel capture of `stored_tokens` ([rounds.padded] in stored
+    order) given `state_cot`, the float32 cotangent of the captured state (KV cache seq-sharded, GDN carried state
+    replicated). grads: a float32 params-shaped tree, FSDP-sharded (the replay's gradient: added to in place).
+
+    Each round is recomputed from the GDN state carried into it (`boundaries`) and the final cache (its earlier
+    slots are exactly what the round read during capture; later slots are never read): a forward over blocks keeps
+    each block's input h, then a reverse scan over blocks takes the vjp of one block (`round_block` in its own
+    `shard_map`) with the cotangent of its new keys/values (the running cotangent at the round's slots) and of its
+    outgoing GDN state (the carried cotangent); it adds the block's parameter gradient, adds the cotangent of the
+    cache reads into the running KV cotangent at block b (in place), and replaces the carried cotangent by that of
+    the state the round started from. Memory: the state, its cotangent, the round boundaries, one round's block
+    inputs and one block's recomputation.
+    """
     specs = param_specs(params, mesh)
-    h = params["embed"][tokens]
-    h = jax.shard_map(
-        functools.partial(_extend_local, cfg, sstate.layout, specs["blocks"]), mesh=mesh,
-        in_specs=(specs["blocks"], prompt_state_specs(sstate.state), P()), out_specs=P(), check_vma=False,
-    )(params["blocks"], sstate.state, h)
-    return rms_norm_1p(h, params["final_norm"], cfg.rms_norm_eps)
+    block_specs = specs["blocks"]
+    slice_specs = block_slice_specs(block_specs)
+    blocks = model.block_params(params)
+    per = boundaries_per_shard(rounds)
+
+    place = lambda tree, spec_tree: jax.tree.map(
+        lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), tree, spec_tree)
+
+    def block(layout, index, bp, h, conv, recurrent, keys, values):
+        """Block of round `index` on the mesh: h [n * 2L, D] (stored order) -> (h, tail, final, keys, values)."""
+        def local(bp, h, conv, recurrent, keys, values, index):
+            h, entries = round_block(model, block_specs, attention, rounds, layout, index, bp, h,
+                                     (conv, recurrent, keys, values), 0)
+            return h, *entries["linear"], *entries["full"]
+
+        return _shard_map(mesh, local, (slice_specs, P(SEQ), P(), P(), _KV, _KV, P()),
+                          (P(SEQ), P(), P(), P(None, SEQ), P(None, SEQ)))(bp, h, conv, recurrent, keys, values, index)
+
+    read_round = functools.partial(round_slots, mesh, rounds)
+
+    def round_backward(carry, layout, index):
+        grads, keys_cot, values_cot, conv_cot, rec_cot = carry
+        size = layout.per_shard
+        tokens = read_round(stored_tokens, index, size, 0)
+        conv_in, rec_in = _shard_map(mesh, lambda b, r: read_boundary(b, r, per), (P(SEQ), P()), P())(boundaries,
+                                                                                                    index)
+        at = lambda tree, b: jax.tree.map(lambda a: a[b], tree)
+        state_of = lambda b: (conv_in[b][None], rec_in[b][None], state.keys[b][None], state.values[b][None])
+        h0 = jax.lax.with_sharding_constraint(model.embed(params, tokens), NamedSharding(mesh, P(SEQ)))
+
+        def forward(h, b):
+            return block(layout, index, at(blocks, b), h, *state_of(b))[0], h
+
+        _, inputs = jax.lax.scan(forward, h0, jnp.arange(model.num_blocks))
+
+        def backward(carry, b):
+            dh, grads_blocks, keys_cot, values_cot, conv_cot, rec_cot = carry
+            primals = (at(blocks, b), inputs[b], *state_of(b))
+            outputs, vjp = jax.vjp(functools.partial(block, layout, index), *primals)
+            entries_cot = (conv_cot[b], rec_cot[b], read_round(keys_cot[b], index, size, 1),
+                           read_round(values_cot[b], index, size, 1))
+            cot = (dh,) + tuple(c.astype(o.dtype) for c, o in zip(entries_cot, outputs[1:]))
+            d_bp, dh, d_conv, d_rec, d_keys, d_values = vjp(cot)
+            # the constraints keep the carried accumulators sharded (FSDP / seq) through the scan
+            grads_blocks = place(jax.tree.map(lambda g, d: g.at[b].add(d.astype(g.dtype)), grads_blocks, d_bp),
+                                 block_specs)
+            keys_cot = place(keys_cot.at[b].add(d_keys[0].astype(keys_cot.dtype)), _KV)
+            values_cot = place(values_cot.at[b].add(d_values[0].astype(values_cot.dtype)), _KV)
+            conv_cot = conv_cot.at[b].set(d_conv[0].astype(conv_cot.dtype))
+            rec_cot = rec_cot.at[b].set(d_rec[0].astype(rec_cot.dtype))
+            return (dh, grads_blocks, keys_cot, values_cot, conv_cot, rec_cot), None
+
+        carry = (jnp.zeros_like(h0), model.block_params(grads), keys_cot, values_cot, conv_cot, rec_cot)
+        (dh, grads_blocks, *cots), _ = jax.lax.scan(backward, carry, jnp.arange(model.num_blocks), reverse=True)
+        embed = place(grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)), specs["embed"])
+        return (dict(model.with_block_params(grads, grads_blocks), embed=embed), *cots)
+
+    f32 = lambda a: a.astype(jnp.float32)
+    carry = (grads, f32(state_cot.keys), f32(state_cot.values), f32(state_cot.conv), f32(state_cot.recurrent))
+    return each_round(rounds, carry, round_backward, reverse=True)[0]
+
+
+# ----- the adapter the engine asks the model for ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen36OnMesh:
+    """Qwen3.6's `SequenceParallel` (models/base.py): what the sharded engine needs from a family."""
+
+    model: Any
+
+    @property
+    def min_segment(self) -> int:
+        """The causal conv reads a K-1 row halo from the previous segment."""
+        return self.model.config.linear_conv_kernel_dim - 1
+
+    def capture(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str):
+        return capture(self.model, params, stored_tokens, mesh, rounds, attention)
+
+    def extend_hidden(self, params, sstate, tokens, mesh):
+        return extend_hidden(self.model, params, sstate, tokens, mesh)
+
+    def branch_grads(self, mesh, rounds: RoundLayout, specs):
+        on_mesh = _BlocksOnMesh(self.model, mesh, rounds, specs["blocks"])
+        return functools.partial(layerwise.branch_grads, on_mesh)
+
+    def prompt_backward(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, sstate,
+                        capture_aux, state_cot, grads):
+        return prompt_backward(self.model, params, stored_tokens, mesh, rounds, attention, sstate.state, capture_aux,
+                               state_cot, grads)

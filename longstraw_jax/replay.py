@@ -1,0 +1,64 @@
+"""The replay: G response branches after one shared prompt state, one branch's forward and backward at a time
+(`lax.scan`). Used by the one-device engine (`engine.py`) and the sharded one (`sharding/grpo.py`).
+
+Replay input convention: the capture covers prompt[:-1]; a branch replays [prompt[-1]] + response[:-1] to score
+response, so every scored logit comes from the replay and the capture never touches the LM head.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from longstraw_jax.grpo import GroupBatch, GRPOConfig, branch_loss, group_advantages, token_weights
+from longstraw_jax.ops.dtypes import accum_dtype
+from longstraw_jax.ops.logprobs import token_logprobs
+
+
+def _zeros_f32(tree):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype(x.dtype)), tree)
+
+
+def _add(acc, tree):
+    return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, tree)
+
+
+def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, with_state_grad: bool,
+                    branch_grads=None, like_params=lambda tree: tree, like_state=lambda tree: tree):
+    """Scan over the G branches; each step runs one branch's forward and backward to completion, so only one
+    branch's graph is ever live (the replay is recomputed per branch; nothing is stored across steps).
+
+    branch_grads(params, state, tokens, head, grads, acc) -> (loss, aux, grads, acc) does one branch and adds its
+    parameter gradient into `grads` (default `model.branch_grads`; the sharded engine passes the family's own). like_params /
+    like_state place the float32 accumulators (a sharding constraint on a mesh).
+
+    Returns (loss, param grads (float32), state cotangent summed over branches (float32; None unless
+    with_state_grad), metric sums).
+    """
+    branch_grads = model.branch_grads if branch_grads is None else branch_grads
+    responses = batch.responses.astype(jnp.int32)
+    num_branches, length = responses.shape
+    inputs = jnp.concatenate([jnp.full((num_branches, 1), batch.prompt[-1], jnp.int32), responses[:, :-1]], axis=1)
+    xs = dict(inputs=inputs, targets=responses, mask=batch.mask.astype(jnp.float32),
+              weights=token_weights(batch.mask, cfg), advantage=group_advantages(batch.rewards, cfg),
+              old=batch.old_logprobs, ref=batch.ref_logprobs)
+    chunk = min(cfg.logprob_chunk, length)
+
+    def head(params, hidden, x):
+        logp, entropy = token_logprobs(hidden, model.lm_head(params), x["targets"], chunk)
+        return branch_loss(logp, x["old"], x["ref"], x["advantage"], x["weights"], x["mask"], cfg,
+                           entropy=jax.lax.stop_gradient(entropy))
+
+    def step(carry, x):
+        loss, grads, state_cot, sums = carry
+        branch, branch_sums, grads, state_cot = branch_grads(
+            params, state, x["inputs"], lambda p, h: head(p, h, x), grads, state_cot)
+        state_cot = None if state_cot is None else like_state(state_cot)
+        return (loss + branch, like_params(grads), state_cot, _add(sums, branch_sums)), None
+
+    head_matrix = model.lm_head(params)  # [V, D]
+    hidden = jax.ShapeDtypeStruct((length, head_matrix.shape[1]), head_matrix.dtype)
+    sums0 = jax.eval_shape(lambda h: head(params, h, jax.tree.map(lambda a: a[0], xs))[1], hidden)
+    carry = (jnp.zeros((), jnp.float32), like_params(_zeros_f32(params)),
+             like_state(_zeros_f32(state)) if with_state_grad else None, _zeros_f32(sums0))
+    (loss, grads, state_cot, sums), _ = jax.lax.scan(step, carry, xs)
+    return loss, grads, state_cot, sums

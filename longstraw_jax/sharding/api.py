@@ -1,0 +1,61 @@
+"""The sharded prompt API, the same for every model family: `capture` a prompt sequence-parallel over a mesh, then
+`extend` (logits) or `extend_hidden` after it. Each family supplies its adapter (`model.sequence_parallel()`, the
+`SequenceParallel` protocol of models/base.py): Qwen3.6 `sharding/qwen36.py`, GLM-5.x `sharding/glm52.py`."""
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from longstraw_jax.sharding import sequence
+from longstraw_jax.sharding.layout import RoundLayout, ShardedPromptState
+from longstraw_jax.validation import check_tokens
+
+
+def round_layout(model, prompt_positions: int, shards: int, round_len: int | None) -> RoundLayout:
+    """The layout `capture` and `grpo_grads(mesh=...)` use for `prompt_positions` on `shards` seq shards, in rounds
+    of about `round_len` positions (None: one round)."""
+    return RoundLayout.for_prompt(prompt_positions, shards, model.sequence_parallel().min_segment, round_len)
+
+
+def capture(model, params: dict, tokens, mesh, attention: str = "ring", pad_id: int = 0,
+            round_len: int | None = None) -> ShardedPromptState:
+    """Prompt tokens int32 [P] -> ShardedPromptState, sequence-parallel over `mesh`'s `seq` axis, in rounds of about
+    `round_len` positions (None: one round; later rounds attend over the cache of earlier ones).
+
+    `params` may be placed anywhere (ideally by `rules.param_specs`: then nothing moves but one layer at a time).
+    attention ("ring" / "allgather", `sequence.causal_attention`) chooses Qwen3.6's softmax attention; GLM-5.x always
+    all-gathers its latent rows (`sharding/glm52.py` says why). `pad_id` only fills padding slots; it cannot change
+    any result (tests check this)."""
+    tokens = check_tokens(tokens, model.config.vocab_size)
+    if attention not in sequence.ATTENTION_METHODS:
+        raise ValueError(f"attention={attention!r}; allowed: {sequence.ATTENTION_METHODS}")
+    layout = round_layout(model, tokens.shape[0], mesh.shape[sequence.SEQ], round_len)
+    return _capture(model, params, layout.to_stored(tokens, pad_id), mesh, layout, attention)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
+def _capture(model, params, stored_tokens, mesh, layout: RoundLayout, attention: str):
+    """-> (ShardedPromptState, what the family's exact backward needs from the capture: e.g. Qwen3.6's GDN states
+    carried into each round)."""
+    return model.sequence_parallel().capture(params, stored_tokens, mesh, layout, attention)
+
+
+def extend_hidden(model, params: dict, sstate: ShardedPromptState, tokens, mesh) -> jax.Array:
+    """As `model.extend_hidden` on the sharded state: tokens int32 [T] -> final-normed hidden [T, D]."""
+    return _extend_hidden(model, params, sstate, check_tokens(tokens, model.config.vocab_size), mesh)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _extend_hidden(model, params, sstate, tokens, mesh):
+    return model.sequence_parallel().extend_hidden(params, sstate, tokens, mesh)
+
+
+def extend(model, params: dict, sstate: ShardedPromptState, tokens, mesh) -> jax.Array:
+    """As `model.extend` on the sharded state: tokens int32 [T] -> float32 logits [T, vocab]."""
+    return _logits(model, params, extend_hidden(model, params, sstate, tokens, mesh))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(model, params, hidden):
+    return model.logits(params, hidden)
