@@ -44,7 +44,7 @@ def _positions(start, length: int) -> jax.Array:
 
 
 def _forward(model, params, state, tokens, start, cache_length):
-    """Blocks 0..N-1 over tokens [T]: (h [T, D] after the last block, each block's input h stacked [N, T, D])."""
+    """Blocks 0..nb-1 over tokens [T]: (h [T, D] after the last block, each block's input h stacked [nb, T, D])."""
     positions = _positions(start, tokens.shape[0])
 
     def body(h, xs):

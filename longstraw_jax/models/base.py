@@ -204,7 +204,7 @@ class CausalLM:
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         """hidden [T, D] (after the final norm) -> float32 logits [T, vocab]."""
-        return jnp.einsum("td,vd->tv", hidden, self.lm_head(params), preferred_element_type=accum_dtype(hidden.dtype))
+        return jnp.einsum("td,yd->ty", hidden, self.lm_head(params), preferred_element_type=accum_dtype(hidden.dtype))
 
     def capture_chunk(self, params: dict, state, tokens: jax.Array, start):
         """Process tokens [C] at positions start.. (start may be traced) and write them into `state`, which must

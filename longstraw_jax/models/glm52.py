@@ -512,7 +512,7 @@ def _segment(c: Glm52Config, s: int, seg: Segment, seg_params: dict, h, selected
 def decoder_layers(c: Glm52Config, layers: dict, h, reader, k: int, remat: bool = False):
     """All layers over h [T, D] (embedded tokens at reader.positions), reading the prompt through `reader`.
     k: the top-k width (slots beyond the visible keys hold -1). Returns (h [T, D] before the final norm, entries
-    {"kv": [L, T, kv_row_dim], "index_keys": [F, T, Di]}, selections [F, T, k])."""
+    {"kv": [layers, T, kv_row_dim], "index_keys": [F, T, Di]}, selections [F, T, k])."""
     selected = jnp.full((h.shape[0], k), -1, jnp.int32)
     parts = []
     for s, seg in enumerate(c.segments):
@@ -634,7 +634,7 @@ class Glm52(CausalLM):
 
     def chunk_entries(self, params: dict, state: GlmState, tokens: jax.Array, start) -> dict:
         """The state rows that tokens [C] at positions start.. produce, reading (not writing) `state`:
-        kv [L, C, kv_row_dim], index_keys [F, C, Di] (the latter carry no gradient)."""
+        kv [layers, C, kv_row_dim], index_keys [F, C, Di] (the latter carry no gradient)."""
         return _chunk(self.config, params, state, tokens, start)[1]
 
     def advance(self, params: dict, state: GlmState, tokens: jax.Array, start) -> tuple[jax.Array, GlmState]:

@@ -1,12 +1,13 @@
 """Blockwise softmax attention with an online softmax and a flash-style backward pass.
 
-Keys are visited in blocks of `block_size`; only a `[T, H, block_size]` score tile is ever live, never `[T, S]`,
+Keys are visited in blocks of B = `block_size`; only a `[T, Hq, B]` score tile is ever live, never `[T, S]`,
 in the forward pass *and* in the backward pass (a `jax.custom_vjp` that recomputes each tile from q, k, v and the
 saved log-sum-exp, instead of letting autodiff store every tile).
 
 The result over one run of keys is `Attended(out, lse)`: the normalised output and the log-sum-exp of the scores.
 Attention over several disjoint key sets (a captured prompt cache, then the new tokens; or the shards of a
-sequence-parallel cache) merges exactly: `merge(a, b)`. GQA: query head h reads key/value head h // (Hq // Hkv).
+sequence-parallel cache) merges exactly: `merge(a, b)`. GQA: query head h reads key/value head h // rep, where
+rep = Hq / Hkv.
 """
 import functools
 from typing import NamedTuple
@@ -20,8 +21,9 @@ MASKED = -1e30  # finite "minus infinity": exp(MASKED - x) == 0 and (MASKED) - (
 
 
 class Attended(NamedTuple):
-    """out: [T, Hq, Dv] normalised output over the visited keys; lse: [T, Hq] log-sum-exp of their scores
-    (MASKED when a query saw no key, with out = 0). Both in the accumulation dtype (float32)."""
+    """out: [T, H, value_dim] normalised output over the visited keys (value_dim: hd for `attend`, kv_lora_rank for
+    `ops.mla`); lse: [T, H] log-sum-exp of their scores (MASKED when a query saw no key, with out = 0). Both in the
+    accumulation dtype (float32)."""
 
     out: jax.Array
     lse: jax.Array
@@ -38,8 +40,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
            causal: bool, kv_length=None, block_size: int = 512, kv_index: tuple = ()) -> Attended:
     """Softmax attention of queries over one contiguous run of keys.
 
-    q: [T, Hq, D]; q_positions: int [T]. k: [*lead, S, Hkv, D], v: [*lead, S, Hkv, Dv]; `kv_index` selects the
-    leading entries (e.g. (block, layer) of a stacked cache), so the caller never copies a whole cache out.
+    q: [T, Hq, hd]; q_positions: int [T]. k, v: [*lead, S, Hkv, hd]; `kv_index` selects the leading entries (e.g.
+    (block, layer) of a stacked cache), so the caller never copies a whole cache out.
     Key i has position `k_offset + i`; it is visible to query t when `i < kv_length` (if given) and, when `causal`,
     `k_offset + i <= q_positions[t]`. Key blocks no query can see are never visited, so a chunk of a prompt
     does not pay for the unwritten tail of a preallocated cache.
@@ -54,7 +56,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
 
 
 def _read(cache, index, start, size):
-    """cache[*index, start:start + size] -> [size, H, D] without copying the rest of the cache."""
+    """cache[*index, start:start + size] -> [size, Hkv, hd] without copying the rest of the cache."""
     starts = tuple(index) + (start, 0, 0)
     sizes = (1,) * len(index) + (size,) + cache.shape[-2:]
     return jax.lax.dynamic_slice(cache, starts, sizes).reshape((size,) + cache.shape[-2:])
@@ -78,9 +80,9 @@ def _visible_prefix(q_positions, k_offset, kv_length, causal):
 
 
 def _scores(qg, k_blk, visible, scale):
-    """qg [T, Hkv, G, D], k_blk [B, Hkv, D] -> masked scores [T, Hkv, G, B] in the accumulation dtype."""
+    """qg [T, Hkv, rep, hd], k_blk [B, Hkv, hd] -> masked scores [T, Hkv, rep, B] in the accumulation dtype."""
     acc = accum_dtype(qg.dtype)
-    s = jnp.einsum("tkgd,bkd->tkgb", qg, k_blk, preferred_element_type=acc) * scale
+    s = jnp.einsum("thgd,shd->thgs", qg, k_blk, preferred_element_type=acc) * scale
     return jnp.where(visible[:, None, None, :], s, MASKED)
 
 
@@ -143,7 +145,7 @@ def _attend_fwd(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_le
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(visible[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        pv = jnp.einsum("tkgb,bkd->tkgd", p.astype(v_blk.dtype), v_blk, preferred_element_type=acc)
+        pv = jnp.einsum("thgs,shd->thgd", p.astype(v_blk.dtype), v_blk, preferred_element_type=acc)
         return (m_new, denom * alpha + jnp.sum(p, axis=-1), numer * alpha[..., None] + pv), None
 
     init = (jnp.full((num_q, kv_heads, group), MASKED, acc), jnp.zeros((num_q, kv_heads, group), acc),
@@ -169,18 +171,18 @@ def _attend_bwd(scale, causal, block_size, residuals, cotangent):
     qg = q.reshape(num_q, kv_heads, group, head_dim)
     do = d_out.astype(acc).reshape(num_q, kv_heads, group, value_dim)
     lse_g = lse.reshape(num_q, kv_heads, group)
-    delta = jnp.sum(do * out.reshape(do.shape), axis=-1) - d_lse.astype(acc).reshape(lse_g.shape)  # [T, Hkv, G]
+    delta = jnp.sum(do * out.reshape(do.shape), axis=-1) - d_lse.astype(acc).reshape(lse_g.shape)  # [T, Hkv, rep]
 
     def visit(dq, start, size):
         k_blk, v_blk = _read(k, index, start, size), _read(v, index, start, size)
         visible = _visible(start, size, q_positions, k_offset, kv_length, causal)
         s = _scores(qg, k_blk, visible, scale)
         p = jnp.where(visible[:, None, None, :], jnp.exp(s - lse_g[..., None]), 0.0)
-        dv = jnp.einsum("tkgb,tkgd->bkd", p, do)
-        dp = jnp.einsum("tkgd,bkd->tkgb", do, v_blk.astype(acc))
+        dv = jnp.einsum("thgs,thgd->shd", p, do)
+        dp = jnp.einsum("thgd,shd->thgs", do, v_blk.astype(acc))
         ds = p * (dp - delta[..., None]) * scale
-        dq = dq + jnp.einsum("tkgb,bkd->tkgd", ds, k_blk.astype(acc))
-        dk = jnp.einsum("tkgb,tkgd->bkd", ds, qg.astype(acc))
+        dq = dq + jnp.einsum("thgs,shd->thgd", ds, k_blk.astype(acc))
+        dk = jnp.einsum("thgs,thgd->shd", ds, qg.astype(acc))
         return dq, (dk, dv)
 
     prefix = _visible_prefix(q_positions, k_offset, kv_length, causal)

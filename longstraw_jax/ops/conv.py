@@ -6,10 +6,11 @@ from longstraw_jax.ops.dtypes import at_least_f32
 
 
 def causal_depthwise_conv(x: jax.Array, weight: jax.Array, tail: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x: [T, C]; weight: [C, K] (tap K-1 multiplies the current token); tail: [K-1, C], the K-1 inputs before x
-    (zeros at the start of a sequence). Returns (y [T, C] before the activation, new tail [K-1, C])."""
+    """x: [T, conv_dim]; weight: [conv_dim, K] (tap K-1 multiplies the current token); tail: [K-1, conv_dim], the K-1
+    inputs before x (zeros at the start of a sequence). Returns (y [T, conv_dim] before the activation, new tail
+    [K-1, conv_dim])."""
     kernel = weight.shape[-1]
-    extended = jnp.concatenate([tail.astype(x.dtype), x], axis=0)  # [K-1+T, C]
+    extended = jnp.concatenate([tail.astype(x.dtype), x], axis=0)  # [K-1+T, conv_dim]
     length = x.shape[0]
     taps = at_least_f32(weight)
     y = sum(at_least_f32(extended[j : j + length]) * taps[:, j] for j in range(kernel))  # fp32 accumulation

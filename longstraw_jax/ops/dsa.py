@@ -17,13 +17,13 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _index_scores(q: jax.Array, w: jax.Array, keys: jax.Array, scale: float) -> jax.Array:
-    """q [B, Hi, Di] f32, w [B, Hi] f32, keys [K, Di] -> I [B, K] float32."""
-    s = jnp.einsum("bhd,kd->bhk", q, keys.astype(jnp.float32), precision=_HIGHEST) * scale
-    return jnp.einsum("bh,bhk->bk", w, jax.nn.relu(s), precision=_HIGHEST)
+    """q [B, Hi, Di] f32, w [B, Hi] f32, keys [S, Di] -> I [B, S] float32."""
+    s = jnp.einsum("bhd,sd->bhs", q, keys.astype(jnp.float32), precision=_HIGHEST) * scale
+    return jnp.einsum("bh,bhs->bs", w, jax.nn.relu(s), precision=_HIGHEST)
 
 
 def _merge_topk(carry, scores, positions, k):
-    """Running top-k: (values [B, k], positions [B, k]) merged with a block's scores [B, K] at positions [K]."""
+    """Running top-k: (values [B, k], positions [B, k]) merged with a block's scores [B, S] at positions [S]."""
     values, chosen = carry
     values = jnp.concatenate([values, scores], axis=-1)
     chosen = jnp.concatenate([chosen, jnp.broadcast_to(positions, scores.shape)], axis=-1)
@@ -33,10 +33,10 @@ def _merge_topk(carry, scores, positions, k):
 
 def topk_over_keys(q: jax.Array, w: jax.Array, keys: jax.Array, key_positions: jax.Array, q_positions: jax.Array,
                    *, k: int, scale: float, query_block: int, key_block: int, visible_prefix=None, layer=None):
-    """Each query's k best candidates among `keys` [K, Di] (float32 scores, any order along K); with `layer`, keys
-    is [F, K, Di] and `keys[layer]` is read block by block (never copied whole).
+    """Each query's k best candidates among `keys` [S, Di] (float32 scores, any order along S); with `layer`, keys
+    is [F, S, Di] and `keys[layer]` is read block by block (never copied whole).
 
-    q [T, Hi, Di] and w [T, Hi] as in `select_topk`; key_positions int [K]: the keys' natural positions; query t
+    q [T, Hi, Di] and w [T, Hi] as in `select_topk`; key_positions int [S]: the keys' natural positions; query t
     sees key u iff u < visible_prefix (a count, or a function of a query block's positions [query_block] giving
     one: keys beyond it are never visited) and key_positions[u] <= q_positions[t].
 

@@ -11,8 +11,8 @@ from longstraw_jax.ops.dtypes import accum_dtype
 
 
 def _chunk_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """hidden [C, D], head [V, D], targets [C] -> (log p(target) [C], entropy [C]), accumulated in float32."""
-    logits = jnp.einsum("cd,vd->cv", hidden, head, preferred_element_type=accum_dtype(hidden.dtype))
+    """hidden [B, D], head [V, D], targets [B] -> (log p(target) [B], entropy [B]), accumulated in float32."""
+    logits = jnp.einsum("bd,yd->by", hidden, head, preferred_element_type=accum_dtype(hidden.dtype))
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
     probs = jnp.exp(logits - lse[:, None])
@@ -24,7 +24,7 @@ def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk
     """hidden [T, D] (final-normed), head [V, D] (LM head / tied embedding), targets int [T], chunk tokens per step.
 
     Returns (logp [T], entropy [T]) in float32 (float64 for float64 inputs): logp[t] = log_softmax(h_t W^T)[y_t],
-    entropy[t] = -sum_v p log p. Differentiable w.r.t. hidden and head; peak memory O(chunk * V), not O(T * V).
+    entropy[t] = -sum_y p log p. Differentiable w.r.t. hidden and head; peak memory O(chunk * V), not O(T * V).
     Targets must lie in [0, V) (gathers clamp silently; validate ids on the host).
     """
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:

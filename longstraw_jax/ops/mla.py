@@ -4,12 +4,12 @@ Keys and values are never expanded per head. Each position holds one row `kv = [
 and the roped rope key, Dk = kv_lora_rank + qk_rope_head_dim); the query is absorbed, `q = [W_UK^T q_nope | q_pe]`,
 so `score = q . kv * scale`, and the output is the latent `sum_u p_u c_u` (W_UV is applied by the caller).
 
-Every query attends to its own k selected positions (k = index_topk): queries are processed in blocks, each block
-gathers its `[block, k, Dk]` rows from the cache (positions < start) and from the new tokens (positions >= start),
-and takes an exact softmax over them. Memory is O(block * k * Dk) whatever the prompt length. The backward pass is a
-`jax.custom_vjp` that regathers the rows and recomputes the probabilities from the saved log-sum-exp, instead of
-letting autodiff store every block's gathered rows; the rows' cotangents are scatter-added into the layer's cache
-cotangent and the new tokens' cotangent.
+Every query attends to its own k selected positions (k = index_topk): queries are processed in blocks of B
+(`block_size`), each block gathers its `[B, k, Dk]` rows from the cache (positions < start) and from the new tokens
+(positions >= start), and takes an exact softmax over them. Memory is O(B * k * Dk) whatever the prompt length.
+The backward pass is a `jax.custom_vjp` that regathers the rows and recomputes the probabilities from the saved
+log-sum-exp, instead of letting autodiff store every block's gathered rows; the rows' cotangents are scatter-added
+into the layer's cache cotangent and the new tokens' cotangent.
 """
 import functools
 
@@ -22,7 +22,7 @@ from longstraw_jax.ops.dtypes import accum_dtype
 
 def sparse_latent_attention(q: jax.Array, cache: jax.Array, layer, new: jax.Array, selected: jax.Array, start, *,
                             scale: float, value_dim: int, block_size: int) -> jax.Array:
-    """q [T, H, Dk]; cache [L, S, Dk] (`cache[layer, :start]` are positions 0..start-1); new [T, Dk] (positions
+    """q [T, H, Dk]; cache [layers, S, Dk] (`cache[layer, :start]` are positions 0..start-1); new [T, Dk] (positions
     start..start+T-1); selected int [T, k]: the positions query t attends to (-1 = unused slot; every query must
     have at least one). Returns the latent output [T, H, value_dim] in float32 (the first value_dim channels of kv).
     """

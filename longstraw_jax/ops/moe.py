@@ -3,12 +3,12 @@
 Routing is discrete: the chosen experts are constants of the computation (as in autograd of transformers' module),
 gradients flow through the chosen experts' weights and outputs. The correction bias only ranks experts.
 
-The experts run as a grouped matmul: the N x K (token, expert) assignments are sorted by expert, each expert's
+The experts run as a grouped matmul: the M = T * Ek (token, expert) assignments are sorted by expert, each expert's
 weights multiply only its own contiguous rows (`jax.lax.ragged_dot_general`), and the weighted rows are added back
 to their tokens. Weights keep transformers' `[out, in]` orientation per expert (no transposes).
 
 Backends: on GPU/TPU `ragged_dot` lowers to a grouped GEMM. On XLA:CPU jax 0.10.2 expands `ragged_dot` to a masked
-dense `[E, N*K, D]` product (E times the memory of a grouped GEMM: 192 GiB per layer for GLM-5.2 at 64K tokens), so
+dense `[E, M, D]` product (E times the memory of a grouped GEMM: 192 GiB per layer for GLM-5.2 at 64K tokens), so
 on CPU the experts run one at a time in a `lax.scan` (`_grouped_scan`: each step multiplies all rows by one expert
 and keeps its own rows; E times the work, the memory of a grouped GEMM). Tests run that path; the capacity planner
 compiles it, so its sizes stand for the GPU's grouped GEMM rather than for CPU's expansion.
@@ -23,18 +23,19 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 def route(x: jax.Array, weight: jax.Array, bias: jax.Array, *, top_k: int, n_group: int, topk_group: int,
           norm_topk_prob: bool, scaling: float) -> tuple[jax.Array, jax.Array]:
-    """Noaux-tc sigmoid router. x [N, D]; weight [E, D]; bias [E] (selection only).
+    """Noaux-tc sigmoid router. x [T, D]; weight [E, D]; bias [E] (selection only).
 
-    Returns (experts int32 [N, K], weights float32 [N, K]): `sigmoid(x @ weight.T)` in float32 at the chosen experts,
-    normalised over the K (if norm_topk_prob) and times `scaling`. Selection ranks `sigmoid + bias`, restricted to the
-    `topk_group` groups (of E / n_group experts) with the largest sum of their two best biased scores.
+    Returns (experts int32 [T, Ek], weights float32 [T, Ek]): `sigmoid(x @ weight.T)` in float32 at the chosen
+    experts, normalised over the Ek (if norm_topk_prob) and times `scaling`. Selection ranks `sigmoid + bias`,
+    restricted to the `topk_group` groups (of E / n_group experts) with the largest sum of their two best biased
+    scores.
     """
-    scores = jax.nn.sigmoid(jnp.einsum("nd,ed->ne", at_least_f32(x), at_least_f32(weight), precision=_HIGHEST))
+    scores = jax.nn.sigmoid(jnp.einsum("td,ed->te", at_least_f32(x), at_least_f32(weight), precision=_HIGHEST))
     choice = jax.lax.stop_gradient(scores) + at_least_f32(bias)
     num_experts = weight.shape[0]
     if n_group > 1:
         grouped = choice.reshape(-1, n_group, num_experts // n_group)
-        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, n_group]
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, n_group]
         keep = jax.lax.top_k(group_scores, topk_group)[1]
         group_mask = jnp.zeros(group_scores.shape, bool).at[jnp.arange(group_scores.shape[0])[:, None], keep].set(True)
         choice = jnp.where(jnp.repeat(group_mask, num_experts // n_group, axis=-1), choice, -jnp.inf)
@@ -126,17 +127,18 @@ def _grouped(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Arra
 
 def grouped_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
                    down_proj: jax.Array) -> jax.Array:
-    """sum_j weights[n, j] * Expert_{experts[n, j]}(x[n]), Expert_e(u) = down_e(silu(gate_e(u)) * up_e(u)).
+    """sum_j weights[t, j] * Expert_{experts[t, j]}(x[t]), Expert_e(u) = down_e(silu(gate_e(u)) * up_e(u)).
 
-    x [N, D]; experts int [N, K]; weights [N, K]; gate_proj, up_proj [E, I, D]; down_proj [E, D, I]. Returns [N, D]
-    in x.dtype. Work is proportional to N * K rows (on backends with a grouped `ragged_dot`), never N * E.
+    x [T, D]; experts int [T, Ek]; weights [T, Ek]; gate_proj, up_proj [E, I, D]; down_proj [E, D, I]. Returns
+    [T, D] in x.dtype. Work is proportional to the M = T * Ek rows (on backends with a grouped `ragged_dot`), never
+    T * E.
     """
     num_tokens, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
     token = order // k
     sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)
-    rows = x[token]  # [N*K, D]
+    rows = x[token]  # [M, D]
     gate, up = (_grouped(rows, w, sizes).astype(x.dtype) for w in (gate_proj, up_proj))
     out = _grouped(jax.nn.silu(gate) * up, down_proj, sizes).astype(x.dtype)
     out = (at_least_f32(out) * weights.reshape(-1)[order][:, None]).astype(x.dtype)  # weights stay float32

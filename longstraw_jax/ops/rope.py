@@ -77,7 +77,7 @@ def cos_sin(positions: jax.Array, inv_freq: np.ndarray, scaling: float, dtype) -
 
 
 def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate the first `rotary_dim` channels of x [T, H, D] in half-split pairs (i, i + rotary_dim/2)."""
+    """Rotate the first `rotary_dim` channels of x [T, H, hd] in half-split pairs (i, i + rotary_dim/2)."""
     rot = cos.shape[-1]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     half = rot // 2
@@ -87,9 +87,10 @@ def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Arra
 
 
 def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """GLM / DeepSeek rotation (MODELS.md 2.7) of the first `rotary_dim` channels of x [T, H, D]: pairs (2i, 2i+1)
-    share frequency i, and the result is written in half-split order `[u1' | u2']` (as transformers does), followed by
-    the pass-through channels. cos, sin: [T, rotary_dim] in the half-split layout of `cos_sin`."""
+    """GLM / DeepSeek rotation (MODELS.md 2.7) of the first `rotary_dim` channels of x [T, H, width] (any width >=
+    rotary_dim): pairs (2i, 2i+1) share frequency i, and the result is written in half-split order `[u1' | u2']` (as
+    transformers does), followed by the pass-through channels. cos, sin: [T, rotary_dim] in the half-split layout of
+    `cos_sin`."""
     rot = cos.shape[-1]
     c, s = cos[:, None, : rot // 2], sin[:, None, : rot // 2]
     u1, u2 = x[..., 0:rot:2], x[..., 1:rot:2]

@@ -6,8 +6,8 @@ Every shard holds two segments of L positions in the layout of `SeqLayout` (loca
   passing key/value blocks around a ring (`ppermute`, n - 1 hops, online-softmax merge; O(P / n) memory) or by
   all-gathering the keys and values of the layer (O(P) transient memory, fewer collectives).
 - `psum_merge`: exact softmax attention over keys split across shards, from each shard's (out, lse) partial.
-- `affine_fold`: the exclusive fold of per-segment affine maps S_out = A S_in + B (Gated DeltaNet) across segments,
-  giving each segment its incoming state.
+- `affine_fold`: the exclusive fold of per-segment affine maps S_out = A_i S_in + B_i (Gated DeltaNet; segment i)
+  across segments, giving each segment its incoming state.
 - `previous_rows`: the last rows of the previous segment (the causal conv's K-1 halo).
 Called outside `shard_map`, for engines that walk a prompt in rounds (`RoundLayout`): `round_slots` (each shard's
 slots of one round) and `each_round` (the walk itself, forwards or in reverse).
@@ -46,8 +46,9 @@ def natural_segments(x: jax.Array, layout: SeqLayout) -> jax.Array:
 
 
 def previous_rows(last_rows: jax.Array, initial: jax.Array, layout: SeqLayout) -> jax.Array:
-    """last_rows [2, R, C]: each local segment's last R rows; initial [R, C]: the rows before position 0.
-    Returns [2, R, C]: the R rows that precede each local segment (needs L >= R)."""
+    """last_rows [2, K-1, conv_dim]: each local segment's last K-1 rows; initial [K-1, conv_dim]: the rows before
+    position 0. Returns [2, K-1, conv_dim]: the K-1 rows that precede each local segment (needs L >= K-1). Any row
+    width and row count work; these are the GDN conv's."""
     every = natural_segments(last_rows, layout)
     before = jnp.concatenate([initial[None].astype(every.dtype), every[:-1]], axis=0)
     return before[local_segments(layout)]
@@ -63,7 +64,7 @@ def affine_fold(a: jax.Array, b: jax.Array, initial: jax.Array, layout: SeqLayou
     """
     def step(s, ab):
         a_i, b_i = ab
-        return jnp.einsum("hij,hjv->hiv", a_i, s) + b_i, s
+        return jnp.einsum("hdc,hcv->hdv", a_i, s) + b_i, s
 
     final, before = jax.lax.scan(step, initial, (natural_segments(a, layout), natural_segments(b, layout)))
     return before[local_segments(layout)], final
@@ -86,9 +87,9 @@ def _empty(q: jax.Array, value_dim: int) -> attn_ops.Attended:
 
 def causal_attention(q, k, v, positions, layout: SeqLayout, *, scale: float, block_size: int,
                      method: str = "ring") -> attn_ops.Attended:
-    """q [2, L, Hq, D], k [2, L, Hkv, D], v [2, L, Hkv, Dv], positions int [2, L] (this shard's segments).
+    """q [2, L, Hq, hd], k, v [2, L, Hkv, hd], positions int [2, L] (this shard's segments).
 
-    Causal attention over the keys of every shard; returns Attended with out [2, L, Hq, Dv], lse [2, L, Hq].
+    Causal attention over the keys of every shard; returns Attended with out [2, L, Hq, hd], lse [2, L, Hq].
     Key blocks that lie wholly in a query segment's future are skipped inside `attend`, and the zigzag layout
     gives every shard the same number of visible (query, key) segment pairs.
     """
