@@ -139,18 +139,18 @@ class Trainer:
     def __init__(self, args, explicit: set[str]):
         import jax
 
-        from longstraw_jax import checkpoint, metrics
+        from longstraw_jax import metrics, orbax_io
 
         self.args = args
         self.out = args.out or os.path.join("out", time.strftime("run-%Y%m%d-%H%M%S", time.gmtime()))
         # Nothing is written before every input has been checked.
         self.checkpoints = None
         saved = None
-        ckpt_dir = os.path.join(self.out, checkpoint.CHECKPOINT_DIR)
+        ckpt_dir = os.path.join(self.out, orbax_io.CHECKPOINT_DIR)
         if args.resume:
             if not os.path.isdir(ckpt_dir):
                 raise RunError(f"--resume: no checkpoint directory {os.path.abspath(ckpt_dir)}")
-            self.checkpoints = checkpoint.TrainCheckpoints(self.out, create=False)
+            self.checkpoints = orbax_io.TrainCheckpoints(self.out, create=False)
             if self.checkpoints.latest_step() is None:
                 raise RunError(f"--resume: no checkpoint in {os.path.abspath(ckpt_dir)}")
             saved = self.checkpoints.read_meta()
@@ -186,7 +186,7 @@ class Trainer:
             self.step, self.data_position = meta["step"], meta["data_position"]
         os.makedirs(self.out, exist_ok=True)
         if self.checkpoints is None:
-            self.checkpoints = checkpoint.TrainCheckpoints(self.out)
+            self.checkpoints = orbax_io.TrainCheckpoints(self.out)
         self.log = metrics.MetricsLog(os.path.join(self.out, "metrics.jsonl"))
         self.log.keep_until(self.step)
         if saved is None:
@@ -232,7 +232,7 @@ class Trainer:
         import jax
         import jax.numpy as jnp
 
-        from longstraw_jax import checkpoint, models
+        from longstraw_jax import models, orbax_io
 
         dtype = jnp.dtype(self.args.dtype)
         with warnings.catch_warnings():
@@ -242,7 +242,7 @@ class Trainer:
                 if self.args.hf:
                     return models.load_hf(self.args.hf, dtype=dtype)
                 if self.args.init_from:
-                    return checkpoint.load_init_dir(self.args.init_from, dtype=dtype)
+                    return orbax_io.load_init_dir(self.args.init_from, dtype=dtype)
                 if self.args.model == "tiny":
                     config = models.Qwen36Config.tiny(vocab_size=self.args.vocab_size)
                 else:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from longstraw_jax import make_optimizer, models, run, train
-from longstraw_jax.checkpoint import TrainCheckpoints, save_init_dir
+from longstraw_jax.orbax_io import TrainCheckpoints, save_init_dir
 
 SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
          "--save-every", "2", "--seed", "1"]
