@@ -11,12 +11,23 @@ import functools
 import json
 import os
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.validation import check_tokens
+
+
+class Slot(NamedTuple):
+    """Where one HF tensor lives in our params: `flat[path][index]` (flat = flatten_dict(params, sep="/")),
+    reshaped to `hf_shape` on disk. index is () for unstacked leaves, (block, j) or (layer, expert) for stacked.
+    Each model's `hf_layout()` maps HF tensor names to Slots (read and written by models/hf.py)."""
+
+    path: str
+    index: tuple[int, ...]
+    hf_shape: tuple[int, ...]
 
 
 def chunk_layout(length: int, chunk_size: int) -> tuple[int, int]:
