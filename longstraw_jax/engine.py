@@ -51,8 +51,16 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
 
         sharded.check_supported(model)
     validate_batch(batch, model.config.vocab_size)
+    return grpo_grads_unvalidated(model, params, batch, cfg, mode, chunk_size, mesh)
+
+
+def grpo_grads_unvalidated(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, chunk_size: int, mesh=None):
+    """`grpo_grads` for a caller that has checked `mode` and run `validate_batch` itself (`train.train_step`, so that
+    a training step validates its batch once)."""
     chunk_layout(batch.prompt.shape[0] - 1, chunk_size)
     if mesh is not None:
+        from longstraw_jax.sharding import grpo as sharded  # sharding.grpo imports this module
+
         return sharded.grpo_grads(model, params, batch, cfg, mode, mesh, round_len=chunk_size)
     return _grpo_grads(model, params, batch, cfg, mode, chunk_size)
 
