@@ -1,9 +1,10 @@
 """Hugging Face checkpoints <-> our parameter pytrees (safetensors only; never unpickle).
 
-Model-agnostic (the family comes from models/registry.py): each model class provides `hf_layout()` (HF name -> Slot), `hf_skipped_prefixes` (on-disk tensors
+Model-agnostic: each model class provides `hf_layout()` (HF name -> Slot), `hf_skipped_prefixes` (on-disk tensors
 it ignores, e.g. MTP and vision towers) and `hf_prefix_aliases` (alternative spellings of its names, e.g. Qwen3.6's
-multimodal `model.language_model.*`); its config class provides `from_hf` and `to_hf`. Saving writes the canonical
-layout with the config class's `to_hf()` config.json.
+multimodal `model.language_model.*`); its config class provides `from_hf` and `to_hf`, and models/registry.py maps
+config.json's `model_type` to the family. Saving writes the canonical layout with the config class's `to_hf()`
+config.json.
 
 Safetensors are read and written here at the format level (`read_rows`, `write_sharded_safetensors`), tensor by
 tensor in row blocks: the library's `safe_open` maps whole shards (their pages count towards resident memory) and
