@@ -79,7 +79,8 @@ def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.Gra
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
 def _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh=None):
     # train_step has checked mode and validated the batch (here it is traced: only its shapes could be checked)
-    loss, grads, metrics = grpo_grads_unvalidated(model, params, batch, cfg, mode, chunk_size, mesh)
+    extra = {} if mesh is None else {"mesh": mesh}
+    loss, grads, metrics = grpo_grads_unvalidated(model, params, batch, cfg, mode, chunk_size, **extra)
     finite = jnp.isfinite(loss)
     for g in jax.tree.leaves(grads):
         finite = finite & jnp.all(jnp.isfinite(g))
