@@ -47,6 +47,12 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
     if mesh is not None:
         model.sequence_parallel()  # a family without a sharded path says so before any work
     validate_batch(batch, model.config.vocab_size)
+    return grpo_grads_unvalidated(model, params, batch, cfg, mode, chunk_size, mesh)
+
+
+def grpo_grads_unvalidated(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, chunk_size: int, mesh=None):
+    """`grpo_grads` for a caller that has checked `mode` and run `validate_batch` itself (`train.train_step`, so that
+    a training step validates its batch once)."""
     chunk_layout(batch.prompt.shape[0] - 1, chunk_size)
     if mesh is not None:
         return sharded.grpo_grads(model, params, batch, cfg, mode, mesh, round_len=chunk_size)

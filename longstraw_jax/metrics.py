@@ -1,8 +1,8 @@
 """Training metrics: one JSON object per step in `<out>/metrics.jsonl`, a PNG plot at the end, peak memory.
 
-Each JSONL line is a flat object of numbers (see `run.py` for the fields); lines are flushed as they are written,
-so a crashed run keeps every completed step. `plot_metrics` draws reward and loss against step with matplotlib's
-non-interactive Agg backend (no display needed).
+Each JSONL line is a flat object of numbers (see `run_log.step_record` for the fields); lines are flushed as they
+are written, so a crashed run keeps every completed step. `plot_metrics` draws reward and loss against step with
+matplotlib's non-interactive Agg backend (no display needed).
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from longstraw_jax.engine import MODES, grpo_grads
+from longstraw_jax.engine import MODES, grpo_grads_unvalidated
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, validate_batch
 from longstraw_jax.models.base import chunk_layout
 
@@ -78,8 +78,9 @@ def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.Gra
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
 def _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh=None):
+    # train_step has checked mode and validated the batch (here it is traced: only its shapes could be checked)
     extra = {} if mesh is None else {"mesh": mesh}
-    loss, grads, metrics = grpo_grads(model, params, batch, cfg, mode=mode, chunk_size=chunk_size, **extra)
+    loss, grads, metrics = grpo_grads_unvalidated(model, params, batch, cfg, mode, chunk_size, **extra)
     finite = jnp.isfinite(loss)
     for g in jax.tree.leaves(grads):
         finite = finite & jnp.all(jnp.isfinite(g))

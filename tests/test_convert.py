@@ -2,7 +2,7 @@
 StandardCheckpointer's own, errors, streaming memory and dry runs on the real configs.
 
 Model types are parametrised over what exists: every layout in ROUND_TRIPS / DRY_RUNS whose model_type is in
-`models.hf.CONFIG_CLASSES` (GLM-5.2 joins when models/glm52.py registers "glm_moe_dsa" and tests/hf_reference.py
+`models.MODEL_TYPES` (GLM-5.2 joins when models/glm52.py registers "glm_moe_dsa" and tests/hf_reference.py
 has `make_glm_checkpoint`).
 """
 import json
@@ -49,7 +49,7 @@ if importlib.util.find_spec("tests.glm_reference"):
     from tests import glm_reference
 
     ROUND_TRIPS["glm5.2"] = ("glm_moe_dsa", glm_reference.make_glm_checkpoint, "")
-ROUND_TRIPS = {k: v for k, v in ROUND_TRIPS.items() if v[0] in hf.CONFIG_CLASSES}
+ROUND_TRIPS = {k: v for k, v in ROUND_TRIPS.items() if v[0] in models.MODEL_TYPES}
 
 
 @pytest.fixture(scope="module", params=sorted(ROUND_TRIPS))
@@ -316,7 +316,7 @@ def _glm_meta_tensors(path) -> dict[str, int]:
 # config -> (model_type, transformers oracle, tensor count, approximate bf16 bytes)
 DRY_RUNS = {"configs/qwen3.6-27b.json": ("qwen3_5", _qwen_meta_tensors, 851, 53.79e9),
             "configs/glm-5.2.json": ("glm_moe_dsa", _glm_meta_tensors, 58794, 1.4868e12)}
-DRY_RUNS = {k: v for k, v in DRY_RUNS.items() if v[0] in hf.CONFIG_CLASSES and os.path.exists(os.path.join(ROOT, k))}
+DRY_RUNS = {k: v for k, v in DRY_RUNS.items() if v[0] in models.MODEL_TYPES and os.path.exists(os.path.join(ROOT, k))}
 
 
 @pytest.mark.parametrize("config", sorted(DRY_RUNS))

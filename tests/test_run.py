@@ -4,10 +4,14 @@
   export that loads back to the checkpointed params; --hf and --init-from start from those weights;
 - resume: 2 steps, stop, --resume to 3 gives bit-identical params and identical metrics to the uninterrupted run;
 - --mesh 1x8 (sharded params, optimizer state and grpo_grads) and its --resume match the one-device run;
-- bad input: a one-line error naming the thing, exit status 2, and the saved run directory is not touched.
+- bad input: a one-line error naming the thing, exit status 2, and the saved run directory is not touched;
+- RunConfig (run_config.py): bad options are one error naming each, `parse_args` tells explicit options apart, the
+  merge with a checkpointed run's options on --resume;
+- a training step validates its batch once (train_step on the host; not again inside the jitted step).
 
 All runs share one model / optimizer / sampling setting, so the sampler and the train step compile once.
 """
+import dataclasses
 import json
 import os
 
@@ -15,8 +19,11 @@ import jax
 import numpy as np
 import pytest
 
-from longstraw_jax import make_optimizer, models, run, train
-from longstraw_jax.checkpoint import TrainCheckpoints, save_init_dir
+from longstraw_jax import engine, make_optimizer, models, run, train
+from longstraw_jax.grpo import validate_batch
+from longstraw_jax.orbax_io import TrainCheckpoints, save_init_dir
+from longstraw_jax.run_config import RESUMABLE, RunConfig, RunError, parse_args
+from longstraw_jax.validation import is_concrete
 
 SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
          "--save-every", "2", "--seed", "1"]
@@ -168,3 +175,56 @@ def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys
     assert run.main(SMALL + ["--steps", "2", "--out", fresh, "--reward", "tests.test_tasks:nan_reward"]) == 2
     assert "rewards must be finite" in capsys.readouterr().err
     assert not os.listdir(os.path.join(fresh, "checkpoints"))
+
+
+def test_run_config_names_every_bad_option():
+    with pytest.raises(ValueError) as error:
+        RunConfig(group_size=0, lr=float("nan"), hf="a", init_from="b", mesh="2", mode="fast")
+    for part in ("--group-size=0 must be >= 1", "--lr=nan must be a finite number >= 0",
+                 "give at most one of --model <config.json>, --hf, --init-from", "--mesh='2' must look like AxB",
+                 "--mode='fast' must be one of exact, detached"):
+        assert part in str(error.value), (part, str(error.value))
+    assert RunConfig(mesh="2x4").mesh == "2x4"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RunConfig().steps = 3
+
+
+def test_parse_args_defaults_and_explicit_options():
+    assert parse_args([]) == (RunConfig(), frozenset())
+    config, explicit = parse_args(["-G", "3", "--lr", "0.1", "--resume", "--mesh", "1x8"])
+    assert (config.group_size, config.lr, config.resume, config.mesh) == (3, 0.1, True, "1x8")
+    assert explicit == {"group_size", "lr", "resume", "mesh"}
+    with pytest.raises(ValueError, match="--steps=0 must be >= 1"):
+        parse_args(["--steps", "0"])
+
+
+def test_resume_merge():
+    """The checkpoint stores every option but RESUMABLE; resuming adopts them, keeps this invocation's RESUMABLE
+    ones, and refuses an explicit option that contradicts the saved run."""
+    first = RunConfig(lr=0.01, prompt_len=48, steps=2, out="a", save_every=2)
+    saved = json.loads(json.dumps(first.saved()))  # as the checkpoint's JSON meta holds it
+    assert set(saved) == {f.name for f in dataclasses.fields(RunConfig)} - RESUMABLE
+    resumed = RunConfig(steps=5, out="a", resume=True).resumed(saved, {"steps", "out", "resume"})
+    assert resumed == dataclasses.replace(first, steps=5, resume=True, save_every=20)
+    assert RunConfig(lr=0.01, resume=True).resumed(saved, {"lr", "resume"}).lr == 0.01  # explicit and equal: fine
+    assert RunConfig(lr=0.5).resumed(saved).lr == 0.01  # not explicit (a default): the saved value wins
+    with pytest.raises(RunError, match=r"--lr=0.5 differs from the run being resumed \(0.01\)"):
+        RunConfig(lr=0.5).resumed(saved, {"lr"})
+    with pytest.raises(RunError, match=r"options this version does not know: \['bogus'\]"):
+        RunConfig().resumed(dict(saved, bogus=1))
+
+
+def test_step_validates_its_batch_once(full_run, tmp_path, monkeypatch):
+    """train_step validates on the host and its jitted step calls engine.grpo_grads_unvalidated: one validation per
+    step, the first step (which traces the step: its cache is cleared) included."""
+    calls = []
+
+    def counting(batch, vocab_size):
+        calls.append(is_concrete(batch.prompt))
+        return validate_batch(batch, vocab_size)
+
+    monkeypatch.setattr(train, "validate_batch", counting)
+    monkeypatch.setattr(engine, "validate_batch", counting)
+    train._train_step.clear_cache()
+    assert run.main(SMALL + ["--steps", "2", "--out", str(tmp_path / "once")]) == 0
+    assert calls == [True, True]

@@ -1,10 +1,13 @@
 """Tasks and rewards: the synthetic retrieval task, `module:function` loading, reward checks, rollout JSONL files."""
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from longstraw_jax.tasks import Prompt, load_callable, make_task, score
+from longstraw_jax.tasks import BUILTIN_TASKS, Prompt, load_callable, make_task, score
 from longstraw_jax.tasks.retrieval import FACT, QUERY, STOP, TOOL, RetrievalTask
 from longstraw_jax.tasks.rollout_file import load_rollouts
 
@@ -80,8 +83,27 @@ def test_score_and_load_callable():
             load_callable(spec)
     assert isinstance(make_task("retrieval", prompt_len=64, vocab_size=64, seed=0), RetrievalTask)
     assert make_task("retrieval", prompt_len=64, vocab_size=64, seed=0, depth=1.0).depth == 1.0  # run --depth
-    with pytest.raises(ValueError, match="--task 'bogus': unknown task"):
+    with pytest.raises(ValueError, match="--task 'bogus': unknown task; built-ins: retrieval, or 'module:function'"):
         make_task("bogus", prompt_len=64, vocab_size=64, seed=0)
+    task = make_task("tests.test_tasks:small_retrieval", prompt_len=64, vocab_size=64, seed=2, depth=0.5)
+    assert task == RetrievalTask(prompt_len=64, vocab_size=64, seed=2, depth=0.5, num_answers=2)
+
+
+def small_retrieval(**kwargs):
+    """A task factory for `--task module:function`."""
+    return RetrievalTask(num_answers=2, **kwargs)
+
+
+def test_task_modules_import_alone():
+    """tasks/base.py holds what tasks/__init__.py and tasks/retrieval.py share (no cycle): retrieval imports first in
+    a fresh interpreter, and the prompt type is one object everywhere."""
+    result = subprocess.run([sys.executable, "-c", "import longstraw_jax.tasks.retrieval"], capture_output=True,
+                            text=True, cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert result.returncode == 0, result.stderr[-2000:]
+    from longstraw_jax.tasks import base, retrieval
+
+    assert Prompt is base.Prompt and retrieval.Prompt is base.Prompt
+    assert BUILTIN_TASKS == {"retrieval": RetrievalTask}
 
 
 def write_lines(path, records):

@@ -100,7 +100,7 @@ def test_one_non_finite_gradient_entry_with_finite_loss_skips(setup, monkeypatch
         grads["final_norm"] = grads["final_norm"].at[3].set(jnp.inf)
         return jnp.float32(0.5), grads, {"reward_mean": jnp.mean(batch.rewards)}
 
-    monkeypatch.setattr(train, "grpo_grads", fake_grads)
+    monkeypatch.setattr(train, "grpo_grads_unvalidated", fake_grads)
     optimizer = make_optimizer(learning_rate=1e-2)
     opt_state = optimizer.init(params)
     new_params, new_state, metrics = train_step(model, params, opt_state, batch, optimizer, CFG, "exact", CHUNK)

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     if status:
         return status
     records = read_metrics(os.path.join(args.out, "metrics.jsonl"))
-    config = run.build_parser().parse_args(trainer_args)
+    config, _ = run.parse_args(trainer_args)
     from longstraw_jax.tasks.retrieval import RetrievalTask
 
     task = RetrievalTask(prompt_len=config.prompt_len, vocab_size=config.vocab_size)

@@ -83,34 +83,15 @@ def _load_config(path: str | None):
     """--config: a config.json (class chosen by its model_type), "tiny-glm" (Glm52Config.tiny()), or the Qwen3.6
     tiny preset by default."""
     from longstraw_jax import models
-    from longstraw_jax.models.hf import CONFIG_CLASSES
 
     if path == "tiny-glm":
         return models.Glm52Config.tiny()
     if path:
-        with open(path) as f:
-            model_type = json.load(f).get("model_type")
-        if model_type not in CONFIG_CLASSES:
-            raise SystemExit(f"--config {path}: model_type={model_type!r}; supported: {', '.join(sorted(CONFIG_CLASSES))}")
-        return CONFIG_CLASSES[model_type].from_hf(path)
+        try:
+            return models.config_from_hf(path)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"--config {path}: {e}") from None
     return models.Qwen36Config.tiny()
-
-
-def _describe(cfg) -> str:
-    from longstraw_jax import models
-
-    if isinstance(cfg, models.Glm52Config):
-        pattern = "".join("F" if t == "full" else "S" for t in cfg.indexer_types)
-        return (f"GLM-5.x {cfg.num_hidden_layers} layers (indexers {pattern}, "
-                f"{cfg.mlp_layer_types.count('dense')} dense), hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
-                f"MLA {cfg.num_attention_heads} heads latent {cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}, DSA top-"
-                f"{cfg.index_topk} ({cfg.index_n_heads}x{cfg.index_head_dim}), MoE {cfg.n_routed_experts} experts "
-                f"top-{cfg.num_experts_per_tok} x {cfg.moe_intermediate_size} + {cfg.n_shared_experts} shared")
-    pattern = "".join("F" if t == "full_attention" else "L" for t in cfg.block_pattern)
-    return (f"Qwen3.6 {cfg.num_hidden_layers} layers ({pattern} x {cfg.num_blocks}), hidden {cfg.hidden_size}, "
-            f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}, attn {cfg.num_attention_heads}q/"
-            f"{cfg.num_key_value_heads}kv x {cfg.head_dim}, GDN {cfg.linear_num_key_heads}k/"
-            f"{cfg.linear_num_value_heads}v x {cfg.linear_key_head_dim}/{cfg.linear_value_head_dim}")
 
 
 def _make_batch(vocab: int, p: int, r: int, g: int, seed: int):
@@ -377,7 +358,7 @@ def geometry(args):
         carried = sum(size(x) for x in jax.tree.leaves(model.carried(st)))
         return sum(size(x) for x in jax.tree.leaves(st)) - carried, carried
 
-    desc = f"{_describe(cfg)}; {n_params / 1e6:.2f}M params ({fmt_bytes(param_bytes)})"
+    desc = f"{models.describe(cfg)}; {n_params / 1e6:.2f}M params ({fmt_bytes(param_bytes)})"
     kv1, carried = state_bytes(1025)
     kv_per_token = kv1 / 1024
     return dict(model=desc, state_bytes=state_bytes, kv_per_token=kv_per_token, carried=carried,

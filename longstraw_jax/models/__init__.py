@@ -1,19 +1,11 @@
-"""Model registry: `build(config)` -> model; `load_hf(dir)` / `save_hf(model, params, dir)` for checkpoints."""
-from longstraw_jax.models import glm52, qwen36
+"""The models: `build(config)` -> model (dispatch on the config's family, models/registry.py); `load_hf(dir)` /
+`save_hf(model, params, dir)` for checkpoints. The contracts every family implements are in models/base.py."""
+from longstraw_jax.models import glm52, qwen36, registry
+from longstraw_jax.models.base import PromptState
 from longstraw_jax.models.glm52 import Glm52, Glm52Config, GlmState
 from longstraw_jax.models.hf import config_from_hf, load_hf, save_hf
-from longstraw_jax.models.base import PromptState
 from longstraw_jax.models.qwen36 import Qwen36, Qwen36Config, Qwen36State
+from longstraw_jax.models.registry import MODEL_TYPES, build, describe
 
-
-def build(config):
-    """The model for a config object (frozen and hashable: usable as a `jax.jit` static argument)."""
-    if isinstance(config, Qwen36Config):
-        return Qwen36(config)
-    if isinstance(config, Glm52Config):
-        return Glm52(config)
-    raise TypeError(f"no model for config type {type(config).__name__}")
-
-
-__all__ = ["build", "config_from_hf", "load_hf", "save_hf", "qwen36", "Qwen36", "Qwen36Config", "Qwen36State", "PromptState",
-           "glm52", "Glm52", "Glm52Config", "GlmState"]
+__all__ = ["build", "describe", "MODEL_TYPES", "config_from_hf", "load_hf", "save_hf", "registry", "qwen36", "Qwen36",
+           "Qwen36Config", "Qwen36State", "PromptState", "glm52", "Glm52", "Glm52Config", "GlmState"]

@@ -13,7 +13,7 @@ import functools
 import json
 import os
 import warnings
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +113,16 @@ class SequenceParallel(Protocol):
     def prompt_backward(self, params, stored_tokens, mesh, rounds, attention: str, sstate, capture_aux, state_cot,
                         grads) -> dict:
         """grads + the gradient of the sharded capture given the float32 state cotangent (exact mode)."""
+
+
+class Slot(NamedTuple):
+    """Where one HF tensor lives in our params: `flat[path][index]` (flat = flatten_dict(params, sep="/")),
+    reshaped to `hf_shape` on disk. index is () for unstacked leaves, (block, j) or (layer, expert) for stacked.
+    Each model's `hf_layout()` maps HF tensor names to Slots (read and written by models/hf.py)."""
+
+    path: str
+    index: tuple[int, ...]
+    hf_shape: tuple[int, ...]
 
 
 def chunk_layout(length: int, chunk_size: int) -> tuple[int, int]:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct, traverse_util
 
-from longstraw_jax.models.base import CausalLM, check_config_fields, read_json_config
+from longstraw_jax.models.base import CausalLM, Slot, check_config_fields, read_json_config
 from longstraw_jax.ops.dsa import select_topk
 from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.ops.mla import sparse_latent_attention
@@ -576,8 +576,6 @@ class Glm52(CausalLM):
 
     def hf_layout(self) -> dict:
         """HF name -> Slot(path, index, hf_shape); per-expert tensors are slices [repeat, j, expert] of the stacks."""
-        from longstraw_jax.models.hf import Slot
-
         c = self.config
         flat = traverse_util.flatten_dict(jax.eval_shape(self.init, jax.random.key(0)), sep="/")
         layout = {name: Slot(top, (), flat[top].shape) for top, name in _HF_TOP_NAMES.items() if top in flat}

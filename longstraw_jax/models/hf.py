@@ -2,8 +2,9 @@
 
 Model-agnostic: each model class provides `hf_layout()` (HF name -> Slot), `hf_skipped_prefixes` (on-disk tensors
 it ignores, e.g. MTP and vision towers) and `hf_prefix_aliases` (alternative spellings of its names, e.g. Qwen3.6's
-multimodal `model.language_model.*`); its config class provides `from_hf` and `to_hf`. Saving writes the canonical
-layout with the config class's `to_hf()` config.json.
+multimodal `model.language_model.*`); its config class provides `from_hf` and `to_hf`, and models/registry.py maps
+config.json's `model_type` to the family. Saving writes the canonical layout with the config class's `to_hf()`
+config.json.
 
 Safetensors are read and written here at the format level (`read_rows`, `write_sharded_safetensors`), tensor by
 tensor in row blocks: the library's `safe_open` maps whole shards (their pages count towards resident memory) and
@@ -25,33 +26,19 @@ import ml_dtypes
 import numpy as np
 from flax import traverse_util
 
-from longstraw_jax.models.glm52 import Glm52Config
-from longstraw_jax.models.qwen36 import Qwen36Config
-
-# model_type in config.json -> config class (a nested text_config is handled by the class's from_hf).
-CONFIG_CLASSES = {"qwen3_5": Qwen36Config, "qwen3_5_text": Qwen36Config, "glm_moe_dsa": Glm52Config}
-
-
-class Slot(NamedTuple):
-    """Where one HF tensor lives in our params: `flat[path][index]` (flat = flatten_dict(params, sep="/")),
-    reshaped to `hf_shape` on disk. index is () for unstacked leaves, (block, j) or (layer, expert) for stacked."""
-
-    path: str
-    index: tuple[int, ...]
-    hf_shape: tuple[int, ...]
+from longstraw_jax.models import registry
+from longstraw_jax.models.base import Slot
 
 
 def config_from_hf(directory: str | os.PathLike):
-    """The config object for `directory/config.json`, or for a config file path (dispatch on `model_type`)."""
+    """The config object for `directory/config.json`, or for a config file path with any name (dispatch on its
+    `model_type`: models/registry.py)."""
     path = os.fspath(directory)
     path = path if os.path.isfile(path) else os.path.join(path, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no config.json")
     with open(path) as f:
-        model_type = json.load(f).get("model_type")
-    if model_type not in CONFIG_CLASSES:
-        raise ValueError(f"{path}: model_type={model_type!r}; supported: {', '.join(sorted(CONFIG_CLASSES))}")
-    return CONFIG_CLASSES[model_type].from_hf(path)
+        return registry.read_config(json.load(f), path)
 
 
 def checkpoint_layout(model) -> dict[str, Slot]:
@@ -249,9 +236,7 @@ def load_hf(directory: str | os.PathLike, dtype=jnp.float32):
     Raises ValueError listing every missing, unexpected or mis-shaped key before building anything.
     """
     directory = os.fspath(directory)
-    from longstraw_jax.models import build
-
-    model = build(config_from_hf(directory))
+    model = registry.build(config_from_hf(directory))
     found, skipped = match_checkpoint(model, directory)
     if skipped:
         prefixes = sorted({p for p in model.hf_skipped_prefixes for t in skipped if t.name.startswith(p)})

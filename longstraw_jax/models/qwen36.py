@@ -25,7 +25,7 @@ import numpy as np
 from flax import struct, traverse_util
 
 from longstraw_jax import layerwise
-from longstraw_jax.models.base import CausalLM, check_config_fields, read_json_config
+from longstraw_jax.models.base import CausalLM, Slot, check_config_fields, read_json_config
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype
@@ -562,8 +562,6 @@ class Qwen36(CausalLM):
 
     def hf_layout(self) -> dict:
         """HF name -> Slot(path, index, hf_shape). conv1d is [conv_dim, K] here and [conv_dim, 1, K] in PyTorch."""
-        from longstraw_jax.models.hf import Slot
-
         c = self.config
         flat = traverse_util.flatten_dict(jax.eval_shape(self.init, jax.random.key(0)), sep="/")
         layout = {name: Slot(top, (), flat[top].shape) for top, name in _HF_TOP_KEYS.items() if top in flat}

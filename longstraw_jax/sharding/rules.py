@@ -20,7 +20,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 FSDP = ("data", "seq")  # parameter shards: the whole mesh
-TOKENS = P("seq")  # prompt tokens [P]: positions along seq
 # prompt-state field -> its position axis: Qwen3.6 KV caches [nb, nf, P, Hkv, hd]; GLM-5.x latent rows [layers, P, Dk]
 # and indexer keys [F, P, Di]
 SEQ_AXES = {"keys": 2, "values": 2, "kv": 1, "index_keys": 1}

@@ -6,32 +6,21 @@ plain Python callables with that signature; `load_callable("package.module:funct
 `--reward`), and `load_callable` also loads task factories (`--task module:function`, called with the keyword
 arguments prompt_len, vocab_size, seed and returning a task).
 
-Built-ins: `retrieval` (tasks/retrieval.py: a synthetic agent log with a fact planted at a chosen depth).
+Built-ins (`BUILTIN_TASKS`): `retrieval` (tasks/retrieval.py: a synthetic agent log with a fact planted at a chosen
+depth). `Prompt` and the `Task` protocol live in tasks/base.py.
 Externally generated rollouts (JSONL, e.g. from vLLM or SGLang) are read by tasks/rollout_file.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 
+from longstraw_jax.tasks.base import Prompt, Task
+from longstraw_jax.tasks.retrieval import RetrievalTask
 
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-    """tokens: int32 [P]; info: whatever the reward needs (e.g. the answer), JSON-serialisable values."""
-
-    tokens: np.ndarray
-    info: dict
-
-
-class Task(Protocol):
-    name: str
-
-    def prompt(self, index: int) -> Prompt: ...
-
-    def reward(self, prompt_tokens: np.ndarray, response_tokens: np.ndarray, info: dict) -> float: ...
+BUILTIN_TASKS = {"retrieval": RetrievalTask}
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
@@ -74,13 +63,10 @@ def score(reward_fn: Callable, prompt: Prompt, responses: np.ndarray, mask: np.n
 def make_task(spec: str, prompt_len: int, vocab_size: int, seed: int, **options) -> Task:
     """A built-in task by name ("retrieval") or a factory "module:function" called with keyword arguments
     prompt_len, vocab_size, seed and any `options` (e.g. the retrieval task's depth)."""
-    from longstraw_jax.tasks.retrieval import RetrievalTask
-
-    builtins = {"retrieval": RetrievalTask}
-    factory = builtins.get(spec) or (load_callable(spec) if ":" in spec else None)
+    factory = BUILTIN_TASKS.get(spec) or (load_callable(spec) if ":" in spec else None)
     if factory is None:
-        raise ValueError(f"--task {spec!r}: unknown task; built-ins: {', '.join(builtins)}, or 'module:function'")
+        raise ValueError(f"--task {spec!r}: unknown task; built-ins: {', '.join(BUILTIN_TASKS)}, or 'module:function'")
     return factory(prompt_len=prompt_len, vocab_size=vocab_size, seed=seed, **options)
 
 
-__all__ = ["Prompt", "Task", "load_callable", "make_task", "score"]
+__all__ = ["BUILTIN_TASKS", "Prompt", "Task", "load_callable", "make_task", "score"]

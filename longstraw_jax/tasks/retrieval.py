@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from longstraw_jax.tasks import Prompt
+from longstraw_jax.tasks.base import Prompt
 
 PAD, STOP, TOOL, FACT, QUERY = 0, 1, 2, 3, 4
 FIRST_ANSWER = 5

@@ -30,7 +30,7 @@ def load_rollouts(path: str | os.PathLike, vocab_size: int, tokenizer_path: str 
         raise FileNotFoundError(f"rollout file {path} does not exist")
     tokenizer = None
     if tokenizer_path is not None:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # only text fields need it: not imported for id-only files
 
         if not os.path.isfile(tokenizer_path):
             raise FileNotFoundError(f"tokenizer file {tokenizer_path} does not exist")

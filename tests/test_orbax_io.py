@@ -9,7 +9,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from longstraw_jax import make_optimizer, models
-from longstraw_jax.checkpoint import TrainCheckpoints, load_init_dir, save_init_dir
+from longstraw_jax.orbax_io import TrainCheckpoints, load_init_dir, save_init_dir
 from longstraw_jax.models.qwen36 import FULL, LINEAR
 
 CONFIG = models.Qwen36Config.tiny(num_hidden_layers=4, layer_types=(LINEAR, LINEAR, LINEAR, FULL), vocab_size=64)

@@ -1,5 +1,7 @@
 """Checkpoints with Orbax: params-only init directories, and training checkpoints for `--resume`.
 
+(Named orbax_io, not checkpoint, so that it does not read as `jax.checkpoint` (rematerialisation).)
+
 Init directory (what `tools/convert_hf.py` writes and `--init-from DIR` reads):
 
     DIR/config.json   HF-style config (model.config.to_hf()), readable by models.config_from_hf

@@ -1,0 +1,161 @@
+"""The trainer's options (`python -m longstraw_jax.run`): one frozen `RunConfig`, its command line, its checks and
+the merge with a checkpointed run's options on `--resume`.
+
+Each field is one option, declared once with its help text; `build_parser()` derives the argparse parser from the
+fields (`--group-size` is the field `group_size`). Constructing a RunConfig checks every bound at once and raises
+one ValueError naming each bad option (`--group-size=0 must be >= 1; ...`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from typing import Collection
+
+from longstraw_jax.sharding.mesh import parse_mesh_spec
+
+DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`, or the next group of a rollout "
+               "file), capture it once and sample G branches from the captured state (rollout.py), score them with "
+               "the reward function, then one GRPO update (engine gradients, exact or detached; clipped AdamW). "
+               "Writes to --out: metrics.jsonl (one line per step), metrics.png (reward and loss over steps), "
+               "checkpoints/ (Orbax: params, optimizer state, RNG key, data position), and with --export-hf a "
+               "safetensors checkpoint of the final params.")
+# Options that may differ when resuming (everything else must match the checkpointed run's configuration).
+RESUMABLE = frozenset({"steps", "resume", "out", "export_hf", "log_every", "save_every"})
+
+
+class RunError(Exception):
+    """A user-facing error: run.main() prints it on one line and exits with status 2."""
+
+
+def _option(default, help: str | None = None, *, group: str | None = None, short: str | None = None, **argparse_kw):
+    """A RunConfig field that is also a command-line option; `group` starts a new section of --help."""
+    return dataclasses.field(default=default, metadata=dict(help=help, group=group, short=short, argparse=argparse_kw))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    # model
+    model: str = _option("tiny", "'tiny' (Qwen36Config.tiny with --vocab-size) or a config.json path (random init; "
+                         "unknown fields are an error)", group="model (default: a random tiny Qwen3.6)")
+    vocab_size: int = _option(32, "vocabulary of the 'tiny' model")
+    hf: str | None = _option(None, "load config.json + *.safetensors from DIR (models.load_hf)", metavar="DIR")
+    init_from: str | None = _option(None, "load an init directory (config.json + Orbax params/), e.g. written by "
+                                    "tools/convert_hf.py", metavar="DIR")
+    dtype: str = _option("float32", "parameter dtype", choices=("float32", "bfloat16"))
+    # data
+    task: str = _option("retrieval", "built-in task name ('retrieval') or 'module:function' factory called with "
+                        "prompt_len, vocab_size, seed", group="data")
+    reward: str | None = _option(None, "reward function (prompt_tokens, response_tokens, info) -> float; default: "
+                                 "the task's", metavar="MODULE:FUNCTION")
+    rollouts: str | None = _option(None, "train on externally generated rollouts (one group per line) instead of "
+                                   "sampling; --task/--reward and the sampling options are then unused",
+                                   metavar="FILE.jsonl")
+    tokenizer: str | None = _option(None, "for text fields in --rollouts", metavar="tokenizer.json")
+    prompt_len: int = _option(512, "prompt tokens per group (task prompts)")
+    depth: float | None = _option(None, "retrieval task: depth of the planted fact in [0, 1] (default: random per "
+                                  "prompt)")
+    # sampling
+    group_size: int = _option(8, "G, response branches per prompt", group="sampling", short="-G")
+    response_len: int = _option(2, "max new tokens per branch", short="-R")
+    temperature: float = _option(1.0)
+    top_p: float = _option(1.0)
+    stop_token: int | None = _option(None, "default: the task's stop token, if it has one")
+    # training
+    steps: int = _option(40, "total GRPO steps (a resumed run continues up to this)", group="training")
+    lr: float = _option(3e-3, "AdamW learning rate")
+    weight_decay: float = _option(0.0)
+    max_grad_norm: float = _option(1.0, "global-norm clip (0: none)")
+    mode: str = _option("exact", "exact: gradient through the prompt (== full graph); detached: prompt state "
+                        "constant", choices=("exact", "detached"))
+    chunk_size: int = _option(256, "prompt chunk length for capture / prompt backward")
+    loss_agg: str = _option("token-mean", choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+    kl_coef: float = _option(0.0, "k3 KL weight (needs ref_logprobs in --rollouts)")
+    mesh: str | None = _option(None, "device mesh data x seq (e.g. 1x8); on CPU raises the simulated device count "
+                               "to A*B before JAX starts", metavar="AxB")
+    seed: int = _option(0)
+    # output
+    out: str | None = _option(None, "output directory (default: out/run-<UTC time>)", group="output")
+    resume: bool = _option(False, "continue the run in --out from its newest checkpoint")
+    save_every: int = _option(20, "checkpoint every N steps (and after the last)")
+    export_hf: str | None = _option(None, "write the final params as safetensors + config.json", metavar="DIR")
+    log_every: int = _option(1, "print a progress line every N steps")
+
+    def __post_init__(self):
+        errors = []
+        for name, low in (("group_size", 1), ("response_len", 1), ("steps", 1), ("chunk_size", 1), ("prompt_len", 2),
+                          ("save_every", 1), ("log_every", 1), ("vocab_size", 1)):
+            if getattr(self, name) < low:
+                errors.append(f"{flag(name)}={getattr(self, name)} must be >= {low}")
+        for name in ("lr", "weight_decay", "kl_coef", "temperature", "top_p", "max_grad_norm"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                errors.append(f"{flag(name)}={getattr(self, name)} must be a finite number >= 0")
+        if sum(x is not None for x in (self.hf, self.init_from)) + (self.model != "tiny") > 1:
+            errors.append("give at most one of --model <config.json>, --hf, --init-from")
+        if self.mesh is not None:
+            try:
+                parse_mesh_spec(self.mesh)
+            except ValueError:
+                errors.append(f"--mesh={self.mesh!r} must look like AxB with positive integers (data x seq), e.g. 1x8")
+        for field in dataclasses.fields(self):
+            choices = field.metadata["argparse"].get("choices")
+            if choices is not None and getattr(self, field.name) not in choices:
+                errors.append(f"{flag(field.name)}={getattr(self, field.name)!r} must be one of {', '.join(choices)}")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    def saved(self) -> dict:
+        """What a checkpoint (and <out>/config.json) records: every option except the RESUMABLE ones."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in RESUMABLE}
+
+    def resumed(self, saved: dict, explicit: Collection[str] = ()) -> RunConfig:
+        """This config with a checkpointed run's options (`saved()` of that run) adopted; an option given explicitly
+        (`explicit`: names from `parse_args`) that contradicts them is a RunError."""
+        unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise RunError(f"--resume: the checkpoint's configuration has options this version does not know: "
+                           f"{unknown}")
+        for name, value in saved.items():
+            if name in explicit and getattr(self, name) != value:
+                raise RunError(f"{flag(name)}={getattr(self, name)!r} differs from the run being resumed ({value!r}); "
+                               f"only {sorted(RESUMABLE)} may change on --resume")
+        return dataclasses.replace(self, **saved)
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a field: group_size -> --group-size."""
+    return "--" + name.replace("_", "-")
+
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def build_parser(explicit_only: bool = False) -> argparse.ArgumentParser:
+    """The argparse parser of RunConfig's fields. explicit_only: options not given are left out of the namespace
+    (so that `parse_args` can tell which ones the user gave)."""
+    p = argparse.ArgumentParser(prog="python -m longstraw_jax.run", description=DESCRIPTION,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                **({"argument_default": argparse.SUPPRESS} if explicit_only else {}))
+    group = p
+    for field in dataclasses.fields(RunConfig):
+        meta = field.metadata
+        if meta["group"] is not None:
+            group = p.add_argument_group(meta["group"])
+        flags = [flag(field.name)] + ([meta["short"]] if meta["short"] else [])
+        kw = dict(meta["argparse"], help=meta["help"])
+        if not explicit_only:
+            kw["default"] = field.default
+        if field.type == "bool":
+            kw["action"] = "store_true"
+        else:
+            kw["type"] = _TYPES[field.type.split(" | ")[0]]
+        group.add_argument(*flags, **kw)
+    return p
+
+
+def parse_args(argv=None) -> tuple[RunConfig, frozenset[str]]:
+    """Command line -> (RunConfig, names of the options given explicitly). Bad values raise ValueError (argparse's
+    own errors, e.g. an unknown option, exit with status 2 as usual)."""
+    values = vars(build_parser().parse_args(argv))
+    explicit = frozenset(vars(build_parser(explicit_only=True).parse_args(argv)))
+    return RunConfig(**values), explicit

@@ -1,0 +1,78 @@
+"""What a run reports: the metrics.jsonl record of one step, and the lines it prints (a header, a progress line
+per step, a summary at the end)."""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from longstraw_jax import metrics
+
+
+def step_record(step: int, step_metrics: dict, extra: dict, batch, start: float, sampled: float,
+                done: float) -> dict:
+    """One metrics.jsonl line: the step's metrics (host values), the data source's extras, token counts, timings
+    (perf_counter at the step's start, after sampling and after the update) and peak memory."""
+    prompt_tokens = int(batch.prompt.shape[0])
+    response_tokens = int(batch.mask.sum())
+    peak, source = metrics.peak_memory()
+    return {"step": step, **{k: float(v) for k, v in step_metrics.items()}, **extra,
+            "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
+            "group_size": int(batch.responses.shape[0]),
+            "tokens_per_s": (prompt_tokens + response_tokens) / (done - start),
+            "rollout_s": sampled - start, "update_s": done - sampled, "step_s": done - start,
+            "peak_mem_bytes": peak, "peak_mem_source": source}
+
+
+def header(trainer) -> str:
+    """Two lines: the model and devices; the data, mode and the steps to run."""
+    config, c, from_file = trainer.config, trainer.model.config, trainer.data.task is None
+    return (f"model: {type(c).__name__} {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}"
+            f" ({sum(x.size for x in jax.tree.leaves(trainer.params)) / 1e6:.2f} M params, {config.dtype}); "
+            f"devices: {len(jax.devices())} x {jax.devices()[0].platform}\n"
+            f"data: {trainer.data.description}; prompt {'from file' if from_file else config.prompt_len} tokens, "
+            f"G={'from file' if from_file else config.group_size}, mode={config.mode}, chunk {config.chunk_size}"
+            f"; steps {trainer.step + 1}..{config.steps}; out: {trainer.out}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def progress(r: dict, total: int, width: int = 20) -> str:
+    filled = round(width * r["step"] / total)
+    acc = f" acc {r['accuracy']:.2f}" if "accuracy" in r else ""
+    skipped = " SKIPPED (non-finite)" if r.get("skipped") else ""
+    return (f"[{'#' * filled}{'.' * (width - filled)}] {r['step']:>4}/{total} reward {r['reward_mean']:.3f}"
+            f"±{r['reward_std']:.3f}{acc} loss {r['loss']:+.4f} kl {r['kl']:.4f} | {r['step_s']:.2f} s/step "
+            f"(rollout {r['rollout_s']:.2f}) {r['tokens_per_s']:,.0f} tok/s | peak mem {_gib(r['peak_mem_bytes'])} "
+            f"({r['peak_mem_source']}){skipped}")
+
+
+def summary(records: list[dict], history: list[dict], wall: float, trainer) -> str:
+    """records: this process's steps; history: every step of the run (metrics.jsonl, earlier processes included)."""
+    n = max(1, min(10, len(history) // 2))
+    head, tail = history[:n], history[-n:]
+    mean = lambda rows, k: float(np.mean([r[k] for r in rows if r.get(k) is not None]))
+    task = trainer.data.task
+    lines = [f"done: {len(records)} steps this run ({records[0]['step']}..{records[-1]['step']}) in {wall:.1f} s; "
+             f"median step {np.median([r['step_s'] for r in records[1:] or records]):.2f} s (first step incl. "
+             f"compile {records[0]['step_s']:.1f} s)",
+             f"reward mean: first {n} steps {mean(head, 'reward_mean'):.3f} -> last {n} steps "
+             f"{mean(tail, 'reward_mean'):.3f}"]
+    if task is not None and hasattr(task, "chance_reward"):
+        lines[-1] += f" (uniform guessing among answers: {task.chance_reward:.3f})"
+    if "accuracy" in history[-1]:
+        chance = getattr(task, "chance_accuracy", None)
+        lines.append(f"accuracy: first {n} {mean(head, 'accuracy'):.3f} -> last {n} {mean(tail, 'accuracy'):.3f}"
+                     + (f" (chance {chance:.3f})" if chance is not None else ""))
+    skipped = sum(int(r["skipped"]) for r in records)
+    lines.append(f"loss (last step) {records[-1]['loss']:+.4f}; skipped updates {skipped}; peak mem "
+                 f"{_gib(max(r['peak_mem_bytes'] for r in records))} ({records[-1]['peak_mem_source']})")
+    files = [os.path.join(trainer.out, "metrics.jsonl"), os.path.join(trainer.out, "metrics.png"),
+             os.path.join(trainer.checkpoints.directory, str(trainer.step))]
+    if trainer.config.export_hf:
+        files.append(trainer.config.export_hf)
+    lines.append("wrote: " + ", ".join(files))
+    return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""What a run is built from, given its RunConfig: the output directory and the checkpoint to resume, the device
+mesh, the model and its params (placed on one device or FSDP-sharded), the optimizer, and the data source (a task
+sampled from the policy, or a rollout file). Every function here checks its inputs before anything is written.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longstraw_jax import models, orbax_io
+from longstraw_jax.grpo import GroupBatch
+from longstraw_jax.rollout import SamplingConfig, sample_group
+from longstraw_jax.run_config import RunConfig, RunError
+from longstraw_jax.sharding import make_mesh, parse_mesh_spec, rules
+from longstraw_jax.tasks import load_callable, make_task, score
+from longstraw_jax.tasks.rollout_file import load_rollouts
+from longstraw_jax.train import make_optimizer
+
+
+def raise_cpu_device_count(mesh: str) -> None:
+    """Ask for A*B simulated CPU devices before JAX initialises its backends (no effect on accelerators)."""
+    try:
+        jax.config.update("jax_num_cpu_devices", max(math.prod(parse_mesh_spec(mesh)), 1))
+    except RuntimeError:  # backends already initialised (e.g. in-process tests): keep what exists
+        pass
+
+
+def default_out() -> str:
+    return os.path.join("out", time.strftime("run-%Y%m%d-%H%M%S", time.gmtime()))
+
+
+def open_resume(config: RunConfig, explicit, out: str):
+    """--resume: (config with the checkpointed run's options adopted, its TrainCheckpoints, its meta). Without
+    --resume: (config, None, None). RunError when there is nothing to resume or an explicit option contradicts the
+    saved ones; reads only."""
+    if not config.resume:
+        return config, None, None
+    ckpt_dir = os.path.join(out, orbax_io.CHECKPOINT_DIR)
+    if not os.path.isdir(ckpt_dir):
+        raise RunError(f"--resume: no checkpoint directory {os.path.abspath(ckpt_dir)}")
+    checkpoints = orbax_io.TrainCheckpoints(out, create=False)
+    if checkpoints.latest_step() is None:
+        raise RunError(f"--resume: no checkpoint in {os.path.abspath(ckpt_dir)}")
+    meta = checkpoints.read_meta()
+    config = config.resumed(meta["config"], explicit)
+    if config.steps <= meta["step"]:
+        raise RunError(f"--steps={config.steps}: the checkpoint is already at step {meta['step']}")
+    return config, checkpoints, meta
+
+
+def check_no_checkpoints(out: str) -> None:
+    """A new run must not write into another run's checkpoints."""
+    ckpt_dir = os.path.join(out, orbax_io.CHECKPOINT_DIR)
+    if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+        raise RunError(f"{os.path.abspath(ckpt_dir)} already holds checkpoints: pass --resume to continue "
+                       "that run, or choose another --out")
+
+
+def load_model(config: RunConfig):
+    """(model, params) from --hf, --init-from, a --model config.json (random init) or the tiny preset. Unknown
+    config.json fields are errors here, not warnings (the model configs warn about them)."""
+    dtype = jnp.dtype(config.dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r"(?i).*unknown", category=UserWarning)
+        try:
+            if config.hf:
+                return models.load_hf(config.hf, dtype=dtype)
+            if config.init_from:
+                return orbax_io.load_init_dir(config.init_from, dtype=dtype)
+            if config.model == "tiny":
+                model_config = models.Qwen36Config.tiny(vocab_size=config.vocab_size)
+            else:
+                if not os.path.isfile(config.model):
+                    raise RunError(f"--model {config.model}: no such config file (or use 'tiny')")
+                model_config = models.config_from_hf(config.model)
+        except UserWarning as w:
+            raise RunError(str(w)) from None
+    model = models.build(model_config)
+    return model, jax.jit(model.init, static_argnums=1)(jax.random.key(config.seed), dtype)
+
+
+def place(tree, mesh, params=None):
+    """Params or optimizer state -> committed to the first device, or on a mesh sharded by the FSDP rules
+    (`sharding.rules.param_specs` of `params`, default `tree` itself; optimizer moments like the params, step
+    counts replicated). Committed whatever the source (init, safetensors, Orbax), so the jitted sampler and step
+    see the same argument placement on every call and compile once."""
+    if mesh is None:
+        return jax.device_put(tree, jax.local_devices()[0])
+    params = tree if params is None else params
+    specs = rules.like_params_specs(tree, params, rules.param_specs(params, mesh))
+    return jax.device_put(tree, rules.named(specs, mesh))
+
+
+def mesh_for(config: RunConfig):
+    """The ("data", "seq") mesh of --mesh, or None."""
+    return None if config.mesh is None else make_mesh(config.mesh)
+
+
+@functools.lru_cache(maxsize=None)
+def optimizer(learning_rate: float, weight_decay: float, max_grad_norm: float | None):
+    """One optimizer object per setting: `train_step` compiles once per optimizer object (a static argument), so
+    runs in one process with equal settings (e.g. a run and its resumption) share the compiled step."""
+    return make_optimizer(learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+
+
+class RolloutFile:
+    """Groups of an external rollout file, used in order and cyclically (position p -> group p mod count)."""
+
+    task = None
+
+    def __init__(self, path: str, groups: list[GroupBatch]):
+        self.groups = groups
+        self.description = f"rollout file {path}"
+
+    def batch(self, model, params, key, step: int, position: int) -> tuple[GroupBatch, dict]:
+        return self.groups[position % len(self.groups)], {}
+
+
+class TaskSampler:
+    """Prompt number `position` of a task, G branches sampled from the policy (key = fold_in(run key, step)),
+    scored by the reward function; extra metric "accuracy" when the task has `is_correct`."""
+
+    def __init__(self, task, reward_fn, sampling: SamplingConfig, group_size: int, chunk_size: int):
+        self.task, self.reward_fn, self.sampling = task, reward_fn, sampling
+        self.group_size, self.chunk_size = group_size, chunk_size
+        self.description = f"task {task.name}"
+
+    def batch(self, model, params, key, step: int, position: int) -> tuple[GroupBatch, dict]:
+        prompt = self.task.prompt(position)
+        rollout = sample_group(model, params, prompt.tokens, self.group_size, self.sampling,
+                               jax.random.fold_in(key, step), chunk_size=self.chunk_size)
+        responses, mask = np.asarray(rollout.responses), np.asarray(rollout.mask)
+        rewards = score(self.reward_fn, prompt, responses, mask)
+        extra = {}
+        if hasattr(self.task, "is_correct"):
+            extra["accuracy"] = float(np.mean([self.task.is_correct(r[m > 0], prompt.info)
+                                               for r, m in zip(responses, mask)]))
+        batch = GroupBatch(prompt=prompt.tokens, responses=responses, mask=mask, rewards=rewards,
+                           old_logprobs=np.asarray(rollout.logprobs))
+        return batch, extra
+
+
+def data_source(config: RunConfig, vocab_size: int) -> RolloutFile | TaskSampler:
+    """--rollouts, or --task with its reward and sampling options (ids checked against `vocab_size`)."""
+    if config.rollouts:
+        return RolloutFile(config.rollouts, load_rollouts(config.rollouts, vocab_size, config.tokenizer))
+    if config.kl_coef > 0:
+        raise RunError(f"--kl-coef={config.kl_coef}: sampled rollouts have no reference log-probs; the KL term "
+                       "needs a --rollouts file with ref_logprobs")
+    task = make_task(config.task, prompt_len=config.prompt_len, vocab_size=vocab_size, seed=config.seed,
+                     **({"depth": config.depth} if config.depth is not None else {}))
+    reward_fn = load_callable(config.reward) if config.reward else task.reward
+    stop = config.stop_token if config.stop_token is not None else getattr(task, "stop_token", None)
+    sampling = SamplingConfig(max_new_tokens=config.response_len, temperature=config.temperature,
+                              top_p=config.top_p, stop_token=stop, pad_token=getattr(task, "pad_token", 0))
+    for name in ("stop_token", "pad_token"):
+        value = getattr(sampling, name)
+        if value is not None and value >= vocab_size:
+            raise RunError(f"{name}={value} is out of range: ids must be in [0, vocab_size={vocab_size})")
+    return TaskSampler(task, reward_fn, sampling, config.group_size, config.chunk_size)

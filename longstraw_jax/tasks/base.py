@@ -1,0 +1,25 @@
+"""What a task is: `Prompt` (tokens + the reward's info) and the `Task` protocol. Its own module so that the
+built-in tasks (tasks/retrieval.py) and the task loader (tasks/__init__.py) both import it without importing each
+other."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """tokens: int32 [P]; info: whatever the reward needs (e.g. the answer), JSON-serialisable values."""
+
+    tokens: np.ndarray
+    info: dict
+
+
+class Task(Protocol):
+    name: str
+
+    def prompt(self, index: int) -> Prompt: ...
+
+    def reward(self, prompt_tokens: np.ndarray, response_tokens: np.ndarray, info: dict) -> float: ...
