@@ -506,7 +506,7 @@ def run_sweep(args, geo) -> tuple[list[Table], list[dict]]:
                        "above it by a smaller cell) or failed.")
         tables.append(t)
 
-    # Where does exact's extra memory go? Compare to the design's budget (ARCHITECTURE.md 6).
+    # Where does exact's extra memory go? Compare to the design's budget (docs/architecture.md 6).
     if "exact" in modes and "detached" in modes:
         t = Table("Table 2c (sweep): exact temp - detached temp vs fp32 state cotangent + boundaries "
                   f"(largest G with both; chunk={args.chunk})",

@@ -1,6 +1,6 @@
 """GLM-5 / GLM-5.1 / GLM-5.2 (`glm_moe_dsa`): MLA attention with DSA sparse selection and IndexShare, and MoE.
 
-Read next to MODELS.md section 2; each function names the subsection it implements.
+Read next to docs/models.md section 2; each function names the subsection it implements.
 
 Layout. Every layer has MLA attention and an MLP; layers differ in two ways: the indexer (`full` layers run the DSA
 indexer, `shared` layers reuse the top-k of the latest full layer of the same forward) and the MLP (`dense` SwiGLU
@@ -10,7 +10,7 @@ then `shared_sparse` x 3); the model scans over each segment's repeats, so compi
 lengths, not the depth. Parameters are stacked per segment and group, `[repeats, per_pattern, ...]`, in the
 transformers orientation `[out_features, in_features]`; routed experts are stacked `[E, ...]` inside a layer.
 
-Prompt state (MODELS.md 2.11): per layer and position, one row `[c | k_pe]` (normalised 512-wide latent and the
+Prompt state (docs/models.md 2.11): per layer and position, one row `[c | k_pe]` (normalised 512-wide latent and the
 roped 64-wide rope key), and per full layer the indexer key. Attention is the absorbed form (`ops/mla.py`): keys and
 values are never expanded per head. Execution mirrors Qwen36: `capture` walks the prompt in chunks, writing each
 chunk's rows once after all layers; `extend` continues after a state without modifying it; `forward` is `extend`
@@ -40,12 +40,12 @@ from longstraw_jax.validation import check_tokens
 
 FULL, SHARED = "full", "shared"
 DENSE, SPARSE = "dense", "sparse"
-LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the constructor default, not rms_norm_eps (MODELS.md 2.4)
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the constructor default, not rms_norm_eps (docs/models.md 2.4)
 INDEXER_NORM_EPS = 1e-6  # indexer k_norm LayerNorm
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 # config.json keys that transformers' GlmMoeDsaConfig accepts but that do not change the math we implement
-# (MODELS.md 2.2: "not read by HF modeling"), or that are read below under another name.
+# (docs/models.md 2.2: "not read by HF modeling"), or that are read below under another name.
 _HF_KEYS_IGNORED = frozenset(
     """model_type architectures transformers_version torch_dtype dtype use_cache initializer_range attention_dropout
     pad_token_id bos_token_id eos_token_id output_hidden_states output_attentions return_dict output_router_logits
@@ -89,7 +89,7 @@ def _segments(groups: tuple[str, ...]) -> tuple[Segment, ...]:
 
 
 def indexer_types_from_hf(raw: dict, num_layers: int) -> list[str]:
-    """MODELS.md 2.3: explicit `indexer_types`, else `index_topk_pattern` (F/S), else `index_topk_freq` /
+    """docs/models.md 2.3: explicit `indexer_types`, else `index_topk_pattern` (F/S), else `index_topk_freq` /
     `index_skip_topk_offset` (layer i is full iff max(i - offset + 1, 0) % freq == 0)."""
     if raw.get("indexer_types") is not None:
         return list(raw["indexer_types"])
@@ -108,7 +108,7 @@ def indexer_types_from_hf(raw: dict, num_layers: int) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Glm52Config:
-    """Every field that changes the math of `GlmMoeDsaForCausalLM` (MODELS.md 2.2)."""
+    """Every field that changes the math of `GlmMoeDsaForCausalLM` (docs/models.md 2.2)."""
 
     vocab_size: int
     hidden_size: int
@@ -221,7 +221,7 @@ class Glm52Config:
     def from_hf(cls, source, *, strict: bool = False, **overrides) -> "Glm52Config":
         """From a transformers `glm_moe_dsa` config: a dict, a config.json path, or a checkpoint directory.
 
-        Applies transformers' derivations (MODELS.md 2.2, 2.3): `indexer_types` from `index_topk_pattern` or
+        Applies transformers' derivations (docs/models.md 2.2, 2.3): `indexer_types` from `index_topk_pattern` or
         `index_topk_freq` / `index_skip_topk_offset`, `mlp_layer_types` from `first_k_dense_replace`; `head_dim` is
         ignored (transformers overwrites it with qk_rope_head_dim). Unknown keys warn (error with strict=True).
         """
@@ -244,7 +244,7 @@ class Glm52Config:
         if mlp_types is None:
             dense = min(int(raw.get("first_k_dense_replace", 3)), layers)
             mlp_types = [DENSE] * dense + [SPARSE] * (layers - dense)
-        # transformers' defaults are GLM-5 (MODELS.md 2.2), used for absent keys as transformers does
+        # transformers' defaults are GLM-5 (docs/models.md 2.2), used for absent keys as transformers does
         get = lambda key, default: raw.get(key, default)
         experts = raw.get("n_routed_experts", raw.get("num_experts", raw.get("num_local_experts", 256)))
         fields = dict(
@@ -293,7 +293,7 @@ class Glm52Config:
 
 @struct.dataclass
 class GlmState:
-    """What later tokens need from a prompt of `length` tokens (MODELS.md 2.11).
+    """What later tokens need from a prompt of `length` tokens (docs/models.md 2.11).
 
     kv:         [num_hidden_layers, length, kv_lora_rank + qk_rope_head_dim]  per layer [c | k_pe]: the latent after
                 kv_a_layernorm and the rope key after RoPE (half-split order), model dtype
@@ -310,7 +310,7 @@ class GlmState:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Parameters of one layer of a group: leaf -> (shape, init), and the transformers name under `model.layers.{i}.`
-# ({e}: one tensor per routed expert on disk, MODELS.md 2.1)
+# ({e}: one tensor per routed expert on disk, docs/models.md 2.1)
 
 
 def _layer_leaves(c: Glm52Config, group: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -373,14 +373,14 @@ _HF_TOP_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm
 
 
 def _rope_tables(c: Glm52Config, positions: jax.Array, dtype):
-    """cos, sin [T, qk_rope_head_dim] (default RoPE over the rope slice; MODELS.md 2.7), cast to the model dtype."""
+    """cos, sin [T, qk_rope_head_dim] (default RoPE over the rope slice; docs/models.md 2.7), cast to the model dtype."""
     inv_freq, scaling = inverse_frequencies(RopeConfig(theta=c.rope_theta), c.qk_rope_head_dim,
                                             c.max_position_embeddings)
     return cos_sin(positions, inv_freq, scaling, dtype)
 
 
 class PromptReader(NamedTuple):
-    """How a layer reads what came before its tokens, on one device: `state` at positions < start (MODELS.md 2.6,
+    """How a layer reads what came before its tokens, on one device: `state` at positions < start (docs/models.md 2.6,
     2.8). tokens sit at `positions` [T] = start + arange(T). The sequence-parallel engine (`sharding/glm52.py`)
     passes its own reader with the same three methods, so the layer code below is shared."""
 

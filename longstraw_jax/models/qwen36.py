@@ -1,6 +1,6 @@
 """Qwen3.5 / Qwen3.6 dense hybrid (Qwen3.6-27B): Gated DeltaNet layers + gated full attention, 3:1.
 
-Read next to MODELS.md section 1; each layer function names the subsection it implements.
+Read next to docs/models.md section 1; each layer function names the subsection it implements.
 
 Layout. Layers repeat a block pattern (`LLLF` for Qwen3.6: three `linear_attention` then one `full_attention`).
 Parameters of each kind are stacked `[num_blocks, per_block, ...]` and the model scans over blocks, so compile time
@@ -53,7 +53,7 @@ _HF_KEYS_IGNORED = frozenset(
 
 @dataclasses.dataclass(frozen=True)
 class Qwen36Config:
-    """Every field that changes the math of `Qwen3_5ForCausalLM` (MODELS.md 1.2)."""
+    """Every field that changes the math of `Qwen3_5ForCausalLM` (docs/models.md 1.2)."""
 
     vocab_size: int
     hidden_size: int
@@ -254,7 +254,7 @@ class Qwen36Config:
 
 @struct.dataclass
 class Qwen36State:
-    """What later tokens need from a prompt of `length` tokens (MODELS.md 1.10), per layer of each kind.
+    """What later tokens need from a prompt of `length` tokens (docs/models.md 1.10), per layer of each kind.
 
     conv:      [num_blocks, linear_per_block, K-1, conv_dim]   last K-1 pre-conv `in_proj_qkv` outputs (model dtype)
     recurrent: [num_blocks, linear_per_block, Hv, dk, dv]      S_t after the last token t (float32)
@@ -475,7 +475,7 @@ def _layers(cfg: Qwen36Config, params: dict, state: Qwen36State, tokens: jax.Arr
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Hugging Face names (MODELS.md 1.9): our leaf inside a layer of each kind -> name under `model.layers.{i}.`
+# Hugging Face names (docs/models.md 1.9): our leaf inside a layer of each kind -> name under `model.layers.{i}.`
 
 _HF_LAYER_KEYS = {
     LINEAR: {

@@ -1,4 +1,4 @@
-"""Causal depthwise 1-D convolution with a carried tail (the GDN `conv1d`, MODELS.md 1.5 and 1.10)."""
+"""Causal depthwise 1-D convolution with a carried tail (the GDN `conv1d`, docs/models.md 1.5 and 1.10)."""
 import jax
 import jax.numpy as jnp
 

@@ -1,4 +1,4 @@
-"""DeepSeek Sparse Attention selection: the lightning indexer's top-k (MODELS.md 2.8).
+"""DeepSeek Sparse Attention selection: the lightning indexer's top-k (docs/models.md 2.8).
 
 For each query, the index score of a visible key u is `I[t, u] = sum_h w[t, h] * relu(q[t, h] . k[u] * scale)`
 (float32, matmuls at `precision=HIGHEST`: top-k is sensitive to near-ties), and the query attends to the k keys with

@@ -1,4 +1,4 @@
-"""Gated delta rule (Gated DeltaNet core, MODELS.md 1.5), float32 throughout.
+"""Gated delta rule (Gated DeltaNet core, docs/models.md 1.5), float32 throughout.
 
 Per value head, with the state S_t a [dk, dv] matrix, decay g_t <= 0 and write strength beta_t in (0, 1):
 

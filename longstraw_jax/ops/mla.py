@@ -1,4 +1,4 @@
-"""Absorbed multi-head latent attention over DSA-selected positions (MODELS.md 2.6), with a flash-style backward.
+"""Absorbed multi-head latent attention over DSA-selected positions (docs/models.md 2.6), with a flash-style backward.
 
 Keys and values are never expanded per head. Each position holds one row `kv = [c | k_pe]` (the normalised latent
 and the roped rope key, Dk = kv_lora_rank + qk_rope_head_dim); the query is absorbed, `q = [W_UK^T q_nope | q_pe]`,

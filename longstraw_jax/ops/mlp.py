@@ -9,6 +9,6 @@ def linear(x: jax.Array, w: jax.Array, precision=None) -> jax.Array:
 
 
 def swiglu(p: dict, x: jax.Array) -> jax.Array:
-    """down(silu(gate(x)) * up(x)) with p = {gate_proj [I, D], up_proj [I, D], down_proj [D, I]} (MODELS.md 1.8,
+    """down(silu(gate(x)) * up(x)) with p = {gate_proj [I, D], up_proj [I, D], down_proj [D, I]} (docs/models.md 1.8,
     and GLM's dense MLP and shared expert, 2.9)."""
     return linear(jax.nn.silu(linear(x, p["gate_proj"])) * linear(x, p["up_proj"]), p["down_proj"])

@@ -1,4 +1,4 @@
-"""Mixture of experts (MODELS.md 2.9): the sigmoid top-k router and the sort-based grouped expert computation.
+"""Mixture of experts (docs/models.md 2.9): the sigmoid top-k router and the sort-based grouped expert computation.
 
 Routing is discrete: the chosen experts are constants of the computation (as in autograd of transformers' module),
 gradients flow through the chosen experts' weights and outputs. The correction bias only ranks experts.

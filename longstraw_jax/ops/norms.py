@@ -1,4 +1,4 @@
-"""Normalisations used by the models (MODELS.md 1.4 and 2.4).
+"""Normalisations used by the models (docs/models.md 1.4 and 2.4).
 
 Statistics always run in float32; each function states where it casts back to the input dtype, because the
 placement of that cast is what makes bf16 results match transformers.

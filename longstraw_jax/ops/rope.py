@@ -1,5 +1,5 @@
 """Rotary position embeddings: frequency tables (default and YaRN, as transformers' `modeling_rope_utils`) and
-the partial half-split (NeoX) rotation used by Qwen3.5 (MODELS.md 1.7).
+the partial half-split (NeoX) rotation used by Qwen3.5 (docs/models.md 1.7).
 
 Frequencies are computed with numpy from a static `RopeConfig`, so under `jit` they are constants.
 """
@@ -87,7 +87,7 @@ def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Arra
 
 
 def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """GLM / DeepSeek rotation (MODELS.md 2.7) of the first `rotary_dim` channels of x [T, H, width] (any width >=
+    """GLM / DeepSeek rotation (docs/models.md 2.7) of the first `rotary_dim` channels of x [T, H, width] (any width >=
     rotary_dim): pairs (2i, 2i+1) share frequency i, and the result is written in half-split order `[u1' | u2']` (as
     transformers does), followed by the pass-through channels. cos, sin: [T, rotary_dim] in the half-split layout of
     `cos_sin`."""

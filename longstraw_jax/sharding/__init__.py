@@ -1,5 +1,5 @@
 """Sharded execution on a ("data", "seq") device mesh: `make_mesh`, partition rules, sequence-parallel capture and
-replay (ARCHITECTURE.md 5)."""
+replay (docs/architecture.md 5)."""
 from longstraw_jax.sharding import rules
 from longstraw_jax.sharding.layout import SeqLayout, ShardedPromptState
 from longstraw_jax.sharding.mesh import AXES, make_mesh, parse_mesh_spec

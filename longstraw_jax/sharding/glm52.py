@@ -1,4 +1,4 @@
-"""Sequence-parallel capture, sharded replay and exact prompt backward for GLM-5.x (MODELS.md 2) on a
+"""Sequence-parallel capture, sharded replay and exact prompt backward for GLM-5.x (docs/models.md 2) on a
 ("data", "seq") mesh.
 
 The layer code is the model's own (`Glm52.decoder_layers`); only the way a layer reads the prompt changes: a

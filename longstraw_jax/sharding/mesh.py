@@ -1,4 +1,4 @@
-"""Device mesh for sharded execution: axes ("data", "seq") (ARCHITECTURE.md 5).
+"""Device mesh for sharded execution: axes ("data", "seq") (docs/architecture.md 5).
 
 `seq` shards prompt positions and the captured prompt state (context parallelism); parameters and optimizer state
 are sharded over the whole mesh (FSDP), and `data` also runs independent groups side by side.

@@ -1,4 +1,4 @@
-"""Partition rules: where each array lives on the ("data", "seq") mesh (ARCHITECTURE.md 5).
+"""Partition rules: where each array lives on the ("data", "seq") mesh (docs/architecture.md 5).
 
 - Parameters (FSDP): every leaf is split over all devices of the mesh along one of its *own* dimensions. Stacked
   layer leaves `blocks/...` are [num_blocks, per_block, ...]; the stacked axes stay whole, so that the layer scan
