@@ -109,7 +109,8 @@ def test_sparse_latent_attention_matches_masked_dense_attention_and_its_gradient
 
     def dense(q, cache, new):
         rows = jnp.concatenate([cache[layer, :cached], new])  # [S + T, dk]
-        chosen = jnp.zeros((t, cached + t), bool).at[jnp.arange(t)[:, None], jnp.maximum(selected, 0)].max(selected >= 0)
+        chosen = jnp.zeros((t, cached + t), bool).at[jnp.arange(t)[:, None], jnp.maximum(selected, 0)].max(
+            selected >= 0)
         s = jnp.where(chosen[:, None, :], jnp.einsum("thd,sd->ths", q, rows) * scale, -jnp.inf)
         out = jnp.einsum("ths,sd->thd", jax.nn.softmax(s, axis=-1), rows[:, :dv])
         return jnp.sum(out * weights), out
