@@ -20,6 +20,7 @@ run: $(STAMP)
 	$(PY) -m longstraw_jax.run
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 clean:

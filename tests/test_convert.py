@@ -5,11 +5,11 @@ Model types are parametrised over what exists: every layout in ROUND_TRIPS / DRY
 `models.MODEL_TYPES` (GLM-5.2 joins when models/glm52.py registers "glm_moe_dsa" and tests/hf_reference.py
 has `make_glm_checkpoint`).
 """
+import importlib.util
 import json
 import math
 import os
 import pickle
-import importlib.util
 import subprocess
 import sys
 import zlib

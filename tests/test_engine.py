@@ -7,7 +7,9 @@
 - bad input raises before anything is computed;
 - AOT memory: temporaries do not grow with G; exact needs < 1/4 of naive at P = 8K, G = 8.
 
-Compilation dominates on CPU, so each compiled configuration covers several requirements at once:
+Compilation dominates on CPU, so each compiled configuration covers several requirements at once (the cases,
+P = 25 prompt and R = 8 response tokens, their batches and the detached oracle live in tests/helpers.py, shared
+with tests/test_glm52.py):
 
     case  G  masks          chunk_size vs P-1 = 24          KL   old_logprobs         loss_agg
     A     3  ragged         7  (3 full chunks + remainder)  on   given (NaN at pads)  token-mean
@@ -16,77 +18,31 @@ Compilation dominates on CPU, so each compiled configuration covers several requ
 
 B also uses adv_norm="none" and logprob_chunk=3 (log-probs over R = 8 in a scan of 2 chunks plus a tail of 2).
 """
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from longstraw_jax import GroupBatch, GRPOConfig, engine, grpo_grads, models, naive_grpo_grads
-from longstraw_jax.grpo import grpo_loss
-from tests.random_params import o1_params
-
-P, R = 25, 8
-
-CASES = {
-    "A": dict(lengths=[8, 3, 6], rewards=[1.0, 0.0, 0.25], chunk=7, old=True, ref=True,
-              cfg=GRPOConfig(kl_coef=0.1, loss_agg="token-mean")),
-    "B": dict(lengths=[5, 8, 1, 7], rewards=[0.0, 1.0, 1.0, -0.5], chunk=32, old=False, ref=False,
-              cfg=GRPOConfig(kl_coef=0.0, loss_agg="seq-mean-token-mean", adv_norm="none", logprob_chunk=3)),
-    "C": dict(lengths=[6], rewards=[1.0], chunk=8, old=True, ref=True,
-              cfg=GRPOConfig(kl_coef=0.5, loss_agg="seq-mean-token-sum-norm")),
-}
+from tests.helpers import (
+    CASES,
+    assert_metrics_equal,
+    detached_reference,
+    make_batch,
+    o1_params,
+    prompt_only_tokens,
+    rel_err,
+)
 
 grads_fn = jax.jit(grpo_grads, static_argnums=(0, 3, 4, 5))
 naive_fn = jax.jit(naive_grpo_grads, static_argnums=(0, 3))
-
-
-def rel_err(got, want):
-    """sqrt(sum (got - want)^2) / sqrt(sum want^2) over a whole pytree, in float64."""
-    pairs = list(zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-    num = sum(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2) for a, b in pairs)
-    den = sum(np.sum(np.asarray(b, np.float64) ** 2) for _, b in pairs)
-    return float(np.sqrt(num / den))
-
-
-def assert_metrics_equal(got, want):
-    assert sorted(got) == sorted(want)
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 @pytest.fixture(scope="module")
 def model_params():
     model = models.build(models.Qwen36Config.tiny(gdn_chunk_size=16))
     return model, o1_params(model.init(jax.random.key(0)), jax.random.key(1))
-
-
-def response_logprobs(model, params, prompt, responses):
-    """Per-branch log-probs through the public `model.forward` (one compile for all cases: same P + R)."""
-    out = []
-    for response in responses:
-        logits = model.forward(params, np.concatenate([prompt, response]))[P - 1 : P - 1 + R]
-        out.append(np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), response[:, None], 1)[:, 0])
-    return np.stack(out)
-
-
-def prompt_only_tokens(batch):
-    """Token ids that occur in prompt[:-1] but neither in prompt[-1] nor in any response (the replay's inputs and
-    targets)."""
-    replayed = set(np.asarray(batch.responses).ravel().tolist()) | {int(batch.prompt[-1])}
-    return np.array(sorted(set(np.asarray(batch.prompt[:-1]).tolist()) - replayed), np.int64)
-
-
-def make_batch(model, params, lengths, rewards, old, ref, seed):
-    rng = np.random.default_rng(seed)
-    vocab, g = model.config.vocab_size, len(lengths)
-    mask = (np.arange(R)[None, :] < np.array(lengths)[:, None]).astype(np.float32)
-    prompt = rng.integers(0, vocab, P).astype(np.int32)
-    responses = rng.integers(0, vocab, (g, R)).astype(np.int32)
-    logp = response_logprobs(model, params, prompt, responses)  # near-on-policy old/ref: some clipping, not all
-    noisy = lambda scale: (logp + rng.normal(0, scale, logp.shape)).astype(np.float32)
-    old_logprobs = np.where(mask == 1, noisy(0.2), np.nan).astype(np.float32) if old else None  # pads are ignored
-    return GroupBatch(prompt=prompt, responses=responses, mask=mask, rewards=np.array(rewards, np.float32),
-                      old_logprobs=old_logprobs, ref_logprobs=noisy(0.3) if ref else None)
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +62,8 @@ def cases(model_params):
 def test_exact_equals_naive(model_params, cases, name):
     _, params = model_params
     batch, (loss, grads, metrics), (naive_loss, naive_grads, naive_metrics) = cases[name]
-    assert jax.tree.structure(grads) == jax.tree.structure(params)
-    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params)):
-        assert g.shape == p.shape and g.dtype == p.dtype and np.isfinite(g).all()
+    chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)  # and the same tree structure
+    chex.assert_tree_all_finite(grads)
     # embedding rows of tokens that occur only in prompt[:-1] are reached only through the prompt backward
     prompt_only = prompt_only_tokens(batch)
     assert prompt_only.size and np.abs(np.asarray(grads["embed"])[prompt_only]).min() > 0
@@ -141,31 +96,12 @@ def test_equal_rewards_give_zero_advantages_and_zero_grads(model_params, cases):
     assert rel_err(grads, naive_grads) <= 1e-4 and abs(float(loss) - float(naive_loss)) <= 1e-5
 
 
-def _detached_reference(model, params, batch, cfg, chunk_size):
-    """Autograd through `model._extend` (full log_softmax, no scan, no remat), vmapped over branches, from a
-    captured state under stop_gradient."""
-    prompt = jnp.asarray(batch.prompt, jnp.int32)
-    responses = jnp.asarray(batch.responses, jnp.int32)
-    inputs = jnp.concatenate([jnp.broadcast_to(prompt[-1], (responses.shape[0], 1)), responses[:, :-1]], axis=1)
-
-    def loss_fn(params):
-        state = jax.lax.stop_gradient(model._capture(params, prompt[:-1], chunk_size))
-        logits = jax.vmap(lambda t: model._extend(params, state, t))(inputs)  # [G, R, V]
-        logp_all = jax.nn.log_softmax(logits, axis=-1)
-        logp = jnp.take_along_axis(logp_all, responses[..., None], axis=-1)[..., 0]
-        entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-        return grpo_loss(logp, batch, cfg, entropy=jax.lax.stop_gradient(entropy))
-
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    return loss, grads, metrics
-
-
 def test_detached_equals_stop_gradient_autograd_and_differs_from_exact(model_params, cases):
     model, params = model_params
     case = CASES["A"]
     batch, (exact_loss, exact_grads, exact_metrics), _ = cases["A"]
     loss, grads, metrics = grads_fn(model, params, batch, case["cfg"], "detached", case["chunk"])
-    reference = jax.jit(_detached_reference, static_argnums=(0, 3, 4))
+    reference = jax.jit(detached_reference, static_argnums=(0, 3, 4))
     ref_loss, ref_grads, ref_metrics = reference(model, params, batch, case["cfg"], case["chunk"])
 
     err = rel_err(grads, ref_grads)

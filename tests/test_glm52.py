@@ -4,6 +4,7 @@ exact == naive (no gradient into the indexer), detached == stop_gradient autogra
 import json
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,8 +16,15 @@ from longstraw_jax.models.base import capture_chunks
 from longstraw_jax.models.glm52 import Glm52Config
 from longstraw_jax.ops.mla import sparse_latent_attention
 from longstraw_jax.ops.moe import grouped_swiglu, route
-from tests.random_params import o1_params
-from tests.test_engine import CASES, _detached_reference, assert_metrics_equal, make_batch, prompt_only_tokens, rel_err
+from tests.helpers import (
+    CASES,
+    assert_metrics_equal,
+    detached_reference,
+    make_batch,
+    o1_params,
+    prompt_only_tokens,
+    rel_err,
+)
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 T = 75  # > index_topk = 16: the indexer really selects
@@ -101,7 +109,8 @@ def test_sparse_latent_attention_matches_masked_dense_attention_and_its_gradient
 
     def dense(q, cache, new):
         rows = jnp.concatenate([cache[layer, :cached], new])  # [S + T, dk]
-        chosen = jnp.zeros((t, cached + t), bool).at[jnp.arange(t)[:, None], jnp.maximum(selected, 0)].max(selected >= 0)
+        chosen = jnp.zeros((t, cached + t), bool).at[jnp.arange(t)[:, None], jnp.maximum(selected, 0)].max(
+            selected >= 0)
         s = jnp.where(chosen[:, None, :], jnp.einsum("thd,sd->ths", q, rows) * scale, -jnp.inf)
         out = jnp.einsum("ths,sd->thd", jax.nn.softmax(s, axis=-1), rows[:, :dv])
         return jnp.sum(out * weights), out
@@ -109,8 +118,7 @@ def test_sparse_latent_attention_matches_masked_dense_attention_and_its_gradient
     (_, got), got_grads = jax.value_and_grad(ours, argnums=(0, 1, 2), has_aux=True)(q, cache, new)
     (_, want), want_grads = jax.value_and_grad(dense, argnums=(0, 1, 2), has_aux=True)(q, cache, new)
     np.testing.assert_allclose(got, want, atol=1e-5)
-    for g, w in zip(got_grads, want_grads):
-        np.testing.assert_allclose(g, w, atol=1e-5)
+    chex.assert_trees_all_close(got_grads, want_grads, rtol=1e-7, atol=1e-5)  # rtol: numpy's default
     assert np.abs(np.asarray(got_grads[1])[layer, :cached]).max() > 0.01
 
 
@@ -155,8 +163,7 @@ def test_grouped_experts_and_router_match_a_per_expert_loop(grouped, monkeypatch
     probe = jax.random.normal(key[0], (n, d))
     grads = jax.grad(lambda *a: jnp.sum(ours(*a) * probe), argnums=range(5))(*args)
     want = jax.grad(lambda *a: jnp.sum(loop(*a) * probe), argnums=range(5))(*args)
-    for g, w in zip(grads, want):
-        np.testing.assert_allclose(g, w, atol=1e-5)
+    chex.assert_trees_all_close(grads, want, rtol=1e-7, atol=1e-5)  # rtol: numpy's default
     batched = jnp.stack([x, probe])  # vmap over tokens' batches with shared (unbatched) weights
     np.testing.assert_allclose(jax.vmap(ours, in_axes=(0, None, None, None, None))(batched, *args[1:]),
                                jnp.stack([ours(x, *args[1:]), ours(probe, *args[1:])]), atol=1e-5)
@@ -240,7 +247,7 @@ def test_token_and_config_errors(tiny):
     assert Glm52Config.from_hf({**good, "head_dim": 192}) == Glm52Config.tiny()  # overwritten, as transformers
 
 
-# ----- the engine on GLM (oracles and helpers of tests/test_engine.py) ---------------------------------------------
+# ----- the engine on GLM (the cases and oracles of tests/test_engine.py, in tests/helpers.py) --------------------
 
 def assert_only_selection_has_no_gradient(grads):
     """The indexer and the router's correction bias only choose positions / experts: exactly zero gradient (the
@@ -270,7 +277,7 @@ def engine_case(tiny):
 def test_exact_equals_naive(tiny, engine_case):
     _, params, _, _ = tiny
     batch, (loss, grads, metrics), (naive_loss, naive_grads, naive_metrics) = engine_case
-    assert jax.tree.structure(grads) == jax.tree.structure(params)
+    chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)  # and the same tree structure
     prompt_only = prompt_only_tokens(batch)
     assert prompt_only.size and np.abs(np.asarray(grads["embed"])[prompt_only]).min() > 0
     for g in (naive_grads, grads):  # autograd of the full graph, and the engine
@@ -287,7 +294,7 @@ def test_detached_equals_stop_gradient_autograd_and_differs_from_exact(tiny, eng
     case = CASES["A"]
     batch, (exact_loss, exact_grads, exact_metrics), _ = engine_case
     loss, grads, metrics = grads_fn(model, params, batch, case["cfg"], "detached", case["chunk"])
-    ref_loss, ref_grads, ref_metrics = jax.jit(_detached_reference, static_argnums=(0, 3, 4))(
+    ref_loss, ref_grads, ref_metrics = jax.jit(detached_reference, static_argnums=(0, 3, 4))(
         model, params, batch, case["cfg"], case["chunk"])
     err, gap = rel_err(grads, ref_grads), rel_err(grads, exact_grads)
     print(f"GLM detached vs stop_gradient autograd: rel err {err:.2e}; detached vs exact: rel diff {gap:.2e}")

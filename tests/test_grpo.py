@@ -7,8 +7,16 @@ import numpy as np
 import pytest
 
 from longstraw_jax import GroupBatch, GRPOConfig
-from longstraw_jax.grpo import (LOSS_AGGS, branch_loss, finalize_metrics, group_advantages, grpo_loss,
-                                per_token_loss, token_weights, validate_batch)
+from longstraw_jax.grpo import (
+    LOSS_AGGS,
+    branch_loss,
+    finalize_metrics,
+    group_advantages,
+    grpo_loss,
+    per_token_loss,
+    token_weights,
+    validate_batch,
+)
 
 G, R, V = 5, 7, 50
 
@@ -93,7 +101,8 @@ def test_equal_rewards_give_exact_zero_advantages_and_finite_loss(adv_norm):
 
 def test_single_branch_gets_zero_advantage():
     for adv_norm in ("std", "none"):
-        assert np.asarray(group_advantages(np.array([2.5], np.float32), GRPOConfig(adv_norm=adv_norm))).tolist() == [0.0]
+        adv = group_advantages(np.array([2.5], np.float32), GRPOConfig(adv_norm=adv_norm))
+        assert np.asarray(adv).tolist() == [0.0]
 
 
 # ----- aggregation ------------------------------------------------------------------------------------------------

@@ -73,5 +73,6 @@ def test_backward_never_holds_full_logits():
     temp = compiled.memory_analysis().temp_size_in_bytes
     # a handful of [chunk, V] blocks (32 MiB each; 4 seen on CPU); the same graph unchunked needs 4 x [T, V]
     block_bytes = chunk * v * 4
-    message = f"temp {temp / 2**20:.0f} MiB; [chunk, V] = {block_bytes / 2**20:.0f} MiB, [T, V] = {full_logits_bytes / 2**20:.0f} MiB"
+    message = (f"temp {temp / 2**20:.0f} MiB; [chunk, V] = {block_bytes / 2**20:.0f} MiB, "
+               f"[T, V] = {full_logits_bytes / 2**20:.0f} MiB")
     assert temp <= 6 * block_bytes and temp < full_logits_bytes / 2.5, message

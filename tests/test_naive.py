@@ -1,5 +1,6 @@
 """The full-graph GRPO oracle on the tiny Qwen3.6: finite, params-shaped gradients; loss equal to a per-branch loop
 over `model.forward`; gradient consistent with a finite difference of its own loss."""
+import chex
 import jax
 import numpy as np
 import pytest
@@ -34,9 +35,8 @@ def setup():
 def test_finite_loss_and_params_shaped_grads(setup):
     model, params, batch, _, (loss, grads, metrics) = setup
     assert np.isfinite(loss)
-    assert jax.tree.structure(grads) == jax.tree.structure(params)
-    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params)):
-        assert g.shape == p.shape and g.dtype == p.dtype and np.isfinite(g).all()
+    chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)  # and the same tree structure
+    chex.assert_tree_all_finite(grads)
     assert np.abs(grads["lm_head"]).max() > 0 and np.abs(grads["blocks"]["linear"]["in_proj_qkv"]).max() > 0
     assert all(np.isfinite(v) for v in metrics.values())
     np.testing.assert_allclose(metrics["response_len_mean"], batch.mask.sum() / G)

@@ -10,7 +10,7 @@ import pytest
 from longstraw_jax import models
 from longstraw_jax.models.base import capture_chunks
 from longstraw_jax.models.qwen36 import Qwen36Config
-from tests.random_params import o1_params
+from tests.helpers import o1_params
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 

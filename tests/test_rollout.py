@@ -18,7 +18,7 @@ from longstraw_jax import models, rollout
 from longstraw_jax.models.qwen36 import FULL, LINEAR
 from longstraw_jax.naive import response_logprobs
 from longstraw_jax.rollout import SamplingConfig, sample_group, sampling_logits
-from tests.random_params import o1_params
+from tests.helpers import o1_params
 
 P, G, R, CHUNK = 21, 3, 6, 8
 

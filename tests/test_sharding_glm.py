@@ -5,6 +5,9 @@ The prompt (45 positions) divides evenly by no mesh's 2 * seq segments; capture 
 the sharded indexer (per-shard top-k + all_to_all merge) must pick the same positions as one device, or the
 logits would differ.
 """
+import json
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,10 +16,7 @@ import pytest
 from longstraw_jax import GroupBatch, grpo_grads, models, sharding
 from longstraw_jax.models.glm52 import Glm52Config
 from longstraw_jax.sharding import rules
-from tests.random_params import o1_params
-from tests.test_engine import rel_err
-from tests.test_sharding_grpo import CFG, assert_sharded_grads_match
-from tests.test_sharding_sequence import assert_32_device_check_passes
+from tests.helpers import SHARDED_CFG, assert_sharded_grads_match, o1_params, rel_err, run_32_device_check
 
 PROMPT, TOTAL = 45, 56
 
@@ -69,8 +69,7 @@ def test_padding_cannot_leak(tiny):
     b = sharding.capture(model, params, tokens[:PROMPT], mesh, pad_id=7)
     padding = np.setdiff1d(np.arange(a.layout.padded), np.argsort(a.layout.stored_positions())[:PROMPT])
     assert not np.any(np.asarray(a.state.kv)[:, padding])
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(x, y)
+    chex.assert_trees_all_equal(a, b)
 
 
 def _batch(vocab: int, prompt: int = PROMPT + 1, length: int = 7):
@@ -93,9 +92,10 @@ def test_sharded_grpo_grads_equal_one_device(spec, mode):
     assert {s.data.size for s in experts.addressable_shards} == {experts.size // 8}  # FSDP-sharded like params
 
 
-def _check_32_devices():
+def _check_32_devices() -> dict:
     """In a fresh process with 32 CPU devices, 4x8: capture + extend (37 prompt positions: 16 segments of 3, 11
-    padding) and exact grpo_grads (prompt 38, rounds of 24) against one device."""
+    padding) and exact grpo_grads (prompt 38, rounds of 24) against one device; returns the errors (as
+    tests/test_sharding_sequence.py's)."""
     jax.config.update("jax_num_cpu_devices", 32)
     jax.config.update("jax_default_matmul_precision", "highest")
     model, params = _model(num_hidden_layers=2, indexer_types=("full", "shared"), mlp_layer_types=("sparse",) * 2)
@@ -105,17 +105,21 @@ def _check_32_devices():
     placed = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
     sstate = sharding.capture(model, placed, tokens[:37], mesh)
     got = sharding.extend(model, placed, sstate, tokens[37:], mesh)
-    devices = {s.device for s in sstate.state.kv.addressable_shards}
-    print("max_abs_diff", float(jnp.max(jnp.abs(got - reference))), "devices", len(devices))
     batch = _batch(model.config.vocab_size, prompt=38, length=5)
-    loss, grads, _ = grpo_grads(model, params, batch, CFG, "exact", chunk_size=16)
-    got_loss, got_grads, _ = grpo_grads(model, placed, batch, CFG, "exact", chunk_size=24, mesh=mesh)
-    print("grads_rel_err", rel_err(got_grads, grads), "loss_diff", abs(float(got_loss) - float(loss)))
+    loss, grads, _ = grpo_grads(model, params, batch, SHARDED_CFG, "exact", chunk_size=16)
+    got_loss, got_grads, _ = grpo_grads(model, placed, batch, SHARDED_CFG, "exact", chunk_size=24, mesh=mesh)
+    return {"logits_max_abs_diff": float(jnp.max(jnp.abs(got - reference))),
+            "cache_devices": len({s.device for s in sstate.state.kv.addressable_shards}),
+            "grads_rel_err": rel_err(got_grads, grads), "loss_diff": abs(float(got_loss) - float(loss))}
 
 
 def test_capture_extend_and_grads_equal_one_device_on_32_devices():
-    assert_32_device_check_passes("tests.test_sharding_glm")
+    result = run_32_device_check("tests.test_sharding_glm")
+    assert result["cache_devices"] == 32, result
+    assert result["logits_max_abs_diff"] <= 1e-4, result
+    assert result["grads_rel_err"] <= 1e-4, result
+    assert result["loss_diff"] <= 1e-5, result
 
 
 if __name__ == "__main__":
-    _check_32_devices()
+    print(json.dumps(_check_32_devices()))

@@ -3,10 +3,9 @@
 Prompt lengths do not divide by the 2 * seq segments; padding must not leak (results do not depend on the pad id,
 padding slots of the cache are zero). A 4x8 mesh (32 devices) runs in a subprocess.
 """
-import os
-import subprocess
-import sys
+import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +15,7 @@ from longstraw_jax import models, sharding
 from longstraw_jax.models.qwen36 import Qwen36Config
 from longstraw_jax.sharding import SeqLayout, rules
 from longstraw_jax.sharding.layout import RoundLayout
-from tests.random_params import o1_params
+from tests.helpers import o1_params, rel_err, run_32_device_check
 
 PROMPT, TOTAL = 45, 56  # 45 = 2 * 8 segments of 3 with 3 padding positions (2x4: 8 segments of 6, 3 padding)
 
@@ -107,10 +106,11 @@ def test_row_blocks_change_nothing(tiny, monkeypatch):
         fn.clear_cache()
 
 
-def _check_32_devices():
+def _check_32_devices() -> dict:
     """Run in a fresh process with 32 CPU devices: 4x8 mesh, a one-block model (LLLF), 37 prompt positions (16
-    segments of 3, 11 padding). Prints the largest logit difference from one device, then the relative error of
-    the exact-mode `grpo_grads` (prompt 38, two ragged branches of the 6 remaining tokens, KL on)."""
+    segments of 3, 11 padding). Returns the largest logit difference from one device, the number of devices holding
+    the cache, and the relative gradient error and loss difference of the exact-mode `grpo_grads` (prompt 38, two
+    ragged branches of the 6 remaining tokens, KL on)."""
     jax.config.update("jax_num_cpu_devices", 32)
     jax.config.update("jax_default_matmul_precision", "highest")
     model = models.build(Qwen36Config.tiny(num_hidden_layers=4, layer_types=Qwen36Config.tiny().layer_types[:4]))
@@ -121,11 +121,8 @@ def _check_32_devices():
     params = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
     sstate = sharding.capture(model, params, tokens[:37], mesh, attention="ring")
     got = sharding.extend(model, params, sstate, tokens[37:], mesh)
-    print("max_abs_diff", float(jnp.max(jnp.abs(got - reference))), "devices", len({d for s in
-          sstate.state.keys.addressable_shards for d in [s.device]}))
 
     from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads
-    from tests.test_engine import rel_err
 
     mask = np.array([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], np.float32)
     batch = GroupBatch(prompt=tokens[:38], responses=jnp.stack([tokens[38:], tokens[38:][::-1]]), mask=mask,
@@ -134,26 +131,18 @@ def _check_32_devices():
     single = jax.device_put(jax.tree.map(np.asarray, params), jax.devices()[0])
     loss, grads, _ = grpo_grads(model, single, batch, cfg, "exact", chunk_size=16)
     got_loss, got_grads, _ = grpo_grads(model, params, batch, cfg, "exact", mesh=mesh)
-    print("grads_rel_err", rel_err(got_grads, grads), "loss_diff", abs(float(got_loss) - float(loss)))
+    return {"logits_max_abs_diff": float(jnp.max(jnp.abs(got - reference))),
+            "cache_devices": len({s.device for s in sstate.state.keys.addressable_shards}),
+            "grads_rel_err": rel_err(got_grads, grads), "loss_diff": abs(float(got_loss) - float(loss))}
 
 
 def test_sharded_capture_extend_and_grads_equal_one_device_on_32_devices():
     """4x8 needs 32 devices, more than this session's 8: a subprocess (small model, one jitted shape each)."""
-    assert_32_device_check_passes("tests.test_sharding_sequence")
-
-
-def assert_32_device_check_passes(module: str):
-    """Run `python -m module` (its `_check_32_devices`) and check the printed logit difference, device count,
-    gradient relative error and loss difference."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, "-m", module], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = [ln for ln in run.stdout.splitlines() if ln.startswith("max_abs_diff")][-1].split()
-    assert float(line[1]) <= 1e-4 and int(line[3]) == 32, line
-    line = [ln for ln in run.stdout.splitlines() if ln.startswith("grads_rel_err")][-1].split()
-    assert float(line[1]) <= 1e-4 and float(line[3]) <= 1e-5, line
+    result = run_32_device_check("tests.test_sharding_sequence")
+    assert result["cache_devices"] == 32, result
+    assert result["logits_max_abs_diff"] <= 1e-4, result
+    assert result["grads_rel_err"] <= 1e-4, result
+    assert result["loss_diff"] <= 1e-5, result
 
 
 def test_padding_cannot_leak(tiny):
@@ -162,9 +151,8 @@ def test_padding_cannot_leak(tiny):
     mesh = sharding.make_mesh("1x8")
     a = sharding.capture(model, params, tokens[:PROMPT], mesh, attention="allgather", pad_id=0)
     b = sharding.capture(model, params, tokens[:PROMPT], mesh, attention="allgather", pad_id=7)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(x, y)
+    chex.assert_trees_all_equal(a, b)
 
 
 if __name__ == "__main__":
-    _check_32_devices()
+    print(json.dumps(_check_32_devices()))

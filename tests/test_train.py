@@ -4,13 +4,14 @@ host before anything runs; a non-finite gradient skips the update, leaving param
 The step under test is the public `train_step`, jitted from outside with its static arguments (which also shows it
 is jittable).
 """
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from longstraw_jax import GroupBatch, GRPOConfig, make_optimizer, models, train, train_step
-from tests.random_params import o1_params
+from tests.helpers import o1_params
 
 P, G, R, CHUNK = 25, 3, 8, 8
 CFG = GRPOConfig(loss_agg="token-mean")
@@ -63,8 +64,8 @@ def test_loss_decreases_on_a_fixed_batch(setup):
     params0, state0 = trajectory[0]
     params1, state1 = trajectory[1]
     assert bits(params1) != bits(params0) and int(state1[1][0].count) == 1
-    for x, p in zip(jax.tree.leaves(params1), jax.tree.leaves(params0)):
-        assert x.dtype == p.dtype and x.shape == p.shape and np.isfinite(x).all()
+    chex.assert_trees_all_equal_shapes_and_dtypes(params1, params0)  # and the same tree structure
+    chex.assert_tree_all_finite(params1)
 
 
 @pytest.mark.parametrize("where, value", [(("blocks", "full", "o_proj"), np.nan), (("lm_head",), np.inf)])

@@ -39,7 +39,8 @@ def main():
     tokens = jax.random.randint(jax.random.key(1), (args.prompt,), 0, model.config.vocab_size, dtype=jnp.int32)
     layout = api.round_layout(model, args.prompt, seq, None)
     stored = layout.to_stored(tokens)
-    print(f"mesh {args.mesh}, prompt {args.prompt}, hidden {args.hidden}, kv heads {args.kv_heads} x {args.head_dim}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    print(f"mesh {args.mesh}, prompt {args.prompt}, hidden {args.hidden}, kv heads {args.kv_heads} x {args.head_dim}, "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"{'method':10s} {'median s':>9s} {'min s':>7s} {'temp MiB/device':>16s}")
     for method in sequence.ATTENTION_METHODS:
         compiled = api._capture.lower(model, params, stored, mesh, layout, method).compile()

@@ -23,9 +23,9 @@ length in [R/2, R]), uniform rewards, old_logprobs = ref_logprobs = None (on-pol
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
-import hashlib
 import resource
 import shutil
 import statistics
@@ -129,10 +129,9 @@ def child_main(spec_json: str) -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    import longstraw_jax
     from longstraw_jax import GRPOConfig, models
     from longstraw_jax.grpo import validate_batch
-
-    import longstraw_jax
 
     lib_file = longstraw_jax.__file__
     lib_digest = source_digest(os.path.dirname(lib_file))
@@ -383,8 +382,9 @@ def header(args, geo) -> str:
     import longstraw_jax
 
     where = f"snapshot {source_digest(os.path.dirname(longstraw_jax.__file__))}" if args.snapshot_dir else "live tree"
-    return (f"longstraw_jax {_git_rev()} ({where}) | jax {geo['jax']} | backend {geo['backend']} ({geo['device']}, {geo['n_devices']} device(s), "
-            f"{os.cpu_count()} CPUs) | model [{label}]: {geo['model']} | dtype {args.dtype} | "
+    return (f"longstraw_jax {_git_rev()} ({where}) | jax {geo['jax']} | "
+            f"backend {geo['backend']} ({geo['device']}, {geo['n_devices']} device(s), {os.cpu_count()} CPUs) | "
+            f"model [{label}]: {geo['model']} | dtype {args.dtype} | "
             f"prompt state {geo['kv_per_token']:.0f} B/token KV + {fmt_bytes(geo['carried'])} GDN")
 
 
@@ -444,7 +444,8 @@ def table_modes(args, geo) -> tuple[Table, list[dict]]:
                    "run ΔRSS = run peak - RSS just before the warm-up call (≈ what the step itself allocates).")
     t.notes.append(f"prompt state {fmt_bytes(kv + carried)} (KV {fmt_bytes(kv)}); exact mode adds its fp32 "
                    f"cotangent {fmt_bytes(kv32 + carried32)} and chunk boundaries "
-                   f"{fmt_bytes(boundary_bytes(geo, args.prompt_len, args.chunk))}; params {fmt_bytes(geo['param_bytes'])}.")
+                   f"{fmt_bytes(boundary_bytes(geo, args.prompt_len, args.chunk))}; "
+                   f"params {fmt_bytes(geo['param_bytes'])}.")
     if "exact" in results and "detached" in results:
         d = results["exact"]["temp"] - results["detached"]["temp"]
         t.notes.append(f"exact temp - detached temp = {fmt_bytes(d)}.")
@@ -453,7 +454,8 @@ def table_modes(args, geo) -> tuple[Table, list[dict]]:
         t.notes.append("step times (s): " + "; ".join(f"{m}: " + ", ".join(f"{x:.3f}" for x in v)
                                                         for m, v in times.items()))
     if "naive" in results and "exact" in results and "loss" in results["naive"] and "loss" in results["exact"]:
-        t.notes.append("exact and naive should agree on loss and grad norm (same batch); detached differs in grad norm.")
+        t.notes.append("exact and naive should agree on loss and grad norm (same batch); "
+                       "detached differs in grad norm.")
     return t, list(results.values())
 
 
@@ -513,7 +515,8 @@ def run_sweep(args, geo) -> tuple[list[Table], list[dict]]:
                   ["P", "G", "exact temp", "detached temp", "difference", "fp32 cotangent", "boundaries",
                    "difference - cot - bnd"])
         for p in ps:
-            both = [g for g in gs if cell("exact", p, g, "temp") is not None and cell("detached", p, g, "temp") is not None]
+            both = [g for g in gs
+                    if cell("exact", p, g, "temp") is not None and cell("detached", p, g, "temp") is not None]
             if not both:
                 continue
             g = both[-1]

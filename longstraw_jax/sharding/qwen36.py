@@ -101,7 +101,7 @@ class RoundReader(NamedTuple):
         rows, or the carried tail before the round); the new tail is read from the shard holding the round's end."""
         layout, km1 = self.layout, weight.shape[-1] - 1
         seg, tail_in = layout.segment, self.carry[0][self.b, j]
-        mixed = rearrange(mixed, "(a t) c -> a t c", s=2)  # [2 segments, L, conv_dim]
+        mixed = rearrange(mixed, "(a t) c -> a t c", a=2)  # [2 segments, L, conv_dim]
         halo = sequence.previous_rows(mixed[:, seg - km1 :], tail_in.astype(mixed.dtype), layout)
         out = jax.vmap(lambda m, t: causal_depthwise_conv(m, weight, t)[0])(mixed, halo)
         last = (layout.length - 1) // seg  # the natural segment holding the round's last real position
@@ -120,7 +120,7 @@ class RoundReader(NamedTuple):
         v_aug = jnp.concatenate([v.astype(f32), jnp.zeros(v.shape[:-1] + (dk,), f32)], axis=-1)
         s_aug = jnp.concatenate([jnp.zeros((hv, dk, dv), f32), jnp.broadcast_to(jnp.eye(dk, dtype=f32), (hv, dk, dk))],
                                 axis=-1)
-        per_segment = lambda a: rearrange(a, "(a t) ... -> a t ...", s=2)
+        per_segment = lambda a: rearrange(a, "(a t) ... -> a t ...", a=2)
         # a Python loop, not vmap: a vmapped chunked rule (batched triangular solves) deadlocked XLA:CPU collectives
         runs = [core(*(a[h] for a in map(per_segment, (q, k, v_aug, g, beta))), s_aug) for h in (0, 1)]
         o_aug, end = (jnp.stack(x) for x in zip(*runs))
@@ -132,7 +132,7 @@ class RoundReader(NamedTuple):
     def attend(self, q, k, v, j, *, scale, block_size):
         """Causal attention within the round across shards, merged with attention over earlier rounds' cache."""
         layout, rounds = self.layout, self.rounds
-        per_segment = lambda a: rearrange(a, "(a t) ... -> a t ...", s=2)
+        per_segment = lambda a: rearrange(a, "(a t) ... -> a t ...", a=2)
         common = dict(scale=scale, block_size=block_size)
         att = sequence.causal_attention(per_segment(q), per_segment(k), per_segment(v), self.within, layout,
                                         method=self.method, **common)
@@ -273,7 +273,7 @@ class ReplayReader(NamedTuple):
         if rounds.full:
             parts.append(attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=False, kv_length=earlier,
                                          kv_index=index, **common))
-        split = lambda cache: rearrange(cache[..., earlier:, :, :], "... (a t) h d -> ... a t h d", s=2)
+        split = lambda cache: rearrange(cache[..., earlier:, :, :], "... (a t) h d -> ... a t h d", a=2)
         visible = jnp.clip(last.length - sequence.local_segments(last) * last.segment, 0, last.segment)
         parts += [attn_ops.attend(q, split(state.keys), split(state.values), k_offset=0, causal=False,
                                   kv_length=visible[h], kv_index=index + (h,), **common) for h in (0, 1)]

@@ -1,0 +1,140 @@
+"""What several test modules share (no test module imports another): O(1)-scale random parameters, the pytree
+relative error, the engine's test cases and oracles (tests/test_engine.py, reused on GLM by tests/test_glm52.py),
+the sharded-vs-one-device gradient check, and the 32-device subprocess runner.
+
+The transformers oracles live apart, in tests/hf_reference.py and tests/glm_reference.py: they import torch.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, sharding
+from longstraw_jax.grpo import grpo_loss
+from longstraw_jax.sharding import rules
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def o1_params(params, key):
+    """Random parameters at O(1) scale (the models' default init, small matrices and identity norms, hides bugs):
+    every leaf re-drawn, matrices ~ N(0, 1/fan_in), vectors (norms, biases, decays) ~ N(0, 0.3^2)."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    out = [jax.random.normal(k, x.shape) * (x.shape[-1] ** -0.5 if x.ndim >= 2 and x.shape[-1] > 4 else 0.3)
+           for k, x in zip(keys, leaves)]
+    return jax.tree.unflatten(tree, out)
+
+
+def rel_err(got, want):
+    """sqrt(sum (got - want)^2) / sqrt(sum want^2) over a whole pytree, in float64."""
+    pairs = list(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
+    num = sum(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2) for a, b in pairs)
+    den = sum(np.sum(np.asarray(b, np.float64) ** 2) for _, b in pairs)
+    return float(np.sqrt(num / den))
+
+
+def assert_metrics_equal(got, want):
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+# ----- the engine's cases (tests/test_engine.py's docstring has the table) -----------------------------------------
+
+P, R = 25, 8  # prompt and response length of every case
+
+CASES = {
+    "A": dict(lengths=[8, 3, 6], rewards=[1.0, 0.0, 0.25], chunk=7, old=True, ref=True,
+              cfg=GRPOConfig(kl_coef=0.1, loss_agg="token-mean")),
+    "B": dict(lengths=[5, 8, 1, 7], rewards=[0.0, 1.0, 1.0, -0.5], chunk=32, old=False, ref=False,
+              cfg=GRPOConfig(kl_coef=0.0, loss_agg="seq-mean-token-mean", adv_norm="none", logprob_chunk=3)),
+    "C": dict(lengths=[6], rewards=[1.0], chunk=8, old=True, ref=True,
+              cfg=GRPOConfig(kl_coef=0.5, loss_agg="seq-mean-token-sum-norm")),
+}
+
+
+def response_logprobs(model, params, prompt, responses):
+    """Per-branch log-probs through the public `model.forward` (one compile for all cases: same P + R)."""
+    out = []
+    for response in responses:
+        logits = model.forward(params, np.concatenate([prompt, response]))[P - 1 : P - 1 + R]
+        out.append(np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), response[:, None], 1)[:, 0])
+    return np.stack(out)
+
+
+def prompt_only_tokens(batch):
+    """Token ids that occur in prompt[:-1] but neither in prompt[-1] nor in any response (the replay's inputs and
+    targets)."""
+    replayed = set(np.asarray(batch.responses).ravel().tolist()) | {int(batch.prompt[-1])}
+    return np.array(sorted(set(np.asarray(batch.prompt[:-1]).tolist()) - replayed), np.int64)
+
+
+def make_batch(model, params, lengths, rewards, old, ref, seed):
+    """A case's batch: random prompt (P) and responses (R), masks of the given lengths, old / ref log-probs near the
+    model's own (some clipping, not all); old log-probs are NaN on padding (which must be ignored)."""
+    rng = np.random.default_rng(seed)
+    vocab, g = model.config.vocab_size, len(lengths)
+    mask = (np.arange(R)[None, :] < np.array(lengths)[:, None]).astype(np.float32)
+    prompt = rng.integers(0, vocab, P).astype(np.int32)
+    responses = rng.integers(0, vocab, (g, R)).astype(np.int32)
+    logp = response_logprobs(model, params, prompt, responses)
+    noisy = lambda scale: (logp + rng.normal(0, scale, logp.shape)).astype(np.float32)
+    old_logprobs = np.where(mask == 1, noisy(0.2), np.nan).astype(np.float32) if old else None
+    return GroupBatch(prompt=prompt, responses=responses, mask=mask, rewards=np.array(rewards, np.float32),
+                      old_logprobs=old_logprobs, ref_logprobs=noisy(0.3) if ref else None)
+
+
+def detached_reference(model, params, batch, cfg, chunk_size):
+    """The detached mode's oracle: autograd through `model._extend` (full log_softmax, no scan, no remat), vmapped
+    over branches, from a captured state under stop_gradient."""
+    prompt = jnp.asarray(batch.prompt, jnp.int32)
+    responses = jnp.asarray(batch.responses, jnp.int32)
+    inputs = jnp.concatenate([jnp.broadcast_to(prompt[-1], (responses.shape[0], 1)), responses[:, :-1]], axis=1)
+
+    def loss_fn(params):
+        state = jax.lax.stop_gradient(model._capture(params, prompt[:-1], chunk_size))
+        logits = jax.vmap(lambda t: model._extend(params, state, t))(inputs)  # [G, R, V]
+        logp_all = jax.nn.log_softmax(logits, axis=-1)
+        logp = jnp.take_along_axis(logp_all, responses[..., None], axis=-1)[..., 0]
+        entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+        return grpo_loss(logp, batch, cfg, entropy=jax.lax.stop_gradient(entropy))
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return loss, grads, metrics
+
+
+# ----- sharded == one device ----------------------------------------------------------------------------------------
+
+SHARDED_CFG = GRPOConfig(kl_coef=0.1)
+
+
+def assert_sharded_grads_match(model, params, batch, spec: str, mode: str, chunk_size: int = 16):
+    """grpo_grads (SHARDED_CFG) on the mesh == on one device (loss, relative gradient error <= 1e-4, metrics);
+    returns (the sharded grads, the parameter specs)."""
+    loss, grads, metrics = grpo_grads(model, params, batch, SHARDED_CFG, mode, chunk_size=chunk_size)
+    mesh = sharding.make_mesh(spec)
+    specs = rules.param_specs(params, mesh)
+    placed = jax.device_put(params, rules.named(specs, mesh))
+    got_loss, got_grads, got_metrics = grpo_grads(model, placed, batch, SHARDED_CFG, mode, chunk_size=chunk_size,
+                                                  mesh=mesh)
+    assert abs(float(got_loss) - float(loss)) <= 1e-5
+    assert rel_err(got_grads, grads) <= 1e-4
+    assert_metrics_equal(got_metrics, metrics)
+    return got_grads, specs
+
+
+def run_32_device_check(module: str) -> dict:
+    """Run `python -m module` in a fresh process (32 simulated CPU devices need a fresh JAX; this session has 8):
+    the module's `__main__` prints one JSON object, the last line of its stdout, which is returned parsed."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines, f"{module} printed nothing; stderr: {run.stderr[-3000:]}"
+    return json.loads(lines[-1])
