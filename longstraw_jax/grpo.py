@@ -210,7 +210,8 @@ def per_token_loss(logp: jax.Array, old_logp: jax.Array | None, ref_logp: jax.Ar
     ratio = jnp.exp(logp - old)
     surrogate = jnp.minimum(ratio * advantage,
                             jnp.clip(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * advantage)
-    clipped = ((ratio > 1.0 + cfg.clip_eps_high) & (advantage > 0)) | ((ratio < 1.0 - cfg.clip_eps_low) & (advantage < 0))
+    clipped = (((ratio > 1.0 + cfg.clip_eps_high) & (advantage > 0))
+               | ((ratio < 1.0 - cfg.clip_eps_low) & (advantage < 0)))
     loss = -surrogate
     if ref_logp is None:
         kl = jnp.zeros_like(logp)

@@ -28,8 +28,8 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
     branch's graph is ever live (the replay is recomputed per branch; nothing is stored across steps).
 
     branch_grads(params, state, tokens, head, grads, acc) -> (loss, aux, grads, acc) does one branch and adds its
-    parameter gradient into `grads` (default `model.branch_grads`; the sharded engine passes the family's own). like_params /
-    like_state place the float32 accumulators (a sharding constraint on a mesh).
+    parameter gradient into `grads` (default `model.branch_grads`; the sharded engine passes the family's own).
+    like_params / like_state place the float32 accumulators (a sharding constraint on a mesh).
 
     Returns (loss, param grads (float32), state cotangent summed over branches (float32; None unless
     with_state_grad), metric sums).

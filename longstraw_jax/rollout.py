@@ -56,7 +56,8 @@ class SamplingConfig:
         errors = []
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
             errors.append(f"max_new_tokens={self.max_new_tokens!r} must be a positive int")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
+        temperature = self.temperature
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
             errors.append(f"temperature={self.temperature!r} must be a finite number > 0")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             errors.append(f"top_p={self.top_p!r} must be in (0, 1]")

@@ -25,5 +25,6 @@ def check_tokens(tokens, vocab_size: int, name: str = "tokens") -> jax.Array:
         low, high = int(host.min()), int(host.max())
         if low < 0 or high >= vocab_size:
             bad = int(np.argmax((host < 0) | (host >= vocab_size)))
-            raise ValueError(f"{name}[{bad}] = {int(host[bad])} is out of range: ids must be in [0, vocab_size={vocab_size})")
+            raise ValueError(f"{name}[{bad}] = {int(host[bad])} is out of range: ids must be in "
+                             f"[0, vocab_size={vocab_size})")
     return jax.numpy.asarray(tokens, dtype=np.int32)

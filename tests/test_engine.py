@@ -1,4 +1,4 @@
-"""The capture -> replay -> prompt-backward engine against its oracles (ARCHITECTURE.md 2), on the tiny Qwen3.6.
+"""The capture -> replay -> prompt-backward engine against its oracles (docs/architecture.md 2), on the tiny Qwen3.6.
 
 - exact == naive_grpo_grads (one graph over G copies of prompt + response): loss, gradient pytree, metrics;
 - detached == autograd through `extend` on a stop_gradient-ed captured state (vmapped over branches), and

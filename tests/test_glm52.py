@@ -202,10 +202,10 @@ def test_real_config_parameter_count_and_state_size():
     model = models.build(cfg)
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
-    assert abs(count - 743.4e9) <= 0.1e9, count  # MODELS.md 2.2: 743.4 B without the MTP layer
+    assert abs(count - 743.4e9) <= 0.1e9, count  # docs/models.md 2.2: 743.4 B without the MTP layer
     assert model.hf_skipped_prefixes == ("model.layers.78.",)
     per_token = jax.eval_shape(lambda: model.init_state(1, jnp.bfloat16)).nbytes()
-    assert per_token == (78 * 576 + 21 * 128) * 2  # ARCHITECTURE.md 6: ~95 KB per token in bf16
+    assert per_token == (78 * 576 + 21 * 128) * 2  # docs/architecture.md 6: ~95 KB per token in bf16
     # derived like transformers when indexer_types / mlp_layer_types are absent
     with open(os.path.join(CONFIGS, "glm-5.2.json")) as f:
         raw = json.load(f)

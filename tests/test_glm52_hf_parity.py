@@ -28,7 +28,7 @@ VARIANTS = {
     "glm52_indexshare": (1, dict(num_hidden_layers=6, index_topk_freq=2, index_skip_topk_offset=3,
                                  first_k_dense_replace=2, n_group=2, topk_group=1, num_experts_per_tok=3)),
 }
-TOL = 1e-4  # MODELS.md 4: GLM float32 parity ~1e-5
+TOL = 1e-4  # docs/models.md 4: GLM float32 parity ~1e-5
 LENGTH, TOPK = 80, 16
 
 

@@ -17,7 +17,7 @@ VARIANTS = {
     "yarn": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                   "factor": 4.0, "original_max_position_embeddings": 32}),
 }
-TOL = 1e-3  # MODELS.md section 4: fp32 round-off in the GDN core, amplified by the gated norm
+TOL = 1e-3  # docs/models.md 4: fp32 round-off in the GDN core, amplified by the gated norm
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

@@ -152,7 +152,8 @@ def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys
          r"ids.jsonl:1: 'prompt'\[1\] = 999 is out of range"),
         (["--group-size", "0"], "--group-size=0 must be >= 1"),
         (["--rollouts", write(tmp_path / "empty.jsonl", json.dumps(good_group) + "\n"
-                              + json.dumps(dict(good_group, responses=[[]])))], r"empty.jsonl:2: 'responses\[0\]' is empty"),
+                              + json.dumps(dict(good_group, responses=[[]])))],
+         r"empty.jsonl:2: 'responses\[0\]' is empty"),
         (["--rollouts", write(tmp_path / "nan.jsonl", '{"prompt": [1, 2], "responses": [[3]], "rewards": [NaN]}')],
          r"nan.jsonl:1: 'rewards'\[0\] = nan"),
         (["--mesh", "2"], "--mesh='2' must look like AxB"),

@@ -8,16 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-<<<<<<< HEAD
-from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, sharding
-from longstraw_jax.models.base import CausalLM
-from longstraw_jax.sharding import rules
-from tests.random_params import o1_params
-from tests.test_engine import assert_metrics_equal, rel_err
-=======
 from longstraw_jax import GroupBatch, grpo_grads, models, sharding
+from longstraw_jax.models.base import CausalLM
 from tests.helpers import SHARDED_CFG, assert_sharded_grads_match, o1_params
->>>>>>> tests-tidy
 
 P, R = 46, 7
 
@@ -55,10 +48,5 @@ def test_unsupported_model_is_refused_by_name():
 
     batch = GroupBatch(prompt=np.zeros(8, np.int32), responses=np.zeros((1, 2), np.int32),
                        mask=np.ones((1, 2), np.float32), rewards=np.zeros(1, np.float32))
-<<<<<<< HEAD
     with pytest.raises(NotImplementedError, match="Other has no sequence-parallel path"):
-        grpo_grads(Other(), None, batch, CFG, "exact", mesh=sharding.make_mesh("1x8"))
-=======
-    with pytest.raises(NotImplementedError, match="Qwen3.6 and GLM-5.x, not Other"):
         grpo_grads(Other(), None, batch, SHARDED_CFG, "exact", mesh=sharding.make_mesh("1x8"))
->>>>>>> tests-tidy

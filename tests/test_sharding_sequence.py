@@ -87,8 +87,7 @@ def test_row_blocks_change_nothing(tiny, monkeypatch):
     """Position-wise work (and the earlier-rounds attention of the gathered queries) in blocks of 7 rows (ROWS is
     4096; 2x4 holds 12 positions per device): same state and logits as one device; `_by_rows` pads a ragged last
     block and returns pytrees."""
-    from longstraw_jax.sharding import api
-    from longstraw_jax.sharding import qwen36 as sharded_qwen36
+    from longstraw_jax.sharding import api, qwen36 as sharded_qwen36
 
     x = jnp.arange(30.0).reshape(10, 3)
     out = sharded_qwen36._by_rows(lambda a, b: {"s": a * 2 + b[:, :1]}, x, x + 1, rows=4)

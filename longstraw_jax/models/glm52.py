@@ -355,9 +355,11 @@ _HF_LAYER_NAMES = {
     "attn/kv_a_norm": "self_attn.kv_a_layernorm.weight", "attn/kv_b_proj": "self_attn.kv_b_proj.weight",
     "attn/o_proj": "self_attn.o_proj.weight",
     "attn/indexer/wq_b": "self_attn.indexer.wq_b.weight", "attn/indexer/wk": "self_attn.indexer.wk.weight",
-    "attn/indexer/k_norm": "self_attn.indexer.k_norm.weight", "attn/indexer/k_norm_bias": "self_attn.indexer.k_norm.bias",
+    "attn/indexer/k_norm": "self_attn.indexer.k_norm.weight",
+    "attn/indexer/k_norm_bias": "self_attn.indexer.k_norm.bias",
     "attn/indexer/weights_proj": "self_attn.indexer.weights_proj.weight",
-    "mlp/gate_proj": "mlp.gate_proj.weight", "mlp/up_proj": "mlp.up_proj.weight", "mlp/down_proj": "mlp.down_proj.weight",
+    "mlp/gate_proj": "mlp.gate_proj.weight", "mlp/up_proj": "mlp.up_proj.weight",
+    "mlp/down_proj": "mlp.down_proj.weight",
     "mlp/router": "mlp.gate.weight", "mlp/router_bias": "mlp.gate.e_score_correction_bias",
     "mlp/experts_gate": "mlp.experts.{e}.gate_proj.weight", "mlp/experts_up": "mlp.experts.{e}.up_proj.weight",
     "mlp/experts_down": "mlp.experts.{e}.down_proj.weight",
@@ -373,7 +375,7 @@ _HF_TOP_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm
 
 
 def _rope_tables(c: Glm52Config, positions: jax.Array, dtype):
-    """cos, sin [T, qk_rope_head_dim] (default RoPE over the rope slice; docs/models.md 2.7), cast to the model dtype."""
+    """cos, sin [T, qk_rope_head_dim] (default RoPE over the rope slice; docs/models.md 2.7), in the model dtype."""
     inv_freq, scaling = inverse_frequencies(RopeConfig(theta=c.rope_theta), c.qk_rope_head_dim,
                                             c.max_position_embeddings)
     return cos_sin(positions, inv_freq, scaling, dtype)
@@ -549,7 +551,8 @@ class Glm52(CausalLM):
 
         def make(shape, kind):
             if kind == "normal":
-                return (0.02 * jax.random.normal(jax.random.fold_in(key, next(counter)), shape, jnp.float32)).astype(dtype)
+                sample = jax.random.normal(jax.random.fold_in(key, next(counter)), shape, jnp.float32)
+                return (0.02 * sample).astype(dtype)
             return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
 
         layers = {}
@@ -644,7 +647,8 @@ class Glm52(CausalLM):
     def write_entries(self, state: GlmState, entries: dict, start) -> GlmState:
         """Rows are written at positions start.. (in place)."""
         write = lambda cache, new: jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, start, 0))
-        return state.replace(kv=write(state.kv, entries["kv"]), index_keys=write(state.index_keys, entries["index_keys"]))
+        return state.replace(kv=write(state.kv, entries["kv"]),
+                             index_keys=write(state.index_keys, entries["index_keys"]))
 
     def read_entries(self, state: GlmState, start, size: int) -> dict:
         """The transpose of `write_entries`: the rows of positions start..start+size-1 (used on cotangents)."""

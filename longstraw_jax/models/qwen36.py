@@ -47,7 +47,8 @@ _HF_KEYS_IGNORED = frozenset(
     partial_rotary_factor max_position_embeddings base_config_key chunk_size_feed_forward problem_type
     id2label label2id tokenizer_class prefix sep_token_id decoder_start_token_id task_specific_params
     finetuning_task add_cross_attention cross_attention_hidden_size tie_encoder_decoder pruned_heads
-    torchscript use_bfloat16 name_or_path _name_or_path _attn_implementation_autoset hidden_act attention_bias""".split()
+    torchscript use_bfloat16 name_or_path _name_or_path _attn_implementation_autoset hidden_act
+    attention_bias""".split()
 )
 
 
@@ -82,7 +83,8 @@ class Qwen36Config:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         errors = []
         if len(self.layer_types) != self.num_hidden_layers:
-            errors.append(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}")
+            errors.append(f"layer_types has {len(self.layer_types)} entries but "
+                          f"num_hidden_layers={self.num_hidden_layers}")
         unknown = sorted(set(self.layer_types) - {LINEAR, FULL})
         if unknown:
             errors.append(f"layer_types contains {unknown}; allowed: {LINEAR!r}, {FULL!r}")
@@ -233,7 +235,8 @@ class Qwen36Config:
         rope: dict[str, Any] = {"rope_type": self.rope.rope_type, "rope_theta": self.rope.theta,
                                 "partial_rotary_factor": self.partial_rotary_factor}
         if self.rope.rope_type == "yarn":
-            rope.update(factor=self.rope.factor, original_max_position_embeddings=self.rope.original_max_position_embeddings,
+            rope.update(factor=self.rope.factor,
+                        original_max_position_embeddings=self.rope.original_max_position_embeddings,
                         beta_fast=self.rope.beta_fast, beta_slow=self.rope.beta_slow, truncate=self.rope.truncate)
             for key in ("attention_factor", "mscale", "mscale_all_dim"):
                 if getattr(self.rope, key) is not None:
@@ -669,7 +672,8 @@ class Qwen36(CausalLM):
         if entries["full"] is not None:
             write = lambda cache, new: jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), start,
                                                                                cache.ndim - 3)
-            state = state.replace(keys=write(state.keys, entries["full"][0]), values=write(state.values, entries["full"][1]))
+            keys, values = entries["full"]
+            state = state.replace(keys=write(state.keys, keys), values=write(state.values, values))
         return state
 
     def read_entries(self, state: Qwen36State, start, size: int) -> dict:

@@ -67,7 +67,7 @@ def _ragged(lhs, rhs, group_sizes):
 
 
 _ragged_fwd = _broadcast_batched(_ragged)
-_ragged_bwd = _broadcast_batched(lambda lhs, rhs, sizes, d_out: jax.vjp(lambda l, r: _ragged(l, r, sizes), lhs, rhs)[1](
+_ragged_bwd = _broadcast_batched(lambda lhs, rhs, sizes, d_out: jax.vjp(lambda a, b: _ragged(a, b, sizes), lhs, rhs)[1](
     d_out))
 
 

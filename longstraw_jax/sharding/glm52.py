@@ -11,9 +11,9 @@ Capture (in rounds, `RoundLayout`; each round laid out zigzag like Qwen3.6's). P
   each query's candidates to the query's shard, which merges the n candidate lists into the global top-k. The
   scores are the O(P^2) part of GLM's prompt work, and the zigzag layout gives every shard the same share of it.
 - MLA: each query attends to exactly k rows, anywhere before it. The layer's latent rows (one 576-wide row per
-  position, shared by all heads: 1/57 of per-head keys and values at 64 heads) are all-gathered and each shard gathers its
-  queries' selected rows locally. A ring would need the same k gathers per query at every hop, n times the work;
-  all-gathering the rows is one collective and O(P) transient memory for one layer.
+  position, shared by all heads: 1/57 of per-head keys and values at 64 heads) are all-gathered and each shard
+  gathers its queries' selected rows locally. A ring would need the same k gathers per query at every hop, n times
+  the work; all-gathering the rows is one collective and O(P) transient memory for one layer.
 Replay: a branch's queries run on every shard. Each shard scores its own prompt keys (top-k candidates, all-gathered
 and merged with the branch's own keys' candidates); attention is a partial over the selected rows this shard holds,
 merged across shards by log-sum-exp (`sequence.psum_merge`), then merged with the branch's own rows.
@@ -165,7 +165,7 @@ def _shard_map(mesh, fn, in_specs, out_specs):
 
 
 def _write_round(mesh, rounds: RoundLayout, cache, new, index):
-    """cache [layers, S, Dk] (or [F, S, Di]) with each shard's round slots from index * round_slots overwritten by new."""
+    """cache [layers, S, Dk] (or [F, S, Di]) with each shard's round slots from index * round_slots replaced by new."""
     write = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), i * rounds.round_slots, 1)
     return _shard_map(mesh, write, (_ROWS, _ROWS, P()), _ROWS)(cache, new, index)
 

@@ -9,8 +9,8 @@ works on its own segments only (`RoundReader`):
   round's queries over the cache of earlier rounds (every shard attends all shards' queries over its own slots);
 - Gated DeltaNet: the conv reads a K-1 row halo from the previous segment; the delta rule runs once per segment
   from the augmented state [0 | Id] with values [v | 0] (the rule is linear in (values, state) jointly), which yields
-  in one pass the local outputs o0, the segment's affine map S_out = A_i S_in + B_i (B_i and A_i are the two column blocks
-  of the final state) and q'_t = A_{<=t}^T q_t (the last dk output columns). `sequence.affine_fold` gives the
+  in one pass the local outputs o0, the segment's affine map S_out = A_i S_in + B_i (B_i and A_i are the two column
+  blocks of the final state) and q'_t = A_{<=t}^T q_t (the last dk output columns). `sequence.affine_fold` gives the
   incoming state S_in, and the exact outputs are o_t = o0_t + S_in^T q'_t: no second pass, no shard idles.
 Rounds (`RoundLayout`): only one round's activations are live; the GDN state and conv tail carry across rounds;
 position-wise work runs in blocks of ROWS rows (`rowwise`).
@@ -30,8 +30,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from einops import rearrange
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from longstraw_jax import layerwise
 from longstraw_jax.ops import attention as attn_ops
@@ -120,7 +119,7 @@ class RoundReader(NamedTuple):
         v_aug = jnp.concatenate([v.astype(f32), jnp.zeros(v.shape[:-1] + (dk,), f32)], axis=-1)
         s_aug = jnp.concatenate([jnp.zeros((hv, dk, dv), f32), jnp.broadcast_to(jnp.eye(dk, dtype=f32), (hv, dk, dk))],
                                 axis=-1)
-        per_segment = lambda a: rearrange(a, "(a t) ... -> a t ...", a=2)
+        per_segment = lambda x: rearrange(x, "(a t) ... -> a t ...", a=2)
         # a Python loop, not vmap: a vmapped chunked rule (batched triangular solves) deadlocked XLA:CPU collectives
         runs = [core(*(a[h] for a in map(per_segment, (q, k, v_aug, g, beta))), s_aug) for h in (0, 1)]
         o_aug, end = (jnp.stack(x) for x in zip(*runs))
@@ -132,7 +131,7 @@ class RoundReader(NamedTuple):
     def attend(self, q, k, v, j, *, scale, block_size):
         """Causal attention within the round across shards, merged with attention over earlier rounds' cache."""
         layout, rounds = self.layout, self.rounds
-        per_segment = lambda a: rearrange(a, "(a t) ... -> a t ...", a=2)
+        per_segment = lambda x: rearrange(x, "(a t) ... -> a t ...", a=2)
         common = dict(scale=scale, block_size=block_size)
         att = sequence.causal_attention(per_segment(q), per_segment(k), per_segment(v), self.within, layout,
                                         method=self.method, **common)
@@ -145,10 +144,10 @@ class RoundReader(NamedTuple):
                 q, keys, values, k_offset=0, causal=False, kv_length=self.index * rounds.round_slots,
                 q_positions=jnp.zeros(q.shape[0], jnp.int32), kv_index=(self.b, j), **common),
                 rearrange(queries, "n t h d -> (n t) h d"))
-            mine = jax.tree.map(lambda a: per_segment(rearrange(a, "(n t) ... -> n t ...", n=queries.shape[0])[
+            mine = jax.tree.map(lambda x: per_segment(rearrange(x, "(n t) ... -> n t ...", n=queries.shape[0])[
                 jax.lax.axis_index(SEQ)]), sequence.psum_merge(part))
             att = attn_ops.merge(att, mine)
-        return jax.tree.map(lambda a: rearrange(a, "a t ... -> (a t) ..."), att)
+        return jax.tree.map(lambda x: rearrange(x, "a t ... -> (a t) ..."), att)
 
 
 def round_block(model, block_specs, method, rounds: RoundLayout, layout: SeqLayout, index, bp, h, carry, b):

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.dtypes import accum_dtype
-from jax.sharding import PartitionSpec as P
-
 from longstraw_jax.sharding.layout import RoundLayout, SeqLayout
 
 SEQ = "seq"
