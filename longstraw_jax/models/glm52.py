@@ -199,6 +199,15 @@ class Glm52Config:
         return self.indexer_types.count(FULL)
 
     # ----- constructors -----
+    def describe(self) -> str:
+        """One line: the family and its main sizes (tools/bench_step.py prints it)."""
+        pattern = "".join("F" if t == FULL else "S" for t in self.indexer_types)
+        return (f"GLM-5.x {self.num_hidden_layers} layers (indexers {pattern}, "
+                f"{self.mlp_layer_types.count(DENSE)} dense), hidden {self.hidden_size}, vocab {self.vocab_size}, "
+                f"MLA {self.num_attention_heads} heads latent {self.kv_lora_rank}+{self.qk_rope_head_dim}, DSA top-"
+                f"{self.index_topk} ({self.index_n_heads}x{self.index_head_dim}), MoE {self.n_routed_experts} experts "
+                f"top-{self.num_experts_per_tok} x {self.moe_intermediate_size} + {self.n_shared_experts} shared")
+
     @classmethod
     def tiny(cls, **overrides) -> "Glm52Config":
         """Small preset for tests and the demo: 4 MoE layers with indexers F S F S (IndexShare: one segment of two

@@ -149,6 +149,14 @@ class Qwen36Config:
     def full_per_block(self) -> int:
         return self.block_pattern.count(FULL)
 
+    def describe(self) -> str:
+        """One line: the family and its main sizes (tools/bench_step.py prints it)."""
+        pattern = "".join("F" if t == FULL else "L" for t in self.block_pattern)
+        return (f"Qwen3.6 {self.num_hidden_layers} layers ({pattern} x {self.num_blocks}), hidden {self.hidden_size}, "
+                f"mlp {self.intermediate_size}, vocab {self.vocab_size}, attn {self.num_attention_heads}q/"
+                f"{self.num_key_value_heads}kv x {self.head_dim}, GDN {self.linear_num_key_heads}k/"
+                f"{self.linear_num_value_heads}v x {self.linear_key_head_dim}/{self.linear_value_head_dim}")
+
     # ----- constructors -----
     @classmethod
     def tiny(cls, **overrides) -> "Qwen36Config":

@@ -3,7 +3,7 @@ the model class and how to read the config from an HF config dict.
 
 Everything that dispatches on the family reads it: `config_from_hf` and `load_hf` (models/hf.py: config.json files,
 including the trainer's `--model config.json`), `build` (models/__init__.py) and tools/bench_step.py's one-line
-description (`describe`).
+description (`describe`, each config's own).
 Adding a family is one entry here (plus its `hf_layout` for checkpoints).
 """
 from __future__ import annotations
@@ -11,44 +11,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from longstraw_jax.models.glm52 import DENSE as GLM_DENSE, FULL as GLM_FULL, Glm52, Glm52Config
-from longstraw_jax.models.qwen36 import FULL as QWEN_FULL, Qwen36, Qwen36Config
-
-
-def describe_qwen36(c: Qwen36Config) -> str:
-    pattern = "".join("F" if t == QWEN_FULL else "L" for t in c.block_pattern)
-    return (f"Qwen3.6 {c.num_hidden_layers} layers ({pattern} x {c.num_blocks}), hidden {c.hidden_size}, "
-            f"mlp {c.intermediate_size}, vocab {c.vocab_size}, attn {c.num_attention_heads}q/"
-            f"{c.num_key_value_heads}kv x {c.head_dim}, GDN {c.linear_num_key_heads}k/"
-            f"{c.linear_num_value_heads}v x {c.linear_key_head_dim}/{c.linear_value_head_dim}")
-
-
-def describe_glm52(c: Glm52Config) -> str:
-    pattern = "".join("F" if t == GLM_FULL else "S" for t in c.indexer_types)
-    return (f"GLM-5.x {c.num_hidden_layers} layers (indexers {pattern}, "
-            f"{c.mlp_layer_types.count(GLM_DENSE)} dense), hidden {c.hidden_size}, vocab {c.vocab_size}, "
-            f"MLA {c.num_attention_heads} heads latent {c.kv_lora_rank}+{c.qk_rope_head_dim}, DSA top-"
-            f"{c.index_topk} ({c.index_n_heads}x{c.index_head_dim}), MoE {c.n_routed_experts} experts "
-            f"top-{c.num_experts_per_tok} x {c.moe_intermediate_size} + {c.n_shared_experts} shared")
+from longstraw_jax.models.glm52 import Glm52, Glm52Config
+from longstraw_jax.models.qwen36 import Qwen36, Qwen36Config
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelType:
-    """One family: `read_config(hf_dict)` -> a `config_class` instance; `model_class(config)` is the model;
-    `describe(config)` a one-line architecture summary."""
+    """One family: `read_config(hf_dict)` -> a `config_class` instance; `model_class(config)` is the model."""
 
     config_class: type
     model_class: type
     read_config: Callable[[dict], Any]
-    describe: Callable[[Any], str]
 
 
-_QWEN36 = ModelType(Qwen36Config, Qwen36, Qwen36Config.from_hf, describe_qwen36)
+_QWEN36 = ModelType(Qwen36Config, Qwen36, Qwen36Config.from_hf)
 # model_type in config.json -> family ("qwen3_5" is the multimodal checkpoint: its from_hf reads the text_config).
 MODEL_TYPES: dict[str, ModelType] = {
     "qwen3_5": _QWEN36,
     "qwen3_5_text": _QWEN36,
-    "glm_moe_dsa": ModelType(Glm52Config, Glm52, Glm52Config.from_hf, describe_glm52),
+    "glm_moe_dsa": ModelType(Glm52Config, Glm52, Glm52Config.from_hf),
 }
 
 
@@ -78,5 +59,6 @@ def build(config):
 
 
 def describe(config) -> str:
-    """One line: the family and its main sizes."""
-    return family(config).describe(config)
+    """One line: the family and its main sizes (the config's own `describe`)."""
+    family(config)  # a TypeError for a config of no registered family
+    return config.describe()
