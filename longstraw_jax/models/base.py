@@ -13,7 +13,7 @@ import functools
 import json
 import os
 import warnings
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.validation import check_tokens
 
 
+@runtime_checkable
 class PromptState(Protocol):
     """What later tokens need from a prompt of `length` tokens: appended parts (KV caches, latent rows: position
     axis listed in `sharding.rules.SEQ_AXES`) and carried parts (overwritten by each chunk: GDN conv tails and
@@ -35,6 +36,7 @@ class PromptState(Protocol):
     def replace(self, **fields) -> "PromptState": ...
 
 
+@runtime_checkable
 class Model(Protocol):
     """The state protocol. A chunk writes tokens [C] at positions start.. into a state that holds positions < start:
     `chunk_entries` reads the state (never writes it) and returns the chunk's entries; `write_entries` puts them in
@@ -75,6 +77,7 @@ class Model(Protocol):
     def sequence_parallel(self) -> "SequenceParallel": ...
 
 
+@runtime_checkable
 class BlockModel(Protocol):
     """The block protocol of `layerwise.py`: layers stacked in `num_blocks` identical blocks. `block_params` leaves
     are stacked [num_blocks, ...]; `block` runs one block on h [T, D] at `positions`, reading `state_block` (every
@@ -95,6 +98,7 @@ class BlockModel(Protocol):
     def final_norm(self, params: dict, h: jax.Array) -> jax.Array: ...
 
 
+@runtime_checkable
 class SequenceParallel(Protocol):
     """A family's pieces for the sharded engine on a ("data", "seq") mesh. Tokens arrive in a `RoundLayout`'s
     stored order (`sharding/layout.py`); every method is traceable (the callers jit)."""

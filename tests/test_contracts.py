@@ -1,0 +1,71 @@
+"""The model contracts of models/base.py: both families satisfy them structurally, and nothing outside a family's own
+files dispatches on its classes (the engines and sharding/ use only the protocols)."""
+import ast
+import pathlib
+
+import jax
+import pytest
+
+from longstraw_jax import models
+from longstraw_jax.models.base import BlockModel, Model, PromptState, SequenceParallel
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "longstraw_jax"
+FAMILY_CLASSES = {"Qwen36", "Qwen36Config", "Qwen36State", "Glm52", "Glm52Config", "GlmState"}
+# a family's own files (the model and its sharding adapter), and the registry that maps model_type to the classes
+FAMILY_FILES = {"models/qwen36.py", "models/glm52.py", "sharding/qwen36.py", "sharding/glm52.py",
+                "models/registry.py"}
+
+
+@pytest.mark.parametrize("config", [models.Qwen36Config.tiny(), models.Glm52Config.tiny()], ids=["qwen36", "glm52"])
+def test_families_satisfy_the_protocols(config):
+    model = models.build(config)
+    assert isinstance(model, Model)
+    assert isinstance(model.sequence_parallel(), SequenceParallel)
+    assert isinstance(model.sequence_parallel().min_segment, int)
+    state = jax.eval_shape(lambda: model.init_state(4))
+    assert isinstance(state, PromptState) and isinstance(state, model.state_type) and state.length == 4
+
+
+def test_block_protocol_is_qwen_only():
+    """Qwen3.6 backpropagates block by block; GLM-5.x keeps the autodiff default (its IndexShare selections cross
+    blocks), which `CausalLM` supplies: the engines call `model.branch_grads` either way."""
+    assert isinstance(models.build(models.Qwen36Config.tiny()), BlockModel)
+    assert not isinstance(models.build(models.Glm52Config.tiny()), BlockModel)
+
+
+def _class_dispatch(tree: ast.AST) -> list[str]:
+    """`isinstance(x, C)` / `type(x) is C` / `hasattr(model, ...)` where C names a family class."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id == "isinstance" and len(node.args) == 2:
+                names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                names |= {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+                if names & FAMILY_CLASSES:
+                    found.append(f"line {node.lineno}: isinstance on {sorted(names & FAMILY_CLASSES)}")
+            if node.func.id == "hasattr" and node.args and isinstance(node.args[0], ast.Name) \
+                    and node.args[0].id == "model":
+                found.append(f"line {node.lineno}: hasattr(model, ...)")
+        if isinstance(node, ast.Compare) and any(isinstance(op, ast.Is) for op in node.ops):
+            names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            if "type" in names and names & FAMILY_CLASSES:
+                found.append(f"line {node.lineno}: type(...) is a family class")
+    return found
+
+
+def test_no_dispatch_on_model_classes_outside_family_files():
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel in FAMILY_FILES:
+            continue
+        found = _class_dispatch(ast.parse(path.read_text()))
+        if found:
+            offenders[rel] = found
+    assert not offenders, offenders
+
+
+def test_dispatch_finder_finds_dispatch():
+    src = "def f(model):\n    if isinstance(model, Glm52):\n        pass\n    return hasattr(model, 'block')\n"
+    assert len(_class_dispatch(ast.parse(src))) == 2
+    assert _class_dispatch(ast.parse("isinstance(x, int)")) == []
