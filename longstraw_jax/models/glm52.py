@@ -634,7 +634,7 @@ class Glm52(CausalLM):
 
     def write_entries(self, state: GlmState, entries: dict, start) -> GlmState:
         """Rows are written at positions start.. (in place)."""
-        write = lambda cache, new: jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, start, 0))
+        write = lambda cache, new: jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), start, axis=1)
         return state.replace(kv=write(state.kv, entries["kv"]), index_keys=write(state.index_keys, entries["index_keys"]))
 
     def read_entries(self, state: GlmState, start, size: int) -> dict:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from longstraw_jax.ops.attention import for_each_block
+from longstraw_jax.ops.dtypes import int32_indices
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -63,7 +64,7 @@ def topk_over_keys(q: jax.Array, w: jax.Array, keys: jax.Array, key_positions: j
         def visit(carry, first, size):
             u = jax.lax.dynamic_slice_in_dim(key_positions, first, size)
             seen = (first + jnp.arange(size) < prefix)[None, :] & (u[None, :] <= pb[:, None])
-            block = jax.lax.dynamic_slice(keys, (layer, first, 0), (1, size, dim))[0]
+            block = jax.lax.dynamic_slice(keys, int32_indices(layer, first, 0), (1, size, dim))[0]
             s = _index_scores(qb, wb, block, scale)
             return _merge_topk(carry, jnp.where(seen, s, -jnp.inf), u, k), None
 
