@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from longstraw_jax.models.qwen36 import FULL, LINEAR
+from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.sharding.layout import RoundLayout
 from longstraw_jax.sharding.qwen36 import boundaries_per_shard, read_boundary, round_block
 from longstraw_jax.sharding.rules import block_slice_specs, param_specs
@@ -100,6 +101,6 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
         embed = place(grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)), specs["embed"])
         return (dict(grads, blocks=grads_blocks, embed=embed), *cots)
 
-    f32 = lambda a: a.astype(jnp.float32)
+    f32 = at_least_f32  # (float64 for a float64 model)
     carry = (grads, f32(state_cot.keys), f32(state_cot.values), f32(state_cot.conv), f32(state_cot.recurrent))
     return each_round(rounds, carry, round_backward, reverse=True)[0]
