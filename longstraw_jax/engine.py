@@ -105,5 +105,6 @@ def prompt_backward(model, params, tokens: jax.Array, chunk_size: int, state, bo
             index, chunk_tokens, boundary = xs
             return chunk_vjp(carry, chunk_tokens, index * chunk_size, boundary), None
 
-        carry, _ = jax.lax.scan(step, carry, (jnp.arange(num_full), chunks, full_boundaries), reverse=True)
+        carry, _ = jax.lax.scan(step, carry, (jnp.arange(num_full, dtype=jnp.int32), chunks, full_boundaries),
+                                reverse=True)
     return carry[0]

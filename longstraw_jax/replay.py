@@ -57,8 +57,8 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
 
     head_matrix = model.lm_head(params)  # [V, D]
     hidden = jax.ShapeDtypeStruct((length, head_matrix.shape[1]), head_matrix.dtype)
-    sums0 = jax.eval_shape(lambda h: head(params, h, jax.tree.map(lambda a: a[0], xs))[1], hidden)
-    carry = (jnp.zeros((), jnp.float32), like_params(_zeros_f32(params)),
+    loss0, sums0 = jax.eval_shape(lambda h: head(params, h, jax.tree.map(lambda a: a[0], xs)), hidden)
+    carry = (_zeros_f32(loss0), like_params(_zeros_f32(params)),
              like_state(_zeros_f32(state)) if with_state_grad else None, _zeros_f32(sums0))
     (loss, grads, state_cot, sums), _ = jax.lax.scan(step, carry, xs)
     return loss, grads, state_cot, sums

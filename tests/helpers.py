@@ -25,7 +25,9 @@ def o1_params(params, key):
     every leaf re-drawn, matrices ~ N(0, 1/fan_in), vectors (norms, biases, decays) ~ N(0, 0.3^2)."""
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(key, len(leaves))
-    out = [jax.random.normal(k, x.shape) * (x.shape[-1] ** -0.5 if x.ndim >= 2 and x.shape[-1] > 4 else 0.3)
+    # drawn in float32 (float64 for float64 params: the fp64 oracle of test_float64.py)
+    out = [jax.random.normal(k, x.shape, jnp.promote_types(x.dtype, jnp.float32))
+           * (x.shape[-1] ** -0.5 if x.ndim >= 2 and x.shape[-1] > 4 else 0.3)
            for k, x in zip(keys, leaves)]
     return jax.tree.unflatten(tree, out)
 

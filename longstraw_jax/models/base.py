@@ -157,7 +157,7 @@ def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, kee
             boundary = model.carried(state) if keep_boundaries else None
             return model.capture_chunk(params, state, chunk, index * chunk_size), boundary
 
-        state, full_boundaries = jax.lax.scan(step, state, (jnp.arange(num_full), chunks))
+        state, full_boundaries = jax.lax.scan(step, state, (jnp.arange(num_full, dtype=jnp.int32), chunks))
     if remainder:
         last_boundary = model.carried(state) if keep_boundaries else None
         state = model.capture_chunk(params, state, tokens[num_full * chunk_size :], num_full * chunk_size)

@@ -428,7 +428,7 @@ def indexer(c: Glm52Config, p: dict, x, q_resid, cos, sin, reader, full, k: int)
     key = layer_norm(linear(x, p["wk"], _HIGHEST), p["k_norm"], p["k_norm_bias"], INDEXER_NORM_EPS)
     key = apply_rope_interleaved(key[:, None], cos, sin)[:, 0]
     w = jnp.einsum("td,hd->th", at_least_f32(x), at_least_f32(p["weights_proj"]), precision=_HIGHEST) * heads**-0.5
-    return reader.select(c, at_least_f32(q), w.astype(jnp.float32), key, full, k), key
+    return reader.select(c, at_least_f32(q), w, key, full, k), key  # both float32 (float64 for a float64 model)
 
 
 def mla_attention(c: Glm52Config, p: dict, x, reader, layer, full, selected):
@@ -655,7 +655,7 @@ class Glm52(CausalLM):
 
     def write_entries(self, state: GlmState, entries: dict, start) -> GlmState:
         """Rows are written at positions start.. (in place)."""
-        write = lambda cache, new: jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, start, 0))
+        write = lambda cache, new: jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), start, axis=1)
         return state.replace(kv=write(state.kv, entries["kv"]),
                              index_keys=write(state.index_keys, entries["index_keys"]))
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from longstraw_jax.ops.dtypes import accum_dtype
+from longstraw_jax.ops.dtypes import accum_dtype, int32_indices
 
 MASKED = -1e30  # finite "minus infinity": exp(MASKED - x) == 0 and (MASKED) - (MASKED) is not NaN
 
@@ -57,7 +57,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
 
 def _read(cache, index, start, size):
     """cache[*index, start:start + size] -> [size, Hkv, hd] without copying the rest of the cache."""
-    starts = tuple(index) + (start, 0, 0)
+    starts = int32_indices(*index, start, 0, 0)
     sizes = (1,) * len(index) + (size,) + cache.shape[-2:]
     return jax.lax.dynamic_slice(cache, starts, sizes).reshape((size,) + cache.shape[-2:])
 

@@ -1,10 +1,10 @@
 """DeepSeek Sparse Attention selection: the lightning indexer's top-k (docs/models.md 2.8).
 
 For each query, the index score of a visible key u is `I[t, u] = sum_h w[t, h] * relu(q[t, h] . k[u] * scale)`
-(float32, matmuls at `precision=HIGHEST`: top-k is sensitive to near-ties), and the query attends to the k keys with
-the largest scores. Queries are processed in blocks of `query_block`; for each block the keys are visited in blocks
-of `key_block` and a running top-k is merged, so memory is O(query_block * (k + key_block)): no `[T, P]` score or
-mask array ever exists, whatever the prompt length.
+(float32, or float64 for a float64 model; matmuls at `precision=HIGHEST`: top-k is sensitive to near-ties), and
+the query attends to the k keys with the largest scores. Queries are processed in blocks of `query_block`; for each
+block the keys are visited in blocks of `key_block` and a running top-k is merged, so memory is
+O(query_block * (k + key_block)): no `[T, P]` score or mask array ever exists, whatever the prompt length.
 
 Selection is discrete and carries no gradient (transformers runs the indexer under `torch.no_grad()`).
 """
@@ -12,13 +12,15 @@ import jax
 import jax.numpy as jnp
 
 from longstraw_jax.ops.attention import for_each_block
+from longstraw_jax.ops.dtypes import int32_indices
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _index_scores(q: jax.Array, w: jax.Array, keys: jax.Array, scale: float) -> jax.Array:
-    """q [B, Hi, Di] f32, w [B, Hi] f32, keys [S, Di] -> I [B, S] float32."""
-    s = jnp.einsum("bhd,sd->bhs", q, keys.astype(jnp.float32), precision=_HIGHEST) * scale
+    """q [B, Hi, Di], w [B, Hi] in the accumulation dtype (float32; float64 for a float64 model), keys [S, Di] ->
+    I [B, S] in that dtype."""
+    s = jnp.einsum("bhd,sd->bhs", q, keys.astype(q.dtype), precision=_HIGHEST) * scale
     return jnp.einsum("bh,bhs->bs", w, jax.nn.relu(s), precision=_HIGHEST)
 
 
@@ -63,11 +65,11 @@ def topk_over_keys(q: jax.Array, w: jax.Array, keys: jax.Array, key_positions: j
         def visit(carry, first, size):
             u = jax.lax.dynamic_slice_in_dim(key_positions, first, size)
             seen = (first + jnp.arange(size) < prefix)[None, :] & (u[None, :] <= pb[:, None])
-            block = jax.lax.dynamic_slice(keys, (layer, first, 0), (1, size, dim))[0]
+            block = jax.lax.dynamic_slice(keys, int32_indices(layer, first, 0), (1, size, dim))[0]
             s = _index_scores(qb, wb, block, scale)
             return _merge_topk(carry, jnp.where(seen, s, -jnp.inf), u, k), None
 
-        carry = (jnp.full((query_block, k), -jnp.inf, jnp.float32), jnp.full((query_block, k), -1, jnp.int32))
+        carry = (jnp.full((query_block, k), -jnp.inf, q.dtype), jnp.full((query_block, k), -1, jnp.int32))
         (values, chosen), _ = for_each_block(num_keys, key_block, carry, visit, prefix)
         return values, jnp.where(values > -jnp.inf, chosen, -1)
 

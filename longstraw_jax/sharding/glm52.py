@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from longstraw_jax import layerwise
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.dsa import merge_candidates, topk_over_keys
+from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attention_partial
 from longstraw_jax.ops.norms import rms_norm
 from longstraw_jax.sharding import sequence
@@ -262,7 +263,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, sta
         kv_cot = jax.lax.with_sharding_constraint(kv_cot + d_kv.astype(kv_cot.dtype), NamedSharding(mesh, _ROWS))
         return dict(grads, layers=layers, embed=embed), kv_cot
 
-    return sequence.each_round(rounds, (grads, state_cot.kv.astype(jnp.float32)), one_round, reverse=True)[0]
+    return sequence.each_round(rounds, (grads, at_least_f32(state_cot.kv)), one_round, reverse=True)[0]
 
 
 # ----- the adapter the engine asks the model for ---------------------------------------------------------------

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from longstraw_jax import layerwise
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
-from longstraw_jax.ops.dtypes import accum_dtype
+from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
 from longstraw_jax.sharding import sequence
 from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
 from longstraw_jax.sharding.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
@@ -397,7 +397,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
         embed = place(grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)), specs["embed"])
         return (dict(model.with_block_params(grads, grads_blocks), embed=embed), *cots)
 
-    f32 = lambda a: a.astype(jnp.float32)
+    f32 = at_least_f32  # float32 (float64 for a float64 model)
     carry = (grads, f32(state_cot.keys), f32(state_cot.values), f32(state_cot.conv), f32(state_cot.recurrent))
     return each_round(rounds, carry, round_backward, reverse=True)[0]
 

@@ -142,7 +142,7 @@ def each_round(rounds: RoundLayout, carry, one_round, reverse: bool = False):
         if not rounds.full:
             return carry
         step = lambda c, r: (one_round(c, rounds.round, r), None)
-        return jax.lax.scan(step, carry, jnp.arange(rounds.full), reverse=reverse)[0]
+        return jax.lax.scan(step, carry, jnp.arange(rounds.full, dtype=jnp.int32), reverse=reverse)[0]
 
     last = lambda carry: one_round(carry, rounds.last, jnp.int32(rounds.full))
     return full(last(carry)) if reverse else last(full(carry))
