@@ -54,6 +54,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", smooth: int = 10) -> None:
     """PNG with two panels over step: reward mean (points, and a `smooth`-step moving average) and loss."""
+    # here, not at module level: matplotlib costs ~0.5 s to import and only the end of a run plots; the Agg backend
+    # must be chosen before pyplot is imported (headless machines)
     import matplotlib
 
     matplotlib.use("Agg")
