@@ -5,6 +5,9 @@
 Runs the sharded Qwen capture (tiny-shaped model with a configurable width) on simulated CPU devices. CPU timings
 rank the two designs only roughly (collectives are memcpys here); the memory column is what carries over to GPUs:
 all-gather holds a whole layer's keys and values per device, the ring two shards' worth.
+
+Imports of jax and the package are function-local on purpose: the device count comes from --mesh and must be set
+before JAX creates its CPU client.
 """
 import argparse
 import os

@@ -19,6 +19,9 @@ order of increasing P and G and dropped ("—") once its compiled total passes -
 
 Batch: prompt and responses drawn from numpy's default_rng(--seed), ragged masks (each branch keeps a random
 length in [R/2, R]), uniform rewards, old_logprobs = ref_logprobs = None (on-policy, no KL).
+
+Imports of jax and the package are function-local on purpose: the parent only orchestrates and must not start XLA
+(its own RSS and a second CPU client would distort the children's numbers); each child sets its flags first.
 """
 from __future__ import annotations
 

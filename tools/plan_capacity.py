@@ -24,6 +24,9 @@ Caveats: sizes come from XLA:CPU's buffer assignment for the per-device SPMD pro
 (fusion, scheduling, collective buffers), so read them as estimates. bf16 sizing sets
 `--xla_disable_hlo_passes=while-loop-invariant-code-motion` (otherwise the CPU compiler hoists a whole-input
 float32 conversion out of loops and overstates scratch memory). Qwen3.6 and GLM-5.x configs are supported.
+
+Imports of jax and the package are function-local on purpose: XLA_FLAGS and the simulated device count must be set
+(`_setup_jax`) before JAX creates its CPU client, and `--help` should not pay for starting it.
 """
 from __future__ import annotations
 
