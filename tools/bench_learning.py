@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from longstraw_jax import run  # noqa: E402
 from longstraw_jax.metrics import read_metrics  # noqa: E402
+from longstraw_jax.tasks.retrieval import RetrievalTask  # noqa: E402
 
 DEFAULTS = ["--vocab-size", "32", "--prompt-len", "128", "--group-size", "8", "--response-len", "2",
             "--mode", "exact", "--chunk-size", "64", "--lr", "1e-3", "--log-every", "10", "--save-every", "100"]
@@ -53,7 +54,6 @@ def main(argv=None) -> int:
         return status
     records = read_metrics(os.path.join(args.out, "metrics.jsonl"))
     config, _ = run.parse_args(trainer_args)
-    from longstraw_jax.tasks.retrieval import RetrievalTask
 
     task = RetrievalTask(prompt_len=config.prompt_len, vocab_size=config.vocab_size)
     print()
