@@ -27,6 +27,7 @@ from longstraw_jax.grpo import GroupBatch, GRPOConfig, finalize_metrics, validat
 from longstraw_jax.models.base import capture_chunks, chunk_layout
 from longstraw_jax.replay import replay_branches
 from longstraw_jax.sharding import grpo as sharded
+from longstraw_jax.validation import check_size
 
 MODES = ("exact", "detached")
 
@@ -46,8 +47,8 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
         raise ValueError(f"mode={mode!r}; allowed: {', '.join(map(repr, MODES))}")
     if mesh is not None:
         model.sequence_parallel()  # a family without a sharded path says so before any work
-    validate_batch(batch, model.config.vocab_size)
-    return grpo_grads_unvalidated(model, params, batch, cfg, mode, chunk_size, mesh)
+    validate_batch(batch, model.config.vocab_size, cfg)
+    return grpo_grads_unvalidated(model, params, batch, cfg, mode, check_size(chunk_size, "chunk_size"), mesh)
 
 
 def grpo_grads_unvalidated(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, chunk_size: int, mesh=None):

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from longstraw_jax.validation import is_concrete
+from longstraw_jax.validation import is_concrete, is_int, is_real
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the largest reward magnitude a GroupBatch holds
 ADV_NORMS = ("std", "none")
 
 
@@ -50,7 +51,7 @@ class GRPOConfig:
 
         def number(name):
             value = getattr(self, name)
-            ok = isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and math.isfinite(value)
+            ok = is_real(value) and math.isfinite(value)
             if not ok:
                 errors.append(f"{name}={value!r} must be a finite number")
             return ok
@@ -68,8 +69,10 @@ class GRPOConfig:
         if self.adv_norm not in ADV_NORMS:
             errors.append(f"adv_norm={self.adv_norm!r}; allowed: {', '.join(map(repr, ADV_NORMS))}")
         chunk = self.logprob_chunk
-        if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1:
+        if not is_int(chunk) or chunk < 1:
             errors.append(f"logprob_chunk={chunk!r} must be a positive int")
+        else:
+            object.__setattr__(self, "logprob_chunk", int(chunk))  # one hash (jit cache entry) per value
         if errors:
             raise ValueError("invalid GRPOConfig: " + "; ".join(errors))
 
@@ -81,9 +84,10 @@ class GroupBatch:
     prompt:       int32 [P], P >= 2 (engines capture prompt[:-1] and replay prompt[-1] + response[:-1]).
     responses:    int32 [G, R]; token t of branch g is scored by the logits after prompt + responses[g, :t].
     mask:         float32 [G, R], 1 for real response tokens, 0 for padding; every branch has >= 1 real token.
-    rewards:      float32 [G], finite.
-    old_logprobs: None (on-policy: ratio 1) or float32 [G, R], log-probs under the sampling policy.
-    ref_logprobs: None or float32 [G, R], log-probs under the reference policy (for the k3 KL).
+    rewards:      float32 [G], finite and within float32 range (|r| <= FLOAT32_MAX).
+    old_logprobs: None (on-policy: ratio 1) or float32 [G, R], log-probs (<= 0) under the sampling policy.
+    ref_logprobs: None or float32 [G, R], log-probs (<= 0) under the reference policy (for the k3 KL; required
+                  when kl_coef > 0).
     Values at padded positions (mask = 0) are never used, whatever they are (NaN included).
     """
 
@@ -103,11 +107,13 @@ class GroupBatch:
         return self.responses.shape[1]
 
 
-def validate_batch(batch: GroupBatch, vocab_size: int) -> GroupBatch:
+def validate_batch(batch: GroupBatch, vocab_size: int, cfg: GRPOConfig | None = None) -> GroupBatch:
     """Host-side checks with errors that name the field and the bound; returns the batch unchanged.
 
     Shapes, ranks and dtypes are always checked; values only for concrete arrays (skipped for tracers, so call
     this before `jit`). JAX clamps out-of-range gather indices silently, so bad token ids must be caught here.
+    With `cfg`, also what the objective needs: ref_logprobs when kl_coef > 0, and (adv_norm="none") rewards whose
+    advantages r - mean fit in float32.
     """
     def shape(name):
         return tuple(np.shape(getattr(batch, name)))
@@ -137,6 +143,9 @@ def validate_batch(batch: GroupBatch, vocab_size: int) -> GroupBatch:
         raise ValueError(f"GroupBatch.mask has shape {shape('mask')} but responses has shape {(g, r)}")
     if shape("rewards") != (g,):
         raise ValueError(f"GroupBatch.rewards has shape {shape('rewards')}; expected [G] = {(g,)}")
+    if cfg is not None and cfg.kl_coef > 0 and batch.ref_logprobs is None:
+        raise ValueError(f"GRPOConfig.kl_coef={cfg.kl_coef} needs GroupBatch.ref_logprobs (reference-policy "
+                         "log-probs), but it is None: pass ref_logprobs or set kl_coef=0")
     for name in ("old_logprobs", "ref_logprobs"):
         if getattr(batch, name) is not None and shape(name) != (g, r):
             raise ValueError(f"GroupBatch.{name} has shape {shape(name)}; expected [G, R] = {(g, r)} like responses")
@@ -158,29 +167,53 @@ def validate_batch(batch: GroupBatch, vocab_size: int) -> GroupBatch:
         if empty.size:
             raise ValueError(f"GroupBatch.mask is all zero for branch(es) {empty.tolist()}: every response needs "
                              "at least one real token")
+    if not (np.issubdtype(dtype("rewards"), np.floating) or np.issubdtype(dtype("rewards"), np.integer)):
+        raise TypeError(f"GroupBatch.rewards must be a float array (float32), got dtype {dtype('rewards')}")
     rewards = host("rewards")
-    if rewards is not None and not np.isfinite(rewards).all():
-        raise ValueError(f"GroupBatch.rewards must be finite, got {rewards.tolist()}")
+    if rewards is not None:
+        rewards = rewards.astype(np.float64)
+        if not np.isfinite(rewards).all():
+            raise ValueError(f"GroupBatch.rewards must be finite, got {rewards.tolist()}")
+        big = np.flatnonzero(np.abs(rewards) > FLOAT32_MAX)
+        if big.size:
+            raise ValueError(f"GroupBatch.rewards[{big[0]}] = {rewards[big[0]]} is outside float32 range "
+                             f"(|r| <= {FLOAT32_MAX:.6g})")
+        if cfg is not None and cfg.adv_norm == "none" and np.abs(rewards - rewards.mean()).max() > FLOAT32_MAX:
+            raise ValueError(f"GroupBatch.rewards {rewards.tolist()}: with adv_norm='none' the advantages r - mean "
+                             "overflow float32; scale the rewards down or use adv_norm='std'")
     for name in ("old_logprobs", "ref_logprobs"):
+        if getattr(batch, name) is not None and not np.issubdtype(dtype(name), np.floating):
+            raise TypeError(f"GroupBatch.{name} must be a float array (float32), got dtype {dtype(name)}")
         values = host(name) if getattr(batch, name) is not None else None
         if values is not None and mask is not None:
-            bad = ~np.isfinite(values) & (mask == 1)
-            if bad.any():
-                where = tuple(int(i) for i in np.argwhere(bad)[0])
-                raise ValueError(f"GroupBatch.{name}[{where[0]}, {where[1]}] = {values[where]} where mask = 1; "
-                                 "log-probs of real tokens must be finite")
+            for bad, rule in ((~np.isfinite(values) & (mask == 1), "log-probs of real tokens must be finite"),
+                              ((values > 0) & (mask == 1), "log-probs must be <= 0")):
+                if bad.any():
+                    where = tuple(int(i) for i in np.argwhere(bad)[0])
+                    raise ValueError(f"GroupBatch.{name}[{where[0]}, {where[1]}] = {values[where]} where mask = 1; "
+                                     f"{rule}")
     return batch
 
 
 def group_advantages(rewards: jax.Array, cfg: GRPOConfig) -> jax.Array:
     """rewards [G] -> advantages [G]: (r - mean) / (std + eps) (population std), or r - mean for adv_norm="none".
 
-    A group whose rewards are all equal (including G = 1) gets exactly zero advantages, never NaN.
+    A group whose rewards are all equal (including G = 1) gets exactly zero advantages, never NaN. Large rewards
+    (up to float32's maximum) do not overflow in the mean and std: they are first scaled by a power of two
+    2^-e <= 1 (exact, so wherever the unscaled float32 arithmetic does not overflow the result is the same bits),
+    which std normalisation cancels; adv_norm="none" scales back (`validate_batch` with the config rejects rewards
+    whose r - mean overflows float32).
     """
     rewards = jnp.asarray(rewards, jnp.float32)
-    centred = rewards - jnp.mean(rewards)
+    _, exponent = jnp.frexp(jnp.max(jnp.abs(rewards)))
+    exponent = jnp.clip(exponent, 0, 126)  # scale down only; 2^-126 is float32's smallest normal power
+    down = jnp.ldexp(jnp.ones((), rewards.dtype), -exponent)
+    scaled = rewards * down
+    centred = scaled - jnp.mean(scaled)
     if cfg.adv_norm == "std":
-        centred = centred / (jnp.std(rewards) + cfg.eps)
+        centred = centred / (jnp.std(scaled) + cfg.eps * down)
+    else:
+        centred = centred / down
     return jnp.where(jnp.all(rewards == rewards[0]), 0.0, centred)
 
 
@@ -213,6 +246,9 @@ def per_token_loss(logp: jax.Array, old_logp: jax.Array | None, ref_logp: jax.Ar
     clipped = (((ratio > 1.0 + cfg.clip_eps_high) & (advantage > 0))
                | ((ratio < 1.0 - cfg.clip_eps_low) & (advantage < 0)))
     loss = -surrogate
+    if ref_logp is None and cfg.kl_coef > 0:
+        raise ValueError(f"GRPOConfig.kl_coef={cfg.kl_coef} needs reference log-probs (GroupBatch.ref_logprobs), "
+                         "got None: pass ref_logprobs or set kl_coef=0")
     if ref_logp is None:
         kl = jnp.zeros_like(logp)
     else:

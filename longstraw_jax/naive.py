@@ -35,7 +35,7 @@ def naive_grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig,
     batch is validated on the host when its arrays are concrete. grads has the structure of params. remat (default)
     keeps one block input per layer block instead of every activation: the usual way to fit a full-graph step.
     """
-    validate_batch(batch, model.config.vocab_size)
+    validate_batch(batch, model.config.vocab_size, cfg)
     prompt = jnp.asarray(batch.prompt, jnp.int32)
     responses = jnp.asarray(batch.responses, jnp.int32)
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from longstraw_jax.models.base import capture_chunks, chunk_layout
-from longstraw_jax.validation import check_tokens
+from longstraw_jax.validation import check_size, check_tokens, is_int, is_real
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,17 +54,22 @@ class SamplingConfig:
 
     def __post_init__(self):
         errors = []
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             errors.append(f"max_new_tokens={self.max_new_tokens!r} must be a positive int")
         temperature = self.temperature
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        if not (is_real(temperature) and math.isfinite(temperature) and temperature > 0):
             errors.append(f"temperature={self.temperature!r} must be a finite number > 0")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (is_real(self.top_p) and 0 < self.top_p <= 1):
             errors.append(f"top_p={self.top_p!r} must be in (0, 1]")
         for name in ("stop_token", "pad_token"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            if value is not None and (not is_int(value) or value < 0):
                 errors.append(f"{name}={value!r} must be a non-negative int token id")
+        if not errors:  # numpy scalars -> Python numbers: one hash and one compiled sampler per setting
+            for name, kind in (("max_new_tokens", int), ("temperature", float), ("top_p", float),
+                               ("stop_token", int), ("pad_token", int)):
+                if getattr(self, name) is not None:
+                    object.__setattr__(self, name, kind(getattr(self, name)))
         if errors:
             raise ValueError("invalid SamplingConfig: " + "; ".join(errors))
 
@@ -109,12 +114,14 @@ def sample_group(model, params, prompt, num_branches: int, sampling: SamplingCon
     prompt = check_tokens(prompt, vocab, name="prompt")
     if prompt.shape[0] < 2:
         raise ValueError(f"prompt has {prompt.shape[0]} token(s); need at least 2 (prompt[:-1] is captured)")
-    if not isinstance(num_branches, int) or isinstance(num_branches, bool) or num_branches < 1:
+    if not is_int(num_branches) or num_branches < 1:
         raise ValueError(f"num_branches (G) = {num_branches!r}; need G >= 1")
+    num_branches = int(num_branches)
     for name in ("stop_token", "pad_token"):
         value = getattr(sampling, name)
         if value is not None and value >= vocab:
             raise ValueError(f"SamplingConfig.{name}={value} is out of range: ids must be in [0, vocab_size={vocab})")
+    chunk_size = check_size(chunk_size, "chunk_size")
     chunk_layout(prompt.shape[0] - 1, chunk_size)
     return _sample_group(model, params, prompt, key, num_branches, sampling, chunk_size)
 

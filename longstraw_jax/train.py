@@ -24,6 +24,7 @@ import optax
 from longstraw_jax.engine import MODES, grpo_grads_unvalidated
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, validate_batch
 from longstraw_jax.models.base import chunk_layout
+from longstraw_jax.validation import check_size, is_real
 
 
 def make_optimizer(learning_rate=1e-5, weight_decay: float = 0.0, max_grad_norm: float | None = 1.0,
@@ -36,7 +37,7 @@ def make_optimizer(learning_rate=1e-5, weight_decay: float = 0.0, max_grad_norm:
     errors = []
 
     def finite(name, value):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = is_real(value) and math.isfinite(value)
         if not ok:
             errors.append(f"{name}={value!r} must be a finite number")
         return ok
@@ -71,7 +72,8 @@ def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.Gra
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; allowed: {', '.join(map(repr, MODES))}")
-    validate_batch(batch, model.config.vocab_size)
+    validate_batch(batch, model.config.vocab_size, cfg)
+    chunk_size = check_size(chunk_size, "chunk_size")
     chunk_layout(batch.prompt.shape[0] - 1, chunk_size)
     return _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh)
 

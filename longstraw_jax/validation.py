@@ -3,6 +3,25 @@ import jax
 import numpy as np
 
 
+def is_int(value) -> bool:
+    """A Python or numpy integer (np.int64(4) included), never a bool (True is an int in Python)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_real(value) -> bool:
+    """A Python or numpy integer or float, never a bool (nor a str, array or anything else)."""
+    return is_int(value) or isinstance(value, (float, np.floating))
+
+
+def check_size(value, name: str, minimum: int = 1) -> int:
+    """`value` as a Python int if it is an integer (numpy integer types included; bool and float are not) and
+    >= minimum; ValueError naming `name` otherwise."""
+    if not is_int(value) or value < minimum:
+        bound = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    return int(value)
+
+
 def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 

@@ -252,6 +252,12 @@ def test_kl_metric_is_token_mean_of_k3():
 
 # ----- batch validation -------------------------------------------------------------------------------------------
 
+def valid_batch():
+    """make_batch with its noisy old / ref log-probs capped at 0 (validate_batch requires log-probs <= 0)."""
+    _, batch = make_batch()
+    return _with(batch, old_logprobs=np.minimum(batch.old_logprobs, 0), ref_logprobs=np.minimum(batch.ref_logprobs, 0))
+
+
 def _with(batch, **changes):
     return dataclasses.replace(batch, **changes)
 
@@ -284,23 +290,113 @@ BAD_BATCHES = {
                         ValueError),
     "nan ref logprob": (lambda b: _with(b, ref_logprobs=_set(b.ref_logprobs, (4, 0), np.nan)), "ref_logprobs",
                         ValueError),
+    "positive old logprob": (lambda b: _with(b, old_logprobs=_set(b.old_logprobs, (1, 2), 0.5)),
+                             r"GroupBatch.old_logprobs\[1, 2\] = 0.5 where mask = 1; log-probs must be <= 0",
+                             ValueError),
+    "positive ref logprob": (lambda b: _with(b, ref_logprobs=_set(b.ref_logprobs, (0, 0), 1e-3)),
+                             r"GroupBatch.ref_logprobs\[0, 0\] = 0.001.* log-probs must be <= 0", ValueError),
+    "reward beyond float32": (lambda b: _with(b, rewards=_set(b.rewards.astype(np.float64), 2, 1e308)),
+                              r"GroupBatch.rewards\[2\] = 1e\+308 is outside float32 range", ValueError),
+    "bool rewards": (lambda b: _with(b, rewards=b.rewards > 0), "GroupBatch.rewards must be a float array",
+                     TypeError),
+    "int logprobs": (lambda b: _with(b, old_logprobs=np.zeros(b.mask.shape, np.int32)),
+                     "GroupBatch.old_logprobs must be a float array", TypeError),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_BATCHES))
 def test_validate_batch_errors_name_the_field(case):
     mutate, field, error = BAD_BATCHES[case]
-    _, batch = make_batch()
+    batch = valid_batch()
     validate_batch(batch, V)  # the unmodified batch is fine
     with pytest.raises(error, match=field):
         validate_batch(mutate(batch), V)
 
 
 def test_validate_batch_accepts_nan_on_padding_and_skips_values_under_jit():
-    _, batch = make_batch()
+    batch = valid_batch()
     pad = batch.mask == 0
     validate_batch(_with(batch, old_logprobs=np.where(pad, np.nan, batch.old_logprobs)), V)
     bad_values = _with(batch, prompt=_set(batch.prompt, 0, V + 1))
     jax.jit(lambda b: validate_batch(b, V).rewards.sum())(bad_values)  # shapes OK; values unknown: no error
     with pytest.raises(ValueError, match="mask"):  # shape errors still surface under tracing
         jax.jit(lambda b: validate_batch(b, V).rewards.sum())(_with(batch, mask=batch.mask[:, :-1]))
+
+
+def test_validate_batch_allows_positive_logprobs_on_padding():
+    batch = valid_batch()
+    validate_batch(_with(batch, old_logprobs=np.where(batch.mask == 0, 3.0, batch.old_logprobs)), V)
+
+
+# ----- KL needs reference log-probs; large rewards; numpy integer sizes -------------------------------------------
+
+def test_kl_coef_without_ref_logprobs_is_an_error_not_a_silent_zero():
+    logp, batch = make_batch(ref=False)
+    batch = _with(batch, old_logprobs=np.minimum(batch.old_logprobs, 0))
+    cfg = GRPOConfig(kl_coef=0.1)
+    validate_batch(batch, V)  # without the config: nothing to say
+    validate_batch(batch, V, GRPOConfig())  # kl_coef=0: no reference needed
+    message = ("GRPOConfig.kl_coef=0.1 needs GroupBatch.ref_logprobs (reference-policy log-probs), but it is None: "
+               "pass ref_logprobs or set kl_coef=0")
+    with pytest.raises(ValueError) as info:
+        validate_batch(batch, V, cfg)
+    assert str(info.value) == message
+    with pytest.raises(ValueError, match=r"kl_coef=0.1 needs reference log-probs \(GroupBatch.ref_logprobs\)"):
+        grpo_loss(jnp.asarray(logp), batch, cfg)  # the API path without validate_batch: an error too
+
+
+def _unscaled_advantages(rewards, cfg):
+    """group_advantages before the power-of-two scaling (overflows past ~1e19)."""
+    rewards = jnp.asarray(rewards, jnp.float32)
+    centred = rewards - jnp.mean(rewards)
+    if cfg.adv_norm == "std":
+        centred = centred / (jnp.std(rewards) + cfg.eps)
+    return jnp.where(jnp.all(rewards == rewards[0]), 0.0, centred)
+
+
+@pytest.mark.parametrize("adv_norm", ["std", "none"])
+def test_large_rewards_do_not_overflow_and_small_ones_keep_their_bits(adv_norm):
+    cfg = GRPOConfig(adv_norm=adv_norm)
+    rng = np.random.default_rng(0)
+    for scale in (1e-3, 1.0, 7.0, 1e4):
+        for g in (1, 2, 5):
+            rewards = (rng.standard_normal(g) * scale).astype(np.float32)
+            assert (np.asarray(group_advantages(rewards, cfg)).tobytes()
+                    == np.asarray(_unscaled_advantages(rewards, cfg)).tobytes()), rewards
+    for big in (1e20, 3e38):
+        rewards = np.array([big, 0, 0, big], np.float32)
+        adv = np.asarray(group_advantages(rewards, cfg))
+        assert np.isfinite(adv).all()
+        expected = [1, -1, -1, 1] if adv_norm == "std" else np.float32(big) * np.array([0.5, -0.5, -0.5, 0.5])
+        np.testing.assert_allclose(adv, expected, rtol=1e-5)
+    # 1e20 used to give std = inf, so zero advantages: a silent zero update
+    assert not np.asarray(_unscaled_advantages(np.array([1e20, 0], np.float32), GRPOConfig())).any()
+
+
+def test_validate_batch_rejects_rewards_whose_advantages_overflow_without_std():
+    batch = _with(valid_batch(), rewards=np.array([3e38, -3e38, -3e38, -3e38, -3e38], np.float32))
+    validate_batch(batch, V, GRPOConfig())  # std normalisation: fine
+    with pytest.raises(ValueError, match=r"with adv_norm='none' the advantages r - mean overflow float32"):
+        validate_batch(batch, V, GRPOConfig(adv_norm="none"))
+
+
+def test_numpy_integer_sizes_are_accepted_bool_and_float_are_not():
+    from longstraw_jax.models.base import chunk_layout
+    from longstraw_jax.ops.logprobs import token_logprobs
+    from longstraw_jax.rollout import SamplingConfig
+
+    cfg = GRPOConfig(logprob_chunk=np.int64(4))
+    assert cfg.logprob_chunk == 4 and type(cfg.logprob_chunk) is int and hash(cfg) == hash(GRPOConfig(logprob_chunk=4))
+    assert chunk_layout(10, np.int32(4)) == (2, 2)
+    sampling = SamplingConfig(max_new_tokens=np.int64(3), temperature=np.float32(0.5), stop_token=np.int16(2))
+    assert sampling == SamplingConfig(max_new_tokens=3, temperature=0.5, stop_token=2)
+    hidden, head = jnp.ones((5, 3)), jnp.ones((7, 3))
+    logp, _ = token_logprobs(hidden, head, jnp.zeros(5, jnp.int32), np.uint8(2))
+    assert logp.shape == (5,)
+    for bad in (True, np.bool_(True), 4.0, np.float32(4), "4", 0, np.int64(-1)):
+        with pytest.raises(ValueError, match="logprob_chunk"):
+            GRPOConfig(logprob_chunk=bad)
+        with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+            chunk_layout(10, bad)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            SamplingConfig(max_new_tokens=bad)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from longstraw_jax import layerwise
 from longstraw_jax.ops.dtypes import accum_dtype
-from longstraw_jax.validation import check_tokens
+from longstraw_jax.validation import check_size, check_tokens
 
 
 @runtime_checkable
@@ -131,9 +131,7 @@ class Slot(NamedTuple):
 
 def chunk_layout(length: int, chunk_size: int) -> tuple[int, int]:
     """(number of full chunks, length of the remainder chunk) for a prompt of `length` tokens."""
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    return divmod(length, chunk_size)
+    return divmod(int(length), check_size(chunk_size, "chunk_size"))
 
 
 def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, keep_boundaries: bool = False,

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from longstraw_jax.ops.dtypes import accum_dtype
+from longstraw_jax.validation import check_size
 
 
 def _chunk_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -27,8 +28,7 @@ def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk
     entropy[t] = -sum_y p log p. Differentiable w.r.t. hidden and head; peak memory O(chunk * V), not O(T * V).
     Targets must lie in [0, V) (gathers clamp silently; validate ids on the host).
     """
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    chunk = check_size(chunk, "chunk")
     if hidden.ndim != 2 or head.ndim != 2 or hidden.shape[1] != head.shape[1]:
         raise ValueError(f"need hidden [T, D] and head [V, D] with the same D, got {hidden.shape} and {head.shape}")
     if targets.shape != hidden.shape[:1]:
