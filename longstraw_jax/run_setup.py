@@ -150,7 +150,9 @@ class TaskSampler:
 def data_source(config: RunConfig, vocab_size: int) -> RolloutFile | TaskSampler:
     """--rollouts, or --task with its reward and sampling options (ids checked against `vocab_size`)."""
     if config.rollouts:
-        return RolloutFile(config.rollouts, load_rollouts(config.rollouts, vocab_size, config.tokenizer))
+        required = {"ref_logprobs": f"--kl-coef={config.kl_coef} needs reference log-probs on every line"}
+        return RolloutFile(config.rollouts, load_rollouts(config.rollouts, vocab_size, config.tokenizer,
+                                                          required=required if config.kl_coef > 0 else None))
     if config.kl_coef > 0:
         raise RunError(f"--kl-coef={config.kl_coef}: sampled rollouts have no reference log-probs; the KL term "
                        "needs a --rollouts file with ref_logprobs")

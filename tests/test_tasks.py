@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from longstraw_jax.tasks import BUILTIN_TASKS, Prompt, load_callable, make_task, score
+from longstraw_jax.tasks import BUILTIN_TASKS, Prompt, RewardError, load_callable, make_task, score
 from longstraw_jax.tasks.retrieval import FACT, QUERY, STOP, TOOL, RetrievalTask
 from longstraw_jax.tasks.rollout_file import load_rollouts
 
@@ -74,7 +74,8 @@ def test_score_and_load_callable():
 
     np.testing.assert_array_equal(score(reward, prompt, responses, mask), [1.0, 0.0])
     assert seen == [[7, 1], [3, 7, 9]]  # only real tokens reach the reward function
-    with pytest.raises(ValueError, match="returned nan for branch 0; rewards must be finite"):
+    with pytest.raises(ValueError, match="reward function tests.test_tasks:nan_reward returned nan for branch 0; "
+                                         "rewards must be finite"):
         score(load_callable("tests.test_tasks:nan_reward"), prompt, responses, mask)
     assert load_callable("numpy:mean") is np.mean
     for spec, message in (("numpy.mean", "not of the form"), ("no_such_module_xyz:f", "cannot import"),
@@ -146,12 +147,78 @@ def test_rollout_file_ids_and_text(tmp_path):
     ({"prompt": [1, 2], "responses": [[1, 2]], "rewards": [0], "old_logprobs": [[0.0]]}, "must have 2 numbers"),
     ({"prompt": [1, 2], "responses": [[1]], "rewards": [0], "advantages": [1]}, r"unknown field\(s\) \['advantages'\]"),
     ({"prompt_text": "a b", "responses": [[1]], "rewards": [0]}, "pass a tokenizer.json"),
+    ({"prompt": [1, 2], "responses": [[1]], "rewards": [True]},
+     r"'rewards'\[0\] = True \(bool\); a reward must be a real number \(int or float, not bool or str\)$"),
+    ({"prompt": [1, 2], "responses": [[1]], "rewards": ["1.0"]}, r"'rewards'\[0\] = '1.0' \(str\); a reward must be"),
+    ('{"prompt": [1, 2], "responses": [[1]], "rewards": [1e308]}',
+     r"'rewards'\[0\] = 1e\+308; rewards must be within float32 range \(\|r\| <= 3.40282e\+38\)$"),
+    ('{"prompt": [1, 2], "responses": [[1]], "rewards": [1' + "0" * 400 + "]}", r"'rewards'\[0\] = 1000.*\.\.\.; "
+     r"rewards must be within float32 range"),
+    ({"prompt": [1, 2], "responses": [[1, 2]], "rewards": [0], "old_logprobs": [[-1.0, 0.25]]},
+     r"'old_logprobs'\[0\]\[1\] = 0.25; log-probs must be <= 0$"),
+    ({"prompt": [1, 2], "responses": [[1, 2]], "rewards": [0], "ref_logprobs": [[-1.0, "x"]]},
+     r"'ref_logprobs'\[0\] must be a list of numbers$"),
 ])
 def test_rollout_file_errors_name_the_line(tmp_path, line, message):
     good = {"prompt": [1, 2, 3], "responses": [[1, 2]], "rewards": [0.5]}
     path = write_lines(tmp_path / "bad.jsonl", [good, good, line])
     with pytest.raises(ValueError, match=rf"bad.jsonl:3: .*{message}"):
         load_rollouts(path, vocab_size=8)
+
+
+def test_rollout_file_required_field_names_the_line(tmp_path):
+    with_ref = {"prompt": [1, 2, 3], "responses": [[1, 2]], "rewards": [0.5], "ref_logprobs": [[-1.0, -2.0]]}
+    path = write_lines(tmp_path / "r.jsonl", [with_ref, {k: v for k, v in with_ref.items() if k != "ref_logprobs"}])
+    assert len(load_rollouts(path, vocab_size=8)) == 2  # optional unless required
+    with pytest.raises(ValueError) as info:
+        load_rollouts(path, vocab_size=8, required={"ref_logprobs": "--kl-coef=0.1 needs it"})
+    assert str(info.value) == f"{path}:2: 'ref_logprobs' is missing; --kl-coef=0.1 needs it"
+
+
+def raising_reward(prompt_tokens, response_tokens, info):
+    if len(response_tokens) > 2:
+        raise KeyError("answer")
+    return 1.0
+
+
+class Rewards:
+    def text(self, prompt_tokens, response_tokens, info):
+        return "1.0"
+
+
+def test_reward_function_errors_name_the_function():
+    """Whatever the reward function raises or returns wrongly: one RewardError (a ValueError) naming it."""
+    prompt = Prompt(np.arange(5, dtype=np.int32), {})
+    responses, mask = np.array([[1, 2, 3], [3, 4, 5]], np.int32), np.array([[1, 1, 0], [1, 1, 1]], np.float32)
+    float32 = "rewards must be within float32 range (|r| <= 3.40282e+38)"
+    cases = [
+        (raising_reward, "reward function tests.test_tasks:raising_reward raised KeyError on branch 1: 'answer'"),
+        (lambda p, r, i: 1 / 0, "reward function tests.test_tasks:test_reward_function_errors_name_the_function."
+                                "<locals>.<lambda> raised ZeroDivisionError on branch 0: division by zero"),
+        (lambda p, r, i: (_ for _ in ()).throw(ValueError("bad\nsecond line")), "raised ValueError on branch 0: bad"),
+        (Rewards().text, "reward function tests.test_tasks:Rewards.text returned '1.0' (str) for branch 0; a reward "
+                         "must be a real number (int or float, not bool or str)"),
+        (lambda p, r, i: True, "returned True (bool) for branch 0; a reward must be a real number"),
+        (lambda p, r, i: np.bool_(False), "(bool"),
+        (lambda p, r, i: None, "returned None (NoneType) for branch 0"),
+        (lambda p, r, i: [1.0], "returned [1.0] (list) for branch 0"),
+        (lambda p, r, i: 1e20 if len(r) > 2 else 1e39, f"returned 1e+39 for branch 0; {float32}"),
+        (lambda p, r, i: 10**400, f"returned {'1' + '0' * 56}... for branch 0; {float32}"),
+        (lambda p, r, i: float("inf"), "returned inf for branch 0; rewards must be finite"),
+    ]
+    for fn, message in cases:
+        with pytest.raises(RewardError) as info:
+            score(fn, prompt, responses, mask)
+        text = str(info.value)
+        assert "\n" not in text and message in text, (message, text)
+        assert isinstance(info.value, ValueError)
+    assert isinstance(score(raising_reward, prompt, responses[:1], mask[:1])[0], np.float32)
+    # real numbers of any kind, 0-d arrays included
+    for value in (1, 0.5, np.float16(0.5), np.int64(2), np.array(0.25), 3.0e38, -7):
+        np.testing.assert_array_equal(score(lambda p, r, i: value, prompt, responses, mask), [np.float32(value)] * 2)
+    import jax.numpy as jnp
+
+    np.testing.assert_array_equal(score(lambda p, r, i: jnp.float32(0.5), prompt, responses, mask), [0.5, 0.5])
 
 
 def test_rollout_file_missing_or_empty(tmp_path):

@@ -13,10 +13,12 @@ Externally generated rollouts (JSONL, e.g. from vLLM or SGLang) are read by task
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any, Callable
 
 import numpy as np
 
+from longstraw_jax.grpo import FLOAT32_MAX
 from longstraw_jax.tasks.base import Prompt, Task
 from longstraw_jax.tasks.retrieval import RetrievalTask
 
@@ -42,21 +44,50 @@ def load_callable(spec: str) -> Callable[..., Any]:
     return target
 
 
+class RewardError(ValueError):
+    """The reward function raised, or returned something that is not a reward; the message names the function."""
+
+
+def callable_name(fn) -> str:
+    """"module:qualname" of a function or method (the form `load_callable` takes), else its repr."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return f"{module}:{qualname}" if module and qualname else repr(fn)
+
+
+def reward_problem(value) -> tuple[str, str] | None:
+    """None for a real number (int or float, numpy scalars and 0-d arrays included; not bool, str or anything else)
+    that is finite and within float32 range; else (the value as shown in an error, what is wrong with it)."""
+    if isinstance(value, np.ndarray) or type(value).__module__.startswith("jax"):  # 0-d arrays -> their scalar
+        value = np.asarray(value)[()] if np.shape(value) == () else value
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return f"{shown} ({type(value).__name__})", "a reward must be a real number (int or float, not bool or str)"
+    if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+        return shown, "rewards must be finite"
+    if abs(int(value) if isinstance(value, (int, np.integer)) else float(value)) > FLOAT32_MAX:  # exact, no casts
+        return shown, f"rewards must be within float32 range (|r| <= {FLOAT32_MAX:.6g})"
+    return None
+
+
 def score(reward_fn: Callable, prompt: Prompt, responses: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Rewards [G] float32 for responses [G, R] (only the real tokens, mask 1, are passed to `reward_fn`).
 
-    Raises ValueError naming the branch when a reward is not a finite number.
+    Raises RewardError (a ValueError) naming the function ("module:qualname") and the branch when the function
+    raises, whatever the exception, or returns something other than a finite real number within float32 range.
     """
+    name = callable_name(reward_fn)
     rewards = []
     for g, (response, real) in enumerate(zip(responses, mask)):
-        value = reward_fn(prompt.tokens, response[real > 0], prompt.info)
         try:
-            value = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"reward function returned {value!r} for branch {g}; expected a float") from None
-        if not np.isfinite(value):
-            raise ValueError(f"reward function returned {value} for branch {g}; rewards must be finite")
-        rewards.append(value)
+            value = reward_fn(prompt.tokens, response[real > 0], prompt.info)
+        except Exception as e:
+            text = str(e).splitlines()[0] if str(e) else ""
+            raise RewardError(f"reward function {name} raised {type(e).__name__} on branch {g}"
+                              + (f": {text}" if text else "")) from e
+        problem = reward_problem(value)
+        if problem is not None:
+            raise RewardError(f"reward function {name} returned {problem[0]} for branch {g}; {problem[1]}")
+        rewards.append(float(np.asarray(value)))
     return np.asarray(rewards, np.float32)
 
 
@@ -69,4 +100,5 @@ def make_task(spec: str, prompt_len: int, vocab_size: int, seed: int, **options)
     return factory(prompt_len=prompt_len, vocab_size=vocab_size, seed=seed, **options)
 
 
-__all__ = ["BUILTIN_TASKS", "Prompt", "Task", "load_callable", "make_task", "score"]
+__all__ = ["BUILTIN_TASKS", "Prompt", "RewardError", "Task", "callable_name", "load_callable",
+           "make_task", "reward_problem", "score"]

@@ -2,9 +2,9 @@
 
     {"prompt": [ids...] | "prompt_text": "...",
      "responses": [[ids...], ...] | "responses_text": ["...", ...],          G >= 1 non-empty responses
-     "rewards": [r_1, ..., r_G],                                             finite numbers
-     "old_logprobs": [[...], ...],   optional, one per response token (log-probs under the sampling policy)
-     "ref_logprobs": [[...], ...]}   optional, likewise (for the k3 KL)
+     "rewards": [r_1, ..., r_G],                      finite numbers within float32 range (not true/false)
+     "old_logprobs": [[...], ...],   optional, one per response token (log-probs <= 0 under the sampling policy)
+     "ref_logprobs": [[...], ...]}   optional, likewise (for the k3 KL: required on every line when kl_coef > 0)
 
 Text fields need a `tokenizer.json` (Hugging Face `tokenizers`; encoded without added special tokens). Responses
 are right-padded with `pad_token` (mask 0) to the longest response in the file, so every group of one prompt length
@@ -14,17 +14,21 @@ ValueError naming the file, the line number and the field.
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import numpy as np
 
 from longstraw_jax.grpo import GroupBatch
+from longstraw_jax.tasks import reward_problem
 
 
 def load_rollouts(path: str | os.PathLike, vocab_size: int, tokenizer_path: str | None = None,
-                  pad_token: int = 0) -> list[GroupBatch]:
-    """Every line of `path` as a GroupBatch (numpy arrays), in file order. Blank lines are skipped."""
+                  pad_token: int = 0, required: dict[str, str] | None = None) -> list[GroupBatch]:
+    """Every line of `path` as a GroupBatch (numpy arrays), in file order. Blank lines are skipped.
+
+    required: optional field -> why it is needed (e.g. {"ref_logprobs": "--kl-coef=0.1 needs it"}); a line without
+    it is an error naming the line and the reason.
+    """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"rollout file {path} does not exist")
@@ -40,7 +44,11 @@ def load_rollouts(path: str | os.PathLike, vocab_size: int, tokenizer_path: str 
         for number, line in enumerate(f, start=1):
             if line.strip():
                 try:
-                    groups.append(_parse_group(json.loads(line), vocab_size, tokenizer))
+                    record = json.loads(line)
+                    for field, why in (required or {}).items():
+                        if isinstance(record, dict) and field not in record:
+                            raise ValueError(f"'{field}' is missing; {why}")
+                    groups.append(_parse_group(record, vocab_size, tokenizer))
                 except (ValueError, TypeError, KeyError) as e:
                     raise ValueError(f"{path}:{number}: {e}") from None
     if not groups:
@@ -99,8 +107,9 @@ def _parse_group(record, vocab_size: int, tokenizer) -> dict:
     if not isinstance(rewards, list) or len(rewards) != len(responses):
         raise ValueError(f"'rewards' must be a list of {len(responses)} numbers (one per response)")
     for g, r in enumerate(rewards):
-        if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r):
-            raise ValueError(f"'rewards'[{g}] = {r!r}; rewards must be finite numbers")
+        problem = reward_problem(r)
+        if problem is not None:
+            raise ValueError(f"'rewards'[{g}] = {problem[0]}; {problem[1]}")
     group = {"prompt": prompt, "responses": responses, "rewards": np.asarray(rewards, np.float32)}
     for name in ("old_logprobs", "ref_logprobs"):
         if name in record:
@@ -111,9 +120,13 @@ def _parse_group(record, vocab_size: int, tokenizer) -> dict:
             for g, (row, response) in enumerate(zip(values, responses)):
                 if not isinstance(row, list) or len(row) != len(response):
                     raise ValueError(f"'{name}'[{g}] must have {len(response)} numbers (one per response token)")
+                if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row):
+                    raise ValueError(f"'{name}'[{g}] must be a list of numbers")
                 row = np.asarray(row, np.float64)
-                if not np.isfinite(row).all():
-                    raise ValueError(f"'{name}'[{g}] has a non-finite value; log-probs must be finite")
+                for bad, rule in ((~np.isfinite(row), "log-probs must be finite"), (row > 0, "log-probs must be <= 0")):
+                    if bad.any():
+                        t = int(np.flatnonzero(bad)[0])
+                        raise ValueError(f"'{name}'[{g}][{t}] = {float(row[t])}; {rule}")
                 rows.append(row.astype(np.float32))
             group[name] = rows
     return group
