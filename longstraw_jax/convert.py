@@ -254,9 +254,13 @@ class OrbaxReader:
         if not found:
             raise FileNotFoundError(f"--ckpt {ckpt}: no Orbax checkpoint (no _METADATA in {', '.join(candidates)})")
         self.directory = found[0]
-        with open(os.path.join(self.directory, "_METADATA")) as f:
-            meta = json.load(f)
-        stored = ["/".join(str(k["key"]) for k in entry["key_metadata"]) for entry in meta["tree_metadata"].values()]
+        meta_path = os.path.join(self.directory, "_METADATA")
+        meta = hf.read_json(meta_path, "Orbax metadata")
+        try:
+            stored = ["/".join(str(k["key"]) for k in entry["key_metadata"])
+                      for entry in meta["tree_metadata"].values()]
+        except (KeyError, TypeError, AttributeError):
+            raise ValueError(f"{meta_path}: Orbax metadata without a tree_metadata of key_metadata entries") from None
         if any(path.startswith("params/") for path in stored):  # a training state: its params subtree
             stored = [path for path in stored if path.startswith("params/")]
             names = {path[len("params/"):]: orbax_name(path) for path in stored}
@@ -325,11 +329,16 @@ def _copy_side_files(source_dir: str, dest_dir: str) -> list[str]:
     return names
 
 
-def _config_dir(source: str) -> tuple[str, str]:
-    """(directory, config path) for a checkpoint directory or a config .json file."""
+def _config_dir(source: str, option: str) -> tuple[str, str]:
+    """(directory, config path) for a checkpoint directory or a config .json file given as `option` (named in the
+    error when it is neither)."""
     source = os.path.abspath(os.fspath(source))
     if os.path.isfile(source):
         return os.path.dirname(source), source
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"{option} {source}: no such file or directory")
+    if not os.path.isfile(os.path.join(source, "config.json")):
+        raise FileNotFoundError(f"{option} {source}: no config.json in this directory")
     return source, os.path.join(source, "config.json")
 
 
@@ -363,7 +372,7 @@ def hf2orbax(hf_dir: str, out: str | None, dtype: str = "bfloat16", *, mesh: str
     except ValueError as e:
         raise ValueError(f"--mesh {mesh!r}: {e}") from None
     dtype = _float_dtype(dtype)
-    source_dir, config_path = _config_dir(hf_dir)
+    source_dir, config_path = _config_dir(hf_dir, "--hf")
     model = models.build(models.config_from_hf(config_path))
     layout = hf.checkpoint_layout(model)
     depths = _slot_depths(layout)
@@ -453,7 +462,7 @@ def orbax2hf(ckpt: str, config: str, out: str | None, dtype: str | None = None, 
     it has them (the original checkpoint), else the Orbax array's dtype.
     """
     log = log or sys.stdout
-    config_dir, config_path = _config_dir(config)
+    config_dir, config_path = _config_dir(config, "--config")
     model = models.build(models.config_from_hf(config_path))
     layout = hf.checkpoint_layout(model)
     reader = OrbaxReader(ckpt)
@@ -470,8 +479,7 @@ def orbax2hf(ckpt: str, config: str, out: str | None, dtype: str | None = None, 
     else:
         aliases = []  # the spelling hf2orbax found, when config_dir is one of its init directories
         if os.path.exists(record_path := os.path.join(config_dir, CONVERT_RECORD)):
-            with open(record_path) as f:
-                aliases = json.load(f)["hf_prefix_aliases_used"]
+            aliases = hf.read_json(record_path, "conversion record").get("hf_prefix_aliases_used", [])
         names = {name: next((old + name[len(new):] for old, new in aliases if name.startswith(new)), name)
                  for name in layout}
         dtypes, extras = {name: reader.dtypes[layout[name].path] for name in layout}, []
@@ -569,9 +577,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             orbax2hf(args.ckpt, args.config, args.out, args.dtype, shard_bytes=args.shard_size, force=args.force,
                      dry_run=args.dry_run, block_bytes=args.block_size)
-    except (ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (ValueError, OSError, NotImplementedError) as e:  # OSError: FileNotFoundError, FileExistsError, ...
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
     return 0
 
 

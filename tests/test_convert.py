@@ -199,7 +199,7 @@ def test_pickle_checkpoints_are_refused_unopened(tiny_hf, tmp_path, capsys):
     (directory / "config.json").write_bytes((tiny_hf / "config.json").read_bytes())
     marker = tmp_path / "unpickled"
     (directory / "pytorch_model.bin").write_bytes(pickle.dumps(_Trap(str(marker))))
-    assert convert.main(["hf2orbax", "--hf", str(directory), "--out", str(tmp_path / "out")]) == 1
+    assert convert.main(["hf2orbax", "--hf", str(directory), "--out", str(tmp_path / "out")]) == 2
     assert "refusing pytorch_model.bin: pickle-based checkpoints are never loaded" in capsys.readouterr().err
     assert not marker.exists() and not (tmp_path / "out").exists()
 
@@ -208,13 +208,69 @@ def test_existing_output_needs_force(tiny_hf, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    assert convert.main(["hf2orbax", "--hf", str(tiny_hf), "--out", str(out)]) == 1
+    assert convert.main(["hf2orbax", "--hf", str(tiny_hf), "--out", str(out)]) == 2
     assert "exists and is not empty; pass --force" in capsys.readouterr().err
     assert (out / "keep.txt").exists()
     assert convert.main(["hf2orbax", "--hf", str(tiny_hf), "--out", str(out), "--force"]) == 0
     assert not (out / "keep.txt").exists() and (out / "params" / "_METADATA").exists()
     with pytest.raises(ValueError, match="contains the input"):
         convert.hf2orbax(tiny_hf, tiny_hf.parent, force=True)
+
+
+def _bad_checkpoints(tiny_hf, root):
+    """(name, directory or path given as --hf, expected one-line message) for broken inputs."""
+    good = (tiny_hf / "model.safetensors").read_bytes()
+    cases = []
+
+    def checkpoint(name, weights=None, config=None):
+        directory = root / name
+        directory.mkdir()
+        (directory / "config.json").write_bytes((tiny_hf / "config.json").read_bytes() if config is None else config)
+        if weights is not None:
+            (directory / "model.safetensors").write_bytes(weights)
+        return directory
+
+    for n in (0, 3, 7):
+        d = checkpoint(f"short{n}", good[:n])
+        cases.append((f"{n} bytes", d, f"{d / 'model.safetensors'}: {n} bytes: too short for a safetensors file "
+                                       "(it starts with an 8-byte header length)"))
+    d = checkpoint("cut_header", good[:50])
+    length = int.from_bytes(good[:8], "little")
+    cases.append(("truncated header", d, f"{d / 'model.safetensors'}: truncated: its header needs {length} bytes "
+                                         "after the 8-byte length, the file has 42"))
+    d = checkpoint("bad_header", (5).to_bytes(8, "little") + b"{bad}")
+    cases.append(("header not JSON", d, f"{d / 'model.safetensors'}: the safetensors header is not valid JSON: "
+                                        "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"))
+    d = checkpoint("cut_data", good[:-100])
+    last = max(hf.read_safetensors_header(str(tiny_hf / "model.safetensors")), key=lambda t: t.offset)
+    cases.append(("truncated data", d, f"{d / 'model.safetensors'}: truncated: {last.name} ends at byte {len(good)}, "
+                                       f"the file has {len(good) - 100} bytes"))
+    d = checkpoint("bad_config", good, b'{"model_type": "qwen3_5_text",')
+    cases.append(("config not JSON", d, f"{d / 'config.json'}: config file is not valid JSON: Expecting property "
+                                        "name enclosed in double quotes: line 1 column 31 (char 30)"))
+    d = checkpoint("list_config", good, b"[1, 2]")
+    cases.append(("config not an object", d, f"{d / 'config.json'}: config file must be a JSON object, got list"))
+    cases.append(("no such directory", root / "nope", f"--hf {root / 'nope'}: no such file or directory"))
+    cases.append(("no such config file", root / "nope" / "config.json",
+                  f"--hf {root / 'nope' / 'config.json'}: no such file or directory"))
+    (root / "empty").mkdir()
+    cases.append(("no config.json", root / "empty", f"--hf {root / 'empty'}: no config.json in this directory"))
+    return cases
+
+
+def test_bad_files_are_one_line_errors_naming_the_file(tiny_hf, tmp_path, capsys):
+    """Each broken input: exit status 2, one `error: ...` line naming the file, nothing written; --dry-run too (a
+    truncated safetensors file used to pass it)."""
+    out = tmp_path / "out"
+    for name, source, message in _bad_checkpoints(tiny_hf, tmp_path):
+        for extra in ([], ["--dry-run"]):
+            assert convert.main(["hf2orbax", "--hf", str(source), "--out", str(out)] + extra) == 2, (name, extra)
+            err = capsys.readouterr().err
+            assert err == f"error: {message}\n", (name, extra, err)
+            assert not out.exists() and not list(tmp_path.glob("out.tmp-convert-*")), name
+    # orbax2hf names its own option
+    assert convert.main(["orbax2hf", "--ckpt", str(tmp_path), "--config", str(tmp_path / "nope"), "--dry-run"]) == 2
+    assert capsys.readouterr().err == f"error: --config {tmp_path / 'nope'}: no such file or directory\n"
 
 
 def test_interrupted_conversion_leaves_nothing_complete_looking(tiny_hf, tmp_path, monkeypatch):

@@ -34,11 +34,27 @@ def config_from_hf(directory: str | os.PathLike):
     """The config object for `directory/config.json`, or for a config file path with any name (dispatch on its
     `model_type`: models/registry.py)."""
     path = os.fspath(directory)
-    path = path if os.path.isfile(path) else os.path.join(path, "config.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no config.json")
-    with open(path) as f:
-        return registry.read_config(json.load(f), path)
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"{path}: no config.json in this directory")
+        path = os.path.join(path, "config.json")
+    return registry.read_config(read_json(path, "config file"), path)
+
+
+def read_json(path: str, what: str = "file", kind: type = dict):
+    """The JSON value of `path`, which must be a `kind` (default: an object); ValueError naming the file (and the
+    line and column of a syntax error) otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path}: {what} is not valid JSON: {e}") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{path}: {what} must be a JSON {'object' if kind is dict else kind.__name__}, "
+                         f"got {type(value).__name__}")
+    return value
 
 
 def checkpoint_layout(model) -> dict[str, Slot]:
@@ -63,9 +79,15 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 def _safetensor_files(directory: str) -> list[str]:
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(directory, f) for f in files]
+        weight_map = read_json(index, "safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: safetensors index needs a \"weight_map\" object (tensor name -> file name)")
+        files = [os.path.join(directory, f) for f in sorted(set(weight_map.values()))]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"{index}: lists {len(missing)} missing shard(s): {', '.join(missing[:3])}"
+                                    f"{' ...' if len(missing) > 3 else ''}")
+        return files
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     if not files:
         pickled = sorted(f for f in os.listdir(directory) if f.endswith(PICKLE_SUFFIXES))
@@ -101,23 +123,45 @@ class StoredTensor(NamedTuple):
 
 
 def read_safetensors_header(path: str) -> list[StoredTensor]:
-    """The tensors of one safetensors file (reads only its header)."""
+    """The tensors of one safetensors file (reads only its header). ValueError naming the file for anything that is
+    not a well-formed safetensors file: too short, a truncated or malformed header, tensors past the end of it."""
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{path}: {len(prefix)} bytes: too short for a safetensors file (it starts with an "
+                             "8-byte header length)")
+        (length,) = struct.unpack("<Q", prefix)
         if length > 1 << 30:
             raise ValueError(f"{path}: safetensors header of {length} bytes: not a safetensors file")
-        header = json.loads(f.read(length))
+        if 8 + length > size:
+            raise ValueError(f"{path}: truncated: its header needs {length} bytes after the 8-byte length, the file "
+                             f"has {size - 8}")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{path}: the safetensors header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header must be a JSON object, got {type(header).__name__}")
     tensors = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        if entry["dtype"] not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{path}: {name} has dtype {entry['dtype']}; supported: {', '.join(SAFETENSORS_DTYPES)}")
-        start, end = entry["data_offsets"]
-        tensor = StoredTensor(path, name, np.dtype(SAFETENSORS_DTYPES[entry["dtype"]]), tuple(entry["shape"]),
-                              8 + length + start)
+        try:
+            dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            ints = [*shape, start, end]
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ints) or start > end:
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: {name}: malformed safetensors entry {entry!r:.200} (needs dtype, shape and "
+                             "data_offsets [start, end])") from None
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: {name} has dtype {dtype}; supported: {', '.join(SAFETENSORS_DTYPES)}")
+        tensor = StoredTensor(path, name, np.dtype(SAFETENSORS_DTYPES[dtype]), tuple(shape), 8 + length + start)
         if end - start != tensor.nbytes:
             raise ValueError(f"{path}: {name} spans {end - start} bytes, shape {tensor.shape} needs {tensor.nbytes}")
+        if 8 + length + end > size:
+            raise ValueError(f"{path}: truncated: {name} ends at byte {8 + length + end}, the file has {size} bytes")
         tensors.append(tensor)
     return tensors
 
