@@ -141,10 +141,28 @@ def write(path, text):
     return str(path)
 
 
+def boom_reward(prompt_tokens, response_tokens, info):
+    raise RuntimeError("boom")
+
+
+def text_reward(prompt_tokens, response_tokens, info):
+    return "1.0"
+
+
+def hf_dir_with(path, config: bytes, weights: bytes | None):
+    os.makedirs(path)
+    write(os.path.join(path, "config.json"), config.decode())
+    if weights is not None:
+        with open(os.path.join(path, "model.safetensors"), "wb") as f:
+            f.write(weights)
+    return str(path)
+
+
 def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys):
     out = full_run
     before = snapshot(out)
     config = models.Qwen36Config.tiny(vocab_size=32).to_hf()
+    hf_config = json.dumps(config).encode()
     good_group = {"prompt": [1, 2, 3], "responses": [[4, 5]], "rewards": [1.0]}
     cases = [
         (["--model", write(tmp_path / "config.json", json.dumps(dict(config, foo_bar=1)))], "foo_bar"),
@@ -160,11 +178,26 @@ def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys
         (["--kl-coef", "0.1"], "--kl-coef=0.1: sampled rollouts have no reference log-probs"),
         ([], "already holds checkpoints: pass --resume"),
         (["--lr", "0.5", "--resume"], r"--lr=0.5 differs from the run being resumed \(0.003\)"),
+        # issue 14: KL without reference log-probs, bad rewards and log-probs in a rollout file, broken --hf files
+        (["--kl-coef", "0.1", "--rollouts", write(tmp_path / "noref.jsonl", json.dumps(good_group))],
+         r"noref.jsonl:1: 'ref_logprobs' is missing; --kl-coef=0.1 needs reference log-probs on every line$"),
+        (["--rollouts", write(tmp_path / "true.jsonl", json.dumps(dict(good_group, rewards=[True])))],
+         r"true.jsonl:1: 'rewards'\[0\] = True \(bool\); a reward must be a real number"),
+        (["--rollouts", write(tmp_path / "huge.jsonl", json.dumps(dict(good_group, rewards=[1e308])))],
+         r"huge.jsonl:1: 'rewards'\[0\] = 1e\+308; rewards must be within float32 range"),
+        (["--rollouts", write(tmp_path / "pos.jsonl", json.dumps(dict(good_group, old_logprobs=[[-1.0, 0.5]])))],
+         r"pos.jsonl:1: 'old_logprobs'\[0\]\[1\] = 0.5; log-probs must be <= 0$"),
+        (["--hf", hf_dir_with(tmp_path / "short", hf_config, b"\0" * 5)],
+         r"short/model.safetensors: 5 bytes: too short for a safetensors file"),
+        (["--hf", hf_dir_with(tmp_path / "badjson", b'{"model_type": ', None)],
+         r"badjson/config.json: config file is not valid JSON: Expecting value: line 1 column 16"),
+        (["--hf", str(tmp_path / "no_such_dir")], r"no_such_dir: no such file or directory$"),
+        (["--model", write(tmp_path / "broken.json", "{")], r"broken.json: config file is not valid JSON"),
     ]
     for extra, message in cases:
         assert run.main(SMALL + ["--steps", "5", "--out", out] + extra) == 2, extra
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("error: "), err
+        assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
         assert __import__("re").search(message, err), (message, err)
         assert snapshot(out) == before, extra
 
@@ -176,6 +209,17 @@ def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys
     assert run.main(SMALL + ["--steps", "2", "--out", fresh, "--reward", "tests.test_tasks:nan_reward"]) == 2
     assert "rewards must be finite" in capsys.readouterr().err
     assert not os.listdir(os.path.join(fresh, "checkpoints"))
+
+    # whatever the reward function raises or wrongly returns: one line naming it, exit 2, no checkpoint
+    for reward, message in (("boom_reward", "error: reward function tests.test_run:boom_reward raised RuntimeError "
+                                            "on branch 0: boom\n"),
+                            ("text_reward", "error: reward function tests.test_run:text_reward returned '1.0' (str) "
+                                            "for branch 0; a reward must be a real number (int or float, not bool or "
+                                            "str)\n")):
+        fresh = str(tmp_path / reward)
+        assert run.main(SMALL + ["--steps", "2", "--out", fresh, "--reward", f"tests.test_run:{reward}"]) == 2
+        assert capsys.readouterr().err == message
+        assert not os.listdir(os.path.join(fresh, "checkpoints"))
 
 
 def test_run_config_names_every_bad_option():
