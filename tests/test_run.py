@@ -264,9 +264,9 @@ def test_step_validates_its_batch_once(full_run, tmp_path, monkeypatch):
     step, the first step (which traces the step: its cache is cleared) included."""
     calls = []
 
-    def counting(batch, vocab_size):
+    def counting(batch, vocab_size, cfg=None):
         calls.append(is_concrete(batch.prompt))
-        return validate_batch(batch, vocab_size)
+        return validate_batch(batch, vocab_size, cfg)
 
     monkeypatch.setattr(train, "validate_batch", counting)
     monkeypatch.setattr(engine, "validate_batch", counting)
