@@ -400,3 +400,26 @@ def test_numpy_integer_sizes_are_accepted_bool_and_float_are_not():
             chunk_layout(10, bad)
         with pytest.raises(ValueError, match="max_new_tokens"):
             SamplingConfig(max_new_tokens=bad)
+
+
+def test_numpy_integer_sizes_reach_the_jitted_functions_as_python_ints(monkeypatch):
+    """grpo_grads, train_step and sample_group accept chunk_size=np.int64(4) (and G=np.int64) and pass Python ints
+    on as static arguments (one compile per value); the jitted functions are stubbed: no compile here."""
+    import types
+
+    from longstraw_jax import engine, rollout, train
+    from longstraw_jax.rollout import SamplingConfig
+
+    seen = []
+    record = lambda *args: seen.append([a for a in args if isinstance(a, (int, np.integer))])
+    monkeypatch.setattr(engine, "grpo_grads_unvalidated", lambda *a: record(*a))
+    monkeypatch.setattr(train, "_train_step", lambda *a: record(*a))
+    monkeypatch.setattr(rollout, "_sample_group", lambda *a: record(*a))
+    model = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=V))
+    batch = valid_batch()
+    engine.grpo_grads(model, None, batch, GRPOConfig(), "exact", chunk_size=np.int64(4))
+    train.train_step(model, None, None, batch, None, GRPOConfig(), "exact", np.int32(4))
+    rollout.sample_group(model, None, batch.prompt, np.int64(3), SamplingConfig(), None, chunk_size=np.uint16(4))
+    assert seen == [[4], [4], [3, 4]] and all(type(v) is int for values in seen for v in values), seen
+    with pytest.raises(ValueError, match="chunk_size must be a positive int, got True"):
+        engine.grpo_grads(model, None, batch, GRPOConfig(), "exact", chunk_size=True)
