@@ -25,15 +25,19 @@ __all__ = ["main", "RunConfig", "RunError", "Trainer", "build_parser", "parse_ar
 
 
 def main(argv=None) -> int:
-    """Train as the command line says; 0 when done, 2 (with a one-line error) on bad input."""
+    """Train as the command line says; 0 when done, 2 (with a one-line error) on bad input or a file that cannot be
+    read or written, 130 on Ctrl-C."""
     try:
         config, explicit = parse_args(argv)
         if config.mesh is not None:
             raise_cpu_device_count(config.mesh)
         return Trainer(config, explicit).run()
-    except (RunError, ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
+    except (RunError, ValueError, OSError, NotImplementedError) as e:  # OSError: FileNotFoundError, PermissionError..
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the run started writing (Trainer.run handles it after)
+        print("interrupted (Ctrl-C) before the run wrote anything: --out is as it was", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
