@@ -125,7 +125,7 @@ class Trainer:
         else:
             state = (f"the last complete checkpoint is step {last} ({os.path.join(where, str(last))}); continue "
                      f"with --out {self.plan.out} --resume")
-        print(f"interrupted (Ctrl-C) in step {self.step + 1}: {state}", file=sys.stderr, flush=True)
+        print(f"interrupted (Ctrl-C) after {self.step} completed steps: {state}", file=sys.stderr, flush=True)
         return 130
 
 
