@@ -9,8 +9,9 @@ position), and with --export-hf a safetensors checkpoint of the final params.
 With no arguments: the embedded default, a tiny Qwen3.6 (vocabulary 32) on the synthetic retrieval task (a tool
 log with a fact planted at a random depth), 40 exact-mode steps on CPU.
 
-The parts: run_config.py (RunConfig: the options, their checks, the merge on --resume), run_setup.py (output
-directory, mesh, model and params, optimizer, data source), run_loop.py (Trainer: the loop and checkpoints),
+The parts: run_config.py (RunConfig: the options, their checks, the merge on --resume), run_outdir.py (what may be
+written where: --out, the checkpoint to resume, --export-hf; incomplete saves and damaged checkpoints), run_setup.py
+(mesh, model and params, optimizer, data source), run_loop.py (Trainer: the loop and checkpoints, Ctrl-C),
 run_log.py (metrics records, progress lines, summary).
 """
 from __future__ import annotations
