@@ -10,7 +10,6 @@ while the output directory is being set up takes effect when that is done.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -30,8 +29,10 @@ class Trainer:
         """explicit: the options given on the command line (a resumed run's saved options must not contradict
         them)."""
         self.out = config.out or run_setup.default_out()
-        self.plan = run_outdir.plan(config, explicit, self.out)  # --out, --resume, --export-hf: reads only
-        self.config = config = self.plan.config
+        # --out, --resume, --export-hf (reads only): first on --resume (the checkpoint has the options), else after
+        # the model and data checks
+        self.plan = run_outdir.plan(config, explicit, self.out) if config.resume else None
+        self.config = config = self.plan.config if self.plan else config
         self.mesh = run_setup.mesh_for(config)
         self.model, params = run_setup.load_model(config)
         if self.mesh is not None:
@@ -40,6 +41,7 @@ class Trainer:
         self.data = run_setup.data_source(config, self.model.config.vocab_size)
         self.grpo = GRPOConfig(loss_agg=config.loss_agg, kl_coef=config.kl_coef)
         self.optimizer = run_setup.optimizer(config.lr, config.weight_decay, config.max_grad_norm or None)
+        self.plan = self.plan or run_outdir.plan(config, explicit, self.out)
         # committed like the params: a jit output built from an uncommitted init would be committed after step 1
         # and recompile the step once more
         self.opt_state = run_setup.place(jax.jit(self.optimizer.init)(self.params), self.mesh, self.params)
@@ -59,9 +61,6 @@ class Trainer:
             if self.plan.resuming:
                 for note in self.log.keep_until(self.start_step):
                     run_outdir.warn(note)
-            else:
-                with open(os.path.join(self.out, "config.json"), "w") as f:
-                    json.dump(self.config.saved(), f, indent=2)
 
     def train_one(self) -> dict:
         """One step: a batch from the data source, one train_step, one metrics.jsonl line (returned)."""

@@ -29,8 +29,8 @@ from longstraw_jax.orbax_io import CHECKPOINT_DIR, TMP_SUFFIX, BrokenCheckpoint,
 from longstraw_jax.run_config import RunConfig, RunError
 
 SET_ASIDE_DIR = "checkpoints-set-aside"
-# what a run writes before its first checkpoint completes (metrics.jsonl.tmp: a kill while it was being rewritten)
-EARLY_RUN_FILES = frozenset({"config.json", "metrics.jsonl", "metrics.jsonl.tmp", CHECKPOINT_DIR})
+# what a run writes before its first checkpoint completes (*.tmp: a kill while one was being rewritten)
+EARLY_RUN_FILES = frozenset({"config.json", "config.json.tmp", "metrics.jsonl", "metrics.jsonl.tmp", CHECKPOINT_DIR})
 
 
 def warn(message: str) -> None:
@@ -122,11 +122,21 @@ class OutPlan:
         raise RunError(f"--resume: no intact checkpoint in {self.checkpoints.directory}: " + "; ".join(problems))
 
     def start(self) -> TrainCheckpoints:
-        """Make the announced changes and open the checkpoints for writing (call once, when the run first
-        writes)."""
+        """Make the announced changes and open the checkpoints for writing (call once, when the run first writes).
+        A new run's config.json is written first (atomically), so a kill at any point in here leaves a directory
+        that a new run or --resume accepts."""
         os.makedirs(self.out, exist_ok=True)
         if self.checkpoints is not None:
             self.checkpoints.close()
+        if self.restart:
+            for name in ("metrics.jsonl", "metrics.jsonl.tmp", "config.json.tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.out, name))
+        if not self.resuming:
+            path = os.path.join(self.out, "config.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(self.config.saved(), f, indent=2)
+            os.replace(path + ".tmp", path)
         for path in self.incomplete:
             shutil.rmtree(path)
         for step in self.set_aside:
@@ -138,10 +148,6 @@ class OutPlan:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             os.rename(os.path.join(self.out, CHECKPOINT_DIR, str(step)), target)
             warn(f"moved checkpoint {step} to {target}")
-        if self.restart:
-            for name in ("metrics.jsonl", "metrics.jsonl.tmp"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(self.out, name))
         return TrainCheckpoints(self.out)
 
 
