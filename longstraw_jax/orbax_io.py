@@ -139,6 +139,8 @@ class TrainCheckpoints:
         cannot be read or lacks a field."""
         step = self.latest_step() if step is None else step
         where = os.path.join(self.step_dir(step), "meta")
+        if os.path.isfile(os.path.join(where, "metadata")):  # the JSON file itself (Orbax's JsonCheckpointHandler)
+            where = os.path.join(where, "metadata")
         try:
             meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:

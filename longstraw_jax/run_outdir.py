@@ -109,8 +109,9 @@ class OutPlan:
                 if self.config.resume_step is not None:
                     raise RunError(f"--resume-step={step}: {e}") from None
                 problems.append(str(e))
-                warn(f"{e}; trying the next older checkpoint (checkpoint {step} is kept: moved to "
-                     f"{os.path.join(self.out, SET_ASIDE_DIR)} when this run starts writing)")
+                if step != self.candidates[-1]:
+                    warn(f"{e}; trying the next older checkpoint (checkpoint {step} is kept: moved to "
+                         f"{os.path.join(self.out, SET_ASIDE_DIR)} when this run starts writing)")
                 continue
             if meta["config"] != self.meta["config"]:
                 raise RunError(f"checkpoint {step} ({self.checkpoints.step_dir(step)}) has other options than "
@@ -218,8 +219,9 @@ def _plan_resume(config: RunConfig, explicit, out: str) -> OutPlan:
             if config.resume_step is not None:
                 raise RunError(f"--resume-step={step}: {e}") from None
             problems.append(str(e))
-            warn(f"{e}; trying the next older checkpoint (checkpoint {step} is kept: moved to "
-                 f"{os.path.join(out, SET_ASIDE_DIR)} when this run starts writing)")
+            if i + 1 < len(candidates):
+                warn(f"{e}; trying the next older checkpoint (checkpoint {step} is kept: moved to "
+                     f"{os.path.join(out, SET_ASIDE_DIR)} when this run starts writing)")
             continue
         result.candidates = candidates[i:]
         break

@@ -181,7 +181,7 @@ def delete_state(step_dir):
 def garble_meta(step_dir):
     with open(os.path.join(step_dir, "meta", "metadata"), "w") as f:
         f.write('{"step": 4, "data_po')
-    return "meta"
+    return os.path.join("meta", "metadata")
 
 
 @pytest.mark.parametrize("damage", [truncate_data, delete_state, garble_meta])
