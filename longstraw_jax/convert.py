@@ -304,6 +304,13 @@ def _check_output(out: str, force: bool, sources: tuple[str, ...]) -> str:
     return out
 
 
+def _warn_if_refused(out: str | None, force: bool) -> None:
+    """--dry-run: say on stderr when the real run would refuse --out (non-empty without --force)."""
+    if out and not force and os.path.isdir(out) and os.listdir(out):
+        print(f"warning: --out {os.path.abspath(out)} exists and is not empty; a real run needs --force to replace it",
+              file=sys.stderr)
+
+
 @contextlib.contextmanager
 def _staged(out: str) -> Iterator[str]:
     """Yield a fresh sibling directory; rename it to `out` (replacing it) on success, delete it on any error."""
@@ -398,6 +405,7 @@ def hf2orbax(hf_dir: str, out: str | None, dtype: str = "bfloat16", *, mesh: str
                   file=log)
         summary = Summary("hf2orbax", len(layout), total, dry_run=True)
         print(summary, file=log)
+        _warn_if_refused(out, force)
         return summary
     out = _check_output(out, force, (source_dir,))
 
@@ -500,6 +508,7 @@ def orbax2hf(ckpt: str, config: str, out: str | None, dtype: str | None = None, 
     if dry_run:
         summary = Summary("orbax2hf", len(entries), total, dry_run=True)
         print(summary, file=log)
+        _warn_if_refused(out, force)
         return summary
     out = _check_output(out, force, (reader.directory, config_dir))
 

@@ -1,7 +1,9 @@
 """Training metrics: one JSON object per step in `<out>/metrics.jsonl`, a PNG plot at the end, peak memory.
 
-Each JSONL line is a flat object of numbers (see `run_log.step_record` for the fields); lines are flushed as they
-are written, so a crashed run keeps every completed step. `plot_metrics` draws reward and loss against step with
+Each JSONL line is a flat object of numbers (see `run_log.step_record` for the fields). Each line is appended with
+one write and fsync'd before the step is reported, so a crash can damage at most the line being written, never an
+earlier one; on resume `keep_until` drops such a partial last line (and the steps after the checkpoint) with a
+message. `plot_metrics` draws reward and loss against step with
 matplotlib's non-interactive Agg backend (no display needed).
 """
 from __future__ import annotations
@@ -32,24 +34,67 @@ class MetricsLog:
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
 
-    def keep_until(self, step: int) -> None:
+    def keep_until(self, step: int) -> list[str]:
+        """Keep the records of steps <= `step` (atomically: a new file renamed over the old one) -> messages saying
+        what was dropped: a partial last line (a crash mid-write), records after `step`. ValueError naming
+        `path:line` for any other line that is not a JSON object."""
         if not os.path.exists(self.path):
-            return
-        kept = [record for record in read_metrics(self.path) if record["step"] <= step]
+            return []
+        records, partial = _parse(self.path, allow_partial_last=True)
+        kept = [record for record in records if record["step"] <= step]
+        notes = [f"{self.path}:{partial}: dropped a partial last line (the run stopped while writing it)"] if partial \
+            else []
+        if len(kept) < len(records):
+            notes.append(f"{self.path}: dropped the records of steps {kept[-1]['step'] + 1 if kept else 1}.."
+                         f"{records[-1]['step']} (after the checkpoint of step {step}; they are run again)")
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(json.dumps(record) + "\n" for record in kept)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.path)
+        return notes
 
     def write(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _parse(path: str, allow_partial_last: bool = False) -> tuple[list[dict], int | None]:
+    """(records, the number of a partial last line that was skipped, or None). A bad line is a ValueError naming
+    `path:line`; with allow_partial_last, a last line that is not valid JSON is skipped instead."""
+    with open(path) as f:
+        lines = f.read().split("\n")
+    records, partial = [], None
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not an object with an integer 'step'")
+        except ValueError as e:
+            if allow_partial_last and i == last and isinstance(e, json.JSONDecodeError):
+                partial = i + 1
+                continue
+            raise ValueError(f"{path}:{i + 1}: not a metrics record ({e})") from None
+        records.append(record)
+    return records, partial
+
+
+def check_metrics(path: str | os.PathLike) -> None:
+    """ValueError naming `path:line` for a line that is neither a metrics record nor a partial last line (what
+    `MetricsLog.keep_until` would refuse); reads only."""
+    _parse(os.fspath(path), allow_partial_last=True)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Every record of a metrics.jsonl; ValueError naming `path:line` for a line that is not one."""
+    return _parse(os.fspath(path))[0]
 
 
 def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", smooth: int = 10) -> None:

@@ -10,8 +10,11 @@ Init directory (what `tools/convert_hf.py` writes and `--init-from DIR` reads):
 
 Training checkpoints (`TrainCheckpoints`): an Orbax `CheckpointManager` under `<out>/checkpoints`, one step
 directory per save, each with two items: "state" (params, optimizer state, the run's base RNG key data) and "meta"
-(JSON: step, data position, the run configuration). Orbax writes each step into a temporary directory and renames
-it when complete, so a crash mid-save never leaves a half-written checkpoint that `latest_step` would pick.
+(JSON: step, data position, the run configuration). Orbax writes each step into a temporary directory
+(`<step>.orbax-checkpoint-tmp`) and renames it when complete, so a crash mid-save never leaves a half-written
+checkpoint that `latest_step` would pick; `incomplete()` lists what such a crash left behind (run_outdir.py removes
+it). A checkpoint damaged later (a truncated or deleted file) is reported by `read_meta` / `restore` as a
+`BrokenCheckpoint` naming the step and the item's directory.
 """
 from __future__ import annotations
 
@@ -22,9 +25,25 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from longstraw_jax import models
+from longstraw_jax import fault_hooks, models
 
 CHECKPOINT_DIR = "checkpoints"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's temporary step directories: <step>.orbax-checkpoint-tmp[...]
+
+
+class BrokenCheckpoint(Exception):
+    """A checkpoint step that cannot be read: `step`, and a one-line message naming its item directory."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(message)
+        self.step = step
+
+
+def _reason(error: BaseException) -> str:
+    """One short line for an error from Orbax / TensorStore (whose messages run to many lines)."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    text = text if len(text) <= 160 else text[:157] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _on_device(tree, dtype=None):
@@ -92,17 +111,45 @@ class TrainCheckpoints:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """Complete checkpoints (renamed from their temporary directory), oldest first; not checked for damage."""
+        return sorted(self._manager.all_steps())
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def incomplete(self) -> list[str]:
+        """Temporary directories of saves that never completed (the process died mid-save), as absolute paths."""
+        return incomplete_saves(self.directory)
+
     def save(self, step: int, params, opt_state, rng_key: jax.Array, data_position: int, config: dict) -> None:
+        """Save and wait until the step directory is committed (renamed). A failure is an OSError naming it."""
         state = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(rng_key)}
         meta = {"step": int(step), "data_position": int(data_position), "config": config}
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                         meta=ocp.args.JsonSave(meta)))
-        self._manager.wait_until_finished()
+        try:
+            with fault_hooks.around_orbax_commit(step):
+                self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                                 meta=ocp.args.JsonSave(meta)))
+                self._manager.wait_until_finished()
+        except Exception as e:
+            raise OSError(f"saving checkpoint {self.step_dir(step)} failed: {_reason(e)}") from e
 
     def read_meta(self, step: int | None = None) -> dict:
-        """The JSON part of a checkpoint (newest by default) without reading any array."""
+        """The JSON part of a checkpoint (newest by default) without reading any array; BrokenCheckpoint when it
+        cannot be read or lacks a field."""
         step = self.latest_step() if step is None else step
-        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        where = os.path.join(self.step_dir(step), "meta")
+        if os.path.isfile(os.path.join(where, "metadata")):  # the JSON file itself (Orbax's JsonCheckpointHandler)
+            where = os.path.join(where, "metadata")
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:
+            raise BrokenCheckpoint(step, f"checkpoint {step}: {where} is unreadable ({_reason(e)})") from None
+        if not (isinstance(meta, dict) and meta.get("step") == step and isinstance(meta.get("data_position"), int)
+                and isinstance(meta.get("config"), dict)):
+            raise BrokenCheckpoint(step, f"checkpoint {step}: {where} is not this trainer's meta (needs step = {step}, "
+                                         "data_position, config)")
+        return meta
 
     def restore(self, params_like, opt_state_like, step: int | None = None):
         """-> (params, opt_state, rng_key, meta) of checkpoint `step` (the newest by default). The *_like trees give
@@ -110,13 +157,29 @@ class TrainCheckpoints:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"{self.directory}: no checkpoint to restore")
+        meta = self.read_meta(step)
         rng_like = jax.random.key_data(jax.random.key(0))
         abstract = _on_device({"params": params_like, "opt_state": opt_state_like, "rng": rng_like})
-        out = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                                  meta=ocp.args.JsonRestore()))
-        state = out["state"]
+        try:
+            state = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+        except Exception as e:
+            where = os.path.join(self.step_dir(step), "state")
+            raise BrokenCheckpoint(step, f"checkpoint {step}: {where} is unreadable ({_reason(e)})") from None
+        state = state["state"]
         key = jax.random.wrap_key_data(np.asarray(state["rng"]))
-        return state["params"], state["opt_state"], key, out["meta"]
+        return state["params"], state["opt_state"], key, meta
 
     def close(self) -> None:
-        self._manager.close()
+        """Wait for any save in flight and release the manager (again: nothing)."""
+        if not getattr(self, "_closed", False):
+            self._manager.close()
+            self._closed = True
+
+
+def incomplete_saves(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """Orbax temporary step directories under `checkpoint_dir` (absolute paths, sorted): saves that never
+    completed."""
+    checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    return sorted(os.path.join(checkpoint_dir, name) for name in os.listdir(checkpoint_dir) if TMP_SUFFIX in name)

@@ -9,8 +9,9 @@ position), and with --export-hf a safetensors checkpoint of the final params.
 With no arguments: the embedded default, a tiny Qwen3.6 (vocabulary 32) on the synthetic retrieval task (a tool
 log with a fact planted at a random depth), 40 exact-mode steps on CPU.
 
-The parts: run_config.py (RunConfig: the options, their checks, the merge on --resume), run_setup.py (output
-directory, mesh, model and params, optimizer, data source), run_loop.py (Trainer: the loop and checkpoints),
+The parts: run_config.py (RunConfig: the options, their checks, the merge on --resume), run_outdir.py (what may be
+written where: --out, the checkpoint to resume, --export-hf; incomplete saves and damaged checkpoints), run_setup.py
+(mesh, model and params, optimizer, data source), run_loop.py (Trainer: the loop and checkpoints, Ctrl-C),
 run_log.py (metrics records, progress lines, summary).
 """
 from __future__ import annotations
@@ -25,15 +26,19 @@ __all__ = ["main", "RunConfig", "RunError", "Trainer", "build_parser", "parse_ar
 
 
 def main(argv=None) -> int:
-    """Train as the command line says; 0 when done, 2 (with a one-line error) on bad input."""
+    """Train as the command line says; 0 when done, 2 (with a one-line error) on bad input or a file that cannot be
+    read or written, 130 on Ctrl-C."""
     try:
         config, explicit = parse_args(argv)
         if config.mesh is not None:
             raise_cpu_device_count(config.mesh)
         return Trainer(config, explicit).run()
-    except (RunError, ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
+    except (RunError, ValueError, OSError, NotImplementedError) as e:  # OSError: FileNotFoundError, PermissionError..
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the run started writing (Trainer.run handles it after)
+        print("interrupted (Ctrl-C) before the run wrote anything: --out is as it was", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`
                "checkpoints/ (Orbax: params, optimizer state, RNG key, data position), and with --export-hf a "
                "safetensors checkpoint of the final params.")
 # Options that may differ when resuming (everything else must match the checkpointed run's configuration).
-RESUMABLE = frozenset({"steps", "resume", "out", "export_hf", "log_every", "save_every"})
+RESUMABLE = frozenset({"steps", "resume", "resume_step", "out", "export_hf", "force", "log_every", "save_every"})
 
 
 class RunError(Exception):
@@ -76,9 +76,15 @@ class RunConfig:
     seed: int = _option(0)
     # output
     out: str | None = _option(None, "output directory (default: out/run-<UTC time>)", group="output")
-    resume: bool = _option(False, "continue the run in --out from its newest checkpoint")
+    resume: bool = _option(False, "continue the run in --out from its newest intact checkpoint (a damaged newer one "
+                           "is reported and moved to <out>/checkpoints-set-aside/)")
+    resume_step: int | None = _option(None, "with --resume: restore checkpoint N instead (newer ones are moved to "
+                                      "<out>/checkpoints-set-aside/)", metavar="N")
     save_every: int = _option(20, "checkpoint every N steps (and after the last)")
-    export_hf: str | None = _option(None, "write the final params as safetensors + config.json", metavar="DIR")
+    export_hf: str | None = _option(None, "write the final params as safetensors + config.json into a new or empty "
+                                    "DIR", metavar="DIR")
+    force: bool = _option(False, "with --export-hf: replace a non-empty DIR as a whole (written beside it, then "
+                          "renamed over it)")
     log_every: int = _option(1, "print a progress line every N steps")
 
     def __post_init__(self):
@@ -90,6 +96,8 @@ class RunConfig:
         for name in ("lr", "weight_decay", "kl_coef", "temperature", "top_p", "max_grad_norm"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be a finite number >= 0")
+        if self.resume_step is not None and (self.resume_step < 1 or not self.resume):
+            errors.append(f"--resume-step={self.resume_step} needs --resume and a step >= 1")
         if sum(x is not None for x in (self.hf, self.init_from)) + (self.model != "tiny") > 1:
             errors.append("give at most one of --model <config.json>, --hf, --init-from")
         if self.mesh is not None:

@@ -2,18 +2,23 @@
 step, data position, checkpoints, metrics log); `run()` trains to `config.steps`, checkpointing every
 `save_every` steps and after the last, then plots, exports and prints the summary.
 
-Nothing is written before every input has been checked (run_setup.py): a bad option, file or resume leaves the
-output directory as it was.
+Nothing is written before every input has been checked (run_setup.py, run_outdir.py) and the first step has been
+computed (so a bad reward function or batch is raised first too): until then the output directory stays as it was.
+Ctrl-C stops the run (exit status 130) saying which checkpoint is the last complete one; a Ctrl-C during a save or
+while the output directory is being set up takes effect when that is done.
 """
 from __future__ import annotations
 
-import json
+import contextlib
 import os
+import signal
+import sys
+import threading
 import time
 
 import jax
 
-from longstraw_jax import metrics, models, orbax_io, run_log, run_setup
+from longstraw_jax import fault_hooks, metrics, models, run_log, run_outdir, run_setup
 from longstraw_jax.grpo import GRPOConfig
 from longstraw_jax.run_config import RunConfig
 from longstraw_jax.train import train_step
@@ -24,8 +29,10 @@ class Trainer:
         """explicit: the options given on the command line (a resumed run's saved options must not contradict
         them)."""
         self.out = config.out or run_setup.default_out()
-        self.config, self.checkpoints, saved = run_setup.open_resume(config, explicit, self.out)
-        config = self.config
+        # --out, --resume, --export-hf (reads only): first on --resume (the checkpoint has the options), else after
+        # the model and data checks
+        self.plan = run_outdir.plan(config, explicit, self.out) if config.resume else None
+        self.config = config = self.plan.config if self.plan else config
         self.mesh = run_setup.mesh_for(config)
         self.model, params = run_setup.load_model(config)
         if self.mesh is not None:
@@ -34,31 +41,33 @@ class Trainer:
         self.data = run_setup.data_source(config, self.model.config.vocab_size)
         self.grpo = GRPOConfig(loss_agg=config.loss_agg, kl_coef=config.kl_coef)
         self.optimizer = run_setup.optimizer(config.lr, config.weight_decay, config.max_grad_norm or None)
-        if saved is None:
-            run_setup.check_no_checkpoints(self.out)
+        self.plan = self.plan or run_outdir.plan(config, explicit, self.out)
         # committed like the params: a jit output built from an uncommitted init would be committed after step 1
         # and recompile the step once more
         self.opt_state = run_setup.place(jax.jit(self.optimizer.init)(self.params), self.mesh, self.params)
         self.key = jax.random.key(config.seed)
         self.step, self.data_position = 0, 0
-        if saved is not None:
-            self.params, self.opt_state, self.key, meta = self.checkpoints.restore(self.params, self.opt_state)
+        if self.plan.resuming:
+            self.params, self.opt_state, self.key, meta = self.plan.restore(self.params, self.opt_state)
             self.step, self.data_position = meta["step"], meta["data_position"]
-        # every input checked: from here on the output directory is written
-        os.makedirs(self.out, exist_ok=True)
-        if self.checkpoints is None:
-            self.checkpoints = orbax_io.TrainCheckpoints(self.out)
-        self.log = metrics.MetricsLog(os.path.join(self.out, "metrics.jsonl"))
-        self.log.keep_until(self.step)
-        if saved is None:
-            with open(os.path.join(self.out, "config.json"), "w") as f:
-                json.dump(config.saved(), f, indent=2)
+        self.start_step = self.step
+        # opened by _start_writing, after the first step: until then the output directory is as it was
+        self.checkpoints, self.log = None, None
+
+    def _start_writing(self) -> None:
+        with _sigint_deferred():
+            self.checkpoints = self.plan.start()
+            self.log = metrics.MetricsLog(os.path.join(self.out, "metrics.jsonl"))
+            if self.plan.resuming:
+                for note in self.log.keep_until(self.start_step):
+                    run_outdir.warn(note)
 
     def train_one(self) -> dict:
         """One step: a batch from the data source, one train_step, one metrics.jsonl line (returned)."""
         start = time.perf_counter()
         batch, extra = self.data.batch(self.model, self.params, self.key, self.step, self.data_position)
         sampled = time.perf_counter()
+        fault_hooks.fire("step", self.step + 1)
         self.params, self.opt_state, step_metrics = train_step(
             self.model, self.params, self.opt_state, batch, self.optimizer, self.grpo, self.config.mode,
             self.config.chunk_size, **({"mesh": self.mesh} if self.mesh is not None else {}))
@@ -67,28 +76,71 @@ class Trainer:
         self.step += 1
         self.data_position += 1
         record = run_log.step_record(self.step, step_metrics, extra, batch, start, sampled, done)
+        if self.log is None:
+            self._start_writing()
         self.log.write(record)
         return record
 
     def run(self) -> int:
+        """Train to config.steps -> 0; Ctrl-C -> 130 (after saying which checkpoint is the last complete one)."""
         config = self.config
         print(run_log.header(self))
         records = []
         wall = time.perf_counter()
-        while self.step < config.steps:
-            record = self.train_one()
-            records.append(record)
-            if self.step % config.log_every == 0 or self.step == config.steps:
-                print(run_log.progress(record, config.steps), flush=True)
-            if self.step % config.save_every == 0 or self.step == config.steps:
-                self.checkpoints.save(self.step, self.params, self.opt_state, self.key, self.data_position,
-                                      config.saved())
-        wall = time.perf_counter() - wall
-        self.checkpoints.close()
-        history = metrics.read_metrics(self.log.path)
-        metrics.plot_metrics(history, os.path.join(self.out, "metrics.png"),
-                             title=f"GRPO ({config.mode}) on {self.data.description}")
-        if config.export_hf:
-            models.save_hf(self.model, self.params, config.export_hf)
+        try:
+            while self.step < config.steps:
+                record = self.train_one()
+                records.append(record)
+                if self.step % config.log_every == 0 or self.step == config.steps:
+                    print(run_log.progress(record, config.steps), flush=True)
+                if self.step % config.save_every == 0 or self.step == config.steps:
+                    with _sigint_deferred():
+                        self.checkpoints.save(self.step, self.params, self.opt_state, self.key, self.data_position,
+                                              config.saved())
+            wall = time.perf_counter() - wall
+            self.checkpoints.close()
+            history = metrics.read_metrics(self.log.path)
+            metrics.plot_metrics(history, os.path.join(self.out, "metrics.png"),
+                                 title=f"GRPO ({config.mode}) on {self.data.description}")
+            if config.export_hf:
+                with run_outdir.replaced_dir(config.export_hf, config.force) as staging:
+                    models.save_hf(self.model, self.params, staging)
+        except KeyboardInterrupt:
+            return self.interrupted()
         print(run_log.summary(records, history, wall, self))
         return 0
+
+    def interrupted(self) -> int:
+        """After Ctrl-C: say where the run stands on stderr -> 130."""
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+            last = self.checkpoints.latest_step()
+            where = self.checkpoints.directory
+        else:  # nothing written yet: the resumed checkpoint, if any, is still the newest
+            last = self.start_step if self.plan.resuming else None
+            where = os.path.join(self.plan.out, "checkpoints")
+        if last is None:
+            state = "no checkpoint was saved (a new run with the same --out starts over)"
+        else:
+            state = (f"the last complete checkpoint is step {last} ({os.path.join(where, str(last))}); continue "
+                     f"with --out {self.plan.out} --resume")
+        print(f"interrupted (Ctrl-C) after {self.step} completed steps: {state}", file=sys.stderr, flush=True)
+        return 130
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Ctrl-C inside the block takes effect (KeyboardInterrupt) when the block is done: a checkpoint save or the
+    output directory's set-up is never cut in half by it. (Signal handlers can only be set in the main thread;
+    elsewhere this does nothing.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt

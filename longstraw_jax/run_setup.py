@@ -1,6 +1,6 @@
-"""What a run is built from, given its RunConfig: the output directory and the checkpoint to resume, the device
-mesh, the model and its params (placed on one device or FSDP-sharded), the optimizer, and the data source (a task
-sampled from the policy, or a rollout file). Every function here checks its inputs before anything is written.
+"""What a run is built from, given its RunConfig (the output directory and the checkpoint to resume: run_outdir.py):
+the device mesh, the model and its params (placed on one device or FSDP-sharded), the optimizer, and the data source
+(a task sampled from the policy, or a rollout file). Every function here checks its inputs before anything is written.
 """
 from __future__ import annotations
 
@@ -34,33 +34,6 @@ def raise_cpu_device_count(mesh: str) -> None:
 
 def default_out() -> str:
     return os.path.join("out", time.strftime("run-%Y%m%d-%H%M%S", time.gmtime()))
-
-
-def open_resume(config: RunConfig, explicit, out: str):
-    """--resume: (config with the checkpointed run's options adopted, its TrainCheckpoints, its meta). Without
-    --resume: (config, None, None). RunError when there is nothing to resume or an explicit option contradicts the
-    saved ones; reads only."""
-    if not config.resume:
-        return config, None, None
-    ckpt_dir = os.path.join(out, orbax_io.CHECKPOINT_DIR)
-    if not os.path.isdir(ckpt_dir):
-        raise RunError(f"--resume: no checkpoint directory {os.path.abspath(ckpt_dir)}")
-    checkpoints = orbax_io.TrainCheckpoints(out, create=False)
-    if checkpoints.latest_step() is None:
-        raise RunError(f"--resume: no checkpoint in {os.path.abspath(ckpt_dir)}")
-    meta = checkpoints.read_meta()
-    config = config.resumed(meta["config"], explicit)
-    if config.steps <= meta["step"]:
-        raise RunError(f"--steps={config.steps}: the checkpoint is already at step {meta['step']}")
-    return config, checkpoints, meta
-
-
-def check_no_checkpoints(out: str) -> None:
-    """A new run must not write into another run's checkpoints."""
-    ckpt_dir = os.path.join(out, orbax_io.CHECKPOINT_DIR)
-    if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
-        raise RunError(f"{os.path.abspath(ckpt_dir)} already holds checkpoints: pass --resume to continue "
-                       "that run, or choose another --out")
 
 
 def load_model(config: RunConfig):

@@ -1,0 +1,57 @@
+"""TEST-ONLY fault injection for tests/test_faults.py: kill or interrupt the trainer at a chosen point, exactly.
+
+Set the environment variable `LONGSTRAW_TEST_FAULT=<point>:<step>:<signal>` (e.g. `save:4:SIGKILL`) and the
+trainer sends itself `<signal>` when it reaches `<point>` during step `<step>`:
+
+- `save`: inside the checkpoint save of step N, after every file of it is written into Orbax's temporary
+  directory (`checkpoints/N.orbax-checkpoint-tmp`) and before that directory is renamed to `checkpoints/N`;
+- `step`: in the middle of step N, after its batch is sampled and scored, before the update.
+
+Unset (the normal case) nothing happens: each point costs one dictionary lookup. Never set it outside tests.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+ENV = "LONGSTRAW_TEST_FAULT"
+
+
+def armed(point: str, step: int) -> signal.Signals | None:
+    """The signal the test asked for at `point` of `step`, or None."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return None
+    name, at, sig = spec.split(":")
+    return signal.Signals[sig] if name == point and int(at) == step else None
+
+
+def fire(point: str, step: int) -> None:
+    """Send this process the signal armed for `point` of `step`, if any."""
+    sig = armed(point, step)
+    if sig is not None:
+        os.kill(os.getpid(), sig)
+
+
+@contextlib.contextmanager
+def around_orbax_commit(step: int):
+    """While saving `step`: fire the `save` point just before Orbax renames the temporary directory (its atomic
+    commit). Patches Orbax's AtomicRenameTemporaryPath.finalize for the duration, only when the point is armed."""
+    if armed("save", step) is None:
+        yield
+        return
+    from orbax.checkpoint._src.path import atomicity
+
+    original = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def finalize(self, *args, **kwargs):
+        if self.get_final().name == str(step):  # the step directory, not one of its items
+            fire("save", step)
+        return await original(self, *args, **kwargs)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = finalize
+    try:
+        yield
+    finally:
+        atomicity.AtomicRenameTemporaryPath.finalize = original
