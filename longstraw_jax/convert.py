@@ -53,6 +53,7 @@ from flax import traverse_util
 
 from longstraw_jax import models
 from longstraw_jax.models import hf
+from longstraw_jax.replace_dir import swap_in
 from longstraw_jax.sharding import rules
 from longstraw_jax.sharding.mesh import parse_mesh_spec
 
@@ -313,7 +314,8 @@ def _warn_if_refused(out: str | None, force: bool) -> None:
 
 @contextlib.contextmanager
 def _staged(out: str) -> Iterator[str]:
-    """Yield a fresh sibling directory; rename it to `out` (replacing it) on success, delete it on any error."""
+    """Yield a fresh sibling directory; on success it replaces `out` (`replace_dir.swap_in`: a complete version
+    exists at every moment), on any error it is deleted."""
     staging = f"{out}.tmp-convert-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
@@ -322,9 +324,7 @@ def _staged(out: str) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if os.path.lexists(out):
-        shutil.rmtree(out)
-    os.rename(staging, out)
+    swap_in(staging, out, "convert")
 
 
 def _copy_side_files(source_dir: str, dest_dir: str) -> list[str]:

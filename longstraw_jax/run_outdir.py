@@ -26,6 +26,7 @@ import sys
 
 from longstraw_jax import metrics, orbax_io
 from longstraw_jax.orbax_io import CHECKPOINT_DIR, TMP_SUFFIX, BrokenCheckpoint, TrainCheckpoints
+from longstraw_jax.replace_dir import swap_in
 from longstraw_jax.run_config import RunConfig, RunError
 
 SET_ASIDE_DIR = "checkpoints-set-aside"
@@ -248,16 +249,6 @@ def check_export(config: RunConfig, out: str) -> None:
                        "as a whole")
 
 
-def _fsync_tree(directory: str) -> None:
-    for root, _, files in os.walk(directory):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
 @contextlib.contextmanager
 def replaced_dir(path: str, force: bool, option: str = "--export-hf"):
     """Yield a fresh directory beside `path` to write into; when the block completes, it replaces `path` (renamed
@@ -268,18 +259,12 @@ def replaced_dir(path: str, force: bool, option: str = "--export-hf"):
         raise RunError(f"{option} {path}: exists and is not empty ({_listing(path)}); pass --force to replace it "
                        "as a whole")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    staging, old = f"{path}.tmp-export-{os.getpid()}", f"{path}.old-export-{os.getpid()}"
+    staging = f"{path}.tmp-export-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     try:
         yield staging
-        _fsync_tree(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if os.path.lexists(path):
-        os.rename(path, old)
-        os.rename(staging, path)
-        shutil.rmtree(old)
-    else:
-        os.rename(staging, path)
+    swap_in(staging, path, "export")
