@@ -41,6 +41,7 @@ def around_orbax_commit(step: int):
     if armed("save", step) is None:
         yield
         return
+    # here, not at module level: a private Orbax module, touched only when a test arms the hook
     from orbax.checkpoint._src.path import atomicity
 
     original = atomicity.AtomicRenameTemporaryPath.finalize
