@@ -210,7 +210,7 @@ def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys
     assert "rewards must be finite" in capsys.readouterr().err
     assert not os.path.exists(fresh)  # the first batch is scored before --out is created
 
-    # whatever the reward function raises or wrongly returns: one line naming it, exit 2, no checkpoint
+    # whatever the reward function raises or wrongly returns: one line naming it, exit 2, nothing written
     for reward, message in (("boom_reward", "error: reward function tests.test_run:boom_reward raised RuntimeError "
                                             "on branch 0: boom\n"),
                             ("text_reward", "error: reward function tests.test_run:text_reward returned '1.0' (str) "
@@ -219,7 +219,7 @@ def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys
         fresh = str(tmp_path / reward)
         assert run.main(SMALL + ["--steps", "2", "--out", fresh, "--reward", f"tests.test_run:{reward}"]) == 2
         assert capsys.readouterr().err == message
-        assert not os.listdir(os.path.join(fresh, "checkpoints"))
+        assert not os.path.exists(fresh)  # the step fails before --out is created
 
 
 def test_run_config_names_every_bad_option():
