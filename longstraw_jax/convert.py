@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import dataclasses
 import json
 import math
@@ -43,7 +42,6 @@ import resource
 import shutil
 import sys
 import time
-from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +51,7 @@ from flax import traverse_util
 
 from longstraw_jax import models
 from longstraw_jax.models import hf
-from longstraw_jax.replace_dir import swap_in
+from longstraw_jax.replace_dir import staged
 from longstraw_jax.sharding import rules
 from longstraw_jax.sharding.mesh import parse_mesh_spec
 
@@ -312,21 +310,6 @@ def _warn_if_refused(out: str | None, force: bool) -> None:
               file=sys.stderr)
 
 
-@contextlib.contextmanager
-def _staged(out: str) -> Iterator[str]:
-    """Yield a fresh sibling directory; on success it replaces `out` (`replace_dir.swap_in`: a complete version
-    exists at every moment), on any error it is deleted."""
-    staging = f"{out}.tmp-convert-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    swap_in(staging, out, "convert")
-
-
 def _copy_side_files(source_dir: str, dest_dir: str) -> list[str]:
     """Copy config.json, tokenizer and other small regular files (not weights, not our record) -> their names."""
     names = [n for n in sorted(os.listdir(source_dir)) if os.path.isfile(os.path.join(source_dir, n))
@@ -412,7 +395,7 @@ def hf2orbax(hf_dir: str, out: str | None, dtype: str = "bfloat16", *, mesh: str
     start, started_ns = time.perf_counter(), time.time_ns()
     order = sorted(layout, key=lambda name: (found[name].file, found[name].offset))  # sequential reads
     progress = Progress(len(order), total)
-    with _staged(out) as staging:
+    with staged(out, "convert") as staging:
         params_dir = os.path.join(staging, "params")
         os.makedirs(params_dir)
         writer = OrbaxWriter(params_dir, shapes, dtype, chunks)
@@ -532,7 +515,7 @@ def orbax2hf(ckpt: str, config: str, out: str | None, dtype: str | None = None, 
             yield block.reshape(slot.hf_shape if rows is None else (rows[1] - rows[0], *slot.hf_shape[1:]))
         progress.update(name, math.prod(slot.hf_shape) * out_dtype.itemsize)
 
-    with _staged(out) as staging:
+    with staged(out, "convert") as staging:
         files = hf.write_sharded_safetensors(staging, entries, blocks, shard_bytes)
         _copy_side_files(config_dir, staging)
     summary = Summary("orbax2hf", len(entries), total, time.perf_counter() - start, peak_rss_bytes())

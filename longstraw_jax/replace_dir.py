@@ -3,8 +3,10 @@ staging directory, synced, and renamed over the old one (which is renamed aside 
 complete version, old or new, exists under one of the two names at every moment)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from typing import Iterator
 
 
 def fsync_tree(directory: str) -> None:
@@ -29,3 +31,19 @@ def swap_in(staging: str, path: str, tag: str) -> None:
         shutil.rmtree(old)
     else:
         os.rename(staging, path)
+
+
+@contextlib.contextmanager
+def staged(path: str, tag: str) -> Iterator[str]:
+    """Yield a fresh staging directory beside `path`; when the block completes it replaces `path` (`swap_in`), on
+    any error (a kill included: the next run finds only the staging directory) it is removed and `path` is
+    untouched."""
+    staging = f"{path}.tmp-{tag}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    swap_in(staging, path, tag)

@@ -26,7 +26,7 @@ import sys
 
 from longstraw_jax import metrics, orbax_io
 from longstraw_jax.orbax_io import CHECKPOINT_DIR, TMP_SUFFIX, BrokenCheckpoint, TrainCheckpoints
-from longstraw_jax.replace_dir import swap_in
+from longstraw_jax.replace_dir import staged
 from longstraw_jax.run_config import RunConfig, RunError
 
 SET_ASIDE_DIR = "checkpoints-set-aside"
@@ -259,12 +259,5 @@ def replaced_dir(path: str, force: bool, option: str = "--export-hf"):
         raise RunError(f"{option} {path}: exists and is not empty ({_listing(path)}); pass --force to replace it "
                        "as a whole")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    staging = f"{path}.tmp-export-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
-    try:
+    with staged(path, "export") as staging:
         yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    swap_in(staging, path, "export")
