@@ -1,4 +1,5 @@
 """Smoke test of tools/bench_step.py: one mode, tiny sizes, compiled and run in its own child process."""
+import json
 import os
 import subprocess
 import sys
@@ -23,15 +24,20 @@ def _plan(*args):
                           env=dict(os.environ, XLA_FLAGS="--xla_cpu_use_fusion_emitters=false"))
 
 
-def test_plan_capacity_prints_per_device_components():
+def test_plan_capacity_prints_per_device_components(tmp_path):
     """tools/plan_capacity.py: one AOT compile of the sharded train step on a simulated 2x4 mesh (tiny Qwen3.6,
     float32, detached) and one on 1x8 (tiny GLM-5.2, exact): the per-device components and the compiled total."""
     result = _plan("--config", "configs/qwen3.6-tiny.json", "--mesh", "2x4", "-P", "200", "-G", "2", "-R", "8",
                    "--modes", "detached", "--dtype", "float32", "--chunk", "64", "--device-gb", "0.001",
-                   "--unit", "MiB")
+                   "--unit", "MiB", "--json", str(tmp_path / "plan.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     row = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("detached ")][-1]
     params, optimizer, grads, state, cotangent, rest, total = map(float, row[3:10])
+    plan = json.loads((tmp_path / "plan.json").read_text())  # --json: the same row in bytes, with "fits"
+    assert plan["setup"]["mesh"] == "2x4" and len(plan["rows"]) == 1
+    (cell,) = plan["rows"]
+    assert (cell["mode"], cell["G"], cell["P"], cell["fits"]) == ("detached", 2, 200, False)
+    assert abs(cell["total"] / 2**20 - total) <= 0.005 and abs(cell["params"] / 2**20 - params) <= 0.005
     # AdamW moments and grads: float32, sharded like the params
     assert params > 0 and abs(optimizer - 2 * params) <= 0.02 and abs(grads - params) <= 0.01
     assert state > 0 and cotangent == 0 and total >= params + optimizer + grads + state and row[-1] == "no"

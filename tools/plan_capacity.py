@@ -31,6 +31,7 @@ Imports of jax and the package are function-local on purpose: XLA_FLAGS and the 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -200,6 +201,18 @@ def format_rows(rows: list[dict], device_gb: float, markdown: bool, unit: str = 
     return "\n".join([fmt(head)] + [fmt(line) for line in lines])
 
 
+def write_json(path: str, rows: list[dict], args, planner) -> None:
+    """{"setup": the run's options, "rows": one object per table row: mode, G, P, every component and the compiled
+    total in bytes per device, compile seconds, and "fits" (total <= device_gb * 1e9)}."""
+    limit = args.device_gb * 1e9
+    setup = dict(config=args.config, mesh=args.mesh, dtype=args.dtype, response_len=args.response_len,
+                 chunk=args.chunk, device_gb=args.device_gb, params=planner.num_params)
+    out = [dict(row, fits=bool(row["total"] <= limit)) for row in rows]
+    with open(path, "w") as f:
+        json.dump(dict(setup=setup, rows=out), f, indent=1)
+        f.write("\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -218,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                          "is most of the exact step's transient memory)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--unit", choices=("GiB", "MiB"), default="GiB", help="table unit (default GiB)")
+    ap.add_argument("--json", metavar="FILE", help="also write every row as JSON (bytes; a boolean 'fits' per row)")
     args = ap.parse_args(argv)
     from longstraw_jax.sharding.mesh import parse_mesh_spec
 
@@ -247,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                 if row is not None:
                     rows.append(dict(row, mode=mode + " (longest)"))
     print(format_rows(rows, args.device_gb, args.markdown, args.unit))
+    if args.json:
+        write_json(args.json, rows, args, planner)
     for mode in args.modes.split(","):
         for prompt_len in args.prompt_len:
             cells = {row["G"]: row["total"] for row in rows if row["mode"] == mode and row["P"] == prompt_len}
