@@ -51,6 +51,7 @@ from flax import traverse_util
 
 from longstraw_jax import models
 from longstraw_jax.models import hf
+from longstraw_jax.models.base import read_json
 from longstraw_jax.replace_dir import staged
 from longstraw_jax.sharding import rules
 from longstraw_jax.sharding.mesh import parse_mesh_spec
@@ -254,7 +255,7 @@ class OrbaxReader:
             raise FileNotFoundError(f"--ckpt {ckpt}: no Orbax checkpoint (no _METADATA in {', '.join(candidates)})")
         self.directory = found[0]
         meta_path = os.path.join(self.directory, "_METADATA")
-        meta = hf.read_json(meta_path, "Orbax metadata")
+        meta = read_json(meta_path, "Orbax metadata")
         try:
             stored = ["/".join(str(k["key"]) for k in entry["key_metadata"])
                       for entry in meta["tree_metadata"].values()]
@@ -470,7 +471,7 @@ def orbax2hf(ckpt: str, config: str, out: str | None, dtype: str | None = None, 
     else:
         aliases = []  # the spelling hf2orbax found, when config_dir is one of its init directories
         if os.path.exists(record_path := os.path.join(config_dir, CONVERT_RECORD)):
-            aliases = hf.read_json(record_path, "conversion record").get("hf_prefix_aliases_used", [])
+            aliases = read_json(record_path, "conversion record").get("hf_prefix_aliases_used", [])
         names = {name: next((old + name[len(new):] for old, new in aliases if name.startswith(new)), name)
                  for name in layout}
         dtypes, extras = {name: reader.dtypes[layout[name].path] for name in layout}, []

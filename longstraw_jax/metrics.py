@@ -3,8 +3,8 @@
 Each JSONL line is a flat object of numbers (see `run_log.step_record` for the fields). Each line is appended with
 one write and fsync'd before the step is reported, so a crash can damage at most the line being written, never an
 earlier one; on resume `keep_until` drops such a partial last line (and the steps after the checkpoint) with a
-message. `plot_metrics` draws reward and loss against step with
-matplotlib's non-interactive Agg backend (no display needed).
+message. `plot_metrics` draws reward and loss against step with matplotlib's non-interactive Agg backend (no
+display needed).
 """
 from __future__ import annotations
 

@@ -34,3 +34,15 @@ def test_unknown_model_type_and_config_class():
         registry.read_config({"model_type": "llama"}, "x.json")
     with pytest.raises(TypeError, match="no model for config type dict"):
         models.build({"model_type": "qwen3_5_text"})
+
+
+@pytest.mark.parametrize("config_class", [models.Qwen36Config, models.Glm52Config])
+def test_from_hf_names_a_broken_config_file(tmp_path, config_class):
+    """The config classes' own `from_hf` (the API path, not only the trainer's) names the file of a syntax error."""
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": ')
+    with pytest.raises(ValueError, match=rf"{path}: config file is not valid JSON: Expecting value: line 1"):
+        config_class.from_hf(path)
+    with pytest.raises(ValueError, match=rf"{path}: config file must be a JSON object, got list"):
+        path.write_text("[]")
+        config_class.from_hf(tmp_path)

@@ -162,8 +162,23 @@ def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, kee
     return (state, (full_boundaries, last_boundary)) if keep_boundaries else state
 
 
+def read_json(path: str, what: str = "file", kind: type = dict):
+    """The JSON value of `path`, which must be a `kind` (default: an object); ValueError naming the file (and the
+    line and column of a syntax error) otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path}: {what} is not valid JSON: {e}") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{path}: {what} must be a JSON {'object' if kind is dict else kind.__name__}, "
+                         f"got {type(value).__name__}")
+    return value
+
+
 def read_json_config(source) -> dict:
-    """A transformers config as a dict: given a dict, a config.json path, or a checkpoint directory."""
+    """A transformers config as a dict: given a dict, a config.json path, or a checkpoint directory (errors name the
+    file)."""
     if isinstance(source, dict):
         return source
     path = os.fspath(source)
@@ -171,8 +186,7 @@ def read_json_config(source) -> dict:
         path = os.path.join(path, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no config.json at {path}")
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path, "config file")
 
 
 def check_config_fields(raw: dict, known: set, strict: bool, what: str = "fields") -> None:

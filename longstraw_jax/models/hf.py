@@ -27,7 +27,7 @@ import numpy as np
 from flax import traverse_util
 
 from longstraw_jax.models import registry
-from longstraw_jax.models.base import Slot
+from longstraw_jax.models.base import Slot, read_json
 
 
 def config_from_hf(directory: str | os.PathLike):
@@ -41,20 +41,6 @@ def config_from_hf(directory: str | os.PathLike):
             raise FileNotFoundError(f"{path}: no config.json in this directory")
         path = os.path.join(path, "config.json")
     return registry.read_config(read_json(path, "config file"), path)
-
-
-def read_json(path: str, what: str = "file", kind: type = dict):
-    """The JSON value of `path`, which must be a `kind` (default: an object); ValueError naming the file (and the
-    line and column of a syntax error) otherwise."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"{path}: {what} is not valid JSON: {e}") from None
-    if not isinstance(value, kind):
-        raise ValueError(f"{path}: {what} must be a JSON {'object' if kind is dict else kind.__name__}, "
-                         f"got {type(value).__name__}")
-    return value
 
 
 def checkpoint_layout(model) -> dict[str, Slot]:
