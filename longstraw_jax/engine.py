@@ -23,9 +23,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from longstraw_jax.grpo import GroupBatch, GRPOConfig, finalize_metrics, validate_batch
+from longstraw_jax.grpo import GroupBatch, GRPOConfig, batch_advantages, finalize_metrics, token_weights, validate_batch
 from longstraw_jax.models.base import capture_chunks, chunk_layout
-from longstraw_jax.replay import replay_branches
+from longstraw_jax.replay import replay_branches, scan_groups, zeros_f32
 from longstraw_jax.sharding import grpo as sharded
 from longstraw_jax.validation import check_size
 
@@ -33,12 +33,19 @@ MODES = ("exact", "detached")
 
 
 def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(), mode: str = "exact",
-               chunk_size: int = 2048, mesh=None):
-    """(loss, grads, metrics) for one group. `model`, `cfg`, `mode`, `chunk_size`, `mesh` are static.
+               chunk_size: int = 2048, mesh=None, captured=None):
+    """(loss, grads, metrics) for one group, or for B groups side by side (a batch with a group axis: prompt [B, P],
+    responses [B, G, R], ...; advantages per group, the loss aggregated over the whole batch, `grpo.py`).
+    `model`, `cfg`, `mode`, `chunk_size`, `mesh` are static.
 
     mesh: a ("data", "seq") `jax.sharding.Mesh` (sharding.make_mesh) runs the sequence-parallel engine of
     `sharding/grpo.py` (Qwen3.6 and GLM-5.x; same loss and gradients, grads FSDP-sharded; the prompt is captured
-    and backpropagated in rounds of about chunk_size positions).
+    and backpropagated in rounds of about chunk_size positions; B groups are split over `data`, B a multiple of its
+    size).
+
+    captured: the sampler's capture of prompt[:-1] (`rollout.Captured` on one device, with boundaries in exact mode;
+    `sharding.sample`'s on a mesh), stacked over groups like the batch: the update then does not capture again
+    (one capture per step). It must come from the same params, prompt and chunk_size (round_len on a mesh).
 
     Validates the batch on the host when its arrays are concrete (under an outer `jit` only shapes are checked).
     grads has the structure and dtype of params.
@@ -48,33 +55,68 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
     if mesh is not None:
         model.sequence_parallel()  # a family without a sharded path says so before any work
     validate_batch(batch, model.config.vocab_size, cfg)
-    return grpo_grads_unvalidated(model, params, batch, cfg, mode, check_size(chunk_size, "chunk_size"), mesh)
+    return grpo_grads_unvalidated(model, params, batch, cfg, mode, check_size(chunk_size, "chunk_size"), mesh,
+                                  captured)
 
 
-def grpo_grads_unvalidated(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, chunk_size: int, mesh=None):
+def grpo_grads_unvalidated(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, chunk_size: int, mesh=None,
+                           captured=None):
     """`grpo_grads` for a caller that has checked `mode` and run `validate_batch` itself (`train.train_step`, so that
     a training step validates its batch once)."""
-    chunk_layout(batch.prompt.shape[0] - 1, chunk_size)
+    chunk_layout(batch.prompt.shape[-1] - 1, chunk_size)
     if mesh is not None:
-        return sharded.grpo_grads(model, params, batch, cfg, mode, mesh, round_len=chunk_size)
-    return _grpo_grads(model, params, batch, cfg, mode, chunk_size)
+        return sharded.grpo_grads(model, params, batch, cfg, mode, mesh, round_len=chunk_size, captured=captured)
+    if captured is not None:
+        check_captured(captured, batch, mode)
+    return _grpo_grads(model, params, batch, cfg, mode, chunk_size, captured)
+
+
+def check_captured(captured, batch: GroupBatch, mode: str) -> None:
+    """The one-device sampler's capture must be of prompt[:-1] (state length P - 1) and, in exact mode, carry the
+    chunk boundaries the prompt backward starts from."""
+    length = batch.prompt.shape[-1] - 1
+    if captured.state.length != length:
+        raise ValueError(f"captured state has length {captured.state.length}; the batch's prompt[:-1] has {length} "
+                         "positions (capture the same prompt)")
+    if mode == "exact" and captured.boundaries is None:
+        raise ValueError("mode='exact' needs the capture's chunk boundaries: sample with keep_capture=True in exact "
+                         "mode (captured.boundaries is None)")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
-def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, chunk_size: int):
-    dtype = model.lm_head(params).dtype
-    prompt = batch.prompt.astype(jnp.int32)
-    frozen = jax.lax.stop_gradient(params)
-    if mode == "exact":
-        state, boundaries = capture_chunks(model, frozen, prompt[:-1], chunk_size, dtype, keep_boundaries=True)
-    else:
-        state = capture_chunks(model, frozen, prompt[:-1], chunk_size, dtype)
+def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, chunk_size: int, captured=None):
+    grouped = batch.as_groups()
+    if captured is not None and batch.num_groups is None:
+        captured = jax.tree.map(lambda x: x[None], captured)
+    groups = (grouped, token_weights(grouped.mask, cfg), batch_advantages(grouped.rewards, cfg), captured)
 
-    loss, grads, state_cot, sums = replay_branches(model, params, state, batch, cfg, with_state_grad=mode == "exact")
+    def one_group(grads, xs):
+        group, weights, advantages, captured = xs
+        return _group_grads(model, params, group, cfg, mode, chunk_size, weights, advantages, captured, grads)
+
+    loss, grads, sums = scan_groups(one_group, zeros_f32(params), groups)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return loss, grads, finalize_metrics(sums, grouped.rewards, grouped.mask)
+
+
+def _group_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, chunk_size: int, weights, advantages,
+                 captured, grads):
+    """One group: capture prompt[:-1] (unless `captured`), replay its branches, and in exact mode backpropagate into
+    the prompt, adding into the float32 `grads`. -> (loss, grads, metric sums)."""
+    prompt = batch.prompt.astype(jnp.int32)
+    if captured is not None:
+        state, boundaries = captured.state, captured.boundaries
+    elif mode == "exact":
+        state, boundaries = capture_chunks(model, jax.lax.stop_gradient(params), prompt[:-1], chunk_size,
+                                           model.lm_head(params).dtype, keep_boundaries=True)
+    else:
+        state = capture_chunks(model, jax.lax.stop_gradient(params), prompt[:-1], chunk_size,
+                               model.lm_head(params).dtype)
+    loss, grads, state_cot, sums = replay_branches(model, params, state, batch, cfg, with_state_grad=mode == "exact",
+                                                   weights=weights, advantages=advantages, grads=grads)
     if mode == "exact":
         grads = prompt_backward(model, params, prompt[:-1], chunk_size, state, boundaries, state_cot, grads)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    return loss, grads, finalize_metrics(sums, batch.rewards, batch.mask)
+    return loss, grads, sums
 
 
 def prompt_backward(model, params, tokens: jax.Array, chunk_size: int, state, boundaries, state_cot, grads):

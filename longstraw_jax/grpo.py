@@ -1,9 +1,13 @@
 """GRPO objective: advantages, per-token clipped surrogate + k3 KL, loss aggregation. Pure and model-agnostic.
 
-One group = one shared prompt [P] and G response branches [G, R] (right-padded; `mask` marks real tokens).
+One group = one shared prompt [P] and G response branches [G, R] (right-padded; `mask` marks real tokens). A batch
+holds one group, or B groups side by side (a leading group axis: prompt [B, P], responses [B, G, R], ...).
+Advantages are per group; the loss aggregation is over the whole batch, as in verl (token-mean over all tokens of
+all groups; seq-mean-token-mean over all B * G sequences; seq-mean-token-sum-norm divides by B * G * R).
 Every aggregation is written as a per-token weight, `loss = sum(token_weights(mask) * per_token_loss)`, so the
 loss is a sum of independent branch losses: an engine can score one branch at a time (a `lax.scan` over
-branches) and add them up. `grpo_loss` is the same sum over a whole `[G, R]` batch at once (the oracle's path).
+branches, and over groups) and add them up. `grpo_loss` is the same sum over a whole batch at once (the oracle's
+path).
 
 Per-branch metric sums (`branch_loss`) are additive too; `finalize_metrics` turns their total into the metrics,
 so no metric ever needs the `[G, R, vocab]` logits.
@@ -79,7 +83,8 @@ class GRPOConfig:
 
 @struct.dataclass
 class GroupBatch:
-    """One GRPO group: a shared prompt and G right-padded response branches.
+    """One GRPO group: a shared prompt and G right-padded response branches; or B groups side by side, every field
+    with a leading group axis [B, ...] (prompt [B, P], responses [B, G, R], rewards [B, G], ...).
 
     prompt:       int32 [P], P >= 2 (engines capture prompt[:-1] and replay prompt[-1] + response[:-1]).
     responses:    int32 [G, R]; token t of branch g is scored by the logits after prompt + responses[g, :t].
@@ -99,12 +104,27 @@ class GroupBatch:
     ref_logprobs: jax.Array | None = None
 
     @property
+    def num_groups(self) -> int | None:
+        """B for a batch of groups (leading group axis), None for one group."""
+        return self.prompt.shape[0] if np.ndim(self.prompt) == 2 else None
+
+    @property
     def num_branches(self) -> int:
-        return self.responses.shape[0]
+        return self.responses.shape[-2]
 
     @property
     def response_length(self) -> int:
-        return self.responses.shape[1]
+        return self.responses.shape[-1]
+
+    def as_groups(self) -> "GroupBatch":
+        """The batch with a leading group axis (one group -> B = 1; a batch of groups unchanged)."""
+        if self.num_groups is not None:
+            return self
+        return jax.tree.map(lambda x: x[None], self)
+
+    def group(self, b: int) -> "GroupBatch":
+        """Group b of a batch of groups, as a one-group batch."""
+        return jax.tree.map(lambda x: x[b], self.as_groups())
 
 
 def validate_batch(batch: GroupBatch, vocab_size: int, cfg: GRPOConfig | None = None) -> GroupBatch:
@@ -126,29 +146,39 @@ def validate_batch(batch: GroupBatch, vocab_size: int, cfg: GRPOConfig | None = 
         value = getattr(batch, name)
         return np.asarray(value) if is_concrete(value) else None
 
+    grouped = len(shape("prompt")) == 2
+    lead = shape("prompt")[:1] if grouped else ()
     for name, rank, what in (("prompt", 1, "[P]"), ("responses", 2, "[G, R]"), ("mask", 2, "[G, R]"),
                              ("rewards", 1, "[G]")):
-        if len(shape(name)) != rank:
-            raise ValueError(f"GroupBatch.{name} must have rank {rank} {what}, got shape {shape(name)}")
+        if len(shape(name)) != rank + len(lead):
+            raise ValueError(f"GroupBatch.{name} must have rank {rank} {what} (one group) or {rank + 1} "
+                             f"{'[B, ' + what[1:]} (B groups, like prompt {shape('prompt')}), got shape {shape(name)}")
+    if shape("responses")[: len(lead)] != lead:
+        raise ValueError(f"GroupBatch.responses has {shape('responses')[0]} groups but prompt has {lead[0]} "
+                         f"(shapes {shape('responses')} and {shape('prompt')})")
     for name in ("prompt", "responses"):
         if not np.issubdtype(dtype(name), np.integer):
             raise TypeError(f"GroupBatch.{name} must be an integer array (int32), got dtype {dtype(name)}")
-    (p,), (g, r) = shape("prompt"), shape("responses")
+    if grouped and lead[0] < 1:
+        raise ValueError("GroupBatch has B=0 groups; need B >= 1")
+    p, (g, r) = shape("prompt")[-1], shape("responses")[-2:]
     if p < 2:
         raise ValueError(f"GroupBatch.prompt has P={p} tokens; need P >= 2 (prompt[:-1] is captured, "
                          "prompt[-1] starts the replay)")
     if g < 1 or r < 1:
-        raise ValueError(f"GroupBatch.responses has shape {(g, r)}; need G >= 1 branches and R >= 1 tokens")
-    if shape("mask") != (g, r):
-        raise ValueError(f"GroupBatch.mask has shape {shape('mask')} but responses has shape {(g, r)}")
-    if shape("rewards") != (g,):
-        raise ValueError(f"GroupBatch.rewards has shape {shape('rewards')}; expected [G] = {(g,)}")
+        raise ValueError(f"GroupBatch.responses has shape {shape('responses')}; need G >= 1 branches and R >= 1 "
+                         "tokens")
+    if shape("mask") != lead + (g, r):
+        raise ValueError(f"GroupBatch.mask has shape {shape('mask')} but responses has shape {lead + (g, r)}")
+    if shape("rewards") != lead + (g,):
+        raise ValueError(f"GroupBatch.rewards has shape {shape('rewards')}; expected {'[B, G]' if grouped else '[G]'} "
+                         f"= {lead + (g,)}")
     if cfg is not None and cfg.kl_coef > 0 and batch.ref_logprobs is None:
         raise ValueError(f"GRPOConfig.kl_coef={cfg.kl_coef} needs GroupBatch.ref_logprobs (reference-policy "
                          "log-probs), but it is None: pass ref_logprobs or set kl_coef=0")
     for name in ("old_logprobs", "ref_logprobs"):
-        if getattr(batch, name) is not None and shape(name) != (g, r):
-            raise ValueError(f"GroupBatch.{name} has shape {shape(name)}; expected [G, R] = {(g, r)} like responses")
+        if getattr(batch, name) is not None and shape(name) != lead + (g, r):
+            raise ValueError(f"GroupBatch.{name} has shape {shape(name)}; expected {lead + (g, r)} like responses")
 
     for name in ("prompt", "responses"):
         ids = host(name)
@@ -163,10 +193,11 @@ def validate_batch(batch: GroupBatch, vocab_size: int, cfg: GRPOConfig | None = 
         if not np.isin(mask, (0, 1)).all():
             bad = sorted(set(np.unique(mask[~np.isin(mask, (0, 1))]).tolist()))[:5]
             raise ValueError(f"GroupBatch.mask values must be 0 or 1, found {bad}")
-        empty = np.flatnonzero(mask.sum(axis=1) == 0)
+        empty = np.argwhere(mask.sum(axis=-1) == 0)
         if empty.size:
-            raise ValueError(f"GroupBatch.mask is all zero for branch(es) {empty.tolist()}: every response needs "
-                             "at least one real token")
+            which = [tuple(int(i) for i in e) if grouped else int(e[0]) for e in empty]
+            raise ValueError(f"GroupBatch.mask is all zero for {'(group, branch)' if grouped else 'branch(es)'} "
+                             f"{which}: every response needs at least one real token")
     if not (np.issubdtype(dtype("rewards"), np.floating) or np.issubdtype(dtype("rewards"), np.integer)):
         raise TypeError(f"GroupBatch.rewards must be a float array (float32), got dtype {dtype('rewards')}")
     rewards = host("rewards")
@@ -174,11 +205,13 @@ def validate_batch(batch: GroupBatch, vocab_size: int, cfg: GRPOConfig | None = 
         rewards = rewards.astype(np.float64)
         if not np.isfinite(rewards).all():
             raise ValueError(f"GroupBatch.rewards must be finite, got {rewards.tolist()}")
-        big = np.flatnonzero(np.abs(rewards) > FLOAT32_MAX)
+        big = np.argwhere(np.abs(rewards) > FLOAT32_MAX)
         if big.size:
-            raise ValueError(f"GroupBatch.rewards[{big[0]}] = {rewards[big[0]]} is outside float32 range "
-                             f"(|r| <= {FLOAT32_MAX:.6g})")
-        if cfg is not None and cfg.adv_norm == "none" and np.abs(rewards - rewards.mean()).max() > FLOAT32_MAX:
+            where = tuple(int(i) for i in big[0])
+            raise ValueError(f"GroupBatch.rewards[{', '.join(map(str, where))}] = {rewards[where]} is outside "
+                             f"float32 range (|r| <= {FLOAT32_MAX:.6g})")
+        centred = rewards - rewards.mean(axis=-1, keepdims=True)
+        if cfg is not None and cfg.adv_norm == "none" and np.abs(centred).max() > FLOAT32_MAX:
             raise ValueError(f"GroupBatch.rewards {rewards.tolist()}: with adv_norm='none' the advantages r - mean "
                              "overflow float32; scale the rewards down or use adv_norm='std'")
     for name in ("old_logprobs", "ref_logprobs"):
@@ -190,8 +223,8 @@ def validate_batch(batch: GroupBatch, vocab_size: int, cfg: GRPOConfig | None = 
                               ((values > 0) & (mask == 1), "log-probs must be <= 0")):
                 if bad.any():
                     where = tuple(int(i) for i in np.argwhere(bad)[0])
-                    raise ValueError(f"GroupBatch.{name}[{where[0]}, {where[1]}] = {values[where]} where mask = 1; "
-                                     f"{rule}")
+                    raise ValueError(f"GroupBatch.{name}[{', '.join(map(str, where))}] = {values[where]} where "
+                                     f"mask = 1; {rule}")
     return batch
 
 
@@ -218,17 +251,26 @@ def group_advantages(rewards: jax.Array, cfg: GRPOConfig) -> jax.Array:
 
 
 def token_weights(mask: jax.Array, cfg: GRPOConfig) -> jax.Array:
-    """mask [G, R] -> weights [G, R], zero on padding, such that the group loss is `sum(weights * per_token_loss)`.
+    """mask [G, R] (one group) or [B, G, R] (a batch of groups) -> weights of the same shape, zero on padding, such
+    that the batch loss is `sum(weights * per_token_loss)`. With N = G (or B * G) sequences:
 
-    token-mean: mask / sum(mask); seq-mean-token-mean: mask / (G * len_g); seq-mean-token-sum-norm: mask / (G * R).
+    token-mean: mask / sum(mask); seq-mean-token-mean: mask / (N * len_n); seq-mean-token-sum-norm: mask / (N * R).
     """
     mask = jnp.asarray(mask, jnp.float32)
-    g, r = mask.shape
+    sequences, r = math.prod(mask.shape[:-1]), mask.shape[-1]
     if cfg.loss_agg == "token-mean":
         return mask / jnp.maximum(jnp.sum(mask), 1.0)
     if cfg.loss_agg == "seq-mean-token-mean":
-        return mask / (g * jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1.0))
-    return mask / (g * r)
+        return mask / (sequences * jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0))
+    return mask / (sequences * r)
+
+
+def batch_advantages(rewards: jax.Array, cfg: GRPOConfig) -> jax.Array:
+    """rewards [G] or [B, G] -> advantages of the same shape, each group normalised on its own
+    (`group_advantages`)."""
+    rewards = jnp.asarray(rewards, jnp.float32)
+    per_group = functools.partial(group_advantages, cfg=cfg)
+    return per_group(rewards) if rewards.ndim == 1 else jax.vmap(per_group)(rewards)
 
 
 def per_token_loss(logp: jax.Array, old_logp: jax.Array | None, ref_logp: jax.Array | None, advantage,
@@ -286,13 +328,14 @@ def branch_loss(logp: jax.Array, old_logp: jax.Array | None, ref_logp: jax.Array
 
 
 def finalize_metrics(sums: dict, rewards: jax.Array, mask: jax.Array) -> dict:
-    """Metric sums totalled over all G branches -> scalar metrics.
+    """Metric sums totalled over all branches (of all groups: rewards [G] or [B, G], mask [G, R] or [B, G, R]) ->
+    scalar metrics (means over all B * G branches).
 
     reward_mean/std (population), clip_frac (clipped / tokens), kl (token mean of k3), response_len_mean,
     adv_mean, adv_abs_mean, and entropy (token mean) when the sums carry it.
     """
     rewards = jnp.asarray(rewards, jnp.float32)
-    g = rewards.shape[0]
+    g = rewards.size  # branches, over all groups
     tokens = jnp.maximum(sums["tokens"], 1.0)
     metrics = {
         "reward_mean": jnp.mean(rewards),
@@ -310,14 +353,17 @@ def finalize_metrics(sums: dict, rewards: jax.Array, mask: jax.Array) -> dict:
 
 def grpo_loss(logp: jax.Array, batch: GroupBatch, cfg: GRPOConfig,
               entropy: jax.Array | None = None) -> tuple[jax.Array, dict]:
-    """Whole-group loss from response log-probs logp [G, R] (entropy [G, R] optional, for metrics only).
+    """Whole-batch loss from response log-probs logp [G, R] or [B, G, R] (entropy of the same shape optional, for
+    metrics only).
 
-    Exactly the sum over branches of `branch_loss` (vmapped here), with the same advantages and weights.
+    Exactly the sum over branches (and groups) of `branch_loss` (vmapped here), with the same advantages and weights.
     """
-    advantages = group_advantages(batch.rewards, cfg)
+    advantages = batch_advantages(batch.rewards, cfg)
     weights = token_weights(batch.mask, cfg)
     mask = jnp.asarray(batch.mask, logp.dtype)
+    flat = lambda x: None if x is None else jnp.reshape(x, (-1,) + jnp.shape(x)[advantages.ndim:])
     losses, sums = jax.vmap(functools.partial(branch_loss, cfg=cfg))(
-        logp, batch.old_logprobs, batch.ref_logprobs, advantages, weights, mask, entropy=entropy)
+        flat(logp), flat(batch.old_logprobs), flat(batch.ref_logprobs), flat(advantages), flat(weights), flat(mask),
+        entropy=flat(entropy))
     sums = jax.tree.map(functools.partial(jnp.sum, axis=0), sums)
     return jnp.sum(losses), finalize_metrics(sums, batch.rewards, batch.mask)

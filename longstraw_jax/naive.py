@@ -29,7 +29,8 @@ def response_logprobs(model, params, prompt: jax.Array, responses: jax.Array,
 
 def naive_grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig,
                      remat: bool = True) -> tuple[jax.Array, dict, dict]:
-    """(loss, grads, metrics) of the GRPO loss over one group, through one graph over G copies of prompt+response.
+    """(loss, grads, metrics) of the GRPO loss over one group, or B groups side by side (prompt [B, P], responses
+    [B, G, R], ...), through one graph over the G (B * G) copies of prompt+response.
 
     Jittable with `model`, `cfg` and `remat` static: `jax.jit(naive_grpo_grads, static_argnums=(0, 3, 4))`. The
     batch is validated on the host when its arrays are concrete. grads has the structure of params. remat (default)
@@ -40,7 +41,10 @@ def naive_grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig,
     responses = jnp.asarray(batch.responses, jnp.int32)
 
     def loss_fn(params):
-        logp, entropy = response_logprobs(model, params, prompt, responses, remat)
+        if batch.num_groups is None:
+            logp, entropy = response_logprobs(model, params, prompt, responses, remat)
+        else:
+            logp, entropy = jax.vmap(lambda p, r: response_logprobs(model, params, p, r, remat))(prompt, responses)
         return grpo_loss(logp, batch, cfg, entropy=jax.lax.stop_gradient(entropy))
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)

@@ -14,7 +14,8 @@ from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.ops.logprobs import token_logprobs
 
 
-def _zeros_f32(tree):
+def zeros_f32(tree):
+    """Zeros like tree, floating leaves at least float32 (the gradient accumulators)."""
     return jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype(x.dtype)), tree)
 
 
@@ -23,13 +24,17 @@ def _add(acc, tree):
 
 
 def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, with_state_grad: bool,
-                    branch_grads=None, like_params=lambda tree: tree, like_state=lambda tree: tree):
+                    branch_grads=None, like_params=lambda tree: tree, like_state=lambda tree: tree,
+                    weights=None, advantages=None, grads=None):
     """Scan over the G branches; each step runs one branch's forward and backward to completion, so only one
     branch's graph is ever live (the replay is recomputed per branch; nothing is stored across steps).
 
     branch_grads(params, state, tokens, head, grads, acc) -> (loss, aux, grads, acc) does one branch and adds its
     parameter gradient into `grads` (default `model.branch_grads`; the sharded engine passes the family's own).
     like_params / like_state place the float32 accumulators (a sharding constraint on a mesh).
+    batch: one group. weights [G, R] / advantages [G]: this group's rows of the whole batch's `token_weights` /
+    `batch_advantages` (default: those of this group alone). grads: the float32 accumulator to add into (default
+    zeros; an engine running several groups passes its running sum).
 
     Returns (loss, param grads (float32), state cotangent summed over branches (float32; None unless
     with_state_grad), metric sums).
@@ -39,7 +44,8 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
     num_branches, length = responses.shape
     inputs = jnp.concatenate([jnp.full((num_branches, 1), batch.prompt[-1], jnp.int32), responses[:, :-1]], axis=1)
     xs = dict(inputs=inputs, targets=responses, mask=batch.mask.astype(jnp.float32),
-              weights=token_weights(batch.mask, cfg), advantage=group_advantages(batch.rewards, cfg),
+              weights=token_weights(batch.mask, cfg) if weights is None else weights,
+              advantage=group_advantages(batch.rewards, cfg) if advantages is None else advantages,
               old=batch.old_logprobs, ref=batch.ref_logprobs)
     chunk = min(cfg.logprob_chunk, length)
 
@@ -58,7 +64,19 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
     head_matrix = model.lm_head(params)  # [V, D]
     hidden = jax.ShapeDtypeStruct((length, head_matrix.shape[1]), head_matrix.dtype)
     loss0, sums0 = jax.eval_shape(lambda h: head(params, h, jax.tree.map(lambda a: a[0], xs)), hidden)
-    carry = (_zeros_f32(loss0), like_params(_zeros_f32(params)),
-             like_state(_zeros_f32(state)) if with_state_grad else None, _zeros_f32(sums0))
+    carry = (zeros_f32(loss0), like_params(zeros_f32(params) if grads is None else grads),
+             like_state(zeros_f32(state)) if with_state_grad else None, zeros_f32(sums0))
     (loss, grads, state_cot, sums), _ = jax.lax.scan(step, carry, xs)
     return loss, grads, state_cot, sums
+
+
+def scan_groups(one_group, grads, groups):
+    """Groups one after another (`lax.scan` over the leading group axis of `groups`): one_group(grads, group) ->
+    (loss, grads, metric sums) adds one group's gradient into the float32 accumulator. Returns (the sum of the
+    groups' losses, grads, the metric sums summed over groups). Only one group's work is live at a time."""
+    def step(grads, group):
+        loss, grads, sums = one_group(grads, group)
+        return grads, (loss, sums)
+
+    grads, (losses, sums) = jax.lax.scan(step, grads, groups)
+    return jnp.sum(losses, axis=0), grads, jax.tree.map(lambda s: jnp.sum(s, axis=0), sums)

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from longstraw_jax import layerwise
 from longstraw_jax.ops import attention as attn_ops
@@ -37,7 +37,7 @@ from longstraw_jax.ops.dsa import merge_candidates, topk_over_keys
 from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attention_partial
 from longstraw_jax.ops.norms import rms_norm
-from longstraw_jax.sharding import sequence
+from longstraw_jax.sharding import rules, sequence
 from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
 from longstraw_jax.sharding.rules import gather_layer, param_specs, prompt_state_specs
 from longstraw_jax.sharding.sequence import SEQ
@@ -162,7 +162,7 @@ class ReplayReader(NamedTuple):
 
 
 def _shard_map(mesh, fn, in_specs, out_specs):
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return rules.shard_map(fn, mesh, in_specs, out_specs)
 
 
 def _write_round(mesh, rounds: RoundLayout, cache, new, index):
@@ -191,7 +191,7 @@ def round_entries(model, mesh, rounds: RoundLayout, layout: SeqLayout, layer_spe
 
 def _embedded_round(params, mesh, rounds, stored_tokens, index, size):
     tokens = sequence.round_slots(mesh, rounds, stored_tokens, index, size, 0)
-    return tokens, jax.lax.with_sharding_constraint(params["embed"][tokens], NamedSharding(mesh, P(SEQ)))
+    return tokens, rules.constrain(params["embed"][tokens], P(SEQ), mesh)
 
 
 def capture(model, params, stored_tokens, mesh, rounds: RoundLayout) -> ShardedPromptState:
@@ -200,7 +200,7 @@ def capture(model, params, stored_tokens, mesh, rounds: RoundLayout) -> ShardedP
     c = model.config
     layer_specs = param_specs(params, mesh)["layers"]
     dtype = params["embed"].dtype
-    place = lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, _ROWS))
+    place = lambda a: rules.constrain(a, _ROWS, mesh)
     caches = (place(jnp.zeros((c.num_hidden_layers, rounds.padded, c.kv_row_dim), dtype)),
               place(jnp.zeros((c.num_full_layers, rounds.padded, c.index_head_dim), dtype)))
 
@@ -247,8 +247,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, sta
     the final cache; their cotangent is the round's slots of the running cotangent; the cotangent of its cache
     reads (earlier rounds' rows) is added into the running cotangent. Indexer keys carry no gradient."""
     specs = param_specs(params, mesh)
-    place = lambda tree, spec_tree: jax.tree.map(
-        lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), tree, spec_tree)
+    place = lambda tree, spec_tree: rules.constrain(tree, spec_tree, mesh)
 
     def one_round(carry, layout, index):
         grads, kv_cot = carry
@@ -260,7 +259,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, sta
         d_layers, dh, d_kv = vjp(rows_cot.astype(rows.dtype))
         layers = place(jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads["layers"], d_layers), specs["layers"])
         embed = place(grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)), specs["embed"])
-        kv_cot = jax.lax.with_sharding_constraint(kv_cot + d_kv.astype(kv_cot.dtype), NamedSharding(mesh, _ROWS))
+        kv_cot = rules.constrain(kv_cot + d_kv.astype(kv_cot.dtype), _ROWS, mesh)
         return dict(grads, layers=layers, embed=embed), kv_cot
 
     return sequence.each_round(rounds, (grads, at_least_f32(state_cot.kv)), one_round, reverse=True)[0]

@@ -2,6 +2,7 @@
 replay and prompt backward (`model.sequence_parallel()`: `sharding/qwen36.py`, `sharding/glm52.py`).
 
     capture   sstate = capture(prompt[:-1]) on the mesh, in rounds    seq-sharded caches, replicated GDN state
+              (or the sampler's capture, passed in: one capture per step)
     replay    for g in branches (lax.scan): parameter gradients (FSDP-sharded, float32) and, in exact mode, the
               state cotangent (sharded like the state). Qwen3.6: block by block (`layerwise.branch_grads`, each
               block in its own shard_map), the cotangent added in place one block slice at a time; GLM-5.x: autodiff
@@ -15,48 +16,85 @@ hands each shard the cotangent of its own partial, the ring's `ppermute` runs ba
 all-gather carries later segments' cotangents back to the segments that produced them, and GLM's all-gathered latent
 rows send each gathered row's cotangent back to the shard that holds it.
 
-The `data` axis holds parameter shards (FSDP) and otherwise repeats this group's work: independent groups are what
-it runs side by side.
+Groups: a batch with a group axis (prompt [B, P], ...) is split over `data` (`sharding/groups.py`): each data slice
+runs its B / D groups one after another (a scan), sequence-parallel over its `seq` devices, and the gradients are
+reduced over the whole mesh. A one-group batch (no group axis) runs on the whole mesh, every data slice repeating it.
 """
 from __future__ import annotations
 
 import functools
 
 import jax
+import jax.numpy as jnp
 
-from longstraw_jax.grpo import GroupBatch, GRPOConfig, finalize_metrics
-from longstraw_jax.replay import replay_branches
+from longstraw_jax.grpo import GroupBatch, GRPOConfig, batch_advantages, finalize_metrics, token_weights
+from longstraw_jax.replay import replay_branches, scan_groups, zeros_f32
+from longstraw_jax.sharding import groups as groups_lib
 from longstraw_jax.sharding.api import round_layout
 from longstraw_jax.sharding.layout import RoundLayout
-from longstraw_jax.sharding.rules import named, param_specs, prompt_state_specs
+from longstraw_jax.sharding.rules import constrain, param_specs, prompt_state_specs
 
 
 def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, round_len: int | None = None,
-               attention: str = "ring"):
+               attention: str = "ring", captured=None):
     """(loss, grads, metrics) as `engine.grpo_grads`, on `mesh`; grads are sharded like `rules.param_specs`.
     The batch must already be validated (engine.grpo_grads does it). The prompt is captured (and, in exact mode,
-    backpropagated) in rounds of about `round_len` positions (None: one round)."""
-    layout = round_layout(model, batch.prompt.shape[0] - 1, mesh.shape["seq"], round_len)
-    return _grpo_grads(model, params, batch, cfg, mode, mesh, layout, attention)
+    backpropagated) in rounds of about `round_len` positions (None: one round). captured: the sampler's
+    (sstate, capture_aux) of prompt[:-1] (with the batch's group axis when it has one), used instead of a capture."""
+    if batch.num_groups is not None:
+        groups_lib.check_groups(batch.num_groups, mesh)
+    layout = round_layout(model, batch.prompt.shape[-1] - 1, mesh.shape["seq"], round_len)
+    return _grpo_grads(model, params, batch, cfg, mode, mesh, layout, attention, captured)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7))
 def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, layout: RoundLayout,
-                attention: str):
+                attention: str, captured):
+    grouped = batch.as_groups()
+    per_group = (grouped, token_weights(grouped.mask, cfg), batch_advantages(grouped.rewards, cfg),
+                 captured if batch.num_groups is not None or captured is None
+                 else jax.tree.map(lambda x: x[None], captured),
+                 jnp.arange(grouped.num_groups, dtype=jnp.int32))
+    slice_grads = functools.partial(_slice_grads, model, cfg, mode, mesh, layout, attention)
+    if batch.num_groups is None:  # one group on the whole mesh
+        loss, grads, sums = slice_grads(params, per_group)
+    else:
+        loss, grads, sums = groups_lib.over_data(mesh, slice_grads, params, per_group)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    grads = constrain(grads, param_specs(params, mesh), mesh)
+    return loss, grads, finalize_metrics(sums, grouped.rewards, grouped.mask)
+
+
+def _slice_grads(model, cfg, mode, mesh, layout, attention, params, local):
+    """One data slice's groups (leaves [B/D, ...]) one after another -> (loss, float32 grads, metric sums)."""
+    specs = param_specs(params, mesh)
+    like_params = lambda tree: constrain(tree, specs, mesh)
+
+    def one_group(grads, xs):
+        group, weights, advantages, captured, index = xs
+        groups_lib.observe(index)
+        return _group_grads(model, params, group, cfg, mode, mesh, layout, attention, weights, advantages, captured,
+                            grads, like_params)
+
+    return scan_groups(one_group, like_params(zeros_f32(params)), local)
+
+
+def _group_grads(model, params, batch, cfg, mode, mesh, layout, attention, weights, advantages, captured, grads,
+                 like_params):
+    """One group: capture (unless `captured`), replay, and in exact mode the prompt's backward, adding into grads."""
     family = model.sequence_parallel()
     stored = layout.to_stored(batch.prompt[:-1].astype("int32"))
-    specs = param_specs(params, mesh)
-    sstate, capture_aux = family.capture(jax.lax.stop_gradient(params), stored, mesh, layout, attention)
-    param_shardings = named(specs, mesh)
-    state_shardings = named(sstate.replace(state=prompt_state_specs(sstate.state)), mesh)
+    if captured is None:
+        sstate, capture_aux = family.capture(jax.lax.stop_gradient(params), stored, mesh, layout, attention)
+    else:
+        sstate, capture_aux = captured
+    state_specs = sstate.replace(state=prompt_state_specs(sstate.state))
     loss, grads, state_cot, sums = replay_branches(
         model, params, sstate, batch, cfg, with_state_grad=mode == "exact",
-        branch_grads=family.branch_grads(mesh, layout, specs),
-        like_params=lambda tree: jax.lax.with_sharding_constraint(tree, param_shardings),
-        like_state=lambda tree: jax.lax.with_sharding_constraint(tree, state_shardings))
+        branch_grads=family.branch_grads(mesh, layout, param_specs(params, mesh)), like_params=like_params,
+        like_state=lambda tree: constrain(tree, state_specs, mesh), weights=weights, advantages=advantages,
+        grads=grads)
     if mode == "exact":
         grads = family.prompt_backward(params, stored, mesh, layout, attention, sstate, capture_aux, state_cot.state,
                                        grads)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    return loss, jax.lax.with_sharding_constraint(grads, param_shardings), finalize_metrics(sums, batch.rewards,
-                                                                                            batch.mask)
+    return loss, grads, sums

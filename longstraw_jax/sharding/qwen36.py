@@ -30,13 +30,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from einops import rearrange
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from longstraw_jax import layerwise
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
-from longstraw_jax.sharding import sequence
+from longstraw_jax.sharding import rules, sequence
 from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
 from longstraw_jax.sharding.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
 from longstraw_jax.sharding.sequence import SEQ, each_round, round_slots
@@ -219,14 +219,14 @@ def _capture_local(model, rounds: RoundLayout, block_specs, method, blocks, h):
 
 
 def _shard_map(mesh, fn, in_specs, out_specs):
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return rules.shard_map(fn, mesh, in_specs, out_specs)
 
 
 def capture(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: str):
     """Traceable: stored_tokens [rounds.padded] (stored order) -> (ShardedPromptState, boundaries: the GDN (conv,
     recurrent) carried into each round, spread over the seq shards as `_capture_local` keeps them)."""
     specs = param_specs(params, mesh)
-    h = jax.lax.with_sharding_constraint(model.embed(params, stored_tokens), NamedSharding(mesh, P(SEQ)))
+    h = rules.constrain(model.embed(params, stored_tokens), P(SEQ), mesh)
     (conv, recurrent, keys, values), boundaries = _shard_map(
         mesh, functools.partial(_capture_local, model, rounds, specs["blocks"], attention),
         (specs["blocks"], P(SEQ)), ((P(), P(), _KV, _KV), (P(SEQ), P(SEQ))))(model.block_params(params), h)
@@ -345,8 +345,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
     blocks = model.block_params(params)
     per = boundaries_per_shard(rounds)
 
-    place = lambda tree, spec_tree: jax.tree.map(
-        lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), tree, spec_tree)
+    place = lambda tree, spec_tree: rules.constrain(tree, spec_tree, mesh)
 
     def block(layout, index, bp, h, conv, recurrent, keys, values):
         """Block of round `index` on the mesh: h [n * 2L, D] (stored order) -> (h, tail, final, keys, values)."""
@@ -368,7 +367,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
                                                                                                     index)
         at = lambda tree, b: jax.tree.map(lambda a: a[b], tree)
         state_of = lambda b: (conv_in[b][None], rec_in[b][None], state.keys[b][None], state.values[b][None])
-        h0 = jax.lax.with_sharding_constraint(model.embed(params, tokens), NamedSharding(mesh, P(SEQ)))
+        h0 = rules.constrain(model.embed(params, tokens), P(SEQ), mesh)
 
         def forward(h, b):
             return block(layout, index, at(blocks, b), h, *state_of(b))[0], h

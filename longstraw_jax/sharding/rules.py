@@ -9,9 +9,16 @@
   (step counts) are replicated.
 - Prompt tokens and the prompt state: position axes are split along `seq` (`SEQ_AXES`: Qwen3.6 KV caches, GLM-5.x
   latent rows and indexer keys); carried recurrent parts (GDN conv tails and matrices) are replicated.
+
+Groups side by side (`sharding/groups.py`): the engines may run inside a region that is already manual over `data`
+(each data slice its own groups). There the helpers below adapt: `shard_map` is manual over the remaining axes,
+`named` drops the manual axes from specs, and `param_specs` answers for the *global* parameter shapes (the region
+registers them with `global_param_shapes`), so one family code serves both cases.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Callable
 
@@ -47,8 +54,26 @@ def _leaf_spec(shape: tuple, skip: int, devices: int) -> P:
     return P() if dim is None else P(*([None] * dim + [FSDP]))
 
 
+_GLOBAL_PARAMS = contextvars.ContextVar("longstraw_global_params", default=None)
+
+
+@contextlib.contextmanager
+def global_param_shapes(params):
+    """While tracing inside a data-manual region, where the parameter arrays are one data slice's pieces: make
+    `param_specs` of a tree with this structure answer for these (global) shapes."""
+    token = _GLOBAL_PARAMS.set(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
+    try:
+        yield
+    finally:
+        _GLOBAL_PARAMS.reset(token)
+
+
 def param_specs(params, mesh: Mesh, stacked: Callable[[tuple], int] = stacked_dims):
-    """PartitionSpec per parameter leaf (same tree as params; works on arrays or `jax.ShapeDtypeStruct`s)."""
+    """PartitionSpec per parameter leaf (same tree as params; works on arrays or `jax.ShapeDtypeStruct`s). Inside a
+    data-manual region, computed from the registered global shapes (`global_param_shapes`)."""
+    registered = _GLOBAL_PARAMS.get()
+    if registered is not None and jax.tree.structure(registered) == jax.tree.structure(params):
+        params = registered
     devices = mesh.size
     return jax.tree_util.tree_map_with_path(lambda path, x: _leaf_spec(x.shape, stacked(path), devices), params)
 
@@ -70,9 +95,50 @@ def prompt_state_specs(state, seq_axes: dict = SEQ_AXES):
                             for name in arrays})
 
 
+def manual_axes() -> frozenset:
+    """The mesh axes that are manual where this is traced (inside a `shard_map` over them), e.g. {"data"} inside
+    `groups.over_data`; empty at top level."""
+    return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def without_axes(spec: P, axes) -> P:
+    """`spec` with the mesh axes `axes` removed (an entry that names only removed axes becomes None)."""
+    def entry(e):
+        if e is None:
+            return None
+        kept = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a not in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    return P(*(entry(e) for e in spec))
+
+
 def named(specs, mesh: Mesh):
-    """PartitionSpec tree -> NamedSharding tree on `mesh`."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
+    """PartitionSpec tree -> NamedSharding tree on `mesh` (where some axes are manual, on the context mesh, with
+    those axes left out of the specs)."""
+    drop = manual_axes()
+    if drop:
+        mesh = jax.sharding.get_abstract_mesh()
+    return jax.tree.map(lambda s: NamedSharding(mesh, without_axes(s, drop)), specs,
+                        is_leaf=lambda s: isinstance(s, P))
+
+
+def constrain(tree, specs, mesh: Mesh):
+    """`jax.lax.with_sharding_constraint` of every leaf of `tree` to its spec (a tree of PartitionSpecs like `tree`,
+    or one spec for all leaves), on `mesh` (see `named`)."""
+    if isinstance(specs, P):
+        specs = jax.tree.map(lambda _: specs, tree)
+    return jax.lax.with_sharding_constraint(tree, named(specs, mesh))
+
+
+def shard_map(fn, mesh: Mesh, in_specs, out_specs):
+    """`jax.shard_map` over the axes of `mesh` that are not already manual here (inside `groups.over_data`: `seq`
+    only, on the context mesh, with `data` left out of the specs; a collective in fn may still name `data`, e.g. the
+    FSDP all-gather of a layer over ("data", "seq")). Replication is not checked (`check_vma=False`)."""
+    drop = manual_axes()
+    if not drop:
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    strip = lambda specs: jax.tree.map(lambda s: without_axes(s, drop), specs, is_leaf=lambda s: isinstance(s, P))
+    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=strip(in_specs),
+                         out_specs=strip(out_specs), axis_names=set(mesh.axis_names) - drop, check_vma=False)
 
 
 def block_slice_specs(block_specs):

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.dtypes import accum_dtype
+from longstraw_jax.sharding import rules
 from longstraw_jax.sharding.layout import RoundLayout, SeqLayout
 
 SEQ = "seq"
@@ -132,7 +133,7 @@ def round_slots(mesh, rounds: RoundLayout, x, index, size: int, axis: int):
     `index` of a seq-sharded array, still seq-sharded."""
     spec = P(*([None] * axis + [SEQ]))
     take = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * rounds.round_slots, size, axis)
-    return jax.shard_map(take, mesh=mesh, in_specs=(spec, P()), out_specs=spec, check_vma=False)(x, index)
+    return rules.shard_map(take, mesh, (spec, P()), spec)(x, index)
 
 
 def each_round(rounds: RoundLayout, carry, one_round, reverse: bool = False):

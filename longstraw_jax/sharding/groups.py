@@ -1,0 +1,82 @@
+"""B GRPO groups side by side on the mesh's `data` axis: data slice d computes groups [d * B/D, (d + 1) * B/D) (D =
+the data size), each with sequence parallelism over its own `seq` devices, and no device touches another slice's
+groups.
+
+`over_data(mesh, fn, params, per_group)` runs fn inside a `shard_map` that is manual over `data` only: every leaf of
+`per_group` has a leading group axis [B, ...] split over `data` (fn sees its slice's B/D groups), and the parameters
+enter FSDP-sharded as they rest:
+- stacked layer leaves (`blocks/...`, `layers/...`) stay split over `data` (each slice holds its part of the
+  ("data", "seq") FSDP split); they are only read inside the families' own `shard_map`s, whose per-layer all-gather
+  over ("data", "seq") assembles the layer, and whose transpose (a reduce-scatter over ("data", "seq")) hands each
+  device its shard of the gradient summed over *all* slices' groups;
+- the other leaves (embedding, LM head, final norm: read outside those `shard_map`s) enter whole over `data` (still
+  split over `seq`), and their gradients are summed over the slices on the way out; so is every leaf with no FSDP
+  split, and the loss and metric sums.
+Inside, `rules.shard_map` / `rules.named` / `rules.param_specs` adapt the families' code to the manual `data` axis
+(docs/architecture.md, "groups side by side").
+"""
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from longstraw_jax.sharding import rules
+
+DATA = "data"
+
+
+def observe(group_index) -> None:
+    """Called once per group inside the engines' group loop with the group's index in the batch (a traced int32).
+    A no-op: a test seam (tests replace it with a `jax.debug.callback` to see which device computes which group)."""
+
+
+def region_specs(params, mesh):
+    """The parameters' specs at the region's boundary (manual over `data` only): stacked layer leaves keep the
+    `data` part of their FSDP split at its dimension; every other leaf is whole over `data`."""
+    def spec(path, s):
+        if not rules.stacked_dims(path):
+            return P()
+        return P(*(DATA if e is not None and DATA in (e if isinstance(e, tuple) else (e,)) else None for e in s))
+    return jax.tree_util.tree_map_with_path(spec, rules.param_specs(params, mesh), is_leaf=lambda s: isinstance(s, P))
+
+
+def _split(spec: P) -> bool:
+    return any(e is not None for e in spec)
+
+
+def check_groups(num_groups: int, mesh) -> None:
+    """B groups must split evenly over the mesh's data axis."""
+    data = mesh.shape[DATA]
+    if num_groups % data:
+        raise ValueError(f"{num_groups} groups do not split over the mesh's data axis of size {data}: the number of "
+                         f"groups per step (--groups-per-step) must be a multiple of {data}")
+
+
+def over_data(mesh, fn, params, per_group, summed=True):
+    """fn(params, local) with `local` one data slice's groups of `per_group` (leaves [B/D, ...]).
+
+    summed=True: fn returns (loss, grads, sums), each summed over its slice's groups (grads float32 like params);
+    the result is summed over all groups, grads sharded like the parameters at rest. summed=False: fn returns a
+    pytree of per-group outputs (leading axis [B/D]); the result has them for all B groups ([B, ...], split over
+    `data`). With one data slice, fn(params, per_group) directly.
+    """
+    check_groups(jax.tree.leaves(per_group)[0].shape[0], mesh)
+    if mesh.shape[DATA] == 1:
+        return fn(params, per_group)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    boundary = region_specs(params, mesh)
+
+    def body(params, local):
+        with rules.global_param_shapes(shapes):
+            out = fn(params, local)
+        if not summed:
+            return out
+        loss, grads, sums = out
+        total = lambda x: jax.lax.psum(x, DATA)
+        grads = jax.tree.map(lambda s, g: g if _split(s) else total(g), boundary, grads,
+                             is_leaf=lambda s: isinstance(s, P))
+        return total(loss), grads, jax.tree.map(total, sums)
+
+    out_specs = (P(), boundary, P()) if summed else P(DATA)
+    return jax.shard_map(body, mesh=mesh, in_specs=(boundary, P(DATA)), out_specs=out_specs, axis_names={DATA},
+                         check_vma=False)(params, per_group)
