@@ -57,6 +57,9 @@ class RunConfig:
                                   "prompt)")
     # sampling
     group_size: int = _option(8, "G, response branches per prompt", group="sampling", short="-G")
+    groups_per_step: int | None = _option(None, "B, groups (prompts) per step, side by side on the mesh's data axis "
+                                          "(a multiple of its size; default: the data size, 1 without --mesh)",
+                                          short="-B", metavar="B")
     response_len: int = _option(2, "max new tokens per branch", short="-R")
     temperature: float = _option(1.0)
     top_p: float = _option(1.0)
@@ -96,6 +99,8 @@ class RunConfig:
         for name in ("lr", "weight_decay", "kl_coef", "temperature", "top_p", "max_grad_norm"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be a finite number >= 0")
+        if self.groups_per_step is not None and self.groups_per_step < 1:
+            errors.append(f"--groups-per-step={self.groups_per_step} must be >= 1")
         if self.resume_step is not None and (self.resume_step < 1 or not self.resume):
             errors.append(f"--resume-step={self.resume_step} needs --resume and a step >= 1")
         if sum(x is not None for x in (self.hf, self.init_from)) + (self.model != "tiny") > 1:
@@ -105,12 +110,24 @@ class RunConfig:
                 parse_mesh_spec(self.mesh)
             except ValueError:
                 errors.append(f"--mesh={self.mesh!r} must look like AxB with positive integers (data x seq), e.g. 1x8")
+            else:
+                data = parse_mesh_spec(self.mesh)[0]
+                if self.groups_per_step is not None and self.groups_per_step >= 1 and self.groups_per_step % data:
+                    errors.append(f"--groups-per-step={self.groups_per_step} must be a multiple of the mesh's data "
+                                  f"size {data} (--mesh={self.mesh}): each data slice runs the same number of groups")
         for field in dataclasses.fields(self):
             choices = field.metadata["argparse"].get("choices")
             if choices is not None and getattr(self, field.name) not in choices:
                 errors.append(f"{flag(field.name)}={getattr(self, field.name)!r} must be one of {', '.join(choices)}")
         if errors:
             raise ValueError("; ".join(errors))
+
+    @property
+    def num_groups(self) -> int:
+        """B: --groups-per-step, or the mesh's data size (1 without --mesh)."""
+        if self.groups_per_step is not None:
+            return self.groups_per_step
+        return parse_mesh_spec(self.mesh)[0] if self.mesh is not None else 1
 
     def saved(self) -> dict:
         """What a checkpoint (and <out>/config.json) records: every option except the RESUMABLE ones."""

@@ -14,12 +14,12 @@ def step_record(step: int, step_metrics: dict, extra: dict, batch, start: float,
                 done: float) -> dict:
     """One metrics.jsonl line: the step's metrics (host values), the data source's extras, token counts, timings
     (perf_counter at the step's start, after sampling and after the update) and peak memory."""
-    prompt_tokens = int(batch.prompt.shape[0])
+    prompt_tokens = int(np.size(batch.prompt))  # over all groups of the step
     response_tokens = int(batch.mask.sum())
     peak, source = metrics.peak_memory()
     return {"step": step, **{k: float(v) for k, v in step_metrics.items()}, **extra,
             "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
-            "group_size": int(batch.responses.shape[0]),
+            "group_size": int(batch.responses.shape[-2]), "groups": int(np.prod(batch.responses.shape[:-2])),
             "tokens_per_s": (prompt_tokens + response_tokens) / (done - start),
             "rollout_s": sampled - start, "update_s": done - sampled, "step_s": done - start,
             "peak_mem_bytes": peak, "peak_mem_source": source}

@@ -38,7 +38,7 @@ class Trainer:
         if self.mesh is not None:
             self.model.sequence_parallel()  # a family without a sharded path says so here
         self.params = run_setup.place(params, self.mesh)
-        self.data = run_setup.data_source(config, self.model.config.vocab_size)
+        self.data = run_setup.data_source(config, self.model.config.vocab_size, self.mesh)
         self.grpo = GRPOConfig(loss_agg=config.loss_agg, kl_coef=config.kl_coef)
         self.optimizer = run_setup.optimizer(config.lr, config.weight_decay, config.max_grad_norm or None)
         self.plan = self.plan or run_outdir.plan(config, explicit, self.out)
@@ -65,12 +65,12 @@ class Trainer:
     def train_one(self) -> dict:
         """One step: a batch from the data source, one train_step, one metrics.jsonl line (returned)."""
         start = time.perf_counter()
-        batch, extra = self.data.batch(self.model, self.params, self.key, self.step, self.data_position)
+        batch, extra, captured = self.data.batch(self.model, self.params, self.key, self.step, self.data_position)
         sampled = time.perf_counter()
         fault_hooks.fire("step", self.step + 1)
         self.params, self.opt_state, step_metrics = train_step(
             self.model, self.params, self.opt_state, batch, self.optimizer, self.grpo, self.config.mode,
-            self.config.chunk_size, **({"mesh": self.mesh} if self.mesh is not None else {}))
+            self.config.chunk_size, mesh=self.mesh, captured=captured)
         step_metrics = jax.device_get(step_metrics)
         done = time.perf_counter()
         self.step += 1

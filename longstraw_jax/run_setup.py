@@ -16,8 +16,9 @@ import numpy as np
 
 from longstraw_jax import models, orbax_io
 from longstraw_jax.grpo import GroupBatch
-from longstraw_jax.rollout import SamplingConfig, sample_group
+from longstraw_jax.rollout import SamplingConfig
 from longstraw_jax.run_config import RunConfig, RunError
+from longstraw_jax.sampler import sample_groups
 from longstraw_jax.sharding import make_mesh, parse_mesh_spec, rules
 from longstraw_jax.tasks import load_callable, make_task, score
 from longstraw_jax.tasks.rollout_file import load_rollouts
@@ -84,48 +85,71 @@ def optimizer(learning_rate: float, weight_decay: float, max_grad_norm: float | 
 
 
 class RolloutFile:
-    """Groups of an external rollout file, used in order and cyclically (position p -> group p mod count)."""
+    """Groups of an external rollout file, used in order and cyclically: step position p takes groups p * B ..
+    p * B + B - 1 (mod count), stacked side by side (they must then have equal shapes)."""
 
     task = None
 
-    def __init__(self, path: str, groups: list[GroupBatch]):
-        self.groups = groups
+    def __init__(self, path: str, groups: list[GroupBatch], num_groups: int = 1):
+        self.groups, self.num_groups = groups, num_groups
         self.description = f"rollout file {path}"
+        if num_groups > 1:
+            shapes = {tuple(np.shape(x) for x in jax.tree.leaves(g)) + (g.old_logprobs is None, g.ref_logprobs is None)
+                      for g in groups}
+            if len(shapes) > 1:
+                raise RunError(f"--rollouts {path}: --groups-per-step={num_groups} stacks groups side by side, so "
+                               "every group needs the same prompt length, G, R and the same optional fields; this "
+                               f"file has {len(shapes)} different shapes")
 
-    def batch(self, model, params, key, step: int, position: int) -> tuple[GroupBatch, dict]:
-        return self.groups[position % len(self.groups)], {}
+    def batch(self, model, params, key, step: int, position: int) -> tuple[GroupBatch, dict, None]:
+        count = len(self.groups)
+        chosen = [self.groups[(position * self.num_groups + b) % count] for b in range(self.num_groups)]
+        return stack_groups(chosen), {}, None
+
+
+def stack_groups(groups: list[GroupBatch]) -> GroupBatch:
+    """One-group batches -> one batch with a leading group axis [B, ...]."""
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *groups)
 
 
 class TaskSampler:
-    """Prompt number `position` of a task, G branches sampled from the policy (key = fold_in(run key, step)),
-    scored by the reward function; extra metric "accuracy" when the task has `is_correct`."""
+    """B groups per step: group b of step position p is the task's prompt number p * B + b, with G branches sampled
+    from the policy (key = fold_in(fold_in(run key, step), b)) by `sampler.sample_groups` (on the mesh when there is
+    one) and scored by the reward function; extra metric "accuracy" (over all B * G branches) when the task has
+    `is_correct`. The sampler's captures go to the update: each prompt is captured once per step."""
 
-    def __init__(self, task, reward_fn, sampling: SamplingConfig, group_size: int, chunk_size: int):
+    def __init__(self, task, reward_fn, sampling: SamplingConfig, group_size: int, chunk_size: int,
+                 num_groups: int = 1, mesh=None):
         self.task, self.reward_fn, self.sampling = task, reward_fn, sampling
-        self.group_size, self.chunk_size = group_size, chunk_size
+        self.group_size, self.chunk_size, self.num_groups, self.mesh = group_size, chunk_size, num_groups, mesh
         self.description = f"task {task.name}"
 
-    def batch(self, model, params, key, step: int, position: int) -> tuple[GroupBatch, dict]:
-        prompt = self.task.prompt(position)
-        rollout = sample_group(model, params, prompt.tokens, self.group_size, self.sampling,
-                               jax.random.fold_in(key, step), chunk_size=self.chunk_size)
-        responses, mask = np.asarray(rollout.responses), np.asarray(rollout.mask)
-        rewards = score(self.reward_fn, prompt, responses, mask)
+    def batch(self, model, params, key, step: int, position: int) -> tuple[GroupBatch, dict, object]:
+        """-> (the step's batch [B, ...], extra metrics, the sampler's captures for the update)."""
+        prompts = [self.task.prompt(position * self.num_groups + b) for b in range(self.num_groups)]
+        step_key = jax.random.fold_in(key, step)
+        keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(np.arange(self.num_groups))
+        rollouts, captured = sample_groups(model, params, np.stack([p.tokens for p in prompts]), keys,
+                                           self.group_size, self.sampling, self.chunk_size, mesh=self.mesh)
+        responses, mask = np.asarray(rollouts.responses), np.asarray(rollouts.mask)
+        rewards = np.stack([score(self.reward_fn, p, r, m) for p, r, m in zip(prompts, responses, mask)])
         extra = {}
         if hasattr(self.task, "is_correct"):
-            extra["accuracy"] = float(np.mean([self.task.is_correct(r[m > 0], prompt.info)
-                                               for r, m in zip(responses, mask)]))
-        batch = GroupBatch(prompt=prompt.tokens, responses=responses, mask=mask, rewards=rewards,
-                           old_logprobs=np.asarray(rollout.logprobs))
-        return batch, extra
+            extra["accuracy"] = float(np.mean([self.task.is_correct(r[m > 0], p.info) for p, rs, ms in
+                                               zip(prompts, responses, mask) for r, m in zip(rs, ms)]))
+        batch = GroupBatch(prompt=np.stack([p.tokens for p in prompts]), responses=responses, mask=mask,
+                           rewards=rewards, old_logprobs=np.asarray(rollouts.logprobs))
+        return batch, extra, captured
 
 
-def data_source(config: RunConfig, vocab_size: int) -> RolloutFile | TaskSampler:
-    """--rollouts, or --task with its reward and sampling options (ids checked against `vocab_size`)."""
+def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | TaskSampler:
+    """--rollouts, or --task with its reward and sampling options (ids checked against `vocab_size`); a task samples
+    on `mesh` when given."""
     if config.rollouts:
         required = {"ref_logprobs": f"--kl-coef={config.kl_coef} needs reference log-probs on every line"}
         return RolloutFile(config.rollouts, load_rollouts(config.rollouts, vocab_size, config.tokenizer,
-                                                          required=required if config.kl_coef > 0 else None))
+                                                          required=required if config.kl_coef > 0 else None),
+                           config.num_groups)
     if config.kl_coef > 0:
         raise RunError(f"--kl-coef={config.kl_coef}: sampled rollouts have no reference log-probs; the KL term "
                        "needs a --rollouts file with ref_logprobs")
@@ -139,4 +163,4 @@ def data_source(config: RunConfig, vocab_size: int) -> RolloutFile | TaskSampler
         value = getattr(sampling, name)
         if value is not None and value >= vocab_size:
             raise RunError(f"{name}={value} is out of range: ids must be in [0, vocab_size={vocab_size})")
-    return TaskSampler(task, reward_fn, sampling, config.group_size, config.chunk_size)
+    return TaskSampler(task, reward_fn, sampling, config.group_size, config.chunk_size, config.num_groups, mesh)

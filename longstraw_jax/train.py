@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from longstraw_jax.engine import MODES, grpo_grads_unvalidated
+from longstraw_jax.engine import MODES, check_captured, grpo_grads_unvalidated
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, validate_batch
 from longstraw_jax.models.base import chunk_layout
+from longstraw_jax.sharding.groups import check_groups
 from longstraw_jax.validation import check_size, is_real
 
 
@@ -60,8 +61,11 @@ def make_optimizer(learning_rate=1e-5, weight_decay: float = 0.0, max_grad_norm:
 
 
 def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.GradientTransformation,
-               cfg: GRPOConfig = GRPOConfig(), mode: str = "exact", chunk_size: int = 2048, mesh=None):
-    """One GRPO update on one group: (params, opt_state, metrics).
+               cfg: GRPOConfig = GRPOConfig(), mode: str = "exact", chunk_size: int = 2048, mesh=None,
+               captured=None):
+    """One GRPO update on one group or on B groups side by side (a batch with a group axis): (params, opt_state,
+    metrics). captured: the sampler's capture of the prompt(s) (`engine.grpo_grads`): the step does not capture
+    again.
 
     metrics: the engine's metrics (reward_mean, clip_frac, kl, entropy, ...) plus "loss" (before the update),
     "grad_norm" (global norm of the raw, unclipped gradient) and "skipped" (1.0 when the loss or a gradient was
@@ -74,15 +78,18 @@ def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.Gra
         raise ValueError(f"mode={mode!r}; allowed: {', '.join(map(repr, MODES))}")
     validate_batch(batch, model.config.vocab_size, cfg)
     chunk_size = check_size(chunk_size, "chunk_size")
-    chunk_layout(batch.prompt.shape[0] - 1, chunk_size)
-    return _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh)
+    chunk_layout(batch.prompt.shape[-1] - 1, chunk_size)
+    if mesh is not None and batch.num_groups is not None:
+        check_groups(batch.num_groups, mesh)
+    if mesh is None and captured is not None:
+        check_captured(captured, batch, mode)
+    return _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh, captured)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
-def _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh=None):
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8), donate_argnames="captured")
+def _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh=None, captured=None):
     # train_step has checked mode and validated the batch (here it is traced: only its shapes could be checked)
-    extra = {} if mesh is None else {"mesh": mesh}
-    loss, grads, metrics = grpo_grads_unvalidated(model, params, batch, cfg, mode, chunk_size, **extra)
+    loss, grads, metrics = grpo_grads_unvalidated(model, params, batch, cfg, mode, chunk_size, mesh, captured)
     finite = jnp.isfinite(loss)
     for g in jax.tree.leaves(grads):
         finite = finite & jnp.all(jnp.isfinite(g))

@@ -28,7 +28,7 @@ from longstraw_jax.validation import is_concrete
 SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
          "--save-every", "2", "--seed", "1"]
 FIELDS = {"step", "loss", "reward_mean", "reward_std", "kl", "clip_frac", "entropy", "grad_norm", "skipped",
-          "response_len_mean", "accuracy", "prompt_tokens", "response_tokens", "tokens_per_s", "rollout_s",
+          "response_len_mean", "accuracy", "prompt_tokens", "response_tokens", "groups", "tokens_per_s", "rollout_s",
           "update_s", "step_s", "peak_mem_bytes", "peak_mem_source"}
 
 
@@ -135,6 +135,22 @@ def test_mesh_run_and_resume_match_one_device(full_run, tmp_path):
     np.testing.assert_allclose(params["embed"], restore(full_run)[0]["embed"], rtol=1e-4, atol=1e-5)
 
 
+def test_groups_side_by_side_match_one_device(tmp_path):
+    """-B 2: two groups (prompts) per step. On --mesh 2x4 each data slice runs one of them, sequence-parallel over its
+    4 devices: rewards, losses and grad norms equal the one-device run of the same two groups."""
+    read = lambda d: [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+    records = {}
+    for name, extra in (("one", []), ("mesh", ["--mesh", "2x4"])):
+        out = str(tmp_path / name)
+        assert run.main(SMALL + ["--steps", "1", "--save-every", "1", "--out", out, "-B", "2"] + extra) == 0
+        records[name] = read(out)
+    got, want = records["mesh"][0], records["one"][0]
+    assert got["groups"] == want["groups"] == 2 and got["prompt_tokens"] == 2 * 48
+    assert got["reward_mean"] == want["reward_mean"]
+    np.testing.assert_allclose([got["loss"], got["grad_norm"]], [want["loss"], want["grad_norm"]], rtol=1e-4,
+                               atol=1e-6)
+
+
 def write(path, text):
     with open(path, "w") as f:
         f.write(text)
@@ -175,6 +191,10 @@ def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys
         (["--rollouts", write(tmp_path / "nan.jsonl", '{"prompt": [1, 2], "responses": [[3]], "rewards": [NaN]}')],
          r"nan.jsonl:1: 'rewards'\[0\] = nan"),
         (["--mesh", "2"], "--mesh='2' must look like AxB"),
+        (["--mesh", "2x4", "-B", "3"], r"--groups-per-step=3 must be a multiple of the mesh's data size 2"),
+        (["--rollouts", write(tmp_path / "ragged.jsonl", json.dumps(good_group) + "\n"
+                              + json.dumps(dict(good_group, prompt=[1, 2, 3, 4]))), "-B", "2"],
+         r"--groups-per-step=2 stacks groups side by side.*2 different shapes"),
         (["--kl-coef", "0.1"], "--kl-coef=0.1: sampled rollouts have no reference log-probs"),
         ([], "already holds checkpoints: pass --resume"),
         (["--lr", "0.5", "--resume"], r"--lr=0.5 differs from the run being resumed \(0.003\)"),

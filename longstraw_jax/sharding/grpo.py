@@ -39,8 +39,8 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mes
                attention: str = "ring", captured=None):
     """(loss, grads, metrics) as `engine.grpo_grads`, on `mesh`; grads are sharded like `rules.param_specs`.
     The batch must already be validated (engine.grpo_grads does it). The prompt is captured (and, in exact mode,
-    backpropagated) in rounds of about `round_len` positions (None: one round). captured: the sampler's
-    (sstate, capture_aux) of prompt[:-1] (with the batch's group axis when it has one), used instead of a capture."""
+    backpropagated) in rounds of about `round_len` positions (None: one round). captured: the mesh sampler's
+    `ShardedCaptured` of prompt[:-1] (with the batch's group axis when it has one), used instead of a capture."""
     if batch.num_groups is not None:
         groups_lib.check_groups(batch.num_groups, mesh)
     layout = round_layout(model, batch.prompt.shape[-1] - 1, mesh.shape["seq"], round_len)
@@ -87,7 +87,7 @@ def _group_grads(model, params, batch, cfg, mode, mesh, layout, attention, weigh
     if captured is None:
         sstate, capture_aux = family.capture(jax.lax.stop_gradient(params), stored, mesh, layout, attention)
     else:
-        sstate, capture_aux = captured
+        sstate, capture_aux = captured.sstate, captured.capture_aux
     state_specs = sstate.replace(state=prompt_state_specs(sstate.state))
     loss, grads, state_cot, sums = replay_branches(
         model, params, sstate, batch, cfg, with_state_grad=mode == "exact",
