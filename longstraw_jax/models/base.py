@@ -120,6 +120,15 @@ class SequenceParallel(Protocol):
                         grads) -> dict:
         """grads + the gradient of the sharded capture given the float32 state cotangent (exact mode)."""
 
+    def init_tail(self, params, sstate, capacity: int) -> PromptState:
+        """The decoding state after the sharded prompt (sampling on the mesh, `sharding/sample.py`): replicated, room
+        for `capacity` decoded positions P.. and the prompt's carried part. Nothing of size P."""
+
+    def decode(self, params, sstate, tail, token, position, mesh) -> tuple[jax.Array, PromptState]:
+        """One token (int32 []) at `position` (traced, P <= position < P + capacity) after the sharded prompt
+        (read-only, seq-sharded) and the tail's positions P..position-1 -> (final-normed hidden [1, D], the tail
+        with the token written at slot position - P). Equals `advance` on one device on the whole state."""
+
 
 class Slot(NamedTuple):
     """Where one HF tensor lives in our params: `flat[path][index]` (flat = flatten_dict(params, sep="/")),
