@@ -6,7 +6,7 @@
 
 Layout of the computation (one jitted function; no per-token Python dispatch):
 
-    state  = capture(prompt[:-1]) into a cache with room for P + R positions        once
+    state  = capture(prompt[:-1]) into a cache with room for P + R - 1 positions    once (the engine's capture)
     h, state = advance(prompt[-1]) at position P - 1 -> first-token logits             once, shared by all branches
     for g in range(G):                                  lax.scan, the state is the carry (updated in place)
         restore the carried part (GDN conv tails + recurrent matrices) saved after the prompt
@@ -21,6 +21,10 @@ the recorded log-probs are the ones `grpo_grads` computes for the same tokens (u
 
 Stop token: the stop token itself is a real token (mask 1); after it the branch is padded with `pad_token` and
 mask 0, and no more tokens are computed for it.
+
+keep_capture=True also returns `Captured`: the capture of prompt[:-1] (length P - 1, its carried part as right after
+prompt[:-1]) and its chunk boundaries, so a training step captures its prompt once. `sample_branches` is the branch
+loop; `sharding/sample.py` (sampling on a mesh) runs the same one over its own decoding step.
 """
 from __future__ import annotations
 
