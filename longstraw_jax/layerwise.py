@@ -97,17 +97,18 @@ def _backward(model, params, state, tokens, start, cache_length, inputs, dh, gra
 
 
 def branch_grads(model, params, state, tokens, head, grads, acc):
-    """One branch replayed after `state`: tokens [R] at positions state.length.. attend over the whole state.
+    """One branch replayed after `state`: tokens [R] at positions state.length.. attend over the state's positions
+    < state.length (a state with spare capacity keeps whatever it holds beyond its length out of sight).
 
     head(params, hidden [R, D] final-normed) -> (loss, aux). grads: the float32 gradient accumulator (params-shaped).
     Returns (loss, aux, grads + this branch's parameter gradient, acc + the state cotangent of this branch; acc None:
     detached, no state gradient).
     """
-    h, inputs = _forward(model, params, state, tokens, state.length, None)
+    h, inputs = _forward(model, params, state, tokens, state.length, state.length)
     loss, vjp, aux = jax.vjp(lambda p, h: head(p, model.final_norm(p, h)), params, h, has_aux=True)
     d_head, dh = vjp(jnp.ones_like(loss))
-    grads, acc = _backward(model, params, state, tokens, state.length, None, inputs, dh, _add(grads, d_head), acc,
-                           chunk_entries=False)
+    grads, acc = _backward(model, params, state, tokens, state.length, state.length, inputs, dh, _add(grads, d_head),
+                           acc, chunk_entries=False)
     return loss, aux, grads, acc
 
 

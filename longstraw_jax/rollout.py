@@ -6,7 +6,7 @@
 
 Layout of the computation (one jitted function; no per-token Python dispatch):
 
-    state  = capture(prompt[:-1]) into a cache with room for P + R positions        once
+    state  = capture(prompt[:-1]) into a cache with room for P + R - 1 positions    once (the engine's capture)
     h, state = advance(prompt[-1]) at position P - 1 -> first-token logits             once, shared by all branches
     for g in range(G):                                  lax.scan, the state is the carry (updated in place)
         restore the carried part (GDN conv tails + recurrent matrices) saved after the prompt
@@ -21,12 +21,16 @@ the recorded log-probs are the ones `grpo_grads` computes for the same tokens (u
 
 Stop token: the stop token itself is a real token (mask 1); after it the branch is padded with `pad_token` and
 mask 0, and no more tokens are computed for it.
+
+keep_capture=True also returns `Captured`: the capture of prompt[:-1] (length P - 1, its carried part as right after
+prompt[:-1]) and its chunk boundaries, so a training step captures its prompt once. `sample_branches` is the branch
+loop; `sharding/sample.py` (sampling on a mesh) runs the same one over its own decoding step.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -103,42 +107,105 @@ def sampling_logits(logits: jax.Array, temperature: float, top_p: float) -> jax.
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
-def sample_group(model, params, prompt, num_branches: int, sampling: SamplingConfig, key: jax.Array,
-                 chunk_size: int = 2048) -> Rollout:
-    """Sample `num_branches` responses after `prompt` (int [P], P >= 2) from one capture of the prompt.
+@struct.dataclass
+class Captured:
+    """The sampler's capture of prompt[:-1], kept for the update (`sample_group(..., keep_capture=True)`), so that a
+    training step captures its prompt once.
 
-    Host-side checks (token ids, G >= 1, chunk_size, stop/pad ids inside the vocabulary), then one jitted call with
-    model, G, sampling and chunk_size static. The key is split per branch; the result is deterministic in it.
+    state: the model's state of prompt[:-1]: length P-1, room for P+R-1 positions; positions < P-1 hold exactly what
+    `capture_chunks(model, params, prompt[:-1], chunk_size, dtype)` computes, the carried part (Qwen3.6's GDN conv
+    tails and recurrent matrices) is the one right after prompt[:-1] (saved before prompt[-1] was advanced).
+    Positions >= P-1 hold the last branch's tokens: nothing reads them (every reader of a whole state stops at its
+    length). boundaries: what `capture_chunks(..., keep_boundaries=True)` returns with the state (the carried part
+    before each chunk), for exact mode's prompt backward.
     """
+
+    state: Any
+    boundaries: Any
+
+
+def check_sampling_inputs(model, prompt, num_branches, sampling: SamplingConfig):
+    """The host-side checks of every sampler: prompt token ids (int [P], P >= 2), G >= 1, stop/pad ids inside the
+    vocabulary. Returns (prompt as an int32 array, G as a Python int)."""
     vocab = model.config.vocab_size
     prompt = check_tokens(prompt, vocab, name="prompt")
     if prompt.shape[0] < 2:
         raise ValueError(f"prompt has {prompt.shape[0]} token(s); need at least 2 (prompt[:-1] is captured)")
     if not is_int(num_branches) or num_branches < 1:
         raise ValueError(f"num_branches (G) = {num_branches!r}; need G >= 1")
-    num_branches = int(num_branches)
     for name in ("stop_token", "pad_token"):
         value = getattr(sampling, name)
         if value is not None and value >= vocab:
             raise ValueError(f"SamplingConfig.{name}={value} is out of range: ids must be in [0, vocab_size={vocab})")
+    return prompt, int(num_branches)
+
+
+def sample_group(model, params, prompt, num_branches: int, sampling: SamplingConfig, key: jax.Array,
+                 chunk_size: int = 2048, keep_capture: bool = False):
+    """Sample `num_branches` responses after `prompt` (int [P], P >= 2) from one capture of the prompt.
+
+    Host-side checks (token ids, G >= 1, chunk_size, stop/pad ids inside the vocabulary), then one jitted call
+    (`sample_traced`) with model, G, sampling, chunk_size and keep_capture static. The key is split per branch; the
+    result is deterministic in it. Returns the Rollout, or with keep_capture (Rollout, Captured): the capture of
+    prompt[:-1] that the update can reuse instead of capturing the prompt again.
+    """
+    prompt, num_branches = check_sampling_inputs(model, prompt, num_branches, sampling)
     chunk_size = check_size(chunk_size, "chunk_size")
     chunk_layout(prompt.shape[0] - 1, chunk_size)
+    if keep_capture:
+        return _sample_group(model, params, prompt, key, num_branches, sampling, chunk_size, True)
     return _sample_group(model, params, prompt, key, num_branches, sampling, chunk_size)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
-def _sample_group(model, params, prompt, key, num_branches, sampling, chunk_size):
+def sample_traced(model, params, prompt, key, num_branches: int, sampling: SamplingConfig, chunk_size: int,
+                  keep_capture: bool = False):
+    """The one-device sampler without host checks (jittable; `jax.vmap`-able over a leading group axis of prompt
+    [N, P] and key [N]): Rollout, or with keep_capture (Rollout, Captured). model, num_branches, sampling,
+    chunk_size and keep_capture are static; prompt int32 [P] must be valid (`check_sampling_inputs`)."""
     length = sampling.max_new_tokens
     p = prompt.shape[0]
     dtype = model.lm_head(params).dtype
-    state = capture_chunks(model, params, prompt[:-1], chunk_size, dtype, capacity=p + length - 1)
+    # the engine's capture (same chunks), into a cache with room for the responses: positions P-1 .. P+R-2
+    captured = capture_chunks(model, params, prompt[:-1], chunk_size, dtype, keep_boundaries=keep_capture,
+                              capacity=p + length - 1)
+    state, boundaries = captured if keep_capture else (captured, None)
+    before_last = model.carried(state)  # right after prompt[:-1]: what the update's replay starts from
     hidden, state = model.advance(params, state, prompt[-1:], p - 1)
-    first_logits = model.logits(params, hidden)[0]
-    prompt_carried = model.carried(state)
+    after_prompt = model.carried(state)  # right after prompt[-1]: what every branch starts from
+
+    def step(state, token, position):
+        hidden, state = model.advance(params, state, token[None], position)
+        return state, model.logits(params, hidden)[0]
+
+    state, rollout = sample_branches(step, state, model.logits(params, hidden)[0],
+                                     lambda state: model.with_carried(state, after_prompt), key, num_branches,
+                                     sampling, p)
+    if keep_capture:
+        return rollout, Captured(state=model.with_carried(state, before_last), boundaries=boundaries)
+    return rollout
+
+
+_sample_group = jax.jit(sample_traced, static_argnums=(0, 4, 5, 6, 7))
+
+
+def sample_branches(step, state, first_logits, restore, key, num_branches: int, sampling: SamplingConfig,
+                    start) -> tuple[Any, Rollout]:
+    """The G-branch loop of every sampler (one device: `sample_traced`; on a mesh: `sharding/sample.py`).
+
+    step(state, token int32 [], position) -> (state, float32 logits [V] of the next token): one decoding step at
+    `position`. state: the decoder's state after the prompt, whose next-token logits are first_logits [V].
+    restore(state) -> the state a branch starts from (each branch overwrites the positions start.. of the one
+    before it: restoring the carried part is enough). start: the position of response token 0 (P).
+
+    Branches run in a `lax.scan` (the state is the carry, updated in place); each samples in a `lax.while_loop`
+    over t < R that stops after the stop token: token t ~ categorical(fold_in(branch key, t), sampling_logits),
+    branch keys = jax.random.split(key, G). Returns (the state after the last branch, Rollout).
+    """
+    length = sampling.max_new_tokens
     stop = -1 if sampling.stop_token is None else sampling.stop_token
 
     def branch(state, branch_key):
-        state = model.with_carried(state, prompt_carried)
+        state = restore(state)
 
         def cond(c):
             t, _, _, done, *_ = c
@@ -152,13 +219,9 @@ def _sample_group(model, params, prompt, key, num_branches, sampling, chunk_size
             logp = logp.at[t].set(jax.nn.log_softmax(logits)[token])
             sample_logp = sample_logp.at[t].set(jax.nn.log_softmax(shaped)[token])
             done = token == stop
-
-            def step(state):
-                hidden, state = model.advance(params, state, token[None], p + t)
-                return state, model.logits(params, hidden)[0]
-
             # the last token (or a stop) needs no successor: skip its forward step
-            state, logits = jax.lax.cond((t + 1 < length) & ~done, step, lambda s: (s, logits), state)
+            state, logits = jax.lax.cond((t + 1 < length) & ~done, lambda s: step(s, token, start + t),
+                                         lambda s: (s, logits), state)
             return t + 1, state, logits, done, tokens, logp, sample_logp
 
         zeros = jnp.zeros(length, jnp.float32)
@@ -168,6 +231,5 @@ def _sample_group(model, params, prompt, key, num_branches, sampling, chunk_size
         mask = (jnp.arange(length) < t).astype(jnp.float32)
         return state, (tokens, mask, logp, sample_logp)
 
-    _, (tokens, mask, logp, sample_logp) = jax.lax.scan(branch, state, jax.random.split(key, num_branches))
-    return Rollout(responses=tokens, mask=mask, logprobs=logp, sample_logprobs=sample_logp)
-
+    state, (tokens, mask, logp, sample_logp) = jax.lax.scan(branch, state, jax.random.split(key, num_branches))
+    return state, Rollout(responses=tokens, mask=mask, logprobs=logp, sample_logprobs=sample_logp)

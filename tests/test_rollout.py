@@ -7,18 +7,24 @@
   temperature 1, and the sampling log-probs reflect temperature / top-p;
 - stop token: kept with mask 1, then padding with mask 0, and the tokens before it are unchanged;
 - top-p keeps exactly the nucleus; bad inputs raise on the host;
-- AOT memory: temporaries do not grow with G (the prompt state is never copied per branch).
+- AOT memory: temporaries do not grow with G (the prompt state is never copied per branch);
+- keep_capture: the sampler hands back its capture of prompt[:-1] (state with room for the responses, chunk
+  boundaries) equal to the engine's capture, and the same rollout; a state's positions at or beyond its length
+  (where the last branch's tokens stay) are never read by `extend` or `branch_grads` (both families).
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from longstraw_jax import models, rollout
+from longstraw_jax.models.base import capture_chunks
 from longstraw_jax.models.qwen36 import FULL, LINEAR
 from longstraw_jax.naive import response_logprobs
 from longstraw_jax.rollout import SamplingConfig, sample_group, sampling_logits
-from tests.helpers import o1_params
+from tests.helpers import o1_params, rel_err
 
 P, G, R, CHUNK = 21, 3, 6, 8
 
@@ -145,3 +151,111 @@ def test_memory_does_not_grow_with_group_size(setup):
     state_bytes = model.init_state(length + 3).nbytes()
     print(f"sampler temp bytes: G=1 {temp[1]}, G=16 {temp[16]}; one state {state_bytes}")
     assert temp[16] - temp[1] < 0.1 * state_bytes
+
+
+def _glm_setup():
+    model = models.build(models.Glm52Config.tiny(vocab_size=64, query_block_size=8, index_key_block_size=8))
+    params = o1_params(model.init(jax.random.key(0)), jax.random.key(2))
+    return model, params, np.random.default_rng(1).integers(0, 64, P).astype(np.int32)
+
+
+def _with_garbage_beyond_length(state, seq_axes={"keys": 2, "values": 2, "kv": 1, "index_keys": 1}):
+    """The state with every position >= state.length of its appended parts overwritten by large random values."""
+    fields = {}
+    for name, axis in seq_axes.items():
+        if hasattr(state, name):
+            x = getattr(state, name)
+            beyond = jnp.arange(x.shape[axis]) >= state.length
+            beyond = beyond.reshape([-1 if d == axis else 1 for d in range(x.ndim)])
+            noise = 50.0 * jax.random.normal(jax.random.key(9), x.shape, x.dtype)
+            fields[name] = jnp.where(beyond, noise, x)
+    return state.replace(**fields)
+
+
+@pytest.mark.parametrize("family", ["qwen36", "glm52"])
+def test_keep_capture_returns_the_engines_capture(setup, family):
+    """sample_group(keep_capture=True): the same rollout, and a Captured whose state equals a fresh capture of
+    prompt[:-1] on positions < P-1 and on the carried part, whose boundaries are capture_chunks' (same chunks), and
+    from which a replay gives the logits of a replay from the fresh capture."""
+    model, params, prompt = setup if family == "qwen36" else _glm_setup()
+    # GLM: the sampler test_glm_samples_through_the_same_protocol compiled (G 2, R 4), so only keep_capture compiles
+    g, r = (G, R) if family == "qwen36" else (2, 4)
+    key, sampling = jax.random.key(5), SamplingConfig(max_new_tokens=r)
+    plain = sample_group(model, params, prompt, g, sampling, key, chunk_size=CHUNK)
+    out, captured = sample_group(model, params, prompt, g, sampling, key, chunk_size=CHUNK, keep_capture=True)
+    np.testing.assert_array_equal(out.responses, plain.responses)
+    np.testing.assert_array_equal(out.mask, plain.mask)
+    for name in ("logprobs", "sample_logprobs"):  # another compiled program: float round-off only
+        np.testing.assert_allclose(getattr(out, name), getattr(plain, name), rtol=1e-5, atol=1e-6, err_msg=name)
+
+    fresh = model.capture(params, prompt[:-1], chunk_size=CHUNK)
+    state = captured.state
+    assert state.length == P - 1 and type(state) is type(fresh)
+    for name, axis in (("keys", 2), ("values", 2), ("kv", 1), ("index_keys", 1)):
+        if hasattr(fresh, name):
+            got = getattr(state, name)
+            assert got.shape[axis] == P + r - 1, name  # room for the responses
+            valid = jax.lax.slice_in_dim(got, 0, P - 1, axis=axis)
+            np.testing.assert_allclose(valid, getattr(fresh, name), rtol=1e-5, atol=1e-5, err_msg=name)
+            # the last branch's tokens were written beyond the prompt (and must be masked by the length)
+            assert np.any(np.asarray(jax.lax.slice_in_dim(got, P, P + 1, axis=axis)) != 0), name
+    for got, want in zip(jax.tree.leaves(model.carried(state)), jax.tree.leaves(model.carried(fresh)), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    _, boundaries = capture_chunks(model, params, jnp.asarray(prompt[:-1]), CHUNK, jnp.float32, keep_boundaries=True)
+    assert jax.tree.structure(captured.boundaries) == jax.tree.structure(boundaries)
+    for got, want in zip(jax.tree.leaves(captured.boundaries), jax.tree.leaves(boundaries), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    replay = np.concatenate([prompt[-1:], np.asarray(out.responses[0, :-1])])
+    np.testing.assert_allclose(model.extend(params, state, replay), model.extend(params, fresh, replay),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen36", "glm52"])
+def test_positions_beyond_a_states_length_are_never_read(setup, family):
+    """A state with room beyond its length (garbage there) replays exactly as the state without room: `extend`
+    reads positions < length only (GLM: its top-k never selects one; an index_topk larger than the prompt makes
+    every visible key selected), and so does Qwen3.6's block-by-block `branch_grads` (loss, parameter gradient,
+    state cotangent; GLM's is autodiff of the same `extend`)."""
+    model, params, prompt = setup if family == "qwen36" else _glm_setup()
+    if family == "glm52":
+        model = models.build(dataclasses.replace(model.config, index_topk=64))
+    tokens = jnp.asarray(prompt[:-1])
+    exact = capture_chunks(model, params, tokens, CHUNK, jnp.float32)
+    roomy = _with_garbage_beyond_length(capture_chunks(model, params, tokens, CHUNK, jnp.float32, capacity=P + 9))
+    replay = jnp.asarray(np.random.default_rng(4).integers(0, 64, R).astype(np.int32))
+    # garbage read anywhere would move logits by O(1); GLM's top-k width follows the capacity (round-off only)
+    np.testing.assert_allclose(model.extend(params, roomy, replay), model.extend(params, exact, replay), rtol=1e-5,
+                               atol=1e-5)
+    if family == "glm52":
+        return
+    head = lambda p, h: (jnp.sum(model.logits(p, h)[:, :7] ** 2) / 100.0, None)
+    zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+    run = jax.jit(lambda state: model.branch_grads(params, state, replay, head, zeros(params), zeros(state)))
+    loss, _, grads, acc = run(exact)
+    got_loss, _, got_grads, got_acc = run(roomy)
+    assert float(got_loss) == pytest.approx(float(loss), rel=1e-6)
+    assert rel_err(got_grads, grads) < 1e-6
+    assert rel_err(model.carried(got_acc), model.carried(acc)) < 1e-6
+    for name in ("keys", "values"):
+        cot = getattr(got_acc, name)
+        assert rel_err(cot[:, :, : P - 1], getattr(acc, name)) < 1e-6, name
+        assert not np.any(np.asarray(cot[:, :, P - 1 :])), name
+
+
+def test_the_traced_sampler_vmaps_over_groups(setup):
+    """sample_traced under jax.vmap over a leading group axis (prompt [N, P], key [N]) == one call per group."""
+    model, params, prompt = setup
+    prompts = np.stack([prompt, np.roll(prompt, 3)])
+    keys = jax.random.split(jax.random.key(11), 2)
+    sampling = SamplingConfig(max_new_tokens=3, stop_token=int(prompt[0]))
+    batched = jax.jit(jax.vmap(lambda p, k: rollout.sample_traced(model, params, p, k, 2, sampling, CHUNK, True)))
+    out, captured = batched(jnp.asarray(prompts), keys)
+    assert captured.state.length == P - 1 and captured.state.keys.shape[:3] == (2, 1, 1)
+    for n in range(2):
+        want, want_captured = sample_group(model, params, prompts[n], 2, sampling, keys[n], chunk_size=CHUNK,
+                                           keep_capture=True)
+        np.testing.assert_array_equal(out.responses[n], want.responses)
+        np.testing.assert_allclose(out.logprobs[n], want.logprobs, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(captured.state.keys[n, :, :, : P - 1], want_captured.state.keys[:, :, : P - 1],
+                                   rtol=1e-4, atol=1e-4)

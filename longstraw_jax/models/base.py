@@ -49,7 +49,9 @@ class Model(Protocol):
 
     def init(self, key: jax.Array, dtype=jnp.float32) -> dict: ...
 
-    def init_state(self, length: int, dtype=jnp.float32) -> PromptState: ...
+    def init_state(self, length: int, dtype=jnp.float32, capacity: int | None = None) -> PromptState:
+        """Zero state of `length` valid positions; appended parts sized `capacity` (default length; see
+        `state_capacity`). Whatever reads a whole state (`extend`, `branch_grads`) reads positions < length only."""
 
     def capture_chunk(self, params: dict, state: PromptState, tokens: jax.Array, start) -> PromptState: ...
 
@@ -118,6 +120,15 @@ class SequenceParallel(Protocol):
                         grads) -> dict:
         """grads + the gradient of the sharded capture given the float32 state cotangent (exact mode)."""
 
+    def init_tail(self, params, sstate, capacity: int) -> PromptState:
+        """The decoding state after the sharded prompt (sampling on the mesh, `sharding/sample.py`): replicated, room
+        for `capacity` decoded positions P.. and the prompt's carried part. Nothing of size P."""
+
+    def decode(self, params, sstate, tail, token, position, mesh) -> tuple[jax.Array, PromptState]:
+        """One token (int32 []) at `position` (traced, P <= position < P + capacity) after the sharded prompt
+        (read-only, seq-sharded) and the tail's positions P..position-1 -> (final-normed hidden [1, D], the tail
+        with the token written at slot position - P). Equals `advance` on one device on the whole state."""
+
 
 class Slot(NamedTuple):
     """Where one HF tensor lives in our params: `flat[path][index]` (flat = flatten_dict(params, sep="/")),
@@ -134,17 +145,27 @@ def chunk_layout(length: int, chunk_size: int) -> tuple[int, int]:
     return divmod(int(length), check_size(chunk_size, "chunk_size"))
 
 
+def state_capacity(length: int, capacity: int | None) -> int:
+    """The position-axis size of a state of `length` valid positions asked to have room for `capacity` (None:
+    exactly `length`). ValueError when capacity < length."""
+    if capacity is None:
+        return length
+    if capacity < length:
+        raise ValueError(f"capacity={capacity} is below the prompt length {length}")
+    return capacity
+
+
 def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, keep_boundaries: bool = False,
                    capacity: int | None = None):
     """Capture tokens [P] in chunks of `chunk_size` (a `lax.scan` over full chunks, then one remainder chunk) into a
-    state with room for `capacity` positions (default P; more leaves room to decode after the prompt).
+    state of length P with room for `capacity` positions (default P; more leaves room to decode after the prompt:
+    `advance` at positions P.. writes there, and nothing that reads the state as a whole looks past its length).
 
     Returns the state, and with keep_boundaries also `(full, last)`: `model.carried(state)` before each full chunk
-    (leaves stacked [N, ...]) and before the remainder chunk (None when chunk_size divides P).
+    (leaves stacked [N, ...]) and before the remainder chunk (None when chunk_size divides P). The computation (and
+    so the state on positions < P and the boundaries) does not depend on `capacity`.
     """
-    if capacity is not None and capacity < tokens.shape[0]:
-        raise ValueError(f"capacity={capacity} is below the prompt length {tokens.shape[0]}")
-    state = model.init_state(tokens.shape[0] if capacity is None else capacity, dtype)
+    state = model.init_state(tokens.shape[0], dtype, capacity=capacity)
     num_full, remainder = chunk_layout(tokens.shape[0], chunk_size)
     full_boundaries = last_boundary = None
     if num_full:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct, traverse_util
 
-from longstraw_jax.models.base import CausalLM, Slot, check_config_fields, read_json_config
+from longstraw_jax.models.base import CausalLM, Slot, check_config_fields, read_json_config, state_capacity
 from longstraw_jax.ops.dsa import select_topk
 from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.ops.mla import sparse_latent_attention
@@ -534,10 +534,13 @@ def decoder_layers(c: Glm52Config, layers: dict, h, reader, k: int, remat: bool 
 
 
 def _chunk(c: Glm52Config, params: dict, state: GlmState, tokens: jax.Array, start, remat: bool = False):
-    """`decoder_layers` on one device over tokens [T] at positions start.., reading `state` (positions < start)."""
+    """`decoder_layers` on one device over tokens [T] at positions start.., reading `state` (positions < start;
+    never a row >= start, whatever the state's capacity: neither the indexer's top-k nor the attention visits one)."""
     t = tokens.shape[0]
     reader = PromptReader(state, start + jnp.arange(t, dtype=jnp.int32), start)
-    k = min(c.index_topk, state.length + t)  # every row gets k slots (-1 where fewer keys are visible)
+    # every row gets k slots (-1 where fewer keys are visible); the state's capacity bounds start from above, so
+    # k covers every visible key whenever fewer than index_topk are (decoding at start > state.length included)
+    k = min(c.index_topk, state.kv.shape[1] + t)
     return decoder_layers(c, params["layers"], params["embed"][tokens], reader, k, remat)
 
 
@@ -605,11 +608,14 @@ class Glm52(CausalLM):
                             layout[f"model.layers.{layer}.{suffix}"] = Slot(path, (r, j), shape)
         return layout
 
-    def init_state(self, length: int, dtype=jnp.float32) -> GlmState:
-        """Zero state with room for `length` prompt tokens (length 0: the state before any token)."""
+    def init_state(self, length: int, dtype=jnp.float32, capacity: int | None = None) -> GlmState:
+        """Zero state of `length` valid prompt positions (length 0: the state before any token), its rows sized
+        `capacity` (default `length`; more leaves room to decode after the prompt: rows >= length are never read or
+        selected by `extend` and the replay)."""
         c = self.config
-        return GlmState(kv=jnp.zeros((c.num_hidden_layers, length, c.kv_row_dim), dtype),
-                        index_keys=jnp.zeros((c.num_full_layers, length, c.index_head_dim), dtype), length=length)
+        rows = state_capacity(length, capacity)
+        return GlmState(kv=jnp.zeros((c.num_hidden_layers, rows, c.kv_row_dim), dtype),
+                        index_keys=jnp.zeros((c.num_full_layers, rows, c.index_head_dim), dtype), length=length)
 
     def index_selection(self, params: dict, tokens) -> jax.Array:
         """The positions each full layer's indexer selects in `forward(tokens)`: int32 [num_full_layers, T, k]

@@ -25,7 +25,7 @@ import numpy as np
 from flax import struct, traverse_util
 
 from longstraw_jax import layerwise
-from longstraw_jax.models.base import CausalLM, Slot, check_config_fields, read_json_config
+from longstraw_jax.models.base import CausalLM, Slot, check_config_fields, read_json_config, state_capacity
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype
@@ -587,11 +587,13 @@ class Qwen36(CausalLM):
                     layout[f"model.layers.{b * len(c.block_pattern) + offset}.{suffix}"] = Slot(path, (b, j), hf_shape)
         return layout
 
-    def init_state(self, length: int, dtype=jnp.float32) -> Qwen36State:
-        """Zero state with room for `length` prompt tokens (length 0: the state before any token)."""
+    def init_state(self, length: int, dtype=jnp.float32, capacity: int | None = None) -> Qwen36State:
+        """Zero state of `length` valid prompt positions (length 0: the state before any token), its keys/values
+        sized `capacity` (default `length`; more leaves room to decode after the prompt: positions >= length are
+        never read by `extend`, `branch_grads` or `chunk_grads`)."""
         c = self.config
         nb, nl, nf = c.num_blocks, c.linear_per_block, c.full_per_block
-        kv_shape = (nb, nf, length, c.num_key_value_heads, c.head_dim)
+        kv_shape = (nb, nf, state_capacity(length, capacity), c.num_key_value_heads, c.head_dim)
         return Qwen36State(
             conv=jnp.zeros((nb, nl, c.linear_conv_kernel_dim - 1, c.conv_dim), dtype),
             recurrent=jnp.zeros((nb, nl, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
@@ -602,7 +604,7 @@ class Qwen36(CausalLM):
     # ----- pure implementations (public entry points: models/base.py CausalLM) -----
     @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
     def _extend_hidden(self, params, state, tokens, remat: bool = False):
-        h, _ = _layers(self.config, params, state, tokens, state.length, cache_length=None, remat=remat)
+        h, _ = _layers(self.config, params, state, tokens, state.length, cache_length=state.length, remat=remat)
         return self.final_norm(params, h)
 
     # ----- block protocol (longstraw_jax/layerwise.py: the engine's block-by-block backward) -----

@@ -136,11 +136,7 @@ class ReplayReader(NamedTuple):
 
     def select(self, c, q, w, keys, full, k):
         common = _topk_common(c, k)
-        slots = self.rounds.slot_positions(jax.lax.axis_index(SEQ))
-        slots = jnp.where(slots < self.rounds.length, slots, _NEVER)
-        prompt = topk_over_keys(q, w, jax.lax.stop_gradient(self.index_keys), slots, self.positions, layer=full,
-                                **common)
-        prompt = [jnp.moveaxis(jax.lax.all_gather(x, SEQ), 0, 1).reshape(q.shape[0], -1) for x in prompt]
+        prompt = prompt_candidates(q, w, self.index_keys, self.rounds, self.positions, full, common)
         start = self.rounds.length
         new = topk_over_keys(q, w, keys, self.positions, self.positions,
                              visible_prefix=lambda pb: jnp.max(pb) - start + 1, **common)
@@ -148,14 +144,72 @@ class ReplayReader(NamedTuple):
 
     def attend(self, c, q_abs, rows, layer, selected):
         length, common = self.rounds.length, _attend_common(c)
-        shard, slot = self.rounds.shard_and_slot(jnp.clip(selected, 0, length - 1))
-        held = (selected >= 0) & (selected < length) & (shard == jax.lax.axis_index(SEQ))
-        prompt = sparse_latent_attention_partial(q_abs, self.kv, layer, rows, jnp.where(held, slot, -1),
-                                                 self.kv.shape[1], **common)
+        prompt = prompt_partial(q_abs, self.kv, rows, layer, selected, self.rounds, common)
         empty = jnp.zeros((1, 0, rows.shape[-1]), rows.dtype)
         new = sparse_latent_attention_partial(q_abs, empty, 0, rows, jnp.where(selected >= length, selected - length,
                                                                                 -1), 0, **common)
-        return attn_ops.merge(sequence.psum_merge(prompt), new).out
+        return attn_ops.merge(prompt, new).out
+
+
+def prompt_candidates(q, w, index_keys, rounds: RoundLayout, positions, full, common: dict):
+    """Inside `shard_map`: each query's top-k candidates (scores [T, n * k], positions [T, n * k]) among the prompt's
+    indexer keys of full layer `full`, for queries q [T, Hi, Di], w [T, Hi] at `positions` (the same on every shard,
+    after the prompt): each shard scores its own slots (index_keys [F, S, Di]; padding slots never visible), the
+    n shards' candidate lists are all-gathered."""
+    slots = rounds.slot_positions(jax.lax.axis_index(SEQ))
+    slots = jnp.where(slots < rounds.length, slots, _NEVER)
+    prompt = topk_over_keys(q, w, jax.lax.stop_gradient(index_keys), slots, positions, layer=full, **common)
+    return [jnp.moveaxis(jax.lax.all_gather(x, SEQ), 0, 1).reshape(q.shape[0], -1) for x in prompt]
+
+
+def prompt_partial(q_abs, kv, rows, layer, selected, rounds: RoundLayout, common: dict) -> attn_ops.Attended:
+    """Inside `shard_map`: absorbed attention of q_abs [T, H, Dk] over the selected prompt positions (selected int
+    [T, k], natural positions; others ignored) of layer `layer`, each shard over the rows it holds (kv [layers, S,
+    Dk]), merged across shards by log-sum-exp."""
+    length = rounds.length
+    shard, slot = rounds.shard_and_slot(jnp.clip(selected, 0, length - 1))
+    held = (selected >= 0) & (selected < length) & (shard == jax.lax.axis_index(SEQ))
+    part = sparse_latent_attention_partial(q_abs, kv, layer, rows, jnp.where(held, slot, -1), kv.shape[1], **common)
+    return sequence.psum_merge(part)
+
+
+class DecodeReader(NamedTuple):
+    """Inside `shard_map`: a layer decoding one token at positions [1] (the same on every shard) after this shard's
+    slice of the prompt state (kv [layers, S, Dk], index_keys [F, S, Di]) and the replicated tail (`init_tail`: a
+    GlmState whose rows hold the decoded positions P.., `slot` of them before the token). The indexer's top-k runs
+    over prompt + tail + the token (prompt candidates from every shard, merged with the tail's and the token's),
+    as the one-device model's over its cache; attention merges the prompt's partial (over shards) with the tail's
+    and the token's rows."""
+
+    kv: jax.Array
+    index_keys: jax.Array
+    tail: Any
+    slot: jax.Array
+    positions: jax.Array
+    rounds: RoundLayout
+    params: _Layers
+
+    def layer_params(self, lp, segment, group):
+        return self.params.layer_params(lp, segment, group)
+
+    def select(self, c, q, w, keys, full, k):
+        common = _topk_common(c, k)
+        prompt = prompt_candidates(q, w, self.index_keys, self.rounds, self.positions, full, common)
+        # the tail's keys of this layer with the token's own key at its slot: every slot <= self.slot is visible
+        tail = jax.lax.dynamic_update_slice_in_dim(self.tail.index_keys[full], keys.astype(self.tail.index_keys.dtype),
+                                                   self.slot, 0)
+        tail_positions = self.rounds.length + jnp.arange(tail.shape[0], dtype=jnp.int32)
+        mine = topk_over_keys(q, w, tail, tail_positions, self.positions, visible_prefix=self.slot + 1, **common)
+        return merge_candidates(*(jnp.concatenate(x, axis=-1) for x in zip(prompt, mine)), k)[1]
+
+    def attend(self, c, q_abs, rows, layer, selected):
+        length, common = self.rounds.length, _attend_common(c)
+        prompt = prompt_partial(q_abs, self.kv, rows, layer, selected, self.rounds, common)
+        # tail rows (slots < self.slot) from the tail cache, the token's own (slot == self.slot) from rows
+        mine = sparse_latent_attention_partial(q_abs, self.tail.kv, layer, rows,
+                                               jnp.where(selected >= length, selected - length, -1), self.slot,
+                                               **common)
+        return attn_ops.merge(prompt, mine).out
 
 
 # ----- capture -------------------------------------------------------------------------------------------------
@@ -237,6 +291,37 @@ def extend_hidden_fn(model, mesh, params_specs):
     return fn
 
 
+# ----- decoding (sampling on the mesh: sharding/sample.py) -----------------------------------------------------
+
+
+def init_tail(model, params, sstate: ShardedPromptState, capacity: int):
+    """The replicated decoding state after the sharded prompt: a GlmState of length 0 with room for `capacity`
+    decoded positions P.. (kv [layers, capacity, Dk], index_keys [F, capacity, Di]); GLM carries nothing else."""
+    return model.init_state(0, params["embed"].dtype, capacity=capacity)
+
+
+def decode(model, params, sstate: ShardedPromptState, tail, token, position, mesh):
+    """Traceable: one token (int32 []) at `position` (P <= position < P + tail capacity, traced) after the sharded
+    prompt and the tail's positions P..position-1 -> (final-normed hidden [1, D] (replicated), the tail with the
+    token's latent row and indexer keys written at slot position - P). The prompt cache stays seq-sharded and is
+    only read; layers are all-gathered one at a time (FSDP)."""
+    c = model.config
+    specs = param_specs(params, mesh)["layers"]
+    rounds = sstate.layout
+    slot = position - rounds.length
+    k = min(c.index_topk, rounds.length + tail.kv.shape[1])  # >= every visible key count, as on one device
+
+    def local(layers, state, tail, h, position, slot):
+        reader = DecodeReader(state.kv, state.index_keys, tail, slot, position[None], rounds, _Layers(specs))
+        h, entries, _ = model.decoder_layers(layers, h, reader, k)
+        return h, entries
+
+    h, entries = _shard_map(mesh, local, (specs, prompt_state_specs(sstate.state), P(), P(), P(), P()), (P(), P()))(
+        params["layers"], sstate.state, tail, params["embed"][jnp.reshape(token, (1,))],
+        jnp.asarray(position, jnp.int32), jnp.asarray(slot, jnp.int32))
+    return rms_norm(h, params["final_norm"], c.rms_norm_eps), model.write_entries(tail, entries, slot)
+
+
 # ----- exact mode: the prompt's backward -----------------------------------------------------------------------
 
 
@@ -291,3 +376,9 @@ class Glm52OnMesh:
     def prompt_backward(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, sstate,
                         capture_aux, state_cot, grads):
         return prompt_backward(self.model, params, stored_tokens, mesh, rounds, sstate.state, state_cot, grads)
+
+    def init_tail(self, params, sstate, capacity: int):
+        return init_tail(self.model, params, sstate, capacity)
+
+    def decode(self, params, sstate, tail, token, position, mesh):
+        return decode(self.model, params, sstate, tail, token, position, mesh)

@@ -264,20 +264,29 @@ class ReplayReader(NamedTuple):
         return self.local.delta_rule(core, q, k, v, g, beta, j)
 
     def attend(self, q, k, v, j, *, scale, block_size):
-        """Every slot of the full rounds is a real position; of the last round's two segments, a prefix of each."""
-        state, index, rounds = self.local.state, self.local.prefix + (j,), self.rounds
+        """The prompt (merged over shards), then the new tokens causally."""
         common = dict(q_positions=self.positions, scale=scale, block_size=block_size)
-        earlier, last = rounds.full * rounds.round_slots, rounds.last
-        parts = []
-        if rounds.full:
-            parts.append(attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=False, kv_length=earlier,
-                                         kv_index=index, **common))
-        split = lambda cache: rearrange(cache[..., earlier:, :, :], "... (a t) h d -> ... a t h d", a=2)
-        visible = jnp.clip(last.length - sequence.local_segments(last) * last.segment, 0, last.segment)
-        parts += [attn_ops.attend(q, split(state.keys), split(state.values), k_offset=0, causal=False,
-                                  kv_length=visible[h], kv_index=index + (h,), **common) for h in (0, 1)]
-        prompt = sequence.psum_merge(functools.reduce(attn_ops.merge, parts))
-        return attn_ops.merge(prompt, attn_ops.attend(q, k, v, k_offset=rounds.length, causal=True, **common))
+        prompt = prompt_attention(self.local.state, self.local.prefix + (j,), self.rounds, q, **common)
+        return attn_ops.merge(prompt, attn_ops.attend(q, k, v, k_offset=self.rounds.length, causal=True, **common))
+
+
+def prompt_attention(state, index: tuple, rounds: RoundLayout, q, *, q_positions, scale: float,
+                     block_size: int) -> attn_ops.Attended:
+    """Inside `shard_map`: q [T, Hq, hd] (the same on every shard, after the prompt) over the prompt cache of the
+    full layer at `index` ((b, j) of state.keys / values [nb, nf, S, Hkv, hd], this shard's slots), merged across
+    shards by log-sum-exp: exact attention over the whole prompt. Every slot of the full rounds is a real position;
+    of the last round's two segments, a prefix of each (padding slots are never visited)."""
+    common = dict(q_positions=q_positions, scale=scale, block_size=block_size)
+    earlier, last = rounds.full * rounds.round_slots, rounds.last
+    parts = []
+    if rounds.full:
+        parts.append(attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=False, kv_length=earlier,
+                                     kv_index=index, **common))
+    split = lambda cache: rearrange(cache[..., earlier:, :, :], "... (a t) h d -> ... a t h d", a=2)
+    visible = jnp.clip(last.length - sequence.local_segments(last) * last.segment, 0, last.segment)
+    parts += [attn_ops.attend(q, split(state.keys), split(state.values), k_offset=0, causal=False,
+                              kv_length=visible[h], kv_index=index + (h,), **common) for h in (0, 1)]
+    return sequence.psum_merge(functools.reduce(attn_ops.merge, parts))
 
 
 def replay_block(model, block_specs, rounds: RoundLayout, bp, h, state, b):
@@ -299,6 +308,78 @@ def extend_hidden(model, params, sstate: ShardedPromptState, tokens, mesh):
     h = _shard_map(mesh, local, (specs, prompt_state_specs(sstate.state), P()), P())(
         model.block_params(params), sstate.state, model.embed(params, tokens))
     return model.final_norm(params, h)
+
+
+# ----- decoding (sampling on the mesh: sharding/sample.py) -----------------------------------------------------
+
+
+class DecodeReader(NamedTuple):
+    """Inside `shard_map`: block b's layers decoding one token (the same on every shard) after the seq-sharded prompt
+    cache and a small replicated *tail* state (`init_tail`) holding the decoded positions P.. (P = the prompt's
+    length) and the carried GDN state. local: the model's one-device reader of the tail, with cache_length = the
+    tail positions before the token; the GDN conv and delta rule read the tail's carried part through it, and
+    attention is the log-sum-exp merge of the prompt (`prompt_attention`, merged over shards) and local.attend (the
+    tail before the token, then the token itself)."""
+
+    prompt: Any  # this shard's slice of the prompt state (keys / values [nb, nf, S, Hkv, hd])
+    local: Any
+    rounds: RoundLayout
+    layers: _ShardedLayers
+
+    @property
+    def positions(self):
+        return self.local.positions
+
+    def layer_params(self, p, group):
+        return self.layers.layer_params(p, group)
+
+    def rowwise(self, fn, *xs):
+        return self.layers.rowwise(fn, *xs)
+
+    def conv(self, mixed, weight, j):
+        return self.local.conv(mixed, weight, j)
+
+    def delta_rule(self, core, q, k, v, g, beta, j):
+        return self.local.delta_rule(core, q, k, v, g, beta, j)
+
+    def attend(self, q, k, v, j, *, scale, block_size):
+        common = dict(q_positions=self.positions, scale=scale, block_size=block_size)
+        prompt = prompt_attention(self.prompt, self.local.prefix + (j,), self.rounds, q, **common)
+        return attn_ops.merge(prompt, self.local.attend(q, k, v, j, scale=scale, block_size=block_size))
+
+
+def init_tail(model, params, sstate: ShardedPromptState, capacity: int):
+    """The replicated decoding state after the sharded prompt: a Qwen36State of length 0 with room for `capacity`
+    decoded positions (P.., keys / values [nb, nf, capacity, Hkv, hd]) and the prompt's carried GDN state (conv
+    tails, recurrent matrices: replicated already)."""
+    tail = model.init_state(0, params["embed"].dtype, capacity=capacity)
+    return model.with_carried(tail, model.carried(sstate.state))
+
+
+def decode(model, params, sstate: ShardedPromptState, tail, token, position, mesh):
+    """Traceable: one token (int32 []) at `position` (P <= position < P + tail capacity, traced) after the sharded
+    prompt and the tail's positions P..position-1 -> (final-normed hidden [1, D] (replicated), the tail with the
+    token's keys / values written at slot position - P and the carried GDN state advanced past it). The prompt cache
+    stays seq-sharded and is only read; layers are all-gathered one at a time (FSDP)."""
+    specs = param_specs(params, mesh)["blocks"]
+    rounds = sstate.layout
+    slot = position - rounds.length
+
+    def local(blocks, state, tail, h, position, slot):
+        positions = position[None]
+
+        def body(h, xs):
+            bp, b = xs
+            reader = DecodeReader(state, model.prompt_reader(tail, (b,), positions, slot), rounds,
+                                  _ShardedLayers(specs))
+            return model.block_with_reader(bp, h, reader)
+
+        return jax.lax.scan(body, h, (blocks, jnp.arange(model.num_blocks)))
+
+    h, entries = _shard_map(mesh, local, (specs, prompt_state_specs(sstate.state), P(), P(), P(), P()), (P(), P()))(
+        model.block_params(params), sstate.state, tail, model.embed(params, jnp.reshape(token, (1,))),
+        jnp.asarray(position, jnp.int32), jnp.asarray(slot, jnp.int32))
+    return model.final_norm(params, h), model.write_entries(tail, entries, slot)
 
 
 class _BlocksOnMesh:
@@ -429,3 +510,9 @@ class Qwen36OnMesh:
                         capture_aux, state_cot, grads):
         return prompt_backward(self.model, params, stored_tokens, mesh, rounds, attention, sstate.state, capture_aux,
                                state_cot, grads)
+
+    def init_tail(self, params, sstate, capacity: int):
+        return init_tail(self.model, params, sstate, capacity)
+
+    def decode(self, params, sstate, tail, token, position, mesh):
+        return decode(self.model, params, sstate, tail, token, position, mesh)

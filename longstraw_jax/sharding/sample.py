@@ -1,0 +1,79 @@
+"""Sampling G branches on a ("data", "seq") mesh: the prompt is captured sequence-parallel (the engine's sharded
+capture, so the update can reuse it) and decoding reads the seq-sharded cache in place.
+
+    sstate, aux = capture(prompt[:-1]) on the mesh, in rounds          = what sharding/grpo.py computes
+    tail = init_tail(...)                       replicated: room for R decoded positions + the carried GDN state
+    h, tail = decode(prompt[-1]) at position P - 1 -> first-token logits
+    for g in range(G): restore the tail saved after prompt[-1], then     rollout.sample_branches: the one-device
+        while t < R and not stopped: sample, h, tail = decode(token) at P + t          sampler's branch loop
+
+One decode step runs the model's layer code on every shard through a reader (`DecodeReader` of
+`sharding/qwen36.py` / `sharding/glm52.py`): attention is the log-sum-exp merge of this shard's prompt slots (merged
+over `seq`) with the tail's positions before the token and the token itself; GLM's DSA top-k runs over prompt, tail
+and token, as on one device. Nothing of size P is replicated: the prompt cache stays seq-sharded, read-only, and
+the tail holds R positions. For the same key the tokens and log-probs are the one-device sampler's
+(`rollout.sample_group`), up to float round-off.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+from flax import struct
+
+from longstraw_jax.rollout import Rollout, SamplingConfig, check_sampling_inputs, sample_branches
+from longstraw_jax.sharding import sequence
+from longstraw_jax.sharding.api import round_layout
+from longstraw_jax.sharding.layout import RoundLayout, ShardedPromptState
+
+
+@struct.dataclass
+class ShardedCaptured:
+    """The mesh sampler's capture of prompt[:-1], as `sharding/grpo.py` computes it (same layout, same family
+    capture): sstate (ShardedPromptState, length P-1, seq-sharded) and capture_aux (what the family's exact backward
+    needs, e.g. Qwen3.6's GDN round boundaries; None for GLM-5.x)."""
+
+    sstate: ShardedPromptState
+    capture_aux: Any
+
+
+def sample_group(model, params, prompt, num_branches: int, sampling: SamplingConfig, key: jax.Array, mesh,
+                 round_len: int | None = None, attention: str = "ring", keep_capture: bool = False):
+    """`rollout.sample_group` on `mesh`: G branches after prompt (int [P], P >= 2), prompt[:-1] captured in rounds of
+    about `round_len` positions (None: one round) with `attention` ("ring" / "allgather", Qwen3.6's choice).
+
+    Host-side checks, then one jitted call (`sample_traced`). Returns the Rollout (replicated), or with keep_capture
+    (Rollout, ShardedCaptured). params: ideally placed by `rules.param_specs` (FSDP)."""
+    prompt, num_branches = check_sampling_inputs(model, prompt, num_branches, sampling)
+    if attention not in sequence.ATTENTION_METHODS:
+        raise ValueError(f"attention={attention!r}; allowed: {sequence.ATTENTION_METHODS}")
+    model.sequence_parallel()  # a family without a sharded path says so before any work
+    layout = round_layout(model, prompt.shape[0] - 1, mesh.shape[sequence.SEQ], round_len)
+    return _sample_group(model, params, prompt, key, num_branches, sampling, mesh, layout, attention, keep_capture)
+
+
+def sample_traced(model, params, prompt, key, num_branches: int, sampling: SamplingConfig, mesh, layout: RoundLayout,
+                  attention: str = "ring", keep_capture: bool = False):
+    """The mesh sampler without host checks (jittable; `jax.vmap(..., spmd_axis_name="data")`-able over a leading
+    group axis of prompt [N, P] and key [N]). layout: `sharding.api.round_layout(model, P - 1, seq, round_len)`.
+    model, num_branches, sampling, mesh, layout, attention and keep_capture are static."""
+    family = model.sequence_parallel()
+    p = prompt.shape[0]
+    sstate, capture_aux = family.capture(params, layout.to_stored(prompt[:-1]), mesh, layout, attention)
+    decode = functools.partial(family.decode, params, sstate, mesh=mesh)
+    hidden, after_prompt = decode(family.init_tail(params, sstate, sampling.max_new_tokens), prompt[-1], p - 1)
+
+    def step(tail, token, position):
+        hidden, tail = decode(tail, token, position)
+        return tail, model.logits(params, hidden)[0]
+
+    # each branch starts from the tail right after prompt[-1] (R positions: restoring it whole costs nothing)
+    _, rollout = sample_branches(step, after_prompt, model.logits(params, hidden)[0], lambda _: after_prompt, key,
+                                 num_branches, sampling, p)
+    return (rollout, ShardedCaptured(sstate, capture_aux)) if keep_capture else rollout
+
+
+_sample_group = jax.jit(sample_traced, static_argnums=(0, 4, 5, 6, 7, 8, 9))
+
+__all__ = ["Rollout", "ShardedCaptured", "sample_group", "sample_traced"]

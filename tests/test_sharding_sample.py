@@ -1,0 +1,100 @@
+"""Sampling on a ("data", "seq") mesh (sharding/sample.py) == the one-device sampler (rollout.py), on 8 simulated
+CPU devices, tiny models at O(1) scale.
+
+- same key -> the same tokens, masks and log-probs (rtol 1e-5): Qwen3.6 on 2x4 with a stop token, GLM-5.x on 1x8
+  (index_topk 16 < the prompt: the sharded top-k over prompt + tail + token must select what one device selects);
+  prompts captured in rounds, P - 1 divisible by no layout;
+- keep_capture: the (sstate, capture_aux) handed back equals the family's sharded capture of prompt[:-1]
+  (`sharding.api._capture`, what sharding/grpo.py computes);
+- memory: per-device bytes (arguments + temporaries, AOT `memory_analysis()`) on 1x8 are well under a third of the
+  one-device sampler's at a prompt whose cache dominates: nothing of size P is replicated.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longstraw_jax import models, rollout, sharding
+from longstraw_jax.rollout import SamplingConfig
+from longstraw_jax.sharding import rules, sample
+from longstraw_jax.sharding.api import _capture, round_layout
+from tests.helpers import o1_params
+
+P, R, G, ROUND = 30, 5, 3, 8  # prompt[:-1] = 29 positions: a full round (whole segments) and a padded last round
+
+
+def _setup(family: str):
+    if family == "qwen36":
+        model = models.build(models.Qwen36Config.tiny(vocab_size=64, gdn_chunk_size=16))
+    else:
+        model = models.build(models.Glm52Config.tiny(vocab_size=64, query_block_size=8, index_key_block_size=8))
+    params = o1_params(model.init(jax.random.key(0)), jax.random.key(1))
+    prompt = np.random.default_rng(0).integers(0, 64, P).astype(np.int32)
+    return model, params, prompt
+
+
+def _placed(params, mesh):
+    return jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
+
+
+def _assert_same_rollout(got, want):
+    np.testing.assert_array_equal(got.responses, want.responses)
+    np.testing.assert_array_equal(got.mask, want.mask)
+    for name in ("logprobs", "sample_logprobs"):
+        np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("family, spec", [("qwen36", "2x4"), ("glm52", "1x8")])
+def test_mesh_sampler_equals_one_device_and_keeps_the_sharded_capture(family, spec):
+    model, params, prompt = _setup(family)
+    key = jax.random.key(4)
+    sampling = SamplingConfig(max_new_tokens=R, temperature=0.8)
+    if family == "qwen36":  # a stop token that ends branch 1 early (mask and padding must follow)
+        free = rollout.sample_group(model, params, prompt, G, sampling, key, chunk_size=8)
+        sampling = SamplingConfig(max_new_tokens=R, temperature=0.8, stop_token=int(free.responses[1, 1]),
+                                  pad_token=63)
+    want = rollout.sample_group(model, params, prompt, G, sampling, key, chunk_size=8)
+    if family == "qwen36":
+        assert want.mask[1].sum() <= 2 and want.mask.sum() < G * R
+    mesh = sharding.make_mesh(spec)
+    placed = _placed(params, mesh)
+    got, captured = sample.sample_group(model, placed, prompt, G, sampling, key, mesh, round_len=ROUND,
+                                        keep_capture=True)
+    _assert_same_rollout(got, want)
+
+    layout = round_layout(model, P - 1, mesh.shape["seq"], ROUND)
+    assert captured.sstate.layout == layout and layout.full >= 1 and captured.sstate.length == P - 1
+    sstate, aux = _capture(model, placed, layout.to_stored(jnp.asarray(prompt[:-1])), mesh, layout, "ring")
+    for got_leaf, want_leaf in zip(jax.tree.leaves((captured.sstate, captured.capture_aux)),
+                                   jax.tree.leaves((sstate, aux)), strict=True):
+        assert got_leaf.sharding.is_equivalent_to(want_leaf.sharding, got_leaf.ndim)
+        np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=1e-5)
+    natural = captured.sstate.natural()  # and it is the one-device capture of prompt[:-1]
+    fresh = model.capture(params, prompt[:-1], chunk_size=8)
+    for name in ("keys", "values", "kv", "index_keys"):
+        if hasattr(fresh, name):
+            np.testing.assert_allclose(getattr(natural, name), getattr(fresh, name), rtol=1e-4, atol=1e-4,
+                                       err_msg=name)
+
+
+def test_nothing_of_prompt_size_is_replicated():
+    """AOT-compiled samplers at a prompt whose cache dominates (tiny Qwen3.6, P = 65536, chunks / rounds of 256):
+    per-device arguments + temporaries on 1x8 < 0.35 x one device's (the cache is split 8 ways, only R positions
+    are replicated; what remains is P-independent: one round's capture activations, parameters' shards)."""
+    model, params, _ = _setup("qwen36")
+    length, chunk, sampling = 65536, 256, SamplingConfig(max_new_tokens=8)
+    prompt = jax.ShapeDtypeStruct((length,), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    one = rollout._sample_group.lower(model, abstract, prompt, key, 2, sampling, chunk).compile().memory_analysis()
+    mesh = sharding.make_mesh("1x8")
+    placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                          rules.named(rules.param_specs(abstract, mesh), mesh))
+    layout = round_layout(model, length - 1, 8, chunk)
+    many = sample._sample_group.lower(model, placed, prompt, key, 2, sampling, mesh, layout, "ring",
+                                      False).compile().memory_analysis()
+    per_device = lambda m: m.argument_size_in_bytes + m.temp_size_in_bytes
+    cache = model.init_state(length + 7).nbytes()
+    print(f"sampler bytes per device: one device {per_device(one)}, 1x8 {per_device(many)}; cache {cache}")
+    assert per_device(one) > cache  # the prompt dominates the one-device sampler
+    assert per_device(many) < 0.35 * per_device(one)
