@@ -37,6 +37,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from longstraw_jax.models.base import capture_chunks, chunk_layout
+from longstraw_jax.sharding.groups import DATA
+from longstraw_jax.sharding.rules import manual_axes
 from longstraw_jax.validation import check_size, check_tokens, is_int, is_real
 
 
@@ -203,32 +205,46 @@ def sample_branches(step, state, first_logits, restore, key, num_branches: int, 
     """
     length = sampling.max_new_tokens
     stop = -1 if sampling.stop_token is None else sampling.stop_token
+    # Inside `sharding/groups.over_data` each data slice samples its own group, but a decode step's collectives (the
+    # FSDP all-gather of a layer over ("data", "seq")) need every slice: the loops then run in lockstep, as long as
+    # any slice's branch is still sampling, and a slice whose branch has stopped discards what it computes.
+    lockstep = DATA in manual_axes()
+    anywhere = (lambda x: jax.lax.psum(x.astype(jnp.int32), DATA) > 0) if lockstep else (lambda x: x)
 
     def branch(state, branch_key):
         state = restore(state)
 
         def cond(c):
             t, _, _, done, *_ = c
-            return (t < length) & ~done
+            return (t < length) & anywhere(~done)
 
         def body(c):
-            t, state, logits, done, tokens, logp, sample_logp = c
+            t, state, logits, done, count, tokens, logp, sample_logp = c
+            live = ~done  # this branch has not stopped (always true outside lockstep)
             shaped = sampling_logits(logits, sampling.temperature, sampling.top_p)
             token = jax.random.categorical(jax.random.fold_in(branch_key, t), shaped).astype(jnp.int32)
-            tokens = tokens.at[t].set(token)
-            logp = logp.at[t].set(jax.nn.log_softmax(logits)[token])
-            sample_logp = sample_logp.at[t].set(jax.nn.log_softmax(shaped)[token])
-            done = token == stop
+            keep = lambda new, old: jnp.where(live, new, old)
+            tokens = keep(tokens.at[t].set(token), tokens)
+            logp = keep(logp.at[t].set(jax.nn.log_softmax(logits)[token]), logp)
+            sample_logp = keep(sample_logp.at[t].set(jax.nn.log_softmax(shaped)[token]), sample_logp)
+            done = done | (live & (token == stop))
             # the last token (or a stop) needs no successor: skip its forward step
-            state, logits = jax.lax.cond((t + 1 < length) & ~done, lambda s: step(s, token, start + t),
-                                         lambda s: (s, logits), state)
-            return t + 1, state, logits, done, tokens, logp, sample_logp
+            need = ~done & (t + 1 < length)
+
+            def forward(state):
+                stepped, next_logits = step(state, token, start + t)
+                if not lockstep:
+                    return stepped, next_logits
+                return jax.tree.map(lambda a, b: jnp.where(need, a, b), (stepped, next_logits), (state, logits))
+
+            state, logits = jax.lax.cond(anywhere(need), forward, lambda s: (s, logits), state)
+            return t + 1, state, logits, done, count + live.astype(jnp.int32), tokens, logp, sample_logp
 
         zeros = jnp.zeros(length, jnp.float32)
-        init = (jnp.int32(0), state, first_logits, jnp.bool_(False), jnp.full(length, sampling.pad_token, jnp.int32),
-                zeros, zeros)
-        t, state, _, _, tokens, logp, sample_logp = jax.lax.while_loop(cond, body, init)
-        mask = (jnp.arange(length) < t).astype(jnp.float32)
+        init = (jnp.int32(0), state, first_logits, jnp.bool_(False), jnp.int32(0),
+                jnp.full(length, sampling.pad_token, jnp.int32), zeros, zeros)
+        _, state, _, _, count, tokens, logp, sample_logp = jax.lax.while_loop(cond, body, init)
+        mask = (jnp.arange(length) < count).astype(jnp.float32)
         return state, (tokens, mask, logp, sample_logp)
 
     state, (tokens, mask, logp, sample_logp) = jax.lax.scan(branch, state, jax.random.split(key, num_branches))

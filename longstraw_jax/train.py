@@ -86,7 +86,7 @@ def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.Gra
     return _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh, captured)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8), donate_argnames="captured")
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
 def _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh=None, captured=None):
     # train_step has checked mode and validated the batch (here it is traced: only its shapes could be checked)
     loss, grads, metrics = grpo_grads_unvalidated(model, params, batch, cfg, mode, chunk_size, mesh, captured)
