@@ -209,6 +209,7 @@ class Planner:
         self.embed_bytes = _tree_bytes(params["embed"])
         self.step = jax.jit(train._train_step.__wrapped__, static_argnums=(0, 4, 5, 6, 7, 8), donate_argnums=(1, 2))
         self._captures: dict[int, dict] = {}
+        self._updates: dict[tuple, dict] = {}
 
     @property
     def data(self) -> int:
@@ -294,8 +295,14 @@ class Planner:
                               decode_per_group=per_group, capture_temp=capture["temp"], groups=groups)
 
     def compile(self, prompt_len: int, group: int, mode: str) -> dict:
-        """The update of one group, AOT-compiled: its components (module docstring), "total" and "temp" in
-        per-device bytes, and "compile_s"."""
+        """The update of one group, AOT-compiled (once per prompt length, G, mode and R): its components (module
+        docstring), "total" and "temp" in per-device bytes, and "compile_s"."""
+        key = (prompt_len, group, mode, self.response_len)
+        if key not in self._updates:
+            self._updates[key] = self._compile(prompt_len, group, mode)
+        return self._updates[key]
+
+    def _compile(self, prompt_len: int, group: int, mode: str) -> dict:
         import jax
         import jax.numpy as jnp
 
