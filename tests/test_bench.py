@@ -161,3 +161,59 @@ def test_planner_sampling_matches_the_compiled_sampler():
     measured = plan._memory_total(compiled)["total"]
     assert 0.9 <= estimate / measured <= 1.25, (estimate, measured)
     assert np.isfinite(estimate / measured)
+
+
+def test_model_flops_match_cost_analysis_on_a_loop_free_config():
+    """tools/bench_device.py's analytic FLOP count against XLA's cost_analysis() of `model.forward` on a loop-free
+    config (one full-attention layer: the layer scan, the attention key-block loop and the GDN chunk loop have one
+    iteration each, so XLA's count-a-loop-body-once is exact): within 3% (XLA also counts elementwise work and the
+    masked half of the causal tile). The GDN layer's weight count is checked against its parameters."""
+    from longstraw_jax import models
+    from longstraw_jax.models.qwen36 import FULL, LINEAR, Qwen36Config
+
+    bench = _tool("bench_device")
+    tokens = 32
+    cfg = Qwen36Config.tiny(hidden_size=256, intermediate_size=1024, num_hidden_layers=1, layer_types=(FULL,))
+    model = models.build(cfg)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    compiled = jax.jit(model.forward).lower(params, jax.ShapeDtypeStruct((tokens,), jnp.int32)).compile()
+    cost = compiled.cost_analysis()
+    xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    ours = bench.qwen36_flops(cfg, tokens, logits=True)
+    assert ours["attention"] == 4 * cfg.num_attention_heads * cfg.head_dim * tokens * (tokens + 1) // 2
+    assert 0.97 <= ours["total"] / xla <= 1.03, (ours, xla)
+    # the GDN layer: dense FLOPs = 2 x its weight matrices (every blocks/ leaf of rank >= 2 per layer) per token
+    cfg = Qwen36Config.tiny(hidden_size=256, intermediate_size=1024, num_hidden_layers=1, layer_types=(LINEAR,))
+    params = jax.eval_shape(models.build(cfg).init, jax.random.key(0))
+    matrices = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params["blocks"]) if x.ndim >= 4)
+    assert bench.qwen36_flops(cfg, tokens)["dense"] == 2 * matrices * tokens
+    assert bench.qwen36_flops(cfg, tokens, cached=100)["gdn"] == bench.qwen36_flops(cfg, tokens)["gdn"] > 0
+    assert bench.peak_flops("NVIDIA H200") == 989e12 and bench.peak_flops("NVIDIA H20") == 148e12
+    assert bench.peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and bench.peak_flops("cpu") is None
+
+
+def test_bench_device_tiny(tmp_path):
+    """tools/bench_device.py --tiny on CPU (one train_step mode and one capture length, to stay fast): the table and
+    the JSON hold the capture and detached rows with positive times, throughputs, compiled and planner bytes; the
+    CPU has no peak memory statistics and no peak FLOP/s ("n/a")."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "bench_device.py"), "--tiny", "--modes", "detached",
+         "--capture-len", "256", "--json", str(tmp_path / "bench.json")], capture_output=True, text=True,
+        timeout=600, cwd=ROOT, env=dict(os.environ, XLA_FLAGS="--xla_cpu_use_fusion_emitters=false "
+                                                              "--xla_backend_optimization_level=0"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+             for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+    assert set(table) == {"measurement", "capture", "detached"}, result.stdout
+    for name in ("capture", "detached"):
+        median_s, tokens_per_s = float(table[name][2]), float(table[name][4].replace(",", ""))
+        assert median_s > 0 and tokens_per_s > 0 and table[name][7] == "n/a"  # no peak_bytes_in_use on CPU
+    assert table["capture"][6] == "n/a" and float(table["capture"][5]) > 0  # TFLOP/s, but no MFU on CPU
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    assert bench["platform"] == "cpu" and bench["peak_flops"] is None
+    rows = {row["name"]: row for row in bench["rows"]}
+    assert set(rows) == {"capture", "detached"} and rows["capture"]["tokens"] == 256
+    for row in rows.values():
+        assert row["seconds"] > 0 and row["tokens_per_s"] > 0 and len(row["times"]) == 2
+        assert row["compiled_bytes"] > 0 and row["planner_bytes"] > 0 and row["peak_bytes"] is None
+    assert rows["capture"]["flops"] > 0 and rows["detached"]["G"] == 2

@@ -181,8 +181,9 @@ def step_peak(sampling: dict, update: dict) -> tuple[int, str]:
 
 
 class Planner:
-    def __init__(self, config_path: str, mesh_spec: str, dtype: str, response_len: int, chunk: int, devices=None):
-        """`devices`: the mesh's devices (default all of jax.devices(); a test process with more passes a subset)."""
+    def __init__(self, config, mesh_spec: str, dtype: str, response_len: int, chunk: int, devices=None):
+        """`config`: an HF config.json path or a model config object; `devices`: the mesh's devices (default all of
+        jax.devices(); a process with more passes a subset)."""
         import jax
         import jax.numpy as jnp
 
@@ -190,7 +191,7 @@ class Planner:
         from longstraw_jax.sharding import rules
 
         self.jax, self.rules, self.train = jax, rules, train
-        self.model = models.build(models.config_from_hf(config_path))
+        self.model = models.build(models.config_from_hf(config) if isinstance(config, (str, os.PathLike)) else config)
         self.model.sequence_parallel()  # a family without a sharded path says so here
         self.mesh = sharding.make_mesh(mesh_spec, devices)
         self.dtype = jnp.dtype(dtype)
