@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(_run_child(dict(opts, item=mode, budget_s=remaining), timeout=max(remaining, 60)))
         print(f"  {mode}: {rows[-1]['seconds']:.3g} s per step", flush=True)
     remaining = args.budget_s - (time.perf_counter() - start)
-    capture = _run_child(dict(opts, item="capture", budget_s=0.7 * remaining), timeout=max(remaining, 60))
+    capture = _run_child(dict(opts, item="capture", budget_s=0.6 * remaining), timeout=max(remaining, 0) + 90)
     print(f"  capture: {capture['tokens']:,} tokens in {capture['seconds']:.3g} s", flush=True)
     rows.insert(0, capture)
     device, peak = capture["device"], peak_flops(capture["device"])
