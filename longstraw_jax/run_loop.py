@@ -70,7 +70,7 @@ class Trainer:
         fault_hooks.fire("step", self.step + 1)
         self.params, self.opt_state, step_metrics = train_step(
             self.model, self.params, self.opt_state, batch, self.optimizer, self.grpo, self.config.mode,
-            self.config.chunk_size, mesh=self.mesh, captured=captured)
+            self.config.chunk_size, mesh=self.mesh, captured=captured, donate=True)
         step_metrics = jax.device_get(step_metrics)
         done = time.perf_counter()
         self.step += 1

@@ -14,7 +14,6 @@ only shapes are validated; validate concrete batches with `grpo.validate_batch` 
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -62,10 +61,12 @@ def make_optimizer(learning_rate=1e-5, weight_decay: float = 0.0, max_grad_norm:
 
 def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.GradientTransformation,
                cfg: GRPOConfig = GRPOConfig(), mode: str = "exact", chunk_size: int = 2048, mesh=None,
-               captured=None):
+               captured=None, donate: bool = False):
     """One GRPO update on one group or on B groups side by side (a batch with a group axis): (params, opt_state,
     metrics). captured: the sampler's capture of the prompt(s) (`engine.grpo_grads`): the step does not capture
-    again.
+    again. donate: the step may reuse the buffers of `params` and `opt_state` for its results (they are deleted:
+    use the returned ones), so that the update does not hold them twice (the trainer does; `tools/plan_capacity.py`
+    assumes it).
 
     metrics: the engine's metrics (reward_mean, clip_frac, kl, entropy, ...) plus "loss" (before the update),
     "grad_norm" (global norm of the raw, unclipped gradient) and "skipped" (1.0 when the loss or a gradient was
@@ -83,13 +84,14 @@ def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.Gra
         check_groups(batch.num_groups, mesh)
     if mesh is None and captured is not None:
         check_captured(captured, batch, mode)
-    return _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh, captured)
+    step = _train_step_donated if donate else _train_step
+    return step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh, captured)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
-def _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh=None, captured=None):
+def _step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh=None, captured=None):
     # train_step has checked mode and validated the batch (here it is traced: only its shapes could be checked)
-    loss, grads, metrics = grpo_grads_unvalidated(model, params, batch, cfg, mode, chunk_size, mesh, captured)
+    extra = {name: value for name, value in (("mesh", mesh), ("captured", captured)) if value is not None}
+    loss, grads, metrics = grpo_grads_unvalidated(model, params, batch, cfg, mode, chunk_size, **extra)
     finite = jnp.isfinite(loss)
     for g in jax.tree.leaves(grads):
         finite = finite & jnp.all(jnp.isfinite(g))
@@ -106,3 +108,8 @@ def _train_step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_siz
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
                    skipped=jnp.where(finite, 0.0, 1.0).astype(jnp.float32))
     return params, opt_state, metrics
+
+
+_STATIC = (0, 4, 5, 6, 7, 8)
+_train_step = jax.jit(_step, static_argnums=_STATIC)
+_train_step_donated = jax.jit(_step, static_argnums=_STATIC, donate_argnums=(1, 2))
