@@ -128,9 +128,11 @@ def test_mesh_run_and_resume_match_one_device(full_run, tmp_path):
     sharded, single = read(out), read(full_run)
     assert [r["step"] for r in sharded] == [1, 2, 3]
     for got, want in zip(sharded, single):
+        # sampling on the mesh scores the old log-probs in another summation order (~1e-6); after AdamW steps of lr
+        # 3e-3 that round-off shows in the grad norm at ~3e-4 (step 1: the same params, 1e-4)
         assert got["reward_mean"] == want["reward_mean"]
-        np.testing.assert_allclose([got["loss"], got["grad_norm"]], [want["loss"], want["grad_norm"]], rtol=1e-4,
-                                   atol=1e-6)
+        np.testing.assert_allclose([got["loss"], got["grad_norm"]], [want["loss"], want["grad_norm"]],
+                                   rtol=1e-4 if got["step"] == 1 else 2e-3, atol=1e-6)
     params, _, _ = restore(out)
     np.testing.assert_allclose(params["embed"], restore(full_run)[0]["embed"], rtol=1e-4, atol=1e-5)
 
