@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longstraw_jax import models, orbax_io
+from longstraw_jax import distributed, models, orbax_io
 from longstraw_jax.grpo import GroupBatch
 from longstraw_jax.rollout import SamplingConfig, sample_group
 from longstraw_jax.run_config import RunConfig, RunError
@@ -68,7 +68,17 @@ def place(tree, mesh, params=None):
         return jax.device_put(tree, jax.local_devices()[0])
     params = tree if params is None else params
     specs = rules.like_params_specs(tree, params, rules.param_specs(params, mesh))
+    if jax.process_count() > 1:  # every process holds the same values: each builds its own devices' shards
+        return distributed.to_global(tree, rules.named(specs, mesh))
     return jax.device_put(tree, rules.named(specs, mesh))
+
+
+def place_key(key, mesh):
+    """The run's RNG key: as it is without a mesh, else replicated on the mesh (a global array every process holds,
+    which the sampler's jit and a multi-process Orbax save accept)."""
+    if mesh is None:
+        return key
+    return distributed.to_global(key, distributed.replicated(mesh))
 
 
 def mesh_for(config: RunConfig):
@@ -109,14 +119,15 @@ class TaskSampler:
         prompt = self.task.prompt(position)
         rollout = sample_group(model, params, prompt.tokens, self.group_size, self.sampling,
                                jax.random.fold_in(key, step), chunk_size=self.chunk_size)
-        responses, mask = np.asarray(rollout.responses), np.asarray(rollout.mask)
+        # the full value on every process (gathered when sharded over several): every process scores the same
+        responses, mask, logprobs = distributed.to_host((rollout.responses, rollout.mask, rollout.logprobs))
         rewards = score(self.reward_fn, prompt, responses, mask)
         extra = {}
         if hasattr(self.task, "is_correct"):
             extra["accuracy"] = float(np.mean([self.task.is_correct(r[m > 0], prompt.info)
                                                for r, m in zip(responses, mask)]))
         batch = GroupBatch(prompt=prompt.tokens, responses=responses, mask=mask, rewards=rewards,
-                           old_logprobs=np.asarray(rollout.logprobs))
+                           old_logprobs=logprobs)
         return batch, extra
 
 
