@@ -115,14 +115,14 @@ def launch(processes: int, run_args: list[str], grace: float = 10.0, env=None) -
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     first_failure = None
     try:
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):  # poll every process (any() would stop at the first)
             failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
             if failed and first_failure is None:
                 first_failure = failed[0]
                 say(f"process {first_failure} ended with {_describe(procs[first_failure].returncode)}; the others "
                     f"get {grace:g} s to stop by themselves, then are killed")
                 deadline = time.monotonic() + grace
-                while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                while time.monotonic() < deadline and [p.poll() for p in procs].count(None):
                     time.sleep(0.1)
                 for i, p in enumerate(procs):
                     if p.poll() is None:
