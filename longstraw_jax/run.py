@@ -12,7 +12,8 @@ log with a fact planted at a random depth), 40 exact-mode steps on CPU.
 The parts: run_config.py (RunConfig: the options, their checks, the merge on --resume), run_outdir.py (what may be
 written where: --out, the checkpoint to resume, --export-hf; incomplete saves and damaged checkpoints), run_setup.py
 (mesh, model and params, optimizer, data source), run_loop.py (Trainer: the loop and checkpoints, Ctrl-C),
-run_log.py (metrics records, progress lines, summary).
+run_log.py (metrics records, progress lines, summary), distributed.py (several processes: --coordinator,
+--num-processes, --process-id or the cluster's environment; docs/cluster.md; launch.py starts them on one machine).
 """
 from __future__ import annotations
 
