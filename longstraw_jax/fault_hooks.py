@@ -7,6 +7,9 @@ trainer sends itself `<signal>` when it reaches `<point>` during step `<step>`:
   directory (`checkpoints/N.orbax-checkpoint-tmp`) and before that directory is renamed to `checkpoints/N`;
 - `step`: in the middle of step N, after its batch is sampled and scored, before the update.
 
+`<point>:<step>:<signal>:<process>` fires only in process number `<process>` of a multi-process run (every process
+of a launch inherits the variable).
+
 Unset (the normal case) nothing happens: each point costs one dictionary lookup. Never set it outside tests.
 """
 from __future__ import annotations
@@ -23,8 +26,15 @@ def armed(point: str, step: int) -> signal.Signals | None:
     spec = os.environ.get(ENV)
     if not spec:
         return None
-    name, at, sig = spec.split(":")
-    return signal.Signals[sig] if name == point and int(at) == step else None
+    name, at, sig, *process = spec.split(":")
+    if name != point or int(at) != step:
+        return None
+    if process:
+        import jax  # initialised by now: the trainer is running
+
+        if jax.process_index() != int(process[0]):
+            return None
+    return signal.Signals[sig]
 
 
 def fire(point: str, step: int) -> None:

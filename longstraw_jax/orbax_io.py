@@ -123,7 +123,9 @@ class TrainCheckpoints:
         return incomplete_saves(self.directory)
 
     def save(self, step: int, params, opt_state, rng_key: jax.Array, data_position: int, config: dict) -> None:
-        """Save and wait until the step directory is committed (renamed). A failure is an OSError naming it."""
+        """Save and wait until the step directory is committed (renamed). A failure is an OSError naming it.
+        Several processes: every process calls this with the same global arrays (the RNG key replicated on the mesh,
+        as Orbax refuses single-device arrays there); Orbax writes each shard once and process 0 the JSON."""
         state = {"params": params, "opt_state": opt_state, "rng": jax.random.key_data(rng_key)}
         meta = {"step": int(step), "data_position": int(data_position), "config": config}
         try:
@@ -151,14 +153,18 @@ class TrainCheckpoints:
                                          "data_position, config)")
         return meta
 
-    def restore(self, params_like, opt_state_like, step: int | None = None):
+    def restore(self, params_like, opt_state_like, step: int | None = None, rng_sharding=None):
         """-> (params, opt_state, rng_key, meta) of checkpoint `step` (the newest by default). The *_like trees give
-        structure, shapes and dtypes (arrays or ShapeDtypeStructs, e.g. from jax.eval_shape)."""
+        structure, shapes and dtypes (arrays or ShapeDtypeStructs, e.g. from jax.eval_shape) and, where they are
+        placed arrays, the shardings to restore onto (any mesh: a checkpoint saved on another mesh or process count
+        is read onto this one). rng_sharding: where the RNG key data goes (default the first local device; with
+        several processes a replicated sharding of the mesh, as Orbax reads only global arrays there)."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"{self.directory}: no checkpoint to restore")
         meta = self.read_meta(step)
-        rng_like = jax.random.key_data(jax.random.key(0))
+        rng_data = jax.random.key_data(jax.random.key(0))
+        rng_like = jax.ShapeDtypeStruct(rng_data.shape, rng_data.dtype, sharding=rng_sharding)
         abstract = _on_device({"params": params_like, "opt_state": opt_state_like, "rng": rng_like})
         try:
             state = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
@@ -166,7 +172,7 @@ class TrainCheckpoints:
             where = os.path.join(self.step_dir(step), "state")
             raise BrokenCheckpoint(step, f"checkpoint {step}: {where} is unreadable ({_reason(e)})") from None
         state = state["state"]
-        key = jax.random.wrap_key_data(np.asarray(state["rng"]))
+        key = jax.random.wrap_key_data(state["rng"] if rng_sharding is not None else np.asarray(state["rng"]))
         return state["params"], state["opt_state"], key, meta
 
     def close(self) -> None:

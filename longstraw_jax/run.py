@@ -12,33 +12,63 @@ log with a fact planted at a random depth), 40 exact-mode steps on CPU.
 The parts: run_config.py (RunConfig: the options, their checks, the merge on --resume), run_outdir.py (what may be
 written where: --out, the checkpoint to resume, --export-hf; incomplete saves and damaged checkpoints), run_setup.py
 (mesh, model and params, optimizer, data source), run_loop.py (Trainer: the loop and checkpoints, Ctrl-C),
-run_log.py (metrics records, progress lines, summary).
+run_log.py (metrics records, progress lines, summary), distributed.py (several processes: --coordinator,
+--num-processes, --process-id or the cluster's environment; docs/cluster.md; launch.py starts them on one machine).
 """
 from __future__ import annotations
 
+import math
 import sys
 
+from longstraw_jax.distributed import DistributedError
 from longstraw_jax.run_config import RunConfig, RunError, build_parser, parse_args
-from longstraw_jax.run_loop import Trainer
-from longstraw_jax.run_setup import raise_cpu_device_count
 
-__all__ = ["main", "RunConfig", "RunError", "Trainer", "build_parser", "parse_args"]
+__all__ = ["main", "RunConfig", "RunError", "build_parser", "parse_args"]
+
+
+def start_jax(config: RunConfig) -> None:
+    """Before anything touches a JAX backend: join a multi-process run (--coordinator / --num-processes /
+    --process-id, the JAX_* variables, or a detected SLURM / Open MPI job; distributed.py) with --mesh's A*B
+    devices split over the processes, or in one process raise the simulated CPU device count to A*B."""
+    from longstraw_jax import distributed
+    from longstraw_jax.run_setup import raise_cpu_device_count
+    from longstraw_jax.sharding.mesh import parse_mesh_spec
+
+    cluster = distributed.resolve(config.coordinator, config.num_processes, config.process_id)
+    if cluster is None:
+        if config.mesh is not None:
+            raise_cpu_device_count(config.mesh)
+        return
+    if config.mesh is None:
+        raise RunError(f"{cluster.source}: a multi-process run needs --mesh AxB (the global mesh, its A*B devices "
+                       "split evenly over the processes)")
+    distributed.initialize(cluster, math.prod(parse_mesh_spec(config.mesh)))
 
 
 def main(argv=None) -> int:
     """Train as the command line says; 0 when done, 2 (with a one-line error) on bad input or a file that cannot be
-    read or written, 130 on Ctrl-C."""
+    read or written, 130 on Ctrl-C. The arguments are parsed and JAX's processes joined before the trainer is
+    imported."""
     try:
         config, explicit = parse_args(argv)
-        if config.mesh is not None:
-            raise_cpu_device_count(config.mesh)
+        start_jax(config)
+        from longstraw_jax.run_loop import Trainer
+
         return Trainer(config, explicit).run()
-    except (RunError, ValueError, OSError, NotImplementedError) as e:  # OSError: FileNotFoundError, PermissionError..
+    except (RunError, DistributedError, ValueError, OSError, NotImplementedError) as e:  # OSError: FileNotFound..
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before the run started writing (Trainer.run handles it after)
         print("interrupted (Ctrl-C) before the run wrote anything: --out is as it was", file=sys.stderr)
         return 130
+
+
+def __getattr__(name):  # `run.Trainer` without importing the training loop before JAX is set up
+    if name == "Trainer":
+        from longstraw_jax.run_loop import Trainer
+
+        return Trainer
+    raise AttributeError(name)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,11 @@ DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`
                "checkpoints/ (Orbax: params, optimizer state, RNG key, data position), and with --export-hf a "
                "safetensors checkpoint of the final params.")
 # Options that may differ when resuming (everything else must match the checkpointed run's configuration).
-RESUMABLE = frozenset({"steps", "resume", "resume_step", "out", "export_hf", "force", "log_every", "save_every"})
+RESUMABLE = frozenset({"steps", "resume", "resume_step", "out", "export_hf", "force", "log_every", "save_every",
+                       "coordinator", "num_processes", "process_id"})
+# Options a checkpoint records and a resumed run adopts, but that may be given differently on --resume (a run saved by
+# 2 processes on a 2x4 mesh continues on one process, on 2x4 or 1x8).
+CHANGEABLE = frozenset({"mesh"})
 
 
 class RunError(Exception):
@@ -89,6 +93,12 @@ class RunConfig:
     force: bool = _option(False, "with --export-hf: replace a non-empty DIR as a whole (written beside it, then "
                           "renamed over it)")
     log_every: int = _option(1, "print a progress line every N steps")
+    # several processes (docs/cluster.md; distributed.py: also from JAX_* variables or SLURM / Open MPI)
+    coordinator: str | None = _option(None, "join a multi-process run: process 0's address (all processes give the "
+                                      "same)", group="multi-process (docs/cluster.md)", metavar="HOST:PORT")
+    num_processes: int | None = _option(None, "processes in the run; --mesh's A*B devices are split evenly over them",
+                                        metavar="N")
+    process_id: int | None = _option(None, "this process's number in [0, N)", metavar="I")
 
     def __post_init__(self):
         errors = []
@@ -101,6 +111,10 @@ class RunConfig:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be a finite number >= 0")
         if self.groups_per_step is not None and self.groups_per_step < 1:
             errors.append(f"--groups-per-step={self.groups_per_step} must be >= 1")
+        if self.num_processes is not None and self.num_processes < 1:
+            errors.append(f"--num-processes={self.num_processes} must be >= 1")
+        if self.process_id is not None and not 0 <= self.process_id < (self.num_processes or 1):
+            errors.append(f"--process-id={self.process_id} must be in [0, --num-processes={self.num_processes})")
         if self.resume_step is not None and (self.resume_step < 1 or not self.resume):
             errors.append(f"--resume-step={self.resume_step} needs --resume and a step >= 1")
         if sum(x is not None for x in (self.hf, self.init_from)) + (self.model != "tiny") > 1:
@@ -141,10 +155,11 @@ class RunConfig:
             raise RunError(f"--resume: the checkpoint's configuration has options this version does not know: "
                            f"{unknown}")
         for name, value in saved.items():
-            if name in explicit and getattr(self, name) != value:
+            if name in explicit and getattr(self, name) != value and name not in CHANGEABLE | RESUMABLE:
                 raise RunError(f"{flag(name)}={getattr(self, name)!r} differs from the run being resumed ({value!r}); "
-                               f"only {sorted(RESUMABLE)} may change on --resume")
-        return dataclasses.replace(self, **saved)
+                               f"only {sorted(RESUMABLE | CHANGEABLE)} may change on --resume")
+        adopted = {k: v for k, v in saved.items() if k not in RESUMABLE and not (k in CHANGEABLE and k in explicit)}
+        return dataclasses.replace(self, **adopted)
 
 
 def flag(name: str) -> str:

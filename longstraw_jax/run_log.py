@@ -10,6 +10,18 @@ import numpy as np
 from longstraw_jax import metrics
 
 
+class NoLog:
+    """metrics.jsonl on the processes other than 0: they compute the same records, process 0 writes them."""
+
+    path = None
+
+    def keep_until(self, step: int) -> list[str]:
+        return []
+
+    def write(self, record: dict) -> None:
+        pass
+
+
 def step_record(step: int, step_metrics: dict, extra: dict, batch, start: float, sampled: float,
                 done: float) -> dict:
     """One metrics.jsonl line: the step's metrics (host values), the data source's extras, token counts, timings
@@ -30,7 +42,8 @@ def header(trainer) -> str:
     config, c, from_file = trainer.config, trainer.model.config, trainer.data.task is None
     return (f"model: {type(c).__name__} {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}"
             f" ({sum(x.size for x in jax.tree.leaves(trainer.params)) / 1e6:.2f} M params, {config.dtype}); "
-            f"devices: {len(jax.devices())} x {jax.devices()[0].platform}\n"
+            f"devices: {len(jax.devices())} x {jax.devices()[0].platform}"
+            f"{f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''}\n"
             f"data: {trainer.data.description}; prompt {'from file' if from_file else config.prompt_len} tokens, "
             f"G={'from file' if from_file else config.group_size}, mode={config.mode}, chunk {config.chunk_size}"
             f"; steps {trainer.step + 1}..{config.steps}; out: {trainer.out}")

@@ -18,9 +18,9 @@ import time
 
 import jax
 
-from longstraw_jax import fault_hooks, metrics, models, run_log, run_outdir, run_setup
+from longstraw_jax import distributed, fault_hooks, metrics, models, run_log, run_outdir, run_setup
 from longstraw_jax.grpo import GRPOConfig
-from longstraw_jax.run_config import RunConfig
+from longstraw_jax.run_config import RunConfig, RunError
 from longstraw_jax.train import train_step
 
 
@@ -45,10 +45,10 @@ class Trainer:
         # committed like the params: a jit output built from an uncommitted init would be committed after step 1
         # and recompile the step once more
         self.opt_state = run_setup.place(jax.jit(self.optimizer.init)(self.params), self.mesh, self.params)
-        self.key = jax.random.key(config.seed)
+        self.key = run_setup.place_key(jax.random.key(config.seed), self.mesh)
         self.step, self.data_position = 0, 0
         if self.plan.resuming:
-            self.params, self.opt_state, self.key, meta = self.plan.restore(self.params, self.opt_state)
+            self.params, self.opt_state, self.key, meta = self.plan.restore(self.params, self.opt_state, self.key)
             self.step, self.data_position = meta["step"], meta["data_position"]
         self.start_step = self.step
         # opened by _start_writing, after the first step: until then the output directory is as it was
@@ -57,7 +57,9 @@ class Trainer:
     def _start_writing(self) -> None:
         with _sigint_deferred():
             self.checkpoints = self.plan.start()
-            self.log = metrics.MetricsLog(os.path.join(self.out, "metrics.jsonl"))
+            # several processes: process 0 writes metrics.jsonl (every process computes the same records)
+            self.log = (metrics.MetricsLog(os.path.join(self.out, "metrics.jsonl")) if distributed.is_primary()
+                        else run_log.NoLog())
             if self.plan.resuming:
                 for note in self.log.keep_until(self.start_step):
                     run_outdir.warn(note)
@@ -71,7 +73,7 @@ class Trainer:
         self.params, self.opt_state, step_metrics = train_step(
             self.model, self.params, self.opt_state, batch, self.optimizer, self.grpo, self.config.mode,
             self.config.chunk_size, mesh=self.mesh, captured=captured, donate=True)
-        step_metrics = jax.device_get(step_metrics)
+        step_metrics = distributed.to_host(step_metrics)
         done = time.perf_counter()
         self.step += 1
         self.data_position += 1
@@ -84,7 +86,8 @@ class Trainer:
     def run(self) -> int:
         """Train to config.steps -> 0; Ctrl-C -> 130 (after saying which checkpoint is the last complete one)."""
         config = self.config
-        print(run_log.header(self))
+        say = print if distributed.is_primary() else (lambda *args, **kwargs: None)  # process 0 prints
+        say(run_log.header(self))
         records = []
         wall = time.perf_counter()
         try:
@@ -92,22 +95,25 @@ class Trainer:
                 record = self.train_one()
                 records.append(record)
                 if self.step % config.log_every == 0 or self.step == config.steps:
-                    print(run_log.progress(record, config.steps), flush=True)
+                    say(run_log.progress(record, config.steps), flush=True)
                 if self.step % config.save_every == 0 or self.step == config.steps:
                     with _sigint_deferred():
                         self.checkpoints.save(self.step, self.params, self.opt_state, self.key, self.data_position,
                                               config.saved())
             wall = time.perf_counter() - wall
             self.checkpoints.close()
-            history = metrics.read_metrics(self.log.path)
-            metrics.plot_metrics(history, os.path.join(self.out, "metrics.png"),
-                                 title=f"GRPO ({config.mode}) on {self.data.description}")
-            if config.export_hf:
-                with run_outdir.replaced_dir(config.export_hf, config.force) as staging:
-                    models.save_hf(self.model, self.params, staging)
+            final = distributed.to_host(self.params) if config.export_hf else None  # a collective: all processes
+            with distributed.agreed("finish", (RunError, OSError, ValueError)):
+                if distributed.is_primary():  # process 0 writes the plot and the export, and prints the summary
+                    history = metrics.read_metrics(self.log.path)
+                    metrics.plot_metrics(history, os.path.join(self.out, "metrics.png"),
+                                         title=f"GRPO ({config.mode}) on {self.data.description}")
+                    if config.export_hf:
+                        with run_outdir.replaced_dir(config.export_hf, config.force) as staging:
+                            models.save_hf(self.model, final, staging)
+                    print(run_log.summary(records, history, wall, self))
         except KeyboardInterrupt:
             return self.interrupted()
-        print(run_log.summary(records, history, wall, self))
         return 0
 
     def interrupted(self) -> int:
@@ -124,7 +130,8 @@ class Trainer:
         else:
             state = (f"the last complete checkpoint is step {last} ({os.path.join(where, str(last))}); continue "
                      f"with --out {self.plan.out} --resume")
-        print(f"interrupted (Ctrl-C) after {self.step} completed steps: {state}", file=sys.stderr, flush=True)
+        if distributed.is_primary():
+            print(f"interrupted (Ctrl-C) after {self.step} completed steps: {state}", file=sys.stderr, flush=True)
         return 130
 
 

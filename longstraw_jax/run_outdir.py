@@ -24,10 +24,12 @@ import os
 import shutil
 import sys
 
-from longstraw_jax import metrics, orbax_io
+import jax
+
+from longstraw_jax import distributed, metrics, orbax_io
 from longstraw_jax.orbax_io import CHECKPOINT_DIR, TMP_SUFFIX, BrokenCheckpoint, TrainCheckpoints
 from longstraw_jax.replace_dir import staged
-from longstraw_jax.run_config import RunConfig, RunError
+from longstraw_jax.run_config import CHANGEABLE, RunConfig, RunError
 
 SET_ASIDE_DIR = "checkpoints-set-aside"
 # what a run writes before its first checkpoint completes (*.tmp: a kill while one was being rewritten)
@@ -35,7 +37,20 @@ EARLY_RUN_FILES = frozenset({"config.json", "config.json.tmp", "metrics.jsonl", 
 
 
 def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    """A one-line warning on stderr, from process 0 only (every process finds the same)."""
+    if _primary():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _primary() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
+def _without_changeable(saved: dict) -> dict:
+    """A checkpoint's options without those a resumed run may change (the mesh): what makes two checkpoints one run."""
+    return {k: v for k, v in saved.items() if k not in CHANGEABLE}
 
 
 def _listing(directory: str, limit: int = 4) -> str:
@@ -99,13 +114,18 @@ class OutPlan:
     def resuming(self) -> bool:
         return bool(self.candidates)
 
-    def restore(self, params_like, opt_state_like):
+    def restore(self, params_like, opt_state_like, key_like=None):
         """-> (params, opt_state, rng_key, meta) of the newest candidate that reads back intact; a damaged one is
-        reported (and set aside at `start`); RunError when none is intact, or `--resume-step`'s is not."""
+        reported (and set aside at `start`); RunError when none is intact, or `--resume-step`'s is not. The *_like
+        arguments give shardings: the arrays come back placed like them (key_like: the RNG key, when it is
+        replicated on a mesh)."""
         problems = []
+        sharding = getattr(key_like, "sharding", None)
+        rng_sharding = sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
         for step in self.candidates:
             try:
-                params, opt_state, key, meta = self.checkpoints.restore(params_like, opt_state_like, step)
+                params, opt_state, key, meta = self.checkpoints.restore(params_like, opt_state_like, step,
+                                                                        rng_sharding=rng_sharding)
             except BrokenCheckpoint as e:
                 if self.config.resume_step is not None:
                     raise RunError(f"--resume-step={step}: {e}") from None
@@ -114,7 +134,7 @@ class OutPlan:
                     warn(f"{e}; trying the next older checkpoint (checkpoint {step} is kept: moved to "
                          f"{os.path.join(self.out, SET_ASIDE_DIR)} when this run starts writing)")
                 continue
-            if meta["config"] != self.meta["config"]:
+            if _without_changeable(meta["config"]) != _without_changeable(self.meta["config"]):
                 raise RunError(f"checkpoint {step} ({self.checkpoints.step_dir(step)}) has other options than "
                                f"checkpoint {self.meta['step']}; pass --resume-step to choose one")
             if self.config.steps <= step:
@@ -126,10 +146,17 @@ class OutPlan:
     def start(self) -> TrainCheckpoints:
         """Make the announced changes and open the checkpoints for writing (call once, when the run first writes).
         A new run's config.json is written first (atomically), so a kill at any point in here leaves a directory
-        that a new run or --resume accepts."""
-        os.makedirs(self.out, exist_ok=True)
+        that a new run or --resume accepts. Several processes: process 0 makes the changes while the others wait;
+        an error there stops all of them (distributed.agreed)."""
         if self.checkpoints is not None:
             self.checkpoints.close()
+        with distributed.agreed("start-writing", (OSError,)):
+            if _primary():
+                self._make_changes()
+        return TrainCheckpoints(self.out)
+
+    def _make_changes(self) -> None:
+        os.makedirs(self.out, exist_ok=True)
         if self.restart:
             for name in ("metrics.jsonl", "metrics.jsonl.tmp", "config.json.tmp"):
                 with contextlib.suppress(FileNotFoundError):
@@ -150,14 +177,22 @@ class OutPlan:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             os.rename(os.path.join(self.out, CHECKPOINT_DIR, str(step)), target)
             warn(f"moved checkpoint {step} to {target}")
-        return TrainCheckpoints(self.out)
 
 
 def plan(config: RunConfig, explicit, out: str) -> OutPlan:
     """Check `--out` for a new or a resumed run, and `--export-hf`; reads only (see the module docstring)."""
-    out = check_dir_target(out, "--out")
-    result = _plan_resume(config, explicit, out) if config.resume else _plan_new(config, out)
-    check_export(result.config, out)
+    """Several processes: each checks (reads only; process 0 prints the warnings), then they compare outcomes: an
+    error on any process is raised on all, and processes that find different things in `out` (a filesystem that
+    not every host sees alike) are an error (distributed.agree)."""
+    try:
+        out = check_dir_target(out, "--out")
+        result = _plan_resume(config, explicit, out) if config.resume else _plan_new(config, out)
+        check_export(result.config, out)
+    except (RunError, ValueError, OSError) as e:
+        distributed.agree("plan", str(e).splitlines()[0] if str(e) else type(e).__name__, single_raises=False)
+        raise
+    distributed.agree("plan", None, value=f"--out {out}: resuming from {result.candidates[:1] or 'nothing'}, "
+                      f"incomplete saves {len(result.incomplete)}, restart {result.restart}")
     return result
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longstraw_jax import models, orbax_io
+from longstraw_jax import distributed, models, orbax_io
 from longstraw_jax.grpo import GroupBatch
 from longstraw_jax.rollout import SamplingConfig
 from longstraw_jax.run_config import RunConfig, RunError
@@ -69,7 +69,17 @@ def place(tree, mesh, params=None):
         return jax.device_put(tree, jax.local_devices()[0])
     params = tree if params is None else params
     specs = rules.like_params_specs(tree, params, rules.param_specs(params, mesh))
+    if jax.process_count() > 1:  # every process holds the same values: each builds its own devices' shards
+        return distributed.to_global(tree, rules.named(specs, mesh))
     return jax.device_put(tree, rules.named(specs, mesh))
+
+
+def place_key(key, mesh):
+    """The run's RNG key: as it is without a mesh, else replicated on the mesh (a global array every process holds,
+    which the sampler's jit and a multi-process Orbax save accept)."""
+    if mesh is None:
+        return key
+    return distributed.to_global(key, distributed.replicated(mesh))
 
 
 def mesh_for(config: RunConfig):
@@ -131,14 +141,15 @@ class TaskSampler:
         keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(np.arange(self.num_groups))
         rollouts, captured = sample_groups(model, params, np.stack([p.tokens for p in prompts]), keys,
                                            self.group_size, self.sampling, self.chunk_size, mesh=self.mesh)
-        responses, mask = np.asarray(rollouts.responses), np.asarray(rollouts.mask)
+        # the full values on every process (gathered when sharded over several): every process scores every group
+        responses, mask, logprobs = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.logprobs))
         rewards = np.stack([score(self.reward_fn, p, r, m) for p, r, m in zip(prompts, responses, mask)])
         extra = {}
         if hasattr(self.task, "is_correct"):
             extra["accuracy"] = float(np.mean([self.task.is_correct(r[m > 0], p.info) for p, rs, ms in
                                                zip(prompts, responses, mask) for r, m in zip(rs, ms)]))
         batch = GroupBatch(prompt=np.stack([p.tokens for p in prompts]), responses=responses, mask=mask,
-                           rewards=rewards, old_logprobs=np.asarray(rollouts.logprobs))
+                           rewards=rewards, old_logprobs=logprobs)
         return batch, extra, captured
 
 

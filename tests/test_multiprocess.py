@@ -1,0 +1,217 @@
+"""Multi-process runs (distributed.py, launch.py, docs/cluster.md).
+
+- the real thing, once (two processes compile in parallel: the slow part): `launch --processes 2 -- --mesh 2x2` (2
+  CPU devices per process, `data` across them), 3 steps with process 1 SIGKILLed in step 3 (fault hook): the
+  launcher exits with 137, process 0 stops by itself (JAX's heartbeat) within the grace period, the checkpoint of
+  step 2 (written by both processes) is complete; `run --resume --mesh 2x2` in one process (4 devices) finishes
+  step 3, and rewards, losses and grad norms of all 3 steps equal a one-process `--mesh 2x2` run's (rtol 1e-4);
+  metrics.jsonl written once (by process 0). (The same mesh: on another mesh round-off differences grow through
+  AdamW, whose update is +-lr for near-zero gradients: 2x2 -> 2x4 gave a 0.5% grad norm difference at step 3.)
+- a bad coordinator address: a clear error naming it, exit status 2, within the init timeout (no JAX abort);
+- the pure parts: how a process joins (flags, JAX_* variables, SLURM incl. one task per 8-GPU node), the device
+  split, the launcher's checks and command lines, host <-> global arrays, --mesh changeable on --resume.
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from longstraw_jax import distributed, launch, run, sharding
+from longstraw_jax.distributed import Cluster, DistributedError
+from longstraw_jax.run_config import RunConfig, RunError
+from tests.helpers import ROOT
+
+# lr 1e-5: AdamW moves every parameter with a non-negligible gradient by ~lr, so round-off differences between
+# process layouts (~1e-7) that flip such a gradient's sign change the next step by ~lr, not by a 3e-3 jump
+SMALL = ["--vocab-size", "32", "--prompt-len", "32", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
+         "--save-every", "2", "--seed", "3", "--lr", "1e-5", "--reward", "tests.test_multiprocess:token_reward",
+         "--mesh", "2x2"]
+
+
+def token_reward(prompt_tokens, response_tokens, info):
+    """Rewards that differ between branches unless all sample the same first token (non-zero advantages)."""
+    return float(response_tokens[0])
+
+
+def read(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def env(**extra):
+    """The subprocesses' environment: this checkout first on the path, CPU, this session's XLA flags, short
+    distributed timeouts."""
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu",
+            "JAX_DEFAULT_MATMUL_PRECISION": "highest", "LONGSTRAW_HEARTBEAT_TIMEOUT_S": "5",
+            "LONGSTRAW_SHUTDOWN_TIMEOUT_S": "10", "LONGSTRAW_INIT_TIMEOUT_S": "60", **extra}
+
+
+def run_cli(args, cache, **extra):
+    """`python -m longstraw_jax.run args` in one process (its own 4 CPU devices for --mesh 2x2), sharing a persistent
+    compilation cache -> Popen."""
+    return subprocess.Popen([sys.executable, "-m", "longstraw_jax.run", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=env(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+                                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **extra))
+
+
+def test_two_processes_killed_then_resumed_in_one(tmp_path):
+    out, single, cache = str(tmp_path / "mp"), str(tmp_path / "single"), tmp_path / "cache"
+    start = time.perf_counter()
+    # the one-process reference (3 steps, same 2x2 mesh) compiles alongside the two processes
+    reference = run_cli([*SMALL, "--steps", "3", "--out", single], cache)
+    proc = subprocess.run([sys.executable, "-m", "longstraw_jax.launch", "--processes", "2", "--grace", "60", "--",
+                           *SMALL, "--steps", "3", "--out", out], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=env(LONGSTRAW_TEST_FAULT="step:3:SIGKILL:1"))
+    launched = time.perf_counter() - start
+    lines = proc.stdout.splitlines()
+    tail = "\n".join(line[:200] for line in lines[-30:])
+    assert proc.returncode == 128 + 9, tail
+    assert "[launch] process 1 ended with signal SIGKILL" in proc.stdout, tail
+    assert any(line.startswith("[launch] process 0 ended by itself") for line in lines), tail  # no hang, no kill
+    assert all(line.startswith(("[p0] ", "[p1] ", "[launch] ")) for line in lines), tail
+    # process 0 alone prints progress and writes metrics.jsonl; both joined the same coordinator
+    assert [line for line in lines if "/3 reward" in line and line.startswith("[p0] ")] and \
+        not [line for line in lines if "/3 reward" in line and line.startswith("[p1] ")], tail
+    assert sum("joining the JAX coordinator at 127.0.0.1:" in line for line in lines) == 2, tail
+    assert "devices: 4 x cpu in 2 processes" in proc.stdout, tail
+    assert [r["step"] for r in read(out)] == [1, 2]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["2"]  # complete, renamed: both processes wrote
+    print(f"2-process launch (2 steps, killed in the 3rd): {launched:.1f} s")
+
+    # the checkpoint of 2 processes resumed in one (same mesh; compiled programs from the reference's cache)
+    output = reference.communicate(timeout=600)[0]
+    assert reference.returncode == 0, output[-2000:]
+    resumed = run_cli(["--out", out, "--resume", "--steps", "3", "--mesh", "2x2"], cache)
+    output = resumed.communicate(timeout=600)[0]
+    assert resumed.returncode == 0, output[-2000:]
+    got, want = read(out), read(single)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose([g["reward_mean"], g["loss"], g["grad_norm"]],
+                                   [w["reward_mean"], w["loss"], w["grad_norm"]], rtol=1e-4, atol=1e-6)
+    assert all(w["grad_norm"] > 0 for w in want)  # the comparison saw real gradients
+    print(f"whole test: {time.perf_counter() - start:.1f} s")
+
+
+def test_bad_coordinator_is_a_clear_error(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on (bound, never listening)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        out = str(tmp_path / "never")
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "longstraw_jax.run", *SMALL, "--out", out, "--coordinator",
+                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "1"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, env=env(LONGSTRAW_INIT_TIMEOUT_S="3"))
+        took = time.perf_counter() - start
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines()[-1] == (f"error: coordinator 127.0.0.1:{port}: nothing answered within 3 s (is "
+                                            "process 0 running, with this address, and is 127.0.0.1 reachable from "
+                                            "this host?)")
+    assert took < 60 and not os.path.exists(out)
+    with pytest.raises(DistributedError, match="cannot resolve 'no-such-host.invalid'"):
+        distributed.check_coordinator("no-such-host.invalid:1234", 1, 1.0)
+    with socket.socket() as s:  # process 0 cannot listen on a port in use
+        s.bind(("", 0))
+        s.listen()
+        with pytest.raises(DistributedError, match=f"process 0 cannot listen on port {s.getsockname()[1]}"):
+            distributed.check_coordinator(f"127.0.0.1:{s.getsockname()[1]}", 0, 1.0)
+
+
+def test_resolve_flags_environment_and_clusters():
+    none = {}
+    assert distributed.resolve(environ=none) is None
+    assert distributed.resolve(None, 1, None, environ=none) is None  # --num-processes 1: one process
+    assert distributed.resolve("h:1", 2, 1, environ=none) == Cluster("h:1", 2, 1)
+    jax_env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:29500", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    assert distributed.resolve(environ=jax_env) == Cluster("10.0.0.1:29500", 4, 3, source="environment")
+    with pytest.raises(DistributedError, match="missing --process-id"):
+        distributed.resolve("h:1", 2, None, environ=none)
+    with pytest.raises(DistributedError, match=r"process_id=2 must be in \[0, num_processes=2\)"):
+        distributed.resolve("h:1", 2, 2, environ=none)
+    with pytest.raises(DistributedError, match="coordinator='h' must be HOST:PORT"):
+        distributed.resolve("h", 2, 0, environ=none)
+    with pytest.raises(DistributedError, match="JAX_NUM_PROCESSES='two' must be an integer"):
+        distributed.resolve(environ={"JAX_NUM_PROCESSES": "two"})
+    # SLURM: 4 nodes x 1 task, 8 GPUs each -> every GPU of the node, not just GPU SLURM_LOCALID = 0
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "gpu[01-04]", "SLURM_NTASKS": "4", "SLURM_PROCID": "2",
+             "SLURM_LOCALID": "0", "SLURM_NODEID": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x4)",
+             "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert distributed.resolve(environ=slurm) == Cluster(None, None, None, tuple(range(8)), "slurm",
+                                                         source="cluster (slurm)")
+    # one task per GPU: JAX's default (one device each); a single-task step is no cluster
+    per_gpu = dict(slurm, SLURM_NTASKS="32", SLURM_STEP_TASKS_PER_NODE="8(x4)")
+    assert distributed.resolve(environ=per_gpu).local_device_ids is None
+    assert distributed.resolve(environ=dict(slurm, SLURM_NTASKS="1", SLURM_STEP_TASKS_PER_NODE="1")) is None
+    assert distributed.slurm_local_device_ids({"SLURM_JOB_ID": "1", "SLURM_TASKS_PER_NODE": "2,1(x2)",
+                                               "SLURM_NODEID": "1", "SLURM_GPUS_ON_NODE": "4"}) == (0, 1, 2, 3)
+    # flags under SLURM still get the node's GPUs; JAX_LOCAL_DEVICE_IDS wins
+    assert distributed.resolve("h:1", 4, 2, environ=slurm).local_device_ids == tuple(range(8))
+    assert distributed.resolve("h:1", 4, 2, environ=dict(slurm, JAX_LOCAL_DEVICE_IDS="0,1")).local_device_ids == (0, 1)
+    assert distributed.detected_cluster({"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "2"}) == "ompi"
+    assert distributed.detected_cluster({"LONGSTRAW_CLUSTER_DETECTION": "k8s"}) == "k8s"
+    assert distributed.detected_cluster({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}) is None  # opt-in only
+    assert distributed.devices_per_process(8, 2) == 4
+    with pytest.raises(DistributedError, match="--mesh has 8 devices, which --num-processes=3 does not divide"):
+        distributed.devices_per_process(8, 3)
+    assert distributed.env_timeout("heartbeat", {}) == 100
+    with pytest.raises(DistributedError, match="LONGSTRAW_INIT_TIMEOUT_S='0' must be a number of seconds > 0"):
+        distributed.env_timeout("init", {"LONGSTRAW_INIT_TIMEOUT_S": "0"})
+
+
+def test_launcher_checks_and_commands(capsys):
+    cmds = launch.commands(2, ["--mesh", "2x4", "--steps", "2"], 1234, python="py")
+    assert cmds[1] == ["py", "-m", "longstraw_jax.run", "--mesh", "2x4", "--steps", "2", "--coordinator",
+                       "127.0.0.1:1234", "--num-processes", "2", "--process-id", "1"]
+    assert launch.mesh_of(["--mesh", "1x8", "--mesh=2x4"]) == "2x4" and launch.exit_status(-9) == 137
+    for processes, args, message in ((3, ["--mesh", "2x4"], "--mesh 2x4 has 8 devices, which --processes=3 does not "
+                                      "divide"), (2, ["--steps", "2"], "need --mesh AxB"),
+                                     (2, ["--mesh", "2x4", "--process-id", "0"], "the launcher sets"),
+                                     (0, ["--mesh", "2x4"], "--processes=0 must be >= 1")):
+        assert launch.main(["--processes", str(processes), "--", *args]) == 2
+        assert message in capsys.readouterr().err
+    # a run with --num-processes > 1 and no --mesh: refused before JAX starts
+    assert run.main(["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"]) == 2
+    assert "a multi-process run needs --mesh AxB" in capsys.readouterr().err
+    assert run.main(["--num-processes", "2", "--process-id", "2", "--mesh", "2x4"]) == 2
+    assert "--process-id=2 must be in [0, --num-processes=2)" in capsys.readouterr().err
+
+
+def test_host_and_global_arrays():
+    """One process here, so every array is addressable; the same calls are what the multi-process run uses."""
+    mesh = sharding.make_mesh("2x4")
+    x = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "seq")))
+    g = distributed.to_global({"x": x}, rows)["x"]
+    assert g.sharding == rows and len(g.addressable_shards) == 8
+    np.testing.assert_array_equal(distributed.to_host({"x": g})["x"], x)
+    key = distributed.to_global(jax.random.key(5), distributed.replicated(mesh))
+    assert key.sharding.is_fully_replicated
+    assert np.array_equal(jax.random.key_data(distributed.to_host(key)), jax.random.key_data(jax.random.key(5)))
+    local = distributed.from_process_local(x, rows)  # one process: its rows are all rows
+    np.testing.assert_array_equal(distributed.to_host(local), x)
+    distributed.agree("test", None)  # one process: nothing to wait for
+    with pytest.raises(DistributedError, match="broken"):
+        distributed.agree("test", "broken")
+
+
+def test_mesh_may_change_on_resume():
+    saved = RunConfig(mesh="2x4", group_size=3).saved()
+    assert "coordinator" not in saved and "num_processes" not in saved and saved["mesh"] == "2x4"
+    assert RunConfig(mesh="1x8").resumed(saved, {"mesh"}).mesh == "1x8"  # given: the new mesh
+    assert RunConfig().resumed(saved, set()).mesh == "2x4"  # not given: the checkpoint's
+    with pytest.raises(RunError, match="--group-size=4 differs"):
+        RunConfig(group_size=4).resumed(saved, {"group_size"})
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers(tmp_path):
+    yield
+    shutil.rmtree(tmp_path, ignore_errors=True)
