@@ -1,0 +1,63 @@
+"""Groups side by side: step time of B groups on a `data x seq` mesh vs the same B groups on one data slice.
+
+    python tools/bench_groups.py --groups 2 --prompt 1024 --repeats 3
+
+On 8 simulated CPU devices: `grpo_grads` (exact and detached) of B groups on 1x4 (4 of the devices: the B groups run
+one after another on one slice) and on 2x4 (each data slice runs B/2 groups). The same total work: if each slice
+computes only its own groups, 2x4 takes about as long as 1x4 when the second slice's devices have their own cores; if
+every slice repeated every group (the old behaviour of `data`), 2x4 would do twice the work. A 2-core CPU runs all
+simulated devices on the same 2 cores, so there the ratio mixes both effects. Prints a markdown table with medians and
+the ratio.
+"""
+import argparse
+import statistics
+import time
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("-G", type=int, default=2)
+    parser.add_argument("-R", type=int, default=8)
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", default="detached,exact")
+    args = parser.parse_args()
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)  # before JAX first touches the backend
+    import numpy as np
+
+    from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, sharding
+    from longstraw_jax.sharding import rules
+
+    model = models.build(models.Qwen36Config.tiny())
+    params = model.init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    b, g, r, vocab = args.groups, args.G, args.R, model.config.vocab_size
+    batch = GroupBatch(prompt=rng.integers(0, vocab, (b, args.prompt)).astype(np.int32),
+                       responses=rng.integers(0, vocab, (b, g, r)).astype(np.int32),
+                       mask=np.ones((b, g, r), np.float32), rewards=rng.normal(size=(b, g)).astype(np.float32))
+    rows = []
+    for mode in args.modes.split(","):
+        times = {}
+        for spec, devices in (("1x4", jax.devices()[:4]), ("2x4", jax.devices())):
+            mesh = sharding.make_mesh(spec, devices)
+            placed = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
+            run = lambda: jax.block_until_ready(grpo_grads(model, placed, batch, GRPOConfig(), mode,
+                                                           chunk_size=args.chunk, mesh=mesh))
+            run()  # compile
+            samples = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                run()
+                samples.append(time.perf_counter() - start)
+            times[spec] = statistics.median(samples)
+        rows.append((mode, times["1x4"], times["2x4"], times["2x4"] / times["1x4"]))
+    print("| mode | B | P | 1x4 median s | 2x4 median s | 2x4 / 1x4 |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    for mode, one, two, ratio in rows:
+        print(f"| {mode} | {b} | {args.prompt} | {one:.2f} | {two:.2f} | {ratio:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
