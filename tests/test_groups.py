@@ -120,3 +120,41 @@ def test_groups_on_the_mesh_equal_one_device(family, mode, num_groups, monkeypat
     assert_metrics_equal(metrics, want_metrics)
     per_slice = num_groups // 2
     assert sorted(seen) == [(g // per_slice, g) for g in range(num_groups)]  # once each, by its own slice
+
+
+def test_one_capture_per_step(monkeypatch):
+    """The trainer's step: sample B groups keeping their captures, then train_step(captured=...). The prompt is
+    captured once per group (traced capture calls counted; a fresh model config, so nothing comes from a jit cache),
+    and the update from the kept capture equals the update that captures again."""
+    from longstraw_jax import engine, rollout, train
+    from longstraw_jax.rollout import SamplingConfig
+    from longstraw_jax.sampler import sample_groups
+
+    calls = []
+
+    def counting(original):
+        def capture_chunks(*args, **kwargs):
+            calls.append(args[2].shape)
+            return original(*args, **kwargs)
+        return capture_chunks
+
+    for module in (engine, rollout):
+        monkeypatch.setattr(module, "capture_chunks", counting(module.capture_chunks))
+    model = models.build(models.Qwen36Config.tiny(vocab_size=37))
+    params = o1_params(model.init(jax.random.key(0)), jax.random.key(1))
+    prompts = np.random.default_rng(3).integers(0, 37, (2, P))
+    keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.key(4), b))(np.arange(2))
+    rollouts, captured = sample_groups(model, params, prompts, keys, G, SamplingConfig(max_new_tokens=R), 8)
+    batch = GroupBatch(prompt=prompts.astype(np.int32), responses=np.asarray(rollouts.responses),
+                       mask=np.asarray(rollouts.mask), rewards=np.array([[1.0, 0.0, 0.5], [0.0, 0.0, 2.0]], np.float32),
+                       old_logprobs=np.asarray(rollouts.logprobs))
+    optimizer = train.make_optimizer(1e-2)
+    opt_state = optimizer.init(params)
+    assert len(calls) == 1  # the sampler's (traced once for the B groups' lax.map)
+    cfg = GRPOConfig(loss_agg="token-mean")
+    kept = train.train_step(model, params, opt_state, batch, optimizer, cfg, "exact", 8, captured=captured)
+    assert len(calls) == 1  # the update did not capture
+    again = train.train_step(model, params, opt_state, batch, optimizer, cfg, "exact", 8)
+    assert len(calls) == 2  # without the kept capture it does (so the counter sees the update's capture)
+    assert rel_err(kept[0], again[0]) <= 1e-4  # updated params (the two captures differ in round-off only)
+    np.testing.assert_allclose(kept[2]["loss"], again[2]["loss"], rtol=1e-5, atol=1e-6)
