@@ -238,14 +238,19 @@ def capture(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: 
 
 
 class ReplayReader(NamedTuple):
-    """Inside `shard_map`: a block's layers replaying new tokens (the same on every shard) after this shard's slice
-    of the prompt state. local: the model's own one-device reader of that slice (the GDN conv tail and recurrent
-    matrix are replicated, so they are read as on one device); attention over the seq-sharded cache is a partial on
-    each shard, merged across shards by log-sum-exp."""
+    """Inside `shard_map`: a block's layers over new tokens (the same on every shard) after this shard's slice of the
+    prompt state, `prompt` (keys / values [nb, nf, S, Hkv, hd]). local: the model's one-device reader of what the
+    layers read as on one device: in the replay the prompt slice itself (its GDN conv tail and recurrent matrix are
+    replicated), in decoding (`decoding=True`) the replicated tail (`init_tail`: the decoded positions P.. before
+    the token, with cache_length = their count, and the carried GDN state). Attention is the log-sum-exp merge of
+    the prompt (`prompt_attention`, merged over shards) with the rest: the new tokens causally (replay), or
+    local.attend: the tail, then the token itself (decoding)."""
 
+    prompt: Any
     local: Any
     rounds: RoundLayout
     layers: _ShardedLayers
+    decoding: bool = False
 
     @property
     def positions(self):
@@ -264,10 +269,13 @@ class ReplayReader(NamedTuple):
         return self.local.delta_rule(core, q, k, v, g, beta, j)
 
     def attend(self, q, k, v, j, *, scale, block_size):
-        """The prompt (merged over shards), then the new tokens causally."""
         common = dict(q_positions=self.positions, scale=scale, block_size=block_size)
-        prompt = prompt_attention(self.local.state, self.local.prefix + (j,), self.rounds, q, **common)
-        return attn_ops.merge(prompt, attn_ops.attend(q, k, v, k_offset=self.rounds.length, causal=True, **common))
+        prompt = prompt_attention(self.prompt, self.local.prefix + (j,), self.rounds, q, **common)
+        if self.decoding:
+            rest = self.local.attend(q, k, v, j, scale=scale, block_size=block_size)
+        else:
+            rest = attn_ops.attend(q, k, v, k_offset=self.rounds.length, causal=True, **common)
+        return attn_ops.merge(prompt, rest)
 
 
 def prompt_attention(state, index: tuple, rounds: RoundLayout, q, *, q_positions, scale: float,
@@ -293,7 +301,7 @@ def replay_block(model, block_specs, rounds: RoundLayout, bp, h, state, b):
     """Block b of the replay on this shard: new tokens' h [T, D] (the same on every shard) at positions P.. over this
     shard's slice of the prompt state (leading block axis indexed by b)."""
     positions = rounds.length + jnp.arange(h.shape[0], dtype=jnp.int32)
-    reader = ReplayReader(model.prompt_reader(state, (b,), positions), rounds, _ShardedLayers(block_specs))
+    reader = ReplayReader(state, model.prompt_reader(state, (b,), positions), rounds, _ShardedLayers(block_specs))
     return model.block_with_reader(bp, h, reader)[0]
 
 
@@ -311,41 +319,6 @@ def extend_hidden(model, params, sstate: ShardedPromptState, tokens, mesh):
 
 
 # ----- decoding (sampling on the mesh: sharding/sample.py) -----------------------------------------------------
-
-
-class DecodeReader(NamedTuple):
-    """Inside `shard_map`: block b's layers decoding one token (the same on every shard) after the seq-sharded prompt
-    cache and a small replicated *tail* state (`init_tail`) holding the decoded positions P.. (P = the prompt's
-    length) and the carried GDN state. local: the model's one-device reader of the tail, with cache_length = the
-    tail positions before the token; the GDN conv and delta rule read the tail's carried part through it, and
-    attention is the log-sum-exp merge of the prompt (`prompt_attention`, merged over shards) and local.attend (the
-    tail before the token, then the token itself)."""
-
-    prompt: Any  # this shard's slice of the prompt state (keys / values [nb, nf, S, Hkv, hd])
-    local: Any
-    rounds: RoundLayout
-    layers: _ShardedLayers
-
-    @property
-    def positions(self):
-        return self.local.positions
-
-    def layer_params(self, p, group):
-        return self.layers.layer_params(p, group)
-
-    def rowwise(self, fn, *xs):
-        return self.layers.rowwise(fn, *xs)
-
-    def conv(self, mixed, weight, j):
-        return self.local.conv(mixed, weight, j)
-
-    def delta_rule(self, core, q, k, v, g, beta, j):
-        return self.local.delta_rule(core, q, k, v, g, beta, j)
-
-    def attend(self, q, k, v, j, *, scale, block_size):
-        common = dict(q_positions=self.positions, scale=scale, block_size=block_size)
-        prompt = prompt_attention(self.prompt, self.local.prefix + (j,), self.rounds, q, **common)
-        return attn_ops.merge(prompt, self.local.attend(q, k, v, j, scale=scale, block_size=block_size))
 
 
 def init_tail(model, params, sstate: ShardedPromptState, capacity: int):
@@ -370,8 +343,8 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
 
         def body(h, xs):
             bp, b = xs
-            reader = DecodeReader(state, model.prompt_reader(tail, (b,), positions, slot), rounds,
-                                  _ShardedLayers(specs))
+            reader = ReplayReader(state, model.prompt_reader(tail, (b,), positions, slot), rounds,
+                                  _ShardedLayers(specs), decoding=True)
             return model.block_with_reader(bp, h, reader)
 
         return jax.lax.scan(body, h, (blocks, jnp.arange(model.num_blocks)))

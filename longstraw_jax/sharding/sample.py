@@ -7,11 +7,11 @@ capture, so the update can reuse it) and decoding reads the seq-sharded cache in
     for g in range(G): restore the tail saved after prompt[-1], then     rollout.sample_branches: the one-device
         while t < R and not stopped: sample, h, tail = decode(token) at P + t          sampler's branch loop
 
-One decode step runs the model's layer code on every shard through a reader (`DecodeReader` of
-`sharding/qwen36.py` / `sharding/glm52.py`): attention is the log-sum-exp merge of this shard's prompt slots (merged
-over `seq`) with the tail's positions before the token and the token itself; GLM's DSA top-k runs over prompt, tail
-and token, as on one device. Nothing of size P is replicated: the prompt cache stays seq-sharded, read-only, and
-the tail holds R positions. For the same key the tokens and log-probs are the one-device sampler's
+One decode step runs the model's layer code on every shard through a reader (`sharding/qwen36.py:ReplayReader` with
+decoding=True, `sharding/glm52.py:DecodeReader`): attention is the log-sum-exp merge of this shard's prompt slots
+(merged over `seq`) with the tail's positions before the token and the token itself; GLM's DSA top-k runs over
+prompt, tail and token, as on one device. Nothing of size P is replicated: the prompt cache stays seq-sharded,
+read-only, and the tail holds R positions. For the same key the tokens and log-probs are the one-device sampler's
 (`rollout.sample_group`), up to float round-off.
 """
 from __future__ import annotations
