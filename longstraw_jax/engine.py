@@ -106,12 +106,11 @@ def _group_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, c
     prompt = batch.prompt.astype(jnp.int32)
     if captured is not None:
         state, boundaries = captured.state, captured.boundaries
-    elif mode == "exact":
-        state, boundaries = capture_chunks(model, jax.lax.stop_gradient(params), prompt[:-1], chunk_size,
-                                           model.lm_head(params).dtype, keep_boundaries=True)
     else:
+        exact = mode == "exact"
         state = capture_chunks(model, jax.lax.stop_gradient(params), prompt[:-1], chunk_size,
-                               model.lm_head(params).dtype)
+                               model.lm_head(params).dtype, keep_boundaries=exact)
+        state, boundaries = state if exact else (state, None)
     loss, grads, state_cot, sums = replay_branches(model, params, state, batch, cfg, with_state_grad=mode == "exact",
                                                    weights=weights, advantages=advantages, grads=grads)
     if mode == "exact":

@@ -51,9 +51,9 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mes
 def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, layout: RoundLayout,
                 attention: str, captured):
     grouped = batch.as_groups()
-    per_group = (grouped, token_weights(grouped.mask, cfg), batch_advantages(grouped.rewards, cfg),
-                 captured if batch.num_groups is not None or captured is None
-                 else jax.tree.map(lambda x: x[None], captured),
+    if captured is not None and batch.num_groups is None:
+        captured = jax.tree.map(lambda x: x[None], captured)
+    per_group = (grouped, token_weights(grouped.mask, cfg), batch_advantages(grouped.rewards, cfg), captured,
                  jnp.arange(grouped.num_groups, dtype=jnp.int32))
     slice_grads = functools.partial(_slice_grads, model, cfg, mode, mesh, layout, attention)
     if batch.num_groups is None:  # one group on the whole mesh
