@@ -10,3 +10,14 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_jax_caches():
+    """Each test module starts with empty JAX caches: a test worker runs many modules in one process, and the
+    compiled programs of earlier modules would otherwise stay resident (they are never reused across modules)."""
+    jax.clear_caches()
+    yield
