@@ -1,6 +1,6 @@
 """Groups side by side: step time of B groups on a `data x seq` mesh vs the same B groups on one data slice.
 
-    python tools/bench_groups.py --groups 2 --prompt 1024 --repeats 3
+    python tools/bench_groups.py --groups 2 --prompt 256 --chunk 64 --repeats 3
 
 On 8 simulated CPU devices: `grpo_grads` (exact and detached) of B groups on 1x4 (4 of the devices: the B groups run
 one after another on one slice) and on 2x4 (each data slice runs B/2 groups). The same total work: if each slice
@@ -8,6 +8,9 @@ computes only its own groups, 2x4 takes about as long as 1x4 when the second sli
 every slice repeated every group (the old behaviour of `data`), 2x4 would do twice the work. A 2-core CPU runs all
 simulated devices on the same 2 cores, so there the ratio mixes both effects. Prints a markdown table with medians and
 the ratio.
+
+Known problem (open): at --prompt 1024 --chunk 256 the 2x4 grouped step hangs in XLA:CPU (the devices of one data
+slice wait at different collectives until XLA aborts after 40 s); 256 / 64 runs.
 """
 import argparse
 import statistics
@@ -17,10 +20,10 @@ import time
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=2)
-    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("-G", type=int, default=2)
     parser.add_argument("-R", type=int, default=8)
-    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default="detached,exact")
     args = parser.parse_args()
