@@ -309,6 +309,29 @@ def from_process_local(tree, shardings):
     return jax.tree.map(jax.make_array_from_process_local_data, shardings, tree)
 
 
+def group_owners(mesh, num_groups: int) -> list[int]:
+    """The process that scores each of `num_groups` groups: group b lives on data slice b // (num_groups / data size)
+    (`sharding/groups.py`), and its owner is the lowest process index among that slice's devices (a slice may span
+    several processes, e.g. `1x8` on 2 hosts). No mesh: process 0 owns every group."""
+    if mesh is None:
+        return [0] * num_groups
+    slices = mesh.devices.reshape(mesh.devices.shape[0], -1)
+    per_slice = num_groups // slices.shape[0]
+    return [min(d.process_index for d in slices[b // per_slice]) for b in range(num_groups)]
+
+
+def sum_over_processes(tree):
+    """Leaf-wise sum of host arrays over all processes (each process sends its own; every process gets the sum):
+    rows computed by their owner and zero elsewhere come back whole on every process. One process: unchanged."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return tree
+    return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(np.asarray(x))).sum(0), tree)
+
+
 def replicated(mesh):
     """The fully replicated NamedSharding of `mesh`."""
     import jax

@@ -141,13 +141,20 @@ class TaskSampler:
         keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(np.arange(self.num_groups))
         rollouts, captured = sample_groups(model, params, np.stack([p.tokens for p in prompts]), keys,
                                            self.group_size, self.sampling, self.chunk_size, mesh=self.mesh)
-        # the full values on every process (gathered when sharded over several): every process scores every group
+        # the full values on every process (gathered when sharded over several); each group is scored by the
+        # process that owns its data slice, and the rewards are summed over processes (zero where not owned)
         responses, mask, logprobs = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.logprobs))
-        rewards = np.stack([score(self.reward_fn, p, r, m) for p, r, m in zip(prompts, responses, mask)])
-        extra = {}
-        if hasattr(self.task, "is_correct"):
-            extra["accuracy"] = float(np.mean([self.task.is_correct(r[m > 0], p.info) for p, rs, ms in
-                                               zip(prompts, responses, mask) for r, m in zip(rs, ms)]))
+        owners, me = distributed.group_owners(self.mesh, self.num_groups), distributed.process_index()
+        judged = hasattr(self.task, "is_correct")
+        rewards, correct = np.zeros(mask.shape[:2], np.float32), np.zeros(mask.shape[:2], np.float32)
+        with distributed.agreed("reward", (Exception,)):
+            for b in (b for b in range(self.num_groups) if owners[b] == me):
+                rewards[b] = score(self.reward_fn, prompts[b], responses[b], mask[b])
+                if judged:
+                    correct[b] = [self.task.is_correct(r[m > 0], prompts[b].info) for r, m in zip(responses[b],
+                                                                                                  mask[b])]
+        rewards, correct = distributed.sum_over_processes((rewards, correct))
+        extra = {"accuracy": float(correct.mean())} if judged else {}
         batch = GroupBatch(prompt=np.stack([p.tokens for p in prompts]), responses=responses, mask=mask,
                            rewards=rewards, old_logprobs=logprobs)
         return batch, extra, captured

@@ -1,12 +1,13 @@
 """Multi-process runs (distributed.py, launch.py, docs/cluster.md).
 
-- the real thing, once (two processes compile in parallel: the slow part): `launch --processes 2 -- --mesh 2x2` (2
-  CPU devices per process, `data` across them), 3 steps with process 1 SIGKILLed in step 3 (fault hook): the
-  launcher exits with 137, process 0 stops by itself (JAX's heartbeat) within the grace period, the checkpoint of
-  step 2 (written by both processes) is complete; `run --resume --mesh 2x2` in one process (4 devices) finishes
-  step 3, and rewards, losses and grad norms of all 3 steps equal a one-process `--mesh 2x2` run's (rtol 1e-4);
-  metrics.jsonl written once (by process 0). (The same mesh: on another mesh round-off differences grow through
-  AdamW, whose update is +-lr for near-zero gradients: 2x2 -> 2x4 gave a 0.5% grad norm difference at step 3.)
+- the real thing, once (two processes compile in parallel: the slow part): `launch --processes 2 -- --mesh 2x4` (4
+  CPU devices per process, `data` across them, each process scoring its own slice's group), 3 steps with process 1
+  SIGKILLed in step 3 (fault hook): the launcher exits with 137, process 0 stops by itself (JAX's heartbeat) within
+  the grace period, the checkpoint of step 2 (written by both processes) is complete; `run --resume --mesh 2x4` in
+  one process (8 devices) finishes step 3, and rewards, losses and grad norms of all 3 steps equal a one-process
+  `--mesh 2x4` run's (rtol 1e-4); metrics.jsonl written once (by process 0). (The same mesh: on another mesh
+  round-off differences grow through AdamW, whose update is +-lr for near-zero gradients: 2x2 -> 2x4 gave a 0.5% grad
+  norm difference at step 3.)
 - a bad coordinator address: a clear error naming it, exit status 2, within the init timeout (no JAX abort);
 - the pure parts: how a process joins (flags, JAX_* variables, SLURM incl. one task per 8-GPU node), the device
   split, the launcher's checks and command lines, host <-> global arrays, --mesh changeable on --resume.
@@ -32,12 +33,26 @@ from tests.helpers import ROOT
 # process layouts (~1e-7) that flip such a gradient's sign change the next step by ~lr, not by a 3e-3 jump
 SMALL = ["--vocab-size", "32", "--prompt-len", "32", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
          "--save-every", "2", "--seed", "3", "--lr", "1e-5", "--reward", "tests.test_multiprocess:token_reward",
-         "--mesh", "2x2"]
+         "--mesh", "2x4"]
 
 
 def token_reward(prompt_tokens, response_tokens, info):
-    """Rewards that differ between branches unless all sample the same first token (non-zero advantages)."""
+    """Rewards that differ between branches unless all sample the same first token (non-zero advantages). With
+    LONGSTRAW_TEST_SCORED=PATH, each call appends "process prompt-head" to PATH.<process> (who scored what)."""
+    if os.environ.get("LONGSTRAW_TEST_SCORED"):
+        with open(f"{os.environ['LONGSTRAW_TEST_SCORED']}.{jax.process_index()}", "a") as f:
+            f.write(f"{jax.process_index()} {' '.join(map(str, prompt_tokens[:12]))}\n")
     return float(response_tokens[0])
+
+
+def scored(path, process):
+    """The prompt heads `token_reward` saw in `process` -> {head: number of calls}."""
+    calls = {}
+    if os.path.exists(f"{path}.{process}"):
+        for line in open(f"{path}.{process}"):
+            head = line.split(" ", 1)[1]
+            calls[head] = calls.get(head, 0) + 1
+    return calls
 
 
 def read(out):
@@ -54,7 +69,7 @@ def env(**extra):
 
 
 def run_cli(args, cache, **extra):
-    """`python -m longstraw_jax.run args` in one process (its own 4 CPU devices for --mesh 2x2), sharing a persistent
+    """`python -m longstraw_jax.run args` in one process (its own 8 CPU devices for --mesh 2x4), sharing a persistent
     compilation cache -> Popen."""
     return subprocess.Popen([sys.executable, "-m", "longstraw_jax.run", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
@@ -65,11 +80,12 @@ def run_cli(args, cache, **extra):
 def test_two_processes_killed_then_resumed_in_one(tmp_path):
     out, single, cache = str(tmp_path / "mp"), str(tmp_path / "single"), tmp_path / "cache"
     start = time.perf_counter()
-    # the one-process reference (3 steps, same 2x2 mesh) compiles alongside the two processes
+    # the one-process reference (3 steps, same 2x4 mesh) compiles alongside the two processes
     reference = run_cli([*SMALL, "--steps", "3", "--out", single], cache)
     proc = subprocess.run([sys.executable, "-m", "longstraw_jax.launch", "--processes", "2", "--grace", "60", "--",
                            *SMALL, "--steps", "3", "--out", out], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=env(LONGSTRAW_TEST_FAULT="step:3:SIGKILL:1"))
+                          timeout=600, env=env(LONGSTRAW_TEST_FAULT="step:3:SIGKILL:1",
+                                               LONGSTRAW_TEST_SCORED=str(tmp_path / "scored")))
     launched = time.perf_counter() - start
     lines = proc.stdout.splitlines()
     tail = "\n".join(line[:200] for line in lines[-30:])
@@ -81,15 +97,20 @@ def test_two_processes_killed_then_resumed_in_one(tmp_path):
     assert [line for line in lines if "/3 reward" in line and line.startswith("[p0] ")] and \
         not [line for line in lines if "/3 reward" in line and line.startswith("[p1] ")], tail
     assert sum("joining the JAX coordinator at 127.0.0.1:" in line for line in lines) == 2, tail
-    assert "devices: 4 x cpu in 2 processes" in proc.stdout, tail
+    assert "devices: 8 x cpu in 2 processes" in proc.stdout, tail
     assert [r["step"] for r in read(out)] == [1, 2]
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["2"]  # complete, renamed: both processes wrote
     print(f"2-process launch (2 steps, killed in the 3rd): {launched:.1f} s")
+    # each process scored only the groups of its own data slice (B = 2: one each), every branch of steps 1-3 (the
+    # kill comes after step 3's rewards)
+    by_process = [scored(tmp_path / "scored", p) for p in (0, 1)]
+    assert len(by_process[0]) == len(by_process[1]) == 3 and not set(by_process[0]) & set(by_process[1]), by_process
+    assert all(n == 3 for calls in by_process for n in calls.values()), by_process  # G = 3 branches each
 
     # the checkpoint of 2 processes resumed in one (same mesh; compiled programs from the reference's cache)
     output = reference.communicate(timeout=600)[0]
     assert reference.returncode == 0, output[-2000:]
-    resumed = run_cli(["--out", out, "--resume", "--steps", "3", "--mesh", "2x2"], cache)
+    resumed = run_cli(["--out", out, "--resume", "--steps", "3", "--mesh", "2x4"], cache)
     output = resumed.communicate(timeout=600)[0]
     assert resumed.returncode == 0, output[-2000:]
     got, want = read(out), read(single)
@@ -215,3 +236,23 @@ def test_mesh_may_change_on_resume():
 def _no_leftovers(tmp_path):
     yield
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_group_owners_and_process_sums():
+    """Which process scores which group: the lowest process of the group's data slice (a slice may span processes)."""
+    class Device:
+        def __init__(self, process_index):
+            self.process_index = process_index
+
+    class Mesh:
+        def __init__(self, processes):
+            self.devices = np.array([[Device(p) for p in row] for row in processes], dtype=object)
+
+    assert distributed.group_owners(Mesh([[0, 0], [1, 1]]), 4) == [0, 0, 1, 1]  # 2x2 on 2 hosts: data spans them
+    assert distributed.group_owners(Mesh([[0, 0, 1, 1]]), 2) == [0, 0]  # 1x4 on 2 hosts: one slice, process 0
+    assert distributed.group_owners(Mesh([[2, 2], [0, 0], [1, 1]]), 3) == [2, 0, 1]
+    assert distributed.group_owners(None, 2) == [0, 0]
+    assert distributed.group_owners(sharding.make_mesh("2x4"), 2) == [0, 0]  # one process owns everything
+    tree = (np.ones((2, 3), np.float32), np.zeros(2))
+    assert distributed.sum_over_processes(tree) is tree  # one process: nothing to add
+

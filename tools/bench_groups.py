@@ -9,15 +9,22 @@ every slice repeated every group (the old behaviour of `data`), 2x4 would do twi
 simulated devices on the same 2 cores, so there the ratio mixes both effects. Prints a markdown table with medians and
 the ratio.
 
-Known problem (open): at --prompt 1024 --chunk 256 the 2x4 grouped step hangs in XLA:CPU (the devices of one data
-slice wait at different collectives until XLA aborts after 40 s); 256 / 64 runs.
+XLA:CPU can start two independent collectives of one program in different orders on different simulated devices,
+which then wait for each other forever; which programs meet this depends on XLA:CPU's HLO schedule (docs/benchmarks.md
+6b). This tool's exact 2x4 step at --prompt 1024 --chunk 256 hangs with the default (concurrency-optimised) schedule
+and runs with the memory-optimised one, so the tool asks for the latter (unless XLA_FLAGS names the flag).
 """
 import argparse
+import os
 import statistics
 import time
 
+SCHEDULE_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
+
 
 def main():
+    if SCHEDULE_FLAG not in os.environ.get("XLA_FLAGS", ""):  # XLA reads its flags when the backend starts
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {SCHEDULE_FLAG}=false").strip()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=256)
