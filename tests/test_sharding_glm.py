@@ -1,5 +1,6 @@
 """Sequence-parallel GLM-5.x == one device (float32, tiny config: index_topk 16, so DSA selection is sparse over
-these prompts; 8 CPU devices, 4x8 in a 32-device subprocess).
+these prompts; 8 CPU devices, 4x8 in a 32-device subprocess). The routed experts are expert-parallel on every mesh
+here (8 experts on 8 devices; 32 on 32).
 
 The prompt (45 positions) divides evenly by no mesh's 2 * seq segments; capture runs in one round and in rounds;
 the sharded indexer (per-shard top-k + all_to_all merge) must pick the same positions as one device, or the
@@ -62,6 +63,24 @@ def test_parameters_are_sharded_over_the_whole_mesh(tiny):
     assert len(used) == 8 and max(used.values()) <= total / 8 + 1024, (max(used.values()), total / 8)
 
 
+def test_routed_experts_are_expert_parallel(tiny):
+    """The tiny config's 8 experts on 8 devices: one expert per device, split by expert index, never all-gathered
+    (the replay's compiled program has no all-gather whose result holds a layer's experts), while the other layer
+    weights are (FSDP); the results equal one device's (test above and the gradients below)."""
+    model, params, tokens, *_ = tiny
+    mesh = sharding.make_mesh("2x4")
+    specs = rules.param_specs(params, mesh)
+    layer = specs["layers"]["0"]["full_sparse"]["mlp"]
+    assert {layer[name] for name in rules.EXPERT_LEAVES} == {jax.sharding.PartitionSpec(None, None, rules.FSDP)}
+    assert layer["router"] != layer["experts_gate"]  # FSDP's choice, not the expert rule
+    placed = jax.device_put(params, rules.named(specs, mesh))
+    sstate = sharding.capture(model, placed, tokens[:PROMPT], mesh)
+    hlo = sharding.api._extend_hidden.lower(model, placed, sstate, tokens[PROMPT:], mesh).compile().as_text()
+    gathered = [line.split("=")[1].split()[0] for line in hlo.splitlines() if " all-gather(" in line]
+    e, i, d = params["layers"]["0"]["full_sparse"]["mlp"]["experts_gate"].shape[2:]
+    assert gathered and not [g for g in gathered if f"[{e},{i},{d}]" in g or f"[{e},{d},{i}]" in g], gathered
+
+
 def test_padding_cannot_leak(tiny):
     model, params, tokens, _, _ = tiny
     mesh = sharding.make_mesh("1x8")
@@ -89,7 +108,7 @@ def test_sharded_grpo_grads_equal_one_device(spec, mode):
     model, params = _model()
     got_grads, _ = assert_sharded_grads_match(model, params, _batch(model.config.vocab_size), spec, mode)
     experts = got_grads["layers"]["0"]["full_sparse"]["mlp"]["experts_gate"]  # [repeats, per_pattern, E, I, D]
-    assert {s.data.size for s in experts.addressable_shards} == {experts.size // 8}  # FSDP-sharded like params
+    assert {s.data.shape[2] for s in experts.addressable_shards} == {1}  # each expert's gradient on its device
 
 
 def _check_32_devices() -> dict:
@@ -98,7 +117,9 @@ def _check_32_devices() -> dict:
     tests/test_sharding_sequence.py's)."""
     jax.config.update("jax_num_cpu_devices", 32)
     jax.config.update("jax_default_matmul_precision", "highest")
-    model, params = _model(num_hidden_layers=2, indexer_types=("full", "shared"), mlp_layer_types=("sparse",) * 2)
+    # 32 experts: one per device (expert-parallel on 4x8)
+    model, params = _model(num_hidden_layers=2, indexer_types=("full", "shared"), mlp_layer_types=("sparse",) * 2,
+                           n_routed_experts=32)
     tokens = jax.random.randint(jax.random.key(2), (43,), 0, model.config.vocab_size, dtype=jnp.int32)
     reference = model.extend(params, model.capture(params, tokens[:37], chunk_size=16), tokens[37:])
     mesh = sharding.make_mesh("4x8")
@@ -108,14 +129,16 @@ def _check_32_devices() -> dict:
     batch = _batch(model.config.vocab_size, prompt=38, length=5)
     loss, grads, _ = grpo_grads(model, params, batch, SHARDED_CFG, "exact", chunk_size=16)
     got_loss, got_grads, _ = grpo_grads(model, placed, batch, SHARDED_CFG, "exact", chunk_size=24, mesh=mesh)
+    experts = got_grads["layers"]["0"]["full_sparse"]["mlp"]["experts_gate"]
     return {"logits_max_abs_diff": float(jnp.max(jnp.abs(got - reference))),
+            "expert_grad_shards": sorted({s.data.shape[2] for s in experts.addressable_shards}),
             "cache_devices": len({s.device for s in sstate.state.kv.addressable_shards}),
             "grads_rel_err": rel_err(got_grads, grads), "loss_diff": abs(float(got_loss) - float(loss))}
 
 
 def test_capture_extend_and_grads_equal_one_device_on_32_devices():
     result = run_32_device_check("tests.test_sharding_glm")
-    assert result["cache_devices"] == 32, result
+    assert result["cache_devices"] == 32 and result["expert_grad_shards"] == [1], result
     assert result["logits_max_abs_diff"] <= 1e-4, result
     assert result["grads_rel_err"] <= 1e-4, result
     assert result["loss_diff"] <= 1e-5, result

@@ -393,7 +393,7 @@ def _rope_tables(c: Glm52Config, positions: jax.Array, dtype):
 class PromptReader(NamedTuple):
     """How a layer reads what came before its tokens, on one device: `state` at positions < start (docs/models.md 2.6,
     2.8). tokens sit at `positions` [T] = start + arange(T). The sequence-parallel engine (`sharding/glm52.py`)
-    passes its own reader with the same three methods, so the layer code below is shared."""
+    passes its own reader with the same four methods, so the layer code below is shared."""
 
     state: GlmState
     positions: jax.Array
@@ -402,6 +402,11 @@ class PromptReader(NamedTuple):
     def layer_params(self, lp: dict, segment: int, group: str) -> dict:
         """One layer's parameters, whole (identity here; FSDP all-gathers them)."""
         return lp
+
+    def routed_experts(self, x, experts, weights, p: dict) -> jax.Array:
+        """The routed experts of a MoE layer (2.9) over x [T, D] with routing experts int [T, k], weights [T, k]:
+        all E experts here (expert-parallel on a mesh: `sharding/experts.py`)."""
+        return grouped_swiglu(x, experts, weights, p["experts_gate"], p["experts_up"], p["experts_down"])
 
     def select(self, c: Glm52Config, q, w, keys, full, k: int) -> jax.Array:
         """DSA top-k (2.8): q [T, Hi, Di], w [T, Hi] float32, keys [T, Di] this chunk's indexer keys -> int32
@@ -456,13 +461,13 @@ def mla_attention(c: Glm52Config, p: dict, x, reader, layer, full, selected):
     return linear(o.reshape(t, heads * c.v_head_dim), p["o_proj"]), rows, index_key, selected
 
 
-def moe(c: Glm52Config, p: dict, x: jax.Array) -> jax.Array:
-    """MoE MLP (2.9): routed experts (sigmoid router, top-k) plus the always-on shared expert. x [T, D]."""
+def moe(c: Glm52Config, p: dict, x: jax.Array, reader) -> jax.Array:
+    """MoE MLP (2.9): routed experts (sigmoid router, top-k; run by `reader.routed_experts`) plus the always-on
+    shared expert. x [T, D]."""
     experts, weights = route(x, p["router"], p["router_bias"], top_k=c.num_experts_per_tok, n_group=c.n_group,
                              topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
                              scaling=c.routed_scaling_factor)
-    routed = grouped_swiglu(x, experts, weights, p["experts_gate"], p["experts_up"], p["experts_down"])
-    return routed + swiglu(p["shared"], x)
+    return reader.routed_experts(x, experts, weights, p) + swiglu(p["shared"], x)
 
 
 def _layer(c: Glm52Config, p: dict, h, selected, reader, layer, full):
@@ -471,7 +476,7 @@ def _layer(c: Glm52Config, p: dict, h, selected, reader, layer, full):
                                                  reader, layer, full, selected)
     h = h + y
     x = rms_norm(h, p["post_norm"], c.rms_norm_eps)
-    return h + (moe(c, p["mlp"], x) if "router" in p["mlp"] else swiglu(p["mlp"], x)), selected, rows, index_key
+    return h + (moe(c, p["mlp"], x, reader) if "router" in p["mlp"] else swiglu(p["mlp"], x)), selected, rows, index_key
 
 
 def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int, int]]:

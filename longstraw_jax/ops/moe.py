@@ -131,15 +131,17 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_pr
 
     x [T, D]; experts int [T, Ek]; weights [T, Ek]; gate_proj, up_proj [E, I, D]; down_proj [E, D, I]. Returns
     [T, D] in x.dtype. Work is proportional to the M = T * Ek rows (on backends with a grouped `ragged_dot`), never
-    T * E.
+    T * E. An id >= E means "not one of these experts" (expert parallelism: another device's): such rows sort last,
+    belong to no group and contribute nothing.
     """
     num_tokens, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
     token = order // k
-    sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)  # ids >= E are counted nowhere
     rows = x[token]  # [M, D]
     gate, up = (_grouped(rows, w, sizes).astype(x.dtype) for w in (gate_proj, up_proj))
     out = _grouped(jax.nn.silu(gate) * up, down_proj, sizes).astype(x.dtype)
-    out = (at_least_f32(out) * weights.reshape(-1)[order][:, None]).astype(x.dtype)  # weights stay float32
+    weights = jnp.where(flat < gate_proj.shape[0], weights.reshape(-1), 0)[order]  # float32; 0 for rows of no group
+    out = (at_least_f32(out) * weights[:, None]).astype(x.dtype)
     return jnp.zeros((num_tokens, x.shape[-1]), x.dtype).at[token].add(out)

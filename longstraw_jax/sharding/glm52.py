@@ -36,8 +36,10 @@ from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.dsa import merge_candidates, topk_over_keys
 from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attention_partial
+from longstraw_jax.ops.moe import grouped_swiglu
 from longstraw_jax.ops.norms import rms_norm
 from longstraw_jax.sharding import rules, sequence
+from longstraw_jax.sharding.experts import routed_swiglu
 from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
 from longstraw_jax.sharding.rules import gather_layer, param_specs, prompt_state_specs
 from longstraw_jax.sharding.sequence import SEQ
@@ -60,12 +62,22 @@ def _attend_common(c) -> dict:
 
 
 class _Layers(NamedTuple):
-    """FSDP-sharded layer parameters: each layer is all-gathered whole right before use."""
+    """FSDP-sharded layer parameters: each layer is all-gathered whole right before use, except routed experts split
+    by expert index (expert parallelism: `sharding/experts.py`)."""
 
     specs: dict  # param_specs(params)["layers"]
 
     def layer_params(self, lp, segment: int, group: str):
         return gather_layer(lp, self.specs[str(segment)][group])
+
+    def routed_experts(self, x, experts, weights, p):
+        """The layer's routed experts: this device's E / n (expert-parallel) or, when n does not divide E, all of
+        them (gathered like any weight)."""
+        weights_of = (p["experts_gate"], p["experts_up"], p["experts_down"])
+        if p["experts_gate"].shape[0] == p["router"].shape[0]:
+            return grouped_swiglu(x, experts, weights, *weights_of)
+        return routed_swiglu(x, experts, weights, *weights_of)
+
 
 
 class RoundReader(NamedTuple):
@@ -83,6 +95,9 @@ class RoundReader(NamedTuple):
 
     def layer_params(self, lp, segment, group):
         return self.params.layer_params(lp, segment, group)
+
+    def routed_experts(self, x, experts, weights, p):
+        return self.params.routed_experts(x, experts, weights, p)
 
     @property
     def offset(self):
@@ -133,6 +148,9 @@ class ReplayReader(NamedTuple):
 
     def layer_params(self, lp, segment, group):
         return self.params.layer_params(lp, segment, group)
+
+    def routed_experts(self, x, experts, weights, p):
+        return self.params.routed_experts(x, experts, weights, p)
 
     def select(self, c, q, w, keys, full, k):
         common = _topk_common(c, k)
@@ -191,6 +209,9 @@ class DecodeReader(NamedTuple):
 
     def layer_params(self, lp, segment, group):
         return self.params.layer_params(lp, segment, group)
+
+    def routed_experts(self, x, experts, weights, p):
+        return self.params.routed_experts(x, experts, weights, p)
 
     def select(self, c, q, w, keys, full, k):
         common = _topk_common(c, k)

@@ -49,9 +49,25 @@ def fsdp_dim(shape: tuple, skip: int, devices: int) -> int | None:
     return max(candidates, key=lambda d: (shape[d], -d))
 
 
-def _leaf_spec(shape: tuple, skip: int, devices: int) -> P:
-    dim = fsdp_dim(shape, skip, devices)
+# routed-expert weights [stacked..., E, out, in]: split by expert index over the whole mesh when the devices divide E
+# (expert parallelism, `sharding/experts.py`: never all-gathered, their gradients stay on their devices)
+EXPERT_LEAVES = ("experts_gate", "experts_up", "experts_down")
+
+
+def _leaf_spec(shape: tuple, skip: int, devices: int, expert: bool = False) -> P:
+    dim = skip if expert and devices > 1 and len(shape) > skip and shape[skip] % devices == 0 else \
+        fsdp_dim(shape, skip, devices)
     return P() if dim is None else P(*([None] * dim + [FSDP]))
+
+
+def _name(path: tuple):
+    return getattr(path[-1], "key", None) if path else None
+
+
+def expert_parallel(path: tuple, spec: P, skip: int) -> bool:
+    """Whether the leaf at `path` with `spec` is a routed-expert weight split by expert index (its first unstacked
+    dimension, after `skip` stacked ones)."""
+    return _name(path) in EXPERT_LEAVES and len(spec) > skip and spec[skip] is not None
 
 
 _GLOBAL_PARAMS = contextvars.ContextVar("longstraw_global_params", default=None)
@@ -75,7 +91,8 @@ def param_specs(params, mesh: Mesh, stacked: Callable[[tuple], int] = stacked_di
     if registered is not None and jax.tree.structure(registered) == jax.tree.structure(params):
         params = registered
     devices = mesh.size
-    return jax.tree_util.tree_map_with_path(lambda path, x: _leaf_spec(x.shape, stacked(path), devices), params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: _leaf_spec(x.shape, stacked(path), devices, _name(path) in EXPERT_LEAVES), params)
 
 
 def like_params_specs(tree, params, specs):
@@ -149,11 +166,14 @@ def block_slice_specs(block_specs):
 
 def gather_layer(layer, layer_specs, skip: int = 2):
     """Inside `shard_map`: all-gather one layer's parameter shards (leaves with the `skip` stacked axes already
-    indexed away) into whole arrays. `layer_specs` are the full leaves' specs from `param_specs`."""
-    def gather(spec, x):
+    indexed away) into whole arrays. `layer_specs` are the full leaves' specs from `param_specs`. Expert-parallel
+    routed-expert weights stay this device's experts ([E / devices, ...]; `sharding/experts.py`)."""
+    def gather(path, spec, x):
+        if expert_parallel(path, spec, skip):
+            return x
         for dim, axes in enumerate(spec):
             if axes is not None:
                 return jax.lax.all_gather(x, axes, axis=dim - skip, tiled=True)
         return x
 
-    return jax.tree.map(gather, layer_specs, layer, is_leaf=lambda s: isinstance(s, P))
+    return jax.tree_util.tree_map_with_path(gather, layer_specs, layer, is_leaf=lambda s: isinstance(s, P))
