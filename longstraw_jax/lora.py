@@ -1,0 +1,225 @@
+"""LoRA for both model families (docs/architecture.md 10): which matrices can carry adapters, adding them, merging
+them back, and the PEFT export.
+
+    paths = resolve_targets(params, "attn,mlp")            # target patterns -> leaf paths (errors list candidates)
+    params = add_adapters(params, paths, rank=8, alpha=16, key=key)   # LoRA(base, a, b) nodes, b = 0
+    trainable, frozen = trainable.split(params, trainable.adapter_leaf)
+    ...                                                     # engines / train_step with frozen=frozen
+    models.save_hf(model, merged(params), dir)              # merged weights
+    save_peft(model, params, dir)                           # adapter_config.json + adapter_model.safetensors
+
+Targets are stacked layer matrices that the layer code applies as a projection (`ops/mlp.linear`, the grouped
+expert matmul of `ops/moe.py`), named by their path ("blocks/full/q_proj", "layers/1/shared_sparse/mlp/experts_up",
+`trainable.path_str`). `--lora-targets` takes comma-separated items, each a group or a regular expression searched
+in those paths:
+
+    attn     attention projections: Qwen3.6 q/k/v/o_proj and the Gated DeltaNet in_proj_qkv, in_proj_z, out_proj;
+             GLM-5.x q_a_proj, q_b_proj, kv_a_proj, kv_b_proj, o_proj (the DSA indexer gets no gradient)
+    mlp      dense SwiGLU MLPs (gate_proj, up_proj, down_proj)
+    shared   GLM-5.x shared experts
+    experts  GLM-5.x routed experts (per-expert adapters a [E, r, in], b [E, out, r])
+    all      all of the above (the default)
+
+Qwen3.6's in_proj_a / in_proj_b (Hv rows each) are candidates by name only. GLM's kv_b_proj is reshaped per head
+rather than applied as a linear, so its adapted matrix is merged for the layer that uses it (`ops.lora.materialize`;
+one layer, transient).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longstraw_jax.ops.lora import LoRA, is_lora, materialize
+from longstraw_jax.trainable import path_str
+
+GROUPS = {
+    "attn": re.compile(r"/(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|out_proj|q_a_proj|q_b_proj|kv_a_proj|"
+                       r"kv_b_proj)$"),
+    "mlp": re.compile(r"/mlp/(gate_proj|up_proj|down_proj)$"),
+    "shared": re.compile(r"/mlp/shared/(gate_proj|up_proj|down_proj)$"),
+    "experts": re.compile(r"/mlp/experts_(gate|up|down)$"),
+}
+_OTHER = re.compile(r"/(in_proj_a|in_proj_b)$")  # candidates, in no group
+_STACKED = ("blocks/", "layers/")
+DEFAULT_TARGETS = "all"
+
+
+def candidates(params) -> dict[str, tuple]:
+    """Path -> shape of every matrix that can carry an adapter (stacked layer leaves applied as projections)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_lora):
+        name = path_str(path)
+        if name.startswith(_STACKED) and "/indexer/" not in name and (
+                _OTHER.search(name) or any(g.search(name) for g in GROUPS.values())):
+            out[name] = tuple(leaf.shape)
+    return out
+
+
+def _short(path: str) -> str:
+    """A candidate's name without the stacking prefix: blocks/full/q_proj -> full/q_proj, layers/1/x/... -> x/..."""
+    parts = path.split("/")
+    return "/".join(parts[2:] if parts[0] == "layers" else parts[1:])
+
+
+def resolve_targets(params, patterns: str) -> tuple[str, ...]:
+    """Comma-separated groups / regular expressions -> the sorted candidate paths they select. ValueError naming an
+    item that selects nothing (or is not a valid expression), with the groups and the candidate names."""
+    found = candidates(params)
+    items = [p.strip() for p in str(patterns).split(",") if p.strip()]
+    names = ", ".join(dict.fromkeys(_short(p) for p in found))
+    menu = f"groups: {', '.join(GROUPS)}, all; matrices of this model: {names}"
+    if not items:
+        raise ValueError(f"--lora-targets={patterns!r} names no target ({menu})")
+    chosen = set()
+    for item in items:
+        if item == "all":
+            hit = {p for p in found if any(g.search(p) for g in GROUPS.values())}
+        elif item in GROUPS:
+            hit = {p for p in found if GROUPS[item].search(p)}
+        else:
+            try:
+                expression = re.compile(item)
+            except re.error as e:
+                raise ValueError(f"--lora-targets: {item!r} is not a valid regular expression ({e})") from None
+            hit = {p for p in found if expression.search(p)}
+        if not hit:
+            raise ValueError(f"--lora-targets: {item!r} matches no adaptable matrix of this model ({menu})")
+        chosen |= hit
+    return tuple(sorted(chosen))
+
+
+def check_rank(params, paths, rank: int) -> None:
+    """rank must be >= 1 and at most min(out, in) of every target. ValueError naming the first offending one."""
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
+        raise ValueError(f"--lora-rank={rank!r} must be an integer >= 1")
+    shapes = candidates(params)
+    for path in paths:
+        out_dim, in_dim = shapes[path][-2:]
+        if rank > min(out_dim, in_dim):
+            raise ValueError(f"--lora-rank={rank} is larger than {_short(path)} [{out_dim}, {in_dim}] allows (the "
+                             f"rank must be <= min(out, in) = {min(out_dim, in_dim)} of every target)")
+
+
+def add_adapters(params, paths, rank: int, alpha: float, key: jax.Array, dtype=None):
+    """params with each leaf at `paths` replaced by LoRA(base, a, b, alpha / rank): a [..., r, in] ~ U(-1/sqrt(in),
+    1/sqrt(in)) (PEFT's default), b [..., out, r] = 0, so the adapted model's logits equal the base model's exactly.
+    dtype: the adapters' (default the base's)."""
+    check_rank(params, paths, rank)
+    wanted = {p: i for i, p in enumerate(sorted(paths))}
+
+    def adapt(path, w):
+        name = path_str(path)
+        if name not in wanted or is_lora(w):
+            return w
+        *lead, out_dim, in_dim = w.shape
+        kind = dtype or w.dtype
+        bound = in_dim ** -0.5
+        a = jax.random.uniform(jax.random.fold_in(key, wanted[name]), (*lead, rank, in_dim), jnp.float32, -bound,
+                               bound).astype(kind)
+        return LoRA(w, a, jnp.zeros((*lead, out_dim, rank), kind), alpha / rank)
+
+    return jax.tree_util.tree_map_with_path(adapt, params, is_leaf=is_lora)
+
+
+def merged(params):
+    """params with every LoRA node replaced by its dense matrix base + scale * b @ a (base dtype): the weights an
+    `--export-hf` writes."""
+    return jax.tree.map(materialize, params, is_leaf=is_lora)
+
+
+def adapters(params) -> dict[str, LoRA]:
+    """Path -> LoRA node of every adapted matrix."""
+    return {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_lora) if is_lora(x)}
+
+
+def describe(params) -> dict:
+    """What the adapters of params are: {"rank", "alpha", "targets"} (None when there are none). Used to check that
+    a resumed run's adapters are those of its configuration."""
+    nodes = adapters(params)
+    if not nodes:
+        return None
+    ranks = {x.rank for x in nodes.values()}
+    scales = {x.scale for x in nodes.values()}
+    rank = ranks.pop() if len(ranks) == 1 else sorted(ranks)
+    return {"rank": rank, "alpha": scales.pop() * rank if len(scales) == 1 and isinstance(rank, int) else None,
+            "targets": sorted(nodes)}
+
+
+# ----- PEFT export ------------------------------------------------------------------------------------------------
+
+
+def peft_layout(model, params) -> dict[str, tuple[str, tuple]]:
+    """PEFT module name (transformers' `nn.Linear`, e.g. "model.layers.3.self_attn.q_proj") -> (our adapted path,
+    index into its stacked axes). ValueError naming the targets PEFT's `nn.Linear` adapters cannot express: GLM's
+    routed experts, which transformers fuses into 3-d `experts.gate_up_proj` / `experts.down_proj` parameters."""
+    nodes = adapters(params)
+    if not nodes:
+        raise ValueError("--export-peft: the params have no LoRA adapters (train with --train lora)")
+    layout = model.hf_layout()
+    by_path = {}
+    for name, slot in layout.items():
+        if slot.path in nodes:
+            by_path.setdefault(slot.path, []).append((name, slot))
+    bad = sorted(_short(p) for p, entries in by_path.items() if any(len(s.index) != 2 for _, s in entries))
+    if bad:
+        raise ValueError(f"--export-peft: PEFT cannot express adapters on {', '.join(dict.fromkeys(bad))} (routed "
+                         "experts: transformers stores them fused as 3-d parameters, not as one nn.Linear per "
+                         "expert); choose --lora-targets without 'experts', e.g. attn,mlp,shared")
+    missing = sorted(set(nodes) - set(by_path))
+    if missing:
+        raise ValueError(f"--export-peft: no transformers module for {', '.join(missing)}")
+    return {name[: -len(".weight")]: (path, slot.index) for path, entries in by_path.items()
+            for name, slot in entries}
+
+
+def check_peft(model, params) -> None:
+    """Raises the ValueError `save_peft` would, without writing anything (abstract params suffice)."""
+    peft_layout(model, params)
+
+
+def save_peft(model, params, directory: str | os.PathLike, dtype=None) -> None:
+    """Write a PEFT LoRA adapter into `directory` (must exist): adapter_config.json (r, lora_alpha, the exact module
+    names as target_modules) and adapter_model.safetensors ("base_model.model.<module>.lora_A.weight" [r, in],
+    ".lora_B.weight" [out, r]). `peft.PeftModel.from_pretrained(<transformers model of the base weights>, directory)`
+    then computes our adapted model's logits (scaling = lora_alpha / r, as ours)."""
+    from longstraw_jax.models.hf import write_safetensors
+
+    layout = peft_layout(model, params)
+    nodes = adapters(params)
+    ranks = {x.rank for x in nodes.values()}
+    scales = {x.scale for x in nodes.values()}
+    if len(ranks) != 1 or len(scales) != 1:
+        raise ValueError("--export-peft: every adapter must have the same rank and scale (one PEFT config)")
+    rank, scale = ranks.pop(), scales.pop()
+    tensors, values = [], {}
+    for module in sorted(layout, key=_natural):
+        path, index = layout[module]
+        node = nodes[path]
+        for part, array in (("lora_A", node.a[index]), ("lora_B", node.b[index])):
+            value = np.asarray(jnp.asarray(array, dtype or array.dtype))
+            name = f"base_model.model.{module}.{part}.weight"
+            tensors.append((name, value.dtype, value.shape))
+            values[name] = value
+    directory = os.fspath(directory)
+    write_safetensors(os.path.join(directory, "adapter_model.safetensors"), tensors, lambda name: [values[name]])
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
+        "target_modules": sorted(layout, key=_natural), "lora_dropout": 0.0, "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+        "inference_mode": True, "modules_to_save": None, "base_model_name_or_path": None,
+    }
+    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def _natural(name: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+__all__ = ["DEFAULT_TARGETS", "GROUPS", "LoRA", "add_adapters", "adapters", "candidates", "check_peft",
+           "check_rank", "describe", "merged", "resolve_targets", "save_peft"]
