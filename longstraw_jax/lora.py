@@ -223,3 +223,31 @@ def _natural(name: str):
 
 __all__ = ["DEFAULT_TARGETS", "GROUPS", "LoRA", "add_adapters", "adapters", "candidates", "check_peft",
            "check_rank", "describe", "merged", "resolve_targets", "save_peft"]
+
+
+# ----- the trainer (run_loop.py) --------------------------------------------------------------------------------
+
+
+def prepare_run(config, model, params):
+    """--train / --lora-* / --trainable / --export-peft of a RunConfig -> (params, with adapters for --train lora;
+    the trainable predicate for `trainable.split`, None when every leaf trains). Every model-dependent check happens
+    here, before the run writes anything: unknown targets, a rank beyond a target's dimensions, a PEFT export of
+    targets PEFT cannot express, a --trainable expression that matches nothing."""
+    from longstraw_jax import trainable
+
+    if config.train == "lora":
+        paths = resolve_targets(params, config.lora_targets)
+        check_rank(params, paths, config.lora_rank)
+        key = jax.random.fold_in(jax.random.key(config.seed), 0x10A)
+        params = add_adapters(params, paths, config.lora_rank, config.lora_alpha, key)
+        if config.export_peft:
+            check_peft(model, params)
+        return params, trainable.adapter_leaf
+    if config.trainable is not None:
+        expression = re.compile(config.trainable)
+        names = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+        if not any(expression.search(n) for n in names):
+            shown = ", ".join(dict.fromkeys(_short(n) if n.startswith(_STACKED) else n for n in names))
+            raise ValueError(f"--trainable={config.trainable!r} matches no parameter; paths: {shown}")
+        return params, lambda path: bool(expression.search(path))
+    return params, None
