@@ -153,28 +153,52 @@ def describe(params) -> dict:
 # ----- PEFT export ------------------------------------------------------------------------------------------------
 
 
-def peft_layout(model, params) -> dict[str, tuple[str, tuple]]:
-    """PEFT module name (transformers' `nn.Linear`, e.g. "model.layers.3.self_attn.q_proj") -> (our adapted path,
-    index into its stacked axes). ValueError naming the targets PEFT's `nn.Linear` adapters cannot express: GLM's
-    routed experts, which transformers fuses into 3-d `experts.gate_up_proj` / `experts.down_proj` parameters."""
+# model types whose routed experts transformers 5 fuses into 3-d parameters, and for which PEFT (0.21) rewrites every
+# `gate_proj` / `up_proj` / `down_proj` target into those parameters (`peft/utils/transformers_weight_conversion.py`:
+# glm_moe_dsa maps to its "qwen2_moe" conversion): per-expert adapters saved under transformers 4's per-expert names
+# are fused on load (A concatenated, B block-diagonal, rank and alpha doubled for gate_up_proj: the same scale), but
+# an adapter on a dense MLP or a shared expert, whose names end the same way, is taken for an expert one.
+_PEFT_FUSED_EXPERTS = ("glm_moe_dsa",)
+
+
+def peft_layout(model, params) -> tuple[dict[str, tuple[str, tuple]], list[str]]:
+    """(PEFT module name, e.g. "model.layers.3.self_attn.q_proj" or "model.layers.1.mlp.experts.5.gate_proj" -> (our
+    adapted path, index into its stacked axes), the adapter config's target_modules). ValueError naming the targets
+    PEFT cannot express (`_PEFT_FUSED_EXPERTS`: GLM-5.x's dense MLPs and shared experts, and a routed expert's
+    gate_proj without its up_proj or the other way round)."""
     nodes = adapters(params)
     if not nodes:
         raise ValueError("--export-peft: the params have no LoRA adapters (train with --train lora)")
-    layout = model.hf_layout()
+    fused = model.config.to_hf().get("model_type") in _PEFT_FUSED_EXPERTS
+    if fused:
+        bad = sorted(_short(p) for p in nodes if GROUPS["mlp"].search(p) or GROUPS["shared"].search(p))
+        if bad:
+            raise ValueError(f"--export-peft: PEFT cannot express adapters on {', '.join(dict.fromkeys(bad))}: for "
+                             f"this model type it loads every gate_proj / up_proj / down_proj adapter onto the routed "
+                             f"experts (fused in transformers 5); choose --lora-targets without mlp and shared, e.g. "
+                             f"attn,experts")
+        for path in nodes:
+            if path.endswith(("/experts_gate", "/experts_up")):
+                other = path[: path.rindex("_")] + ("_up" if path.endswith("_gate") else "_gate")
+                if other not in nodes:
+                    raise ValueError(f"--export-peft: {_short(path)} has adapters but {_short(other)} has none; PEFT "
+                                     "fuses the routed experts' gate and up projections (gate_up_proj), so adapt "
+                                     "both or neither")
     by_path = {}
-    for name, slot in layout.items():
+    for name, slot in model.hf_layout().items():
         if slot.path in nodes:
             by_path.setdefault(slot.path, []).append((name, slot))
-    bad = sorted(_short(p) for p, entries in by_path.items() if any(len(s.index) != 2 for _, s in entries))
-    if bad:
-        raise ValueError(f"--export-peft: PEFT cannot express adapters on {', '.join(dict.fromkeys(bad))} (routed "
-                         "experts: transformers stores them fused as 3-d parameters, not as one nn.Linear per "
-                         "expert); choose --lora-targets without 'experts', e.g. attn,mlp,shared")
     missing = sorted(set(nodes) - set(by_path))
     if missing:
         raise ValueError(f"--export-peft: no transformers module for {', '.join(missing)}")
-    return {name[: -len(".weight")]: (path, slot.index) for path, entries in by_path.items()
-            for name, slot in entries}
+    layout = {name[: -len(".weight")]: (path, slot.index) for path, entries in by_path.items()
+              for name, slot in entries}
+    experts = {m for m in layout if ".mlp.experts." in m}
+    if experts and not fused:
+        raise ValueError("--export-peft: routed-expert adapters of this model type have no PEFT layout")
+    targets = sorted(set(layout) - experts, key=_natural)
+    targets += sorted({m.rsplit(".", 1)[-1] for m in experts})  # gate_proj / up_proj / down_proj: PEFT fuses them
+    return layout, targets
 
 
 def check_peft(model, params) -> None:
@@ -184,12 +208,14 @@ def check_peft(model, params) -> None:
 
 def save_peft(model, params, directory: str | os.PathLike, dtype=None) -> None:
     """Write a PEFT LoRA adapter into `directory` (must exist): adapter_config.json (r, lora_alpha, the exact module
-    names as target_modules) and adapter_model.safetensors ("base_model.model.<module>.lora_A.weight" [r, in],
-    ".lora_B.weight" [out, r]). `peft.PeftModel.from_pretrained(<transformers model of the base weights>, directory)`
-    then computes our adapted model's logits (scaling = lora_alpha / r, as ours)."""
+    names as target_modules; routed experts by their projection name) and adapter_model.safetensors
+    ("base_model.model.<module>.lora_A.weight" [r, in], ".lora_B.weight" [out, r]; routed experts one module per
+    expert, transformers 4's names, which PEFT fuses on load). `peft.PeftModel.from_pretrained(<transformers model
+    of the base weights>, directory)` then computes our adapted model's logits (scaling = lora_alpha / r, as
+    ours)."""
     from longstraw_jax.models.hf import write_safetensors
 
-    layout = peft_layout(model, params)
+    layout, targets = peft_layout(model, params)
     nodes = adapters(params)
     ranks = {x.rank for x in nodes.values()}
     scales = {x.scale for x in nodes.values()}
@@ -209,7 +235,7 @@ def save_peft(model, params, directory: str | os.PathLike, dtype=None) -> None:
     write_safetensors(os.path.join(directory, "adapter_model.safetensors"), tensors, lambda name: [values[name]])
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
-        "target_modules": sorted(layout, key=_natural), "lora_dropout": 0.0, "bias": "none",
+        "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
         "inference_mode": True, "modules_to_save": None, "base_model_name_or_path": None,
     }
