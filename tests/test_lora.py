@@ -11,6 +11,7 @@
 - the PEFT export loads into transformers through `peft` with our logits (both families);
 - bad input: one-line errors before anything is written.
 """
+import functools
 import json
 import os
 import re
@@ -74,12 +75,22 @@ def test_zero_b_gives_base_logits_exactly(adapted):
     np.testing.assert_array_equal(model.forward(with_adapters, tokens), model.forward(params, tokens))
 
 
-def test_adapter_grads_exact_equal_naive(adapted):
-    model, params, with_adapters = adapted
-    full = random_adapters(with_adapters, jax.random.key(3))
+@functools.lru_cache(maxsize=None)
+def exact_case(name):
+    """(model, params with O(1) adapters on every target, its (trainable, frozen) split, a batch, the exact engine's
+    (loss, grads, metrics)): shared by the one-device and the mesh test. Chunk 32 > P - 1: one prompt chunk (the
+    chunk layouts are tests/test_engine.py's business)."""
+    model, params = family(name)
+    full = random_adapters(lora.add_adapters(params, lora.resolve_targets(params, "all"), 4, 8.0, jax.random.key(2)),
+                           jax.random.key(3))
     part, frozen = trainable.split(full, trainable.adapter_leaf)
     batch = make_batch(model, params, [6, 2, 5], [1.0, 0.0, 0.25], True, True, 0)
-    loss, grads, metrics = grads_fn(model, part, batch, CFG, "exact", 7, frozen=frozen)
+    return model, full, part, frozen, batch, grads_fn(model, part, batch, CFG, "exact", 32, frozen=frozen)
+
+
+@pytest.mark.parametrize("name", ["qwen", "glm"])
+def test_adapter_grads_exact_equal_naive(name):
+    model, _, part, frozen, batch, (loss, grads, _) = exact_case(name)
     want_loss, want, _ = naive_fn(model, part, batch, CFG, frozen=frozen)
     # the gradient tree is the trainable part: adapters only, no leaf for a frozen matrix
     assert jax.tree.structure(grads) == jax.tree.structure(part)
@@ -93,7 +104,7 @@ def test_trainable_regex_grads_are_the_full_grads_leaves():
     model, params = family("qwen")
     batch = make_batch(model, params, [6, 2, 5], [1.0, 0.0, 0.25], True, True, 0)
     part, frozen = trainable.split(params, lambda path: re.search(r"final_norm|full/(q_proj|mlp)", path))
-    _, grads, _ = grads_fn(model, part, batch, CFG, "exact", 7, frozen=frozen)
+    _, grads, _ = grads_fn(model, part, batch, CFG, "exact", 32, frozen=frozen)
     _, full, _ = naive_fn(model, params, batch, CFG)
     chosen = trainable.split_like(full, grads)[0]
     assert jax.tree.structure(chosen) == jax.tree.structure(grads)
@@ -104,19 +115,14 @@ def test_trainable_regex_grads_are_the_full_grads_leaves():
 
 
 def test_sharded_lora_grads_match_one_device():
-    model, params = family("qwen")
-    full = random_adapters(lora.add_adapters(params, lora.resolve_targets(params, "attn,mlp"), 4, 8.0,
-                                             jax.random.key(2)), jax.random.key(3))
-    batch = make_batch(model, params, [5, 3], [1.0, 0.0], True, False, 1)
-    part, frozen = trainable.split(full, trainable.adapter_leaf)
-    loss, grads, _ = grads_fn(model, part, batch, CFG, "exact", 8, frozen=frozen)
+    model, full, _, _, batch, (loss, grads, _) = exact_case("qwen")
     mesh = sharding.make_mesh("2x4")
     specs = rules.param_specs(full, mesh)
     q = specs["blocks"]["full"]["q_proj"]  # base [nb, nf, 256, 64]: out split; a [.., r, in], b [.., out, r]
     assert (q.base, q.a, q.b) == (rules.P(None, None, rules.FSDP), rules.P(None, None, None, rules.FSDP),
                                   rules.P(None, None, rules.FSDP))
     placed_part, placed_frozen = trainable.split(jax.device_put(full, rules.named(specs, mesh)), trainable.adapter_leaf)
-    got_loss, got, _ = grads_fn(model, placed_part, batch, CFG, "exact", 8, frozen=placed_frozen, mesh=mesh)
+    got_loss, got, _ = grads_fn(model, placed_part, batch, CFG, "exact", 32, frozen=placed_frozen, mesh=mesh)
     assert abs(float(got_loss) - float(loss)) <= 1e-5
     assert rel_err(got, grads) <= 1e-4
     assert got["blocks"]["full"]["q_proj"].a.sharding.spec == q.a
@@ -175,7 +181,8 @@ def test_trainer_lora_resume_optimizer_state_and_exports(tmp_path, capsys):
     part, frozen = trainable.split(params, trainable.adapter_leaf)
     assert any(float(jnp.abs(x.b).max()) > 0 for x in lora.adapters(params).values())
     initial = jax.jit(model.init)(jax.random.key(1))
-    assert bits(frozen) == bits(trainable.split_like(initial, frozen)[0])
+    bases = jax.tree.map(lambda x: x.base if isinstance(x, LoRA) else x, frozen, is_leaf=lambda x: isinstance(x, LoRA))
+    assert bits(bases) == bits(initial)
     # AdamW state: two moments per adapter leaf (and step counts), nothing for the frozen base
     (adapter_leaves, adapter_bytes), (opt_leaves, opt_bytes) = trainable.count(part), trainable.count(straight_opt)
     assert adapter_leaves == 2 * len(lora.adapters(params)) and trainable.count(frozen)[1] > 10 * adapter_bytes
