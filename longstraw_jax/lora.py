@@ -137,19 +137,6 @@ def adapters(params) -> dict[str, LoRA]:
     return {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_lora) if is_lora(x)}
 
 
-def describe(params) -> dict:
-    """What the adapters of params are: {"rank", "alpha", "targets"} (None when there are none). Used to check that
-    a resumed run's adapters are those of its configuration."""
-    nodes = adapters(params)
-    if not nodes:
-        return None
-    ranks = {x.rank for x in nodes.values()}
-    scales = {x.scale for x in nodes.values()}
-    rank = ranks.pop() if len(ranks) == 1 else sorted(ranks)
-    return {"rank": rank, "alpha": scales.pop() * rank if len(scales) == 1 and isinstance(rank, int) else None,
-            "targets": sorted(nodes)}
-
-
 # ----- PEFT export ------------------------------------------------------------------------------------------------
 
 
@@ -247,8 +234,6 @@ def _natural(name: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-__all__ = ["DEFAULT_TARGETS", "GROUPS", "LoRA", "add_adapters", "adapters", "candidates", "check_peft",
-           "check_rank", "describe", "merged", "resolve_targets", "save_peft"]
 
 
 # ----- the trainer (run_loop.py) --------------------------------------------------------------------------------
@@ -277,3 +262,7 @@ def prepare_run(config, model, params):
             raise ValueError(f"--trainable={config.trainable!r} matches no parameter; paths: {shown}")
         return params, lambda path: bool(expression.search(path))
     return params, None
+
+
+__all__ = ["DEFAULT_TARGETS", "GROUPS", "LoRA", "add_adapters", "adapters", "candidates", "check_peft",
+           "check_rank", "merged", "prepare_run", "resolve_targets", "save_peft"]
