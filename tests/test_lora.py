@@ -5,7 +5,7 @@
   tree holds the adapters only;
 - `--trainable REGEX` (a split without adapters): gradients only for the matching leaves, equal to those leaves of
   the full gradient;
-- on a 2x4 mesh (Qwen3.6) == one device, adapters sharded like their base matrices;
+- on a 2x4 mesh (Qwen3.6, two groups: one per data slice) == one device, adapters sharded like their base matrices;
 - the trainer: `--train lora` runs, checkpoints and resumes bit-identically; the optimizer state covers the adapters
   only and the base stays bit-identical; --export-hf writes the merged weights;
 - the PEFT export loads into transformers through `peft` with our logits (both families);
@@ -77,14 +77,17 @@ def test_zero_b_gives_base_logits_exactly(adapted):
 
 @functools.lru_cache(maxsize=None)
 def exact_case(name):
-    """(model, params with O(1) adapters on every target, its (trainable, frozen) split, a batch, the exact engine's
-    (loss, grads, metrics)): shared by the one-device and the mesh test. Chunk 32 > P - 1: one prompt chunk (the
-    chunk layouts are tests/test_engine.py's business)."""
+    """(model, params with O(1) adapters on every target, its (trainable, frozen) split, a batch (Qwen: two groups), the
+    exact engine's (loss, grads, metrics)): shared by the one-device and the mesh test. Chunk 32 > P - 1: one prompt
+    chunk (the chunk layouts are tests/test_engine.py's business)."""
     model, params = family(name)
     full = random_adapters(lora.add_adapters(params, lora.resolve_targets(params, "all"), 4, 8.0, jax.random.key(2)),
                            jax.random.key(3))
     part, frozen = trainable.split(full, trainable.adapter_leaf)
     batch = make_batch(model, params, [6, 2, 5], [1.0, 0.0, 0.25], True, True, 0)
+    if name == "qwen":  # two groups side by side (on the 2x4 mesh: one per data slice, `groups.over_data`)
+        other = make_batch(model, params, [3, 6, 1], [0.0, 0.5, 1.0], True, True, 1)
+        batch = jax.tree.map(lambda *x: np.stack(x), batch, other)
     return model, full, part, frozen, batch, grads_fn(model, part, batch, CFG, "exact", 32, frozen=frozen)
 
 
