@@ -27,13 +27,14 @@ from longstraw_jax.grpo import GroupBatch, GRPOConfig, batch_advantages, finaliz
 from longstraw_jax.models.base import capture_chunks, chunk_layout
 from longstraw_jax.replay import replay_branches, scan_groups, zeros_f32
 from longstraw_jax.sharding import grpo as sharded
+from longstraw_jax.trainable import merge
 from longstraw_jax.validation import check_size
 
 MODES = ("exact", "detached")
 
 
 def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(), mode: str = "exact",
-               chunk_size: int = 2048, mesh=None, captured=None):
+               chunk_size: int = 2048, mesh=None, captured=None, frozen=None):
     """(loss, grads, metrics) for one group, or for B groups side by side (a batch with a group axis: prompt [B, P],
     responses [B, G, R], ...; advantages per group, the loss aggregated over the whole batch, `grpo.py`).
     `model`, `cfg`, `mode`, `chunk_size`, `mesh` are static.
@@ -47,6 +48,10 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
     `sharding.sample`'s on a mesh), stacked over groups like the batch: the update then does not capture again
     (one capture per step). It must come from the same params, prompt and chunk_size (round_len on a mesh).
 
+    frozen: parameters that are not trained (`trainable.split`: params and frozen are two trees of the same
+    structure with holes, None, where a leaf belongs to the other; the model runs on their merge). Gradients are
+    taken with respect to params only: no cotangent, no buffer for a frozen leaf (LoRA: the base matrices).
+
     Validates the batch on the host when its arrays are concrete (under an outer `jit` only shapes are checked).
     grads has the structure and dtype of params.
     """
@@ -56,19 +61,20 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
         model.sequence_parallel()  # a family without a sharded path says so before any work
     validate_batch(batch, model.config.vocab_size, cfg)
     return grpo_grads_unvalidated(model, params, batch, cfg, mode, check_size(chunk_size, "chunk_size"), mesh,
-                                  captured)
+                                  captured, frozen)
 
 
 def grpo_grads_unvalidated(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, chunk_size: int, mesh=None,
-                           captured=None):
+                           captured=None, frozen=None):
     """`grpo_grads` for a caller that has checked `mode` and run `validate_batch` itself (`train.train_step`, so that
     a training step validates its batch once)."""
     chunk_layout(batch.prompt.shape[-1] - 1, chunk_size)
     if mesh is not None:
-        return sharded.grpo_grads(model, params, batch, cfg, mode, mesh, round_len=chunk_size, captured=captured)
+        return sharded.grpo_grads(model, params, batch, cfg, mode, mesh, round_len=chunk_size, captured=captured,
+                                  frozen=frozen)
     if captured is not None:
         check_captured(captured, batch, mode)
-    return _grpo_grads(model, params, batch, cfg, mode, chunk_size, captured)
+    return _grpo_grads(model, params, batch, cfg, mode, chunk_size, captured, frozen)
 
 
 def check_captured(captured, batch: GroupBatch, mode: str) -> None:
@@ -84,7 +90,9 @@ def check_captured(captured, batch: GroupBatch, mode: str) -> None:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
-def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, chunk_size: int, captured=None):
+def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, chunk_size: int, captured=None,
+                frozen=None):
+    trainable, params = params, merge(params, frozen)  # the accumulator is shaped like the trainable part
     grouped = batch.as_groups()
     if captured is not None and batch.num_groups is None:
         captured = jax.tree.map(lambda x: x[None], captured)
@@ -94,15 +102,16 @@ def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, ch
         group, weights, advantages, captured = xs
         return _group_grads(model, params, group, cfg, mode, chunk_size, weights, advantages, captured, grads)
 
-    loss, grads, sums = scan_groups(one_group, zeros_f32(params), groups)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    loss, grads, sums = scan_groups(one_group, zeros_f32(trainable), groups)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
     return loss, grads, finalize_metrics(sums, grouped.rewards, grouped.mask)
 
 
 def _group_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, chunk_size: int, weights, advantages,
                  captured, grads):
     """One group: capture prompt[:-1] (unless `captured`), replay its branches, and in exact mode backpropagate into
-    the prompt, adding into the float32 `grads`. -> (loss, grads, metric sums)."""
+    the prompt, adding into the float32 `grads` (shaped like the trainable parameters: `trainable.vjp`). -> (loss,
+    grads, metric sums)."""
     prompt = batch.prompt.astype(jnp.int32)
     if captured is not None:
         state, boundaries = captured.state, captured.boundaries

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from longstraw_jax import trainable
 from longstraw_jax.ops.dtypes import at_least_f32
 
 
@@ -72,27 +73,28 @@ def _backward(model, params, state, tokens, start, cache_length, inputs, dh, gra
         dh, acc, grads_blocks = carry
         bp, b, h_in, entries_cot = xs
         state_block = _at(state, b)
+        # with respect to the trainable leaves of the block only (grads_blocks has their structure: trainable.py)
+        vjp_of = lambda fn, *primals: trainable.vjp(fn, bp, grads_blocks, *primals)
         if acc is None:
-            _, vjp = jax.vjp(lambda bp, h: model.block(bp, h, state_block, positions, cache_length)[0], bp, h_in)
+            _, vjp = vjp_of(lambda bp, h: model.block(bp, h, state_block, positions, cache_length)[0], h_in)
             d_bp, dh = vjp(dh)
             return (dh, None, _add_at(grads_blocks, b, d_bp)), None
         acc_block = _at(acc, b)
         if chunk_entries:
-            entries, vjp = jax.vjp(lambda bp, h, s: model.block(bp, h, s, positions, cache_length), bp, h_in,
-                                   state_block)
+            entries, vjp = vjp_of(lambda bp, h, s: model.block(bp, h, s, positions, cache_length), h_in, state_block)
             entries_cot = jax.tree.map(lambda c, e: c.astype(e.dtype), entries_cot, entries[1])
             d_bp, dh, d_state = vjp((dh, entries_cot))
             acc_block = model.with_carried(_add(acc_block, d_state),
                                            model.carried(jax.tree.map(at_least_f32, d_state)))
         else:
-            _, vjp = jax.vjp(lambda bp, h, s: model.block(bp, h, s, positions, cache_length)[0], bp, h_in, state_block)
+            _, vjp = vjp_of(lambda bp, h, s: model.block(bp, h, s, positions, cache_length)[0], h_in, state_block)
             d_bp, dh, d_state = vjp(dh)
             acc_block = _add(acc_block, d_state)
         return (dh, _set(acc, b, acc_block), _add_at(grads_blocks, b, d_bp)), None
 
     xs = (model.block_params(params), jnp.arange(model.num_blocks), inputs, entries_cot)
     (dh, acc, grads_blocks), _ = jax.lax.scan(body, (dh, acc, model.block_params(grads)), xs, reverse=True)
-    _, vjp = jax.vjp(lambda p: model.embed(p, tokens), params)
+    _, vjp = trainable.vjp(lambda p: model.embed(p, tokens), params, grads)
     return _add(model.with_block_params(grads, grads_blocks), vjp(dh)[0]), acc
 
 
@@ -105,7 +107,7 @@ def branch_grads(model, params, state, tokens, head, grads, acc):
     detached, no state gradient).
     """
     h, inputs = _forward(model, params, state, tokens, state.length, state.length)
-    loss, vjp, aux = jax.vjp(lambda p, h: head(p, model.final_norm(p, h)), params, h, has_aux=True)
+    loss, vjp, aux = trainable.vjp(lambda p, h: head(p, model.final_norm(p, h)), params, grads, h, has_aux=True)
     d_head, dh = vjp(jnp.ones_like(loss))
     grads, acc = _backward(model, params, state, tokens, state.length, state.length, inputs, dh, _add(grads, d_head),
                            acc, chunk_entries=False)
@@ -127,20 +129,24 @@ def chunk_grads(model, params, state, tokens, start, grads, acc):
 
 def branch_grads_autodiff(extend_hidden, params, state, tokens, head, grads, acc):
     """As `branch_grads`, by autodiff of `extend_hidden(params, state, tokens) -> final-normed hidden [R, D]`."""
-    def objective(params, state):
+    # with respect to the trainable leaves only (grads has their structure: trainable.py)
+    part, rest = trainable.split_like(params, grads)
+
+    def objective(part, state):
+        params = trainable.merge(part, rest)
         return head(params, extend_hidden(params, state, tokens))
 
     if acc is None:
-        (loss, aux), d_params = jax.value_and_grad(objective, has_aux=True)(params, state)
+        (loss, aux), d_params = jax.value_and_grad(objective, has_aux=True)(part, state)
     else:
-        (loss, aux), (d_params, d_state) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(params, state)
+        (loss, aux), (d_params, d_state) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(part, state)
         acc = _add(acc, d_state)
     return loss, aux, _add(grads, d_params), acc
 
 
 def chunk_grads_autodiff(model, params, state, tokens, start, grads, acc):
     """As `chunk_grads`, by autodiff of `model.chunk_entries` (a full-size state cotangent for the chunk)."""
-    entries, vjp = jax.vjp(lambda p, s: model.chunk_entries(p, s, tokens, start), params, state)
+    entries, vjp = trainable.vjp(lambda p, s: model.chunk_entries(p, s, tokens, start), params, grads, state)
     entries_cot = jax.tree.map(lambda c, e: c.astype(e.dtype), model.read_entries(acc, start, tokens.shape[0]),
                                entries)
     d_params, d_state = vjp(entries_cot)

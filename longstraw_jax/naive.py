@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, grpo_loss, validate_batch
+from longstraw_jax.trainable import merge
 
 
 def response_logprobs(model, params, prompt: jax.Array, responses: jax.Array,
@@ -28,19 +29,21 @@ def response_logprobs(model, params, prompt: jax.Array, responses: jax.Array,
 
 
 def naive_grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig,
-                     remat: bool = True) -> tuple[jax.Array, dict, dict]:
+                     remat: bool = True, frozen=None) -> tuple[jax.Array, dict, dict]:
     """(loss, grads, metrics) of the GRPO loss over one group, or B groups side by side (prompt [B, P], responses
     [B, G, R], ...), through one graph over the G (B * G) copies of prompt+response.
 
     Jittable with `model`, `cfg` and `remat` static: `jax.jit(naive_grpo_grads, static_argnums=(0, 3, 4))`. The
     batch is validated on the host when its arrays are concrete. grads has the structure of params. remat (default)
     keeps one block input per layer block instead of every activation: the usual way to fit a full-graph step.
+    frozen: parameters not differentiated (as in `engine.grpo_grads`): the model runs on merge(params, frozen).
     """
     validate_batch(batch, model.config.vocab_size, cfg)
     prompt = jnp.asarray(batch.prompt, jnp.int32)
     responses = jnp.asarray(batch.responses, jnp.int32)
 
     def loss_fn(params):
+        params = merge(params, frozen)
         if batch.num_groups is None:
             logp, entropy = response_logprobs(model, params, prompt, responses, remat)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 from typing import Collection
 
 from longstraw_jax.sharding.mesh import parse_mesh_spec
@@ -21,8 +22,8 @@ DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`
                "checkpoints/ (Orbax: params, optimizer state, RNG key, data position), and with --export-hf a "
                "safetensors checkpoint of the final params.")
 # Options that may differ when resuming (everything else must match the checkpointed run's configuration).
-RESUMABLE = frozenset({"steps", "resume", "resume_step", "out", "export_hf", "force", "log_every", "save_every",
-                       "coordinator", "num_processes", "process_id"})
+RESUMABLE = frozenset({"steps", "resume", "resume_step", "out", "export_hf", "export_peft", "force", "log_every",
+                       "save_every", "coordinator", "num_processes", "process_id"})
 # Options a checkpoint records and a resumed run adopts, but that may be given differently on --resume (a run saved by
 # 2 processes on a 2x4 mesh continues on one process, on 2x4 or 1x8).
 CHANGEABLE = frozenset({"mesh"})
@@ -78,6 +79,16 @@ class RunConfig:
     chunk_size: int = _option(256, "prompt chunk length for capture / prompt backward")
     loss_agg: str = _option("token-mean", choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
     kl_coef: float = _option(0.0, "k3 KL weight (needs ref_logprobs in --rollouts)")
+    # which parameters train (docs/architecture.md 10, lora.py): frozen leaves get no gradient and no optimizer state
+    train: str = _option("full", "full: every parameter (or those --trainable selects); lora: frozen base matrices "
+                         "with low-rank adapters B A (--lora-*)", choices=("full", "lora"))
+    lora_rank: int = _option(8, "--train lora: adapter rank r (at most min(out, in) of every target)")
+    lora_alpha: float = _option(16.0, "--train lora: an adapter adds alpha / r * B A (B starts at 0)")
+    lora_targets: str = _option("all", "--train lora: comma-separated groups (attn, mlp, shared, experts, all) or "
+                                "regular expressions searched in the matrices' paths (e.g. 'full/q_proj|full/v_proj')")
+    trainable: str | None = _option(None, "--train full: train only the parameters whose path (e.g. "
+                                    "blocks/full/q_proj, final_norm) matches REGEX; the others are frozen",
+                                    metavar="REGEX")
     mesh: str | None = _option(None, "device mesh data x seq (e.g. 1x8); on CPU raises the simulated device count "
                                "to A*B before JAX starts", metavar="AxB")
     seed: int = _option(0)
@@ -90,8 +101,11 @@ class RunConfig:
     save_every: int = _option(20, "checkpoint every N steps (and after the last)")
     export_hf: str | None = _option(None, "write the final params as safetensors + config.json into a new or empty "
                                     "DIR", metavar="DIR")
-    force: bool = _option(False, "with --export-hf: replace a non-empty DIR as a whole (written beside it, then "
-                          "renamed over it)")
+    export_peft: str | None = _option(None, "--train lora: write the final adapters as a PEFT LoRA adapter "
+                                      "(adapter_config.json + adapter_model.safetensors) into a new or empty DIR",
+                                      metavar="DIR")
+    force: bool = _option(False, "with --export-hf / --export-peft: replace a non-empty DIR as a whole (written "
+                          "beside it, then renamed over it)")
     log_every: int = _option(1, "print a progress line every N steps")
     # several processes (docs/cluster.md; distributed.py: also from JAX_* variables or SLURM / Open MPI)
     coordinator: str | None = _option(None, "join a multi-process run: process 0's address (all processes give the "
@@ -103,12 +117,13 @@ class RunConfig:
     def __post_init__(self):
         errors = []
         for name, low in (("group_size", 1), ("response_len", 1), ("steps", 1), ("chunk_size", 1), ("prompt_len", 2),
-                          ("save_every", 1), ("log_every", 1), ("vocab_size", 1)):
+                          ("save_every", 1), ("log_every", 1), ("vocab_size", 1), ("lora_rank", 1)):
             if getattr(self, name) < low:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be >= {low}")
         for name in ("lr", "weight_decay", "kl_coef", "temperature", "top_p", "max_grad_norm"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be a finite number >= 0")
+        errors += _train_errors(self)
         if self.groups_per_step is not None and self.groups_per_step < 1:
             errors.append(f"--groups-per-step={self.groups_per_step} must be >= 1")
         if self.num_processes is not None and self.num_processes < 1:
@@ -160,6 +175,24 @@ class RunConfig:
                                f"only {sorted(RESUMABLE | CHANGEABLE)} may change on --resume")
         adopted = {k: v for k, v in saved.items() if k not in RESUMABLE and not (k in CHANGEABLE and k in explicit)}
         return dataclasses.replace(self, **adopted)
+
+
+def _train_errors(config: RunConfig) -> list[str]:
+    """--train, --lora-*, --trainable, --export-peft (model-dependent checks, e.g. targets and rank against the
+    matrices: lora.prepare_run)."""
+    errors = []
+    if not math.isfinite(config.lora_alpha) or config.lora_alpha <= 0:
+        errors.append(f"--lora-alpha={config.lora_alpha} must be a finite number > 0")
+    if config.export_peft is not None and config.train != "lora":
+        errors.append(f"--export-peft needs --train lora (a --train {config.train} run has no adapters to export)")
+    if config.trainable is not None:
+        if config.train == "lora":
+            errors.append("--trainable selects parameters for --train full; with --train lora only the adapters train")
+        try:
+            re.compile(config.trainable)
+        except re.error as e:
+            errors.append(f"--trainable={config.trainable!r} is not a valid regular expression ({e})")
+    return errors
 
 
 def flag(name: str) -> str:

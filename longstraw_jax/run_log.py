@@ -87,5 +87,7 @@ def summary(records: list[dict], history: list[dict], wall: float, trainer) -> s
              os.path.join(trainer.checkpoints.directory, str(trainer.step))]
     if trainer.config.export_hf:
         files.append(trainer.config.export_hf)
+    if getattr(trainer.config, "export_peft", None):
+        files.append(trainer.config.export_peft)
     lines.append("wrote: " + ", ".join(files))
     return "\n".join(lines)

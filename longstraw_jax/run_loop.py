@@ -18,7 +18,7 @@ import time
 
 import jax
 
-from longstraw_jax import distributed, fault_hooks, metrics, models, run_log, run_outdir, run_setup
+from longstraw_jax import distributed, fault_hooks, lora, metrics, models, run_log, run_outdir, run_setup, trainable
 from longstraw_jax.grpo import GRPOConfig
 from longstraw_jax.run_config import RunConfig, RunError
 from longstraw_jax.train import train_step
@@ -35,6 +35,8 @@ class Trainer:
         self.config = config = self.plan.config if self.plan else config
         self.mesh = run_setup.mesh_for(config)
         self.model, params = run_setup.load_model(config)
+        # --train lora: adapters added (frozen base); --trainable: a predicate; None: every leaf trains
+        params, self.trains = lora.prepare_run(config, self.model, params)
         if self.mesh is not None:
             self.model.sequence_parallel()  # a family without a sharded path says so here
         self.params = run_setup.place(params, self.mesh)
@@ -44,7 +46,8 @@ class Trainer:
         self.plan = self.plan or run_outdir.plan(config, explicit, self.out)
         # committed like the params: a jit output built from an uncommitted init would be committed after step 1
         # and recompile the step once more
-        self.opt_state = run_setup.place(jax.jit(self.optimizer.init)(self.params), self.mesh, self.params)
+        part = self.split()[0]  # AdamW state for the trainable part only
+        self.opt_state = run_setup.place(jax.jit(self.optimizer.init)(part), self.mesh, part)
         self.key = run_setup.place_key(jax.random.key(config.seed), self.mesh)
         self.step, self.data_position = 0, 0
         if self.plan.resuming:
@@ -53,6 +56,12 @@ class Trainer:
         self.start_step = self.step
         # opened by _start_writing, after the first step: until then the output directory is as it was
         self.checkpoints, self.log = None, None
+
+    def split(self):
+        """(the trainable part of self.params, the frozen part or None): `trainable.split` by --train/--trainable."""
+        if self.trains is None:
+            return self.params, None
+        return trainable.split(self.params, self.trains)
 
     def _start_writing(self) -> None:
         with _sigint_deferred():
@@ -70,9 +79,11 @@ class Trainer:
         batch, extra, captured = self.data.batch(self.model, self.params, self.key, self.step, self.data_position)
         sampled = time.perf_counter()
         fault_hooks.fire("step", self.step + 1)
-        self.params, self.opt_state, step_metrics = train_step(
-            self.model, self.params, self.opt_state, batch, self.optimizer, self.grpo, self.config.mode,
-            self.config.chunk_size, mesh=self.mesh, captured=captured, donate=True)
+        params, frozen = self.split()
+        params, self.opt_state, step_metrics = train_step(
+            self.model, params, self.opt_state, batch, self.optimizer, self.grpo, self.config.mode,
+            self.config.chunk_size, mesh=self.mesh, captured=captured, donate=True, frozen=frozen)
+        self.params = trainable.merge(params, frozen)
         step_metrics = distributed.to_host(step_metrics)
         done = time.perf_counter()
         self.step += 1
@@ -102,15 +113,19 @@ class Trainer:
                                               config.saved())
             wall = time.perf_counter() - wall
             self.checkpoints.close()
-            final = distributed.to_host(self.params) if config.export_hf else None  # a collective: all processes
+            # a collective: all processes
+            final = distributed.to_host(self.params) if config.export_hf or config.export_peft else None
             with distributed.agreed("finish", (RunError, OSError, ValueError)):
                 if distributed.is_primary():  # process 0 writes the plot and the export, and prints the summary
                     history = metrics.read_metrics(self.log.path)
                     metrics.plot_metrics(history, os.path.join(self.out, "metrics.png"),
                                          title=f"GRPO ({config.mode}) on {self.data.description}")
-                    if config.export_hf:
+                    if config.export_hf:  # merged weights (base + scale * B A) for a LoRA run
                         with run_outdir.replaced_dir(config.export_hf, config.force) as staging:
-                            models.save_hf(self.model, final, staging)
+                            models.save_hf(self.model, lora.merged(final), staging)
+                    if config.export_peft:
+                        with run_outdir.replaced_dir(config.export_peft, config.force, "--export-peft") as staging:
+                            lora.save_peft(self.model, final, staging)
                     print(run_log.summary(records, history, wall, self))
         except KeyboardInterrupt:
             return self.interrupted()

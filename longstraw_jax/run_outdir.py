@@ -273,15 +273,16 @@ def _plan_resume(config: RunConfig, explicit, out: str) -> OutPlan:
 
 
 def check_export(config: RunConfig, out: str) -> None:
-    """--export-hf: a new or empty directory, or any with --force; never one holding --out."""
-    if not config.export_hf:
-        return
-    path = check_dir_target(config.export_hf, "--export-hf")
-    if os.path.commonpath([path, out]) == path:
-        raise RunError(f"--export-hf {path}: holds --out {out}; choose another export directory")
-    if os.path.isdir(path) and os.listdir(path) and not config.force:
-        raise RunError(f"--export-hf {path}: exists and is not empty ({_listing(path)}); pass --force to replace it "
-                       "as a whole")
+    """--export-hf / --export-peft: a new or empty directory, or any with --force; never one holding --out."""
+    for option, target in (("--export-hf", config.export_hf), ("--export-peft", getattr(config, "export_peft", None))):
+        if not target:
+            continue
+        path = check_dir_target(target, option)
+        if os.path.commonpath([path, out]) == path:
+            raise RunError(f"{option} {path}: holds --out {out}; choose another export directory")
+        if os.path.isdir(path) and os.listdir(path) and not config.force:
+            raise RunError(f"{option} {path}: exists and is not empty ({_listing(path)}); pass --force to replace "
+                           "it as a whole")
 
 
 @contextlib.contextmanager

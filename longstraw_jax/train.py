@@ -61,12 +61,14 @@ def make_optimizer(learning_rate=1e-5, weight_decay: float = 0.0, max_grad_norm:
 
 def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.GradientTransformation,
                cfg: GRPOConfig = GRPOConfig(), mode: str = "exact", chunk_size: int = 2048, mesh=None,
-               captured=None, donate: bool = False):
+               captured=None, donate: bool = False, frozen=None):
     """One GRPO update on one group or on B groups side by side (a batch with a group axis): (params, opt_state,
     metrics). captured: the sampler's capture of the prompt(s) (`engine.grpo_grads`): the step does not capture
     again. donate: the step may reuse the buffers of `params` and `opt_state` for its results (they are deleted:
     use the returned ones), so that the update does not hold them twice (the trainer does; `tools/plan_capacity.py`
-    assumes it).
+    assumes it). frozen: parameters that are not trained (`trainable.split`; LoRA's base matrices): params and
+    opt_state are then the trainable part only (grads, AdamW moments and the update exist for it alone); frozen is
+    read, never donated or changed.
 
     metrics: the engine's metrics (reward_mean, clip_frac, kl, entropy, ...) plus "loss" (before the update),
     "grad_norm" (global norm of the raw, unclipped gradient) and "skipped" (1.0 when the loss or a gradient was
@@ -85,12 +87,13 @@ def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.Gra
     if mesh is None and captured is not None:
         check_captured(captured, batch, mode)
     step = _train_step_donated if donate else _train_step
-    return step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh, captured)
+    return step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh, captured, frozen)
 
 
-def _step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh=None, captured=None):
+def _step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh=None, captured=None, frozen=None):
     # train_step has checked mode and validated the batch (here it is traced: only its shapes could be checked)
-    extra = {name: value for name, value in (("mesh", mesh), ("captured", captured)) if value is not None}
+    extra = {name: value for name, value in (("mesh", mesh), ("captured", captured), ("frozen", frozen))
+             if value is not None}
     loss, grads, metrics = grpo_grads_unvalidated(model, params, batch, cfg, mode, chunk_size, **extra)
     finite = jnp.isfinite(loss)
     for g in jax.tree.leaves(grads):

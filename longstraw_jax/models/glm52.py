@@ -30,6 +30,7 @@ from flax import struct, traverse_util
 from longstraw_jax.models.base import CausalLM, Slot, check_config_fields, read_json_config, state_capacity
 from longstraw_jax.ops.dsa import select_topk
 from longstraw_jax.ops.dtypes import at_least_f32
+from longstraw_jax.ops.lora import materialize
 from longstraw_jax.ops.mla import sparse_latent_attention
 from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.moe import grouped_swiglu, route
@@ -450,7 +451,9 @@ def mla_attention(c: Glm52Config, p: dict, x, reader, layer, full, selected):
     cos, sin = _rope_tables(c, reader.positions, x.dtype)
     rows = jnp.concatenate([rms_norm(ckv[:, :lora], p["kv_a_norm"], LATENT_NORM_EPS),
                             apply_rope_interleaved(ckv[:, None, lora:], cos, sin)[:, 0]], axis=-1)
-    w_kv = p["kv_b_proj"].reshape(heads, nope + c.v_head_dim, lora)  # per head [W_UK (nope) | W_UV (v)]
+    # per head [W_UK (nope) | W_UV (v)]; an adapted kv_b_proj is merged here (one layer, transient: it is reshaped
+    # per head, not applied as a linear)
+    w_kv = materialize(p["kv_b_proj"]).reshape(heads, nope + c.v_head_dim, lora)
     q_abs = jnp.concatenate([jnp.einsum("thn,hnr->thr", q[..., :nope], w_kv[:, :nope]),
                              apply_rope_interleaved(q[..., nope:], cos, sin)], axis=-1)
     index_key = None

@@ -1,11 +1,12 @@
 """Dense projections in the transformers weight orientation, and the SwiGLU MLP both model families use."""
 import jax
-import jax.numpy as jnp
+
+from longstraw_jax.ops import lora
 
 
-def linear(x: jax.Array, w: jax.Array, precision=None) -> jax.Array:
-    """x [..., in] @ w[out, in].T -> [..., out]"""
-    return jnp.einsum("...i,oi->...o", x, w, precision=precision)
+def linear(x: jax.Array, w, precision=None) -> jax.Array:
+    """x [..., in] @ w[out, in].T -> [..., out]; w may be a `ops.lora.LoRA` node (low-rank path added, never merged)."""
+    return lora.linear(x, w, precision)
 
 
 def swiglu(p: dict, x: jax.Array) -> jax.Array:

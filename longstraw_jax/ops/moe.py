@@ -16,6 +16,7 @@ compiles it, so its sizes stand for the GPU's grouped GEMM rather than for CPU's
 import jax
 import jax.numpy as jnp
 
+from longstraw_jax.ops import lora
 from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -120,28 +121,30 @@ def _grouped_scan_bwd(residuals, d_out):
 _grouped_scan.defvjp(lambda lhs, rhs, sizes: (_grouped_scan(lhs, rhs, sizes), (lhs, rhs, sizes)), _grouped_scan_bwd)
 
 
-def _grouped(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """The backend's grouped matmul (module docstring): `ragged_dot` on GPU/TPU, one expert at a time on CPU."""
-    return (_grouped_scan if jax.default_backend() == "cpu" else _grouped_ragged)(lhs, rhs, group_sizes)
+def _grouped(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Array:
+    """The backend's grouped matmul (module docstring): `ragged_dot` on GPU/TPU, one expert at a time on CPU. rhs may
+    be a `ops.lora.LoRA` node over the expert stack (per-expert adapters: three grouped matmuls, never merged)."""
+    return lora.grouped(_grouped_scan if jax.default_backend() == "cpu" else _grouped_ragged, lhs, rhs, group_sizes)
 
 
 def grouped_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
                    down_proj: jax.Array) -> jax.Array:
     """sum_j weights[t, j] * Expert_{experts[t, j]}(x[t]), Expert_e(u) = down_e(silu(gate_e(u)) * up_e(u)).
 
-    x [T, D]; experts int [T, Ek]; weights [T, Ek]; gate_proj, up_proj [E, I, D]; down_proj [E, D, I]. Returns
-    [T, D] in x.dtype. Work is proportional to the M = T * Ek rows (on backends with a grouped `ragged_dot`), never
-    T * E. An id >= E means "not one of these experts" (expert parallelism: another device's): such rows sort last,
-    belong to no group and contribute nothing.
+    x [T, D]; experts int [T, Ek]; weights [T, Ek]; gate_proj, up_proj [E, I, D]; down_proj [E, D, I] (each may be
+    a LoRA node with per-expert adapters). Returns [T, D] in x.dtype. Work is proportional to the M = T * Ek rows
+    (on backends with a grouped `ragged_dot`), never T * E. An id >= E means "not one of these experts" (expert
+    parallelism: another device's): such rows sort last, belong to no group and contribute nothing.
     """
     num_tokens, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
     token = order // k
-    sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)  # ids >= E are counted nowhere
+    num_experts = lora.shape_of(gate_proj)[0]
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # ids >= E are counted nowhere
     rows = x[token]  # [M, D]
     gate, up = (_grouped(rows, w, sizes).astype(x.dtype) for w in (gate_proj, up_proj))
     out = _grouped(jax.nn.silu(gate) * up, down_proj, sizes).astype(x.dtype)
-    weights = jnp.where(flat < gate_proj.shape[0], weights.reshape(-1), 0)[order]  # float32; 0 for rows of no group
+    weights = jnp.where(flat < num_experts, weights.reshape(-1), 0)[order]  # float32; 0 for rows of no group
     out = (at_least_f32(out) * weights[:, None]).astype(x.dtype)
     return jnp.zeros((num_tokens, x.shape[-1]), x.dtype).at[token].add(out)

@@ -31,11 +31,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from longstraw_jax import layerwise
+from longstraw_jax import layerwise, trainable
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.dsa import merge_candidates, topk_over_keys
 from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attention_partial
+from longstraw_jax.ops.lora import shape_of
 from longstraw_jax.ops.moe import grouped_swiglu
 from longstraw_jax.ops.norms import rms_norm
 from longstraw_jax.sharding import rules, sequence
@@ -74,7 +75,7 @@ class _Layers(NamedTuple):
         """The layer's routed experts: this device's E / n (expert-parallel) or, when n does not divide E, all of
         them (gathered like any weight)."""
         weights_of = (p["experts_gate"], p["experts_up"], p["experts_down"])
-        if p["experts_gate"].shape[0] == p["router"].shape[0]:
+        if shape_of(p["experts_gate"])[0] == shape_of(p["router"])[0]:
             return grouped_swiglu(x, experts, weights, *weights_of)
         return routed_swiglu(x, experts, weights, *weights_of)
 
@@ -353,6 +354,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, sta
     the final cache; their cotangent is the round's slots of the running cotangent; the cotangent of its cache
     reads (earlier rounds' rows) is added into the running cotangent. Indexer keys carry no gradient."""
     specs = param_specs(params, mesh)
+    grad_specs = param_specs(grads, mesh)  # the trainable part's (grads has its structure: trainable.py)
     place = lambda tree, spec_tree: rules.constrain(tree, spec_tree, mesh)
 
     def one_round(carry, layout, index):
@@ -360,13 +362,18 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, sta
         tokens, h = _embedded_round(params, mesh, rounds, stored_tokens, index, layout.per_shard)
         entries = lambda layers, h, kv: round_entries(model, mesh, rounds, layout, specs["layers"], layers, h, kv,
                                                       state.index_keys, index)[0]
-        rows, vjp = jax.vjp(entries, params["layers"], h, state.kv)
+        # with respect to the trainable layer leaves only (the structure of grads["layers"])
+        rows, vjp = trainable.vjp(entries, params["layers"], grads["layers"], h, state.kv)
         rows_cot = sequence.round_slots(mesh, rounds, kv_cot, index, layout.per_shard, 1)
         d_layers, dh, d_kv = vjp(rows_cot.astype(rows.dtype))
-        layers = place(jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads["layers"], d_layers), specs["layers"])
-        embed = place(grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)), specs["embed"])
+        layers = place(jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads["layers"], d_layers),
+                       grad_specs["layers"])
+        grads = dict(grads, layers=layers)
+        if grads["embed"] is not None:  # a trained embedding
+            grads = dict(grads, embed=place(grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)),
+                                            specs["embed"]))
         kv_cot = rules.constrain(kv_cot + d_kv.astype(kv_cot.dtype), _ROWS, mesh)
-        return dict(grads, layers=layers, embed=embed), kv_cot
+        return grads, kv_cot
 
     return sequence.each_round(rounds, (grads, at_least_f32(state_cot.kv)), one_round, reverse=True)[0]
 

@@ -52,19 +52,21 @@ def check_groups(num_groups: int, mesh) -> None:
                          f"groups per step (--groups-per-step) must be a multiple of {data}")
 
 
-def over_data(mesh, fn, params, per_group, summed=True):
+def over_data(mesh, fn, params, per_group, summed=True, like=None):
     """fn(params, local) with `local` one data slice's groups of `per_group` (leaves [B/D, ...]).
 
     summed=True: fn returns (loss, grads, sums), each summed over its slice's groups (grads float32 like params);
     the result is summed over all groups, grads sharded like the parameters at rest. summed=False: fn returns a
     pytree of per-group outputs (leading axis [B/D]); the result has them for all B groups ([B, ...], split over
-    `data`). With one data slice, fn(params, per_group) directly.
+    `data`). With one data slice, fn(params, per_group) directly. like: the structure and global shapes of the
+    gradients when they are not params' (the trainable part, with holes: `trainable.py`).
     """
     check_groups(jax.tree.leaves(per_group)[0].shape[0], mesh)
     if mesh.shape[DATA] == 1:
         return fn(params, per_group)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     boundary = region_specs(params, mesh)
+    grads_boundary = boundary if like is None else region_specs(like, mesh)
 
     def body(params, local):
         with rules.global_param_shapes(shapes):
@@ -73,10 +75,10 @@ def over_data(mesh, fn, params, per_group, summed=True):
             return out
         loss, grads, sums = out
         total = lambda x: jax.lax.psum(x, DATA)
-        grads = jax.tree.map(lambda s, g: g if _split(s) else total(g), boundary, grads,
+        grads = jax.tree.map(lambda s, g: g if _split(s) else total(g), grads_boundary, grads,
                              is_leaf=lambda s: isinstance(s, P))
         return total(loss), grads, jax.tree.map(total, sums)
 
-    out_specs = (P(), boundary, P()) if summed else P(DATA)
+    out_specs = (P(), grads_boundary, P()) if summed else P(DATA)
     return jax.shard_map(body, mesh=mesh, in_specs=(boundary, P(DATA)), out_specs=out_specs, axis_names={DATA},
                          check_vma=False)(params, per_group)

@@ -33,41 +33,48 @@ from longstraw_jax.sharding import groups as groups_lib
 from longstraw_jax.sharding.api import round_layout
 from longstraw_jax.sharding.layout import RoundLayout
 from longstraw_jax.sharding.rules import constrain, param_specs, prompt_state_specs
+from longstraw_jax.trainable import merge, split_like
 
 
 def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, round_len: int | None = None,
-               attention: str = "ring", captured=None):
+               attention: str = "ring", captured=None, frozen=None):
     """(loss, grads, metrics) as `engine.grpo_grads`, on `mesh`; grads are sharded like `rules.param_specs`.
     The batch must already be validated (engine.grpo_grads does it). The prompt is captured (and, in exact mode,
     backpropagated) in rounds of about `round_len` positions (None: one round). captured: the mesh sampler's
-    `ShardedCaptured` of prompt[:-1] (with the batch's group axis when it has one), used instead of a capture."""
+    `ShardedCaptured` of prompt[:-1] (with the batch's group axis when it has one), used instead of a capture.
+    frozen: the parameters not trained (`trainable.py`); grads are then shaped like params, the trainable part."""
     if batch.num_groups is not None:
         groups_lib.check_groups(batch.num_groups, mesh)
     layout = round_layout(model, batch.prompt.shape[-1] - 1, mesh.shape["seq"], round_len)
-    return _grpo_grads(model, params, batch, cfg, mode, mesh, layout, attention, captured)
+    return _grpo_grads(model, params, batch, cfg, mode, mesh, layout, attention, captured, frozen)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7))
 def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, layout: RoundLayout,
-                attention: str, captured):
+                attention: str, captured, frozen=None):
+    trainable, params = params, merge(params, frozen)
+    # the gradients' structure (the trainable part, holes allowed) and global shapes
+    template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), trainable)
     grouped = batch.as_groups()
     if captured is not None and batch.num_groups is None:
         captured = jax.tree.map(lambda x: x[None], captured)
     per_group = (grouped, token_weights(grouped.mask, cfg), batch_advantages(grouped.rewards, cfg), captured,
                  jnp.arange(grouped.num_groups, dtype=jnp.int32))
-    slice_grads = functools.partial(_slice_grads, model, cfg, mode, mesh, layout, attention)
+    slice_grads = functools.partial(_slice_grads, model, cfg, mode, mesh, layout, attention, template)
     if batch.num_groups is None:  # one group on the whole mesh
         loss, grads, sums = slice_grads(params, per_group)
     else:
-        loss, grads, sums = groups_lib.over_data(mesh, slice_grads, params, per_group)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    grads = constrain(grads, param_specs(params, mesh), mesh)
+        loss, grads, sums = groups_lib.over_data(mesh, slice_grads, params, per_group, like=template)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
+    grads = constrain(grads, param_specs(trainable, mesh), mesh)
     return loss, grads, finalize_metrics(sums, grouped.rewards, grouped.mask)
 
 
-def _slice_grads(model, cfg, mode, mesh, layout, attention, params, local):
-    """One data slice's groups (leaves [B/D, ...]) one after another -> (loss, float32 grads, metric sums)."""
-    specs = param_specs(params, mesh)
+def _slice_grads(model, cfg, mode, mesh, layout, attention, template, params, local):
+    """One data slice's groups (leaves [B/D, ...]) one after another -> (loss, float32 grads shaped like `template`
+    (the trainable part), metric sums)."""
+    trainable = split_like(params, template)[0]  # this slice's pieces of the trainable leaves
+    specs = param_specs(trainable, mesh)
     like_params = lambda tree: constrain(tree, specs, mesh)
 
     def one_group(grads, xs):
@@ -76,7 +83,7 @@ def _slice_grads(model, cfg, mode, mesh, layout, attention, params, local):
         return _group_grads(model, params, group, cfg, mode, mesh, layout, attention, weights, advantages, captured,
                             grads, like_params)
 
-    return scan_groups(one_group, like_params(zeros_f32(params)), local)
+    return scan_groups(one_group, like_params(zeros_f32(trainable)), local)
 
 
 def _group_grads(model, params, batch, cfg, mode, mesh, layout, attention, weights, advantages, captured, grads,

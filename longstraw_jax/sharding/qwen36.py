@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from einops import rearrange
 from jax.sharding import PartitionSpec as P
 
-from longstraw_jax import layerwise
+from longstraw_jax import layerwise, trainable
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
@@ -398,6 +398,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
     slice_specs = block_slice_specs(block_specs)
     blocks = model.block_params(params)
     per = boundaries_per_shard(rounds)
+    grad_specs = param_specs(grads, mesh)  # the trainable part's (grads has its structure: trainable.py)
 
     place = lambda tree, spec_tree: rules.constrain(tree, spec_tree, mesh)
 
@@ -430,15 +431,16 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
 
         def backward(carry, b):
             dh, grads_blocks, keys_cot, values_cot, conv_cot, rec_cot = carry
-            primals = (at(blocks, b), inputs[b], *state_of(b))
-            outputs, vjp = jax.vjp(functools.partial(block, layout, index), *primals)
+            # with respect to the block's trainable leaves only (the structure of grads_blocks)
+            outputs, vjp = trainable.vjp(functools.partial(block, layout, index), at(blocks, b), grads_blocks,
+                                         inputs[b], *state_of(b))
             entries_cot = (conv_cot[b], rec_cot[b], read_round(keys_cot[b], index, size, 1),
                            read_round(values_cot[b], index, size, 1))
             cot = (dh,) + tuple(c.astype(o.dtype) for c, o in zip(entries_cot, outputs[1:]))
             d_bp, dh, d_conv, d_rec, d_keys, d_values = vjp(cot)
             # the constraints keep the carried accumulators sharded (FSDP / seq) through the scan
             grads_blocks = place(jax.tree.map(lambda g, d: g.at[b].add(d.astype(g.dtype)), grads_blocks, d_bp),
-                                 block_specs)
+                                 model.block_params(grad_specs))
             keys_cot = place(keys_cot.at[b].add(d_keys[0].astype(keys_cot.dtype)), _KV)
             values_cot = place(values_cot.at[b].add(d_values[0].astype(values_cot.dtype)), _KV)
             conv_cot = conv_cot.at[b].set(d_conv[0].astype(conv_cot.dtype))
@@ -447,8 +449,11 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
 
         carry = (jnp.zeros_like(h0), model.block_params(grads), keys_cot, values_cot, conv_cot, rec_cot)
         (dh, grads_blocks, *cots), _ = jax.lax.scan(backward, carry, jnp.arange(model.num_blocks), reverse=True)
-        embed = place(grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)), specs["embed"])
-        return (dict(model.with_block_params(grads, grads_blocks), embed=embed), *cots)
+        grads = model.with_block_params(grads, grads_blocks)
+        if grads["embed"] is not None:  # a trained embedding
+            grads = dict(grads, embed=place(grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)),
+                                            specs["embed"]))
+        return (grads, *cots)
 
     f32 = at_least_f32  # float32 (float64 for a float64 model)
     carry = (grads, f32(state_cot.keys), f32(state_cot.values), f32(state_cot.conv), f32(state_cot.recurrent))

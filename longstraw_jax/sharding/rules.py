@@ -26,6 +26,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from longstraw_jax.ops.lora import LoRA, is_lora
+from longstraw_jax.trainable import split_like
+
 FSDP = ("data", "seq")  # parameter shards: the whole mesh
 # prompt-state field -> its position axis: Qwen3.6 KV caches [nb, nf, P, Hkv, hd]; GLM-5.x latent rows [layers, P, Dk]
 # and indexer keys [F, P, Di]
@@ -54,20 +57,48 @@ def fsdp_dim(shape: tuple, skip: int, devices: int) -> int | None:
 EXPERT_LEAVES = ("experts_gate", "experts_up", "experts_down")
 
 
+def _split_dim(shape: tuple, skip: int, devices: int, expert: bool) -> int | None:
+    """The dimension a parameter leaf is split along: a routed-expert weight's expert axis when the devices divide
+    it, else FSDP's choice (`fsdp_dim`)."""
+    if expert and devices > 1 and len(shape) > skip and shape[skip] % devices == 0:
+        return skip
+    return fsdp_dim(shape, skip, devices)
+
+
 def _leaf_spec(shape: tuple, skip: int, devices: int, expert: bool = False) -> P:
-    dim = skip if expert and devices > 1 and len(shape) > skip and shape[skip] % devices == 0 else \
-        fsdp_dim(shape, skip, devices)
-    return P() if dim is None else P(*([None] * dim + [FSDP]))
+    return _split_at(_split_dim(shape, skip, devices, expert))
 
 
-def _name(path: tuple):
-    return getattr(path[-1], "key", None) if path else None
+def _is_expert(path: tuple) -> bool:
+    """A routed-expert weight, or a part (base, a, b) of a LoRA node over one."""
+    return any(getattr(k, "key", None) in EXPERT_LEAVES for k in path[-2:])
 
 
 def expert_parallel(path: tuple, spec: P, skip: int) -> bool:
-    """Whether the leaf at `path` with `spec` is a routed-expert weight split by expert index (its first unstacked
-    dimension, after `skip` stacked ones)."""
-    return _name(path) in EXPERT_LEAVES and len(spec) > skip and spec[skip] is not None
+    """Whether the leaf at `path` with `spec` is a routed-expert weight (or its adapter) split by expert index (its
+    first unstacked dimension, after `skip` stacked ones)."""
+    return _is_expert(path) and len(spec) > skip and spec[skip] is not None
+
+
+def _split_at(dim: int | None) -> P:
+    return P() if dim is None else P(*([None] * dim + [FSDP]))
+
+
+def _lora_specs(node: LoRA, skip: int, devices: int, expert: bool = False) -> LoRA:
+    """Specs of a LoRA node consistent with its base matrix [..., out, in]: the base by the FSDP rule; when that
+    splits a leading (expert) axis, a [..., r, in] and b [..., out, r] are split there too (each device holds its
+    experts' adapters); otherwise a along `in` and b along `out` when the device count divides them (the rank axis
+    is never split)."""
+    shape = node.shape
+    n, dim = len(shape), _split_dim(shape, skip, devices, expert)
+    if dim is not None and dim < n - 2:
+        a_dim = b_dim = dim
+    else:
+        a_dim = n - 1 if devices > 1 and shape[-1] % devices == 0 else None
+        b_dim = n - 2 if devices > 1 and shape[-2] % devices == 0 else None
+    hole = lambda x, spec: None if x is None else spec
+    return LoRA(hole(node.base, _split_at(dim)), hole(node.a, _split_at(a_dim)), hole(node.b, _split_at(b_dim)),
+                node.scale)
 
 
 _GLOBAL_PARAMS = contextvars.ContextVar("longstraw_global_params", default=None)
@@ -85,14 +116,29 @@ def global_param_shapes(params):
 
 
 def param_specs(params, mesh: Mesh, stacked: Callable[[tuple], int] = stacked_dims):
-    """PartitionSpec per parameter leaf (same tree as params; works on arrays or `jax.ShapeDtypeStruct`s). Inside a
-    data-manual region, computed from the registered global shapes (`global_param_shapes`)."""
+    """PartitionSpec per parameter leaf (same tree as params; works on arrays or `jax.ShapeDtypeStruct`s, and on a
+    trainable or frozen part with holes, `trainable.split`). LoRA adapters are split consistently with their base
+    matrix (`_lora_specs`). Inside a data-manual region, computed from the registered global shapes
+    (`global_param_shapes`; also for a part of the registered tree)."""
     registered = _GLOBAL_PARAMS.get()
-    if registered is not None and jax.tree.structure(registered) == jax.tree.structure(params):
-        params = registered
+    if registered is not None:
+        if jax.tree.structure(registered) == jax.tree.structure(params):
+            params = registered
+        else:
+            try:  # a part (with holes) of the registered tree
+                part = split_like(registered, params)[0]
+            except (ValueError, TypeError):
+                part = None
+            if part is not None and jax.tree.structure(part) == jax.tree.structure(params):
+                params = part
     devices = mesh.size
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: _leaf_spec(x.shape, stacked(path), devices, _name(path) in EXPERT_LEAVES), params)
+
+    def spec(path, x):
+        if is_lora(x):
+            return _lora_specs(x, stacked(path), devices, _is_expert(path))
+        return _leaf_spec(x.shape, stacked(path), devices, _is_expert(path))
+
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=is_lora)
 
 
 def like_params_specs(tree, params, specs):
