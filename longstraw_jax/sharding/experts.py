@@ -30,10 +30,11 @@ from longstraw_jax.sharding.rules import FSDP
 
 def routed_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
                   down_proj: jax.Array, axes=FSDP) -> jax.Array:
-    """Inside `shard_map` over `axes`: this device's tokens x [T, D] with their routing (experts int [T, k] global ids,
-    weights float32 [T, k]) through the experts of all devices; gate_proj, up_proj [E / n, I, D] and down_proj
-    [E / n, D, I] (or LoRA nodes over them, with their experts' adapters) are this device's experts e in [i * E / n, (i + 1) * E / n), i = its index along `axes`. -> [T, D]
-    in x.dtype, the same as `grouped_swiglu` with all E experts on one device."""
+    """Inside `shard_map` over `axes`: this device's tokens x [T, D] with their routing (experts int [T, k] global
+    ids, weights float32 [T, k]) through the experts of all devices. gate_proj, up_proj [E / n, I, D] and down_proj
+    [E / n, D, I] (or LoRA nodes over them, with their experts' adapters) are this device's experts e in
+    [i * E / n, (i + 1) * E / n), i = its index along `axes`. -> [T, D] in x.dtype, the same as `grouped_swiglu`
+    with all E experts on one device."""
     local = shape_of(gate_proj)[0]
     first = jax.lax.axis_index(axes) * local
     everyone = lambda a: jax.lax.all_gather(a, axes, tiled=True)

@@ -35,8 +35,8 @@ from longstraw_jax import layerwise, trainable
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.dsa import merge_candidates, topk_over_keys
 from longstraw_jax.ops.dtypes import at_least_f32
-from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attention_partial
 from longstraw_jax.ops.lora import shape_of
+from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attention_partial
 from longstraw_jax.ops.moe import grouped_swiglu
 from longstraw_jax.ops.norms import rms_norm
 from longstraw_jax.sharding import rules, sequence
