@@ -118,44 +118,30 @@ def test_resume_equals_uninterrupted(full_run, tmp_path):
            [{k: v for k, v in r.items() if k not in drop} for r in read(full_run)]
 
 
-def test_mesh_run_and_resume_match_one_device(tmp_path):
-    """--mesh 1x8: FSDP-sharded params and optimizer state, sequence-parallel sampling and grpo_grads; 2 steps, then
-    --resume to 3 (restoring onto the shardings) gives the one-device run's rewards, losses and grad norms.
+def test_mesh_run_with_groups_and_resume_match_one_device(tmp_path):
+    """--mesh 2x4 -B 2: FSDP-sharded params and optimizer state; each data slice samples and updates one of the two
+    groups, sequence-parallel over its 4 devices; 2 steps, then --resume to 3 (restoring onto the shardings) gives
+    the one-device run's rewards, losses and grad norms (the same two groups per step).
 
     Both at --lr 1e-5: AdamW's first steps move every parameter by about lr whatever the size of its gradient, so at
     the default 3e-3 round-off in a near-zero gradient (the mesh sampler sums the old log-probs in another order,
     ~1e-6) becomes a full-size difference by step 3 (measured up to 1.7% in the grad norm); at 1e-5 the two runs stay
     comparable at rtol 1e-4."""
-    slow = SMALL + ["--lr", "1e-5"]
+    slow = SMALL + ["--lr", "1e-5", "-B", "2"]
     single, out = str(tmp_path / "one"), str(tmp_path / "mesh")
     assert run.main(slow + ["--steps", "3", "--out", single]) == 0
-    assert run.main(slow + ["--steps", "2", "--out", out, "--mesh", "1x8"]) == 0
+    assert run.main(slow + ["--steps", "2", "--out", out, "--mesh", "2x4"]) == 0
     assert run.main(["--out", out, "--resume", "--steps", "3"]) == 0
     read = lambda d: [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
     sharded, reference = read(out), read(single)
     assert [r["step"] for r in sharded] == [1, 2, 3]
+    assert sharded[0]["groups"] == reference[0]["groups"] == 2 and sharded[0]["prompt_tokens"] == 2 * 48
     for got, want in zip(sharded, reference):
         assert got["reward_mean"] == want["reward_mean"]
         np.testing.assert_allclose([got["loss"], got["grad_norm"]], [want["loss"], want["grad_norm"]], rtol=1e-4,
                                    atol=1e-6)
     params, _, _ = restore(out)
     np.testing.assert_allclose(params["embed"], restore(single)[0]["embed"], rtol=1e-4, atol=1e-5)
-
-
-def test_groups_side_by_side_match_one_device(tmp_path):
-    """-B 2: two groups (prompts) per step. On --mesh 2x4 each data slice runs one of them, sequence-parallel over its
-    4 devices: rewards, losses and grad norms equal the one-device run of the same two groups."""
-    read = lambda d: [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
-    records = {}
-    for name, extra in (("one", []), ("mesh", ["--mesh", "2x4"])):
-        out = str(tmp_path / name)
-        assert run.main(SMALL + ["--steps", "1", "--save-every", "1", "--out", out, "-B", "2"] + extra) == 0
-        records[name] = read(out)
-    got, want = records["mesh"][0], records["one"][0]
-    assert got["groups"] == want["groups"] == 2 and got["prompt_tokens"] == 2 * 48
-    assert got["reward_mean"] == want["reward_mean"]
-    np.testing.assert_allclose([got["loss"], got["grad_norm"]], [want["loss"], want["grad_norm"]], rtol=1e-4,
-                               atol=1e-6)
 
 
 def write(path, text):
