@@ -5,6 +5,17 @@
     .venv/bin/python tools/plan_capacity.py --config configs/qwen3.6-27b.json --mesh 4x8 -P 2.1M --groups-per-step 4
     .venv/bin/python tools/plan_capacity.py --config configs/qwen3.6-27b.json --mesh 1x8 -G 8 --search --device-gb 96
 
+    .venv/bin/python tools/plan_capacity.py --config configs/glm-5.2.json --mesh 4x8 -P 2.1M -G 2,8 --train lora \
+        --lora-rank 64 --json glm_lora.json
+
+`--train lora` (`--lora-rank`, default 64; `--lora-alpha`; `--lora-targets`, default all: attention projections,
+dense MLPs, shared and routed experts) sizes the trainer's `--train lora`: the adapters are added abstractly
+(`jax.eval_shape` over `lora.add_adapters`), the tree is split as `run_loop.Trainer` splits it
+(`trainable.split(params, trainable.adapter_leaf)`), and the update compiles `train_step(..., frozen=base)`: params
+= frozen base + adapters (sampling holds both), optimizer and grads = the adapters' only. Routed experts and their
+adapters are expert-parallel when the device count divides the experts (`rules.param_specs`), which the compiled
+programs see and `largest_layer_bytes` (the decode's gathered layer) follows.
+
 A trainer step has two phases; the planner sizes each per device and reports the step's peak = the larger one.
 
 **Update phase.** For each (mode, G, P) it AOT-compiles the trainer's update (`train._train_step`: sharded
@@ -38,7 +49,8 @@ captured state plus a small replicated *tail*. Per device:
     tail         B/data x (the decode tail, replicated: `init_state(R)` = the R response positions' KV / latent
                  rows and indexer keys, plus the GDN conv/recurrent state being advanced; plus the carried part
                  saved after prompt[-1], restored for each branch)
-    decode       one decode step's transient: one layer all-gathered whole (the largest), the embedding table
+    decode       one decode step's transient: one layer all-gathered (the largest; expert-parallel routed experts
+                 stay this device's shard), the embedding table
                  all-gathered whole (as XLA:CPU does for the capture's token lookup: an upper bound), and per group
                  4 float32 rows of [vocab] (logits, sampling logits, two log-softmaxes); one token's activations
                  are negligible
