@@ -556,9 +556,10 @@ def table_train(args, geo) -> tuple[Table, list[dict]]:
                   f"{r['loss']:.6g}" if "loss" in r else "—")
     if "naive" in args.modes:
         t.notes.append("naive has no trainer update (train_step runs exact / detached): left out.")
-    any_r = next(iter(results.values()), None)
-    if any_r:
-        t.notes.append(f"params {any_r['params'] / 1e6:.3f}M (LoRA: base + adapters); compiled total = "
+    counts = {kind: r["params"] for (_, kind), r in results.items()}
+    if counts:
+        t.notes.append(", ".join(f"{kind} {n / 1e6:.3f}M params" for kind, n in sorted(counts.items()))
+                       + " (LoRA: frozen base + adapters); compiled total = "
                        "memory_analysis() argument + output + temp - donated aliases: full holds params, fp32 grads "
                        "and two AdamW moments of every parameter; LoRA the frozen base plus those of the adapters.")
     return t, list(results.values())
