@@ -41,7 +41,7 @@ def _plan(*args):
 
 
 def _rows(stdout: str, title: str, mode: str) -> list[list[str]]:
-    """The rows of one of the planner's three tables (after the line `title`) that start with `mode`."""
+    """The rows of one of the planner's three tables (after the line `title`) of `mode` (the column after train)."""
     lines = stdout.splitlines()
     start = lines.index(title)
     block = []
@@ -49,7 +49,7 @@ def _rows(stdout: str, title: str, mode: str) -> list[list[str]]:
         if not line.strip():
             break
         block.append(line.split())
-    return [row for row in block if row[0] == mode]
+    return [row for row in block if row[1] == mode]
 
 
 def test_plan_capacity_prints_per_device_components(tmp_path):
@@ -61,7 +61,7 @@ def test_plan_capacity_prints_per_device_components(tmp_path):
                    "--unit", "MiB", "--groups-per-step", "4", "--json", str(tmp_path / "plan.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     (update,) = _rows(result.stdout, "Update phase", "detached")
-    params, optimizer, grads, state, cotangent, rest, others, total = map(float, update[4:12])
+    params, optimizer, grads, state, cotangent, rest, others, total = map(float, update[5:13])
     plan = json.loads((tmp_path / "plan.json").read_text())  # --json: the same rows in bytes, with "fits"
     assert plan["setup"]["mesh"] == "2x4" and plan["setup"]["groups_per_step"] == 4 and len(plan["rows"]) == 1
     (cell,) = plan["rows"]
@@ -78,17 +78,18 @@ def test_plan_capacity_prints_per_device_components(tmp_path):
     assert sampling["tail"] > 0 and sampling["capture"] > 0 and sampling["decode"] > 0
     assert cell["peak"] == max(sampling["total"], cell["update"]["total"])
     (step,) = _rows(result.stdout, "Step (per device)", "detached")
-    assert step[-1] == "no" and step[7] == cell["peak_phase"] and abs(float(step[6]) - cell["peak"] / 2**20) <= 0.005
+    assert step[0] == "full" and cell["train"] == "full" and plan["setup"]["train"] == "full"
+    assert step[-1] == "no" and step[8] == cell["peak_phase"] and abs(float(step[7]) - cell["peak"] / 2**20) <= 0.005
     glm = _plan("--config", "configs/glm-5.2-tiny.json", "--mesh", "1x8", "-P", "200", "-G", "2", "-R", "4",
                 "--modes", "exact", "--dtype", "float32", "--chunk", "64", "--unit", "MiB")
     assert glm.returncode == 0, glm.stderr[-3000:]
     (update,) = _rows(glm.stdout, "Update phase", "exact")
-    params, optimizer, grads, state, cotangent, rest, others, total = map(float, update[4:12])
+    params, optimizer, grads, state, cotangent, rest, others, total = map(float, update[5:13])
     # float32 state: its float32 cotangent is the same size; the latent rows and indexer keys are split 8 ways
     assert state > 0 and cotangent == state and total >= params + optimizer + grads + state + cotangent
     assert others == 0  # B defaults to the data size (1): one group per slice
     (sampling,) = _rows(glm.stdout, "Sampling phase", "exact")
-    assert float(sampling[6]) == state and float(sampling[7]) == 0  # GLM keeps nothing else from its capture
+    assert float(sampling[7]) == state and float(sampling[8]) == 0  # GLM keeps nothing else from its capture
 
 
 def test_plan_capacity_groups_per_step_must_divide_over_data():
@@ -139,6 +140,21 @@ def test_planner_phases():
         assert r16["update"][name] == b2["update"][name], name
     # what does grow: the [G, R] response tensors and one branch's replay activations (O(R); +2.9% measured here)
     assert 0 < r16["update"]["total"] - b2["update"]["total"] <= 0.1 * b2["update"]["total"]
+
+
+def test_planner_lora_sizes_adapters_and_expert_parallel_layers():
+    """No compile: --train lora (tiny GLM-5.2, 1x8) holds base + adapters but float32 grads and AdamW moments for
+    the adapters only; with 8 experts on 8 devices the decode's gathered layer keeps each device's expert local."""
+    plan = _tool("plan_capacity")
+    cfg, devices = os.path.join(ROOT, "configs", "glm-5.2-tiny.json"), jax.devices()[:8]
+    full = plan.Planner(cfg, "1x8", "float32", 4, 64, devices=devices)
+    lora = plan.Planner(cfg, "1x8", "float32", 4, 64, devices=devices, train_mode="lora", lora_rank=4)
+    f, a = full.components(200, "exact"), lora.components(200, "exact")
+    assert lora.num_trainable == lora.num_params - full.num_params > 0 and full.num_trainable == full.num_params
+    assert a["params"] > f["params"] and 0 < a["grads"] < f["grads"] / 2 and a["state"] == f["state"]
+    assert abs(a["optimizer"] - 2 * a["grads"]) <= 64  # two float32 moments (+ step counts)
+    whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), full.params)
+    assert full.layer_bytes < plan.largest_layer_bytes(whole)
 
 
 def test_planner_sampling_matches_the_compiled_sampler():

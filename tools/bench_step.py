@@ -5,6 +5,12 @@
     .venv/bin/python tools/bench_step.py --sweep --sweep-g 1,4,16     # + Table 2: compiled memory over G x P
     .venv/bin/python tools/bench_step.py --sweep --sweep-time --markdown
     .venv/bin/python tools/bench_step.py --config tiny-glm --quick     # the tiny GLM-5.x (MLA + DSA + MoE)
+    .venv/bin/python tools/bench_step.py --config tiny-glm --train lora --modes detached,exact   # LoRA vs full
+
+`--train lora` makes Table 1 the trainer's whole update (`train._step`: grads + clipping + AdamW, trainable params
+and optimizer state donated) for full-parameter training and for LoRA (`--lora-rank`, `--lora-alpha`,
+`--lora-targets`, adapters on a frozen base as `--train lora` trains them), per engine mode, each in its own child,
+with ratios LoRA / full of compiled memory and median step time.
 
 Table 1 ("modes") runs each mode in its own child process (this script with a hidden `--one` flag, one JSON line
 per result) so that the peak RSS (getrusage ru_maxrss) belongs to that mode alone. Compiled memory is
@@ -152,6 +158,13 @@ def child_main(spec_json: str) -> None:
         batch_np = _make_batch(cfg_model.vocab_size, p, r, g, spec.get("seed", 0))
         validate_batch(batch_np, cfg_model.vocab_size)
         batch_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch_np)
+        if job.get("train"):
+            out = _train_cell(job, model, dtype, key, batch_np, batch_abs, grpo_cfg)
+            out.update(jax=jax.__version__, lib=lib_file, lib_digest=lib_digest, backend=jax.default_backend(),
+                       device=jax.devices()[0].device_kind,
+                       ru_maxrss_kib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+            print(PREFIX + json.dumps(out), flush=True)
+            continue
         rss_base = _proc_status_kib("VmRSS")
         t0 = time.perf_counter()
         lowered = _lowerable(mode)(model, params_abs, batch_abs, grpo_cfg, chunk)
@@ -202,6 +215,53 @@ def child_main(spec_json: str) -> None:
             break  # the jobs are in increasing G: larger ones only cost more
 
 
+def _train_cell(job, model, dtype, key, batch_np, batch_abs, grpo_cfg) -> dict:
+    """One whole trainer update (`train._step`: grpo_grads + clipping + AdamW, trainable params and optimizer state
+    donated, as the trainer runs it) for job["train"]: "full" (every parameter trains) or "lora" (adapters of
+    job["lora"] = {rank, alpha, targets} on a frozen base: `lora.add_adapters` + `trainable.split`, as
+    `lora.prepare_run` and `run_loop.Trainer` do). Compiled memory, and unless job["run"] is false the median time."""
+    import jax
+    import numpy as np
+
+    from longstraw_jax import lora, train, trainable
+
+    params = model.init(key, dtype=dtype)
+    predicate = None
+    if job["train"] == "lora":
+        spec = job["lora"]
+        paths = lora.resolve_targets(params, spec["targets"])
+        params = lora.add_adapters(params, paths, spec["rank"], spec["alpha"], jax.random.fold_in(key, 0x10A))
+        predicate = trainable.adapter_leaf
+    part, frozen = (params, None) if predicate is None else trainable.split(params, predicate)
+    optimizer = train.make_optimizer(1e-4)
+    opt_state = optimizer.init(part)
+    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    step = jax.jit(train._step, static_argnums=train._STATIC, donate_argnums=(1, 2))
+    count = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+    t0 = time.perf_counter()
+    lowered = step.lower(model, abstract(part), abstract(opt_state), batch_abs, optimizer, grpo_cfg, job["mode"],
+                         job["chunk"], None, None, None if frozen is None else abstract(frozen))
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    ma = compiled.memory_analysis()
+    out = dict(job, argument=ma.argument_size_in_bytes, output=ma.output_size_in_bytes, temp=ma.temp_size_in_bytes,
+               alias=ma.alias_size_in_bytes, code=ma.generated_code_size_in_bytes, lower_s=t1 - t0,
+               compile_s=t2 - t1, trainable_params=count(part), params=count(params))
+    out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    if job.get("run"):
+        batch = jax.device_put(batch_np)
+        times = []
+        for i in range(job["reps"] + 1):  # one warm-up call, then the timed ones
+            t = time.perf_counter()
+            part, opt_state, metrics = jax.block_until_ready(compiled(part, opt_state, batch, None, frozen))
+            if i:
+                times.append(time.perf_counter() - t)
+        out.update(times_s=times, median_s=statistics.median(times), loss=float(metrics["loss"]),
+                   grad_norm=float(metrics["grad_norm"]))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Parent side: spawn children, collect, print tables.
 
@@ -240,7 +300,8 @@ def spawn(jobs: list[dict], args, stop_above_bytes: int | None = None, env_extra
     for k, v in (env_extra or {}).items():
         env[k] = (env.get(k, "") + " " + v).strip() if k == "XLA_FLAGS" else v
     t = time.perf_counter()
-    label = ", ".join(f"{j['mode']} P={j['P']} G={j['G']}" for j in jobs)
+    label = ", ".join(f"{j['mode']}{' ' + j['train'] if j.get('train') else ''} P={j['P']} G={j['G']}"
+                      for j in jobs)
     _log(f"  child: {label} ...")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.child_timeout)
@@ -273,7 +334,7 @@ def _parse(stdout: str) -> list[dict]:
     for line in stdout.splitlines():
         if line.startswith(PREFIX):
             r = json.loads(line[len(PREFIX):])
-            cells[(r["mode"], r["P"], r["R"], r["G"], r["chunk"])] = r
+            cells[(r["mode"], r["P"], r["R"], r["G"], r["chunk"], r.get("train"))] = r
     return list(cells.values())
 
 
@@ -462,6 +523,48 @@ def table_modes(args, geo) -> tuple[Table, list[dict]]:
     return t, list(results.values())
 
 
+def table_train(args, geo) -> tuple[Table, list[dict]]:
+    """--train lora: the whole trainer update (grads + AdamW), full-parameter vs LoRA, for each engine mode; each
+    cell in its own child; ratios LoRA / full of the same mode."""
+    modes = [m for m in args.modes if m != "naive"]  # the trainer's update runs the engine (exact / detached)
+    spec = dict(rank=args.lora_rank, alpha=args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank,
+                targets=args.lora_targets)
+    results = {}
+    for mode in modes:
+        for kind in ("full", "lora"):
+            job = dict(mode=mode, train=kind, lora=spec, P=args.prompt_len, R=args.response_len, G=args.group,
+                       chunk=args.chunk, reps=args.reps, run=not args.compile_only)
+            res = spawn([job], args)
+            if res:
+                results[mode, kind] = res[0]
+    t = Table(f"Table 1 (train): the trainer's update (grpo_grads + AdamW, params and optimizer state donated), "
+              f"full vs LoRA rank {spec['rank']} on {spec['targets']}; P={args.prompt_len}, R={args.response_len}, "
+              f"G={args.group}, chunk={args.chunk}, median of {args.reps} runs after 1 warm-up; ratios LoRA / full",
+              ["mode", "train", "trainable", "argument", "output", "temp", "compiled total", "x mem",
+               "median step", "x time", "compile", "loss"], align="llrrrrrrrrrr")
+    for mode in modes:
+        base = results.get((mode, "full"), {})
+        for kind in ("full", "lora"):
+            r = results.get((mode, kind))
+            if r is None:
+                t.add(mode, kind, *(["failed"] + ["—"] * 9))
+                continue
+            t.add(mode, kind, f"{r['trainable_params'] / 1e6:.3f}M", fmt_bytes(r["argument"]),
+                  fmt_bytes(r["output"]), fmt_bytes(r["temp"]), fmt_bytes(r["total"]),
+                  fmt_ratio(r["total"], base.get("total")), fmt_time(r.get("median_s")),
+                  fmt_ratio(r.get("median_s"), base.get("median_s")), fmt_time(r["lower_s"] + r["compile_s"]),
+                  f"{r['loss']:.6g}" if "loss" in r else "—")
+    if "naive" in args.modes:
+        t.notes.append("naive has no trainer update (train_step runs exact / detached): left out.")
+    counts = {kind: r["params"] for (_, kind), r in results.items()}
+    if counts:
+        t.notes.append(", ".join(f"{kind} {n / 1e6:.3f}M params" for kind, n in sorted(counts.items()))
+                       + " (LoRA: frozen base + adapters); compiled total = "
+                       "memory_analysis() argument + output + temp - donated aliases: full holds params, fp32 grads "
+                       "and two AdamW moments of every parameter; LoRA the frozen base plus those of the adapters.")
+    return t, list(results.values())
+
+
 def run_sweep(args, geo) -> tuple[list[Table], list[dict]]:
     gs, ps = sorted(args.sweep_g), sorted(args.sweep_p)
     modes = [m for m in ALL_MODES if m in args.sweep_modes]
@@ -602,6 +705,12 @@ def parse_args(argv=None):
                          "halves compile time, memory_analysis moved < 0.1%% where checked)")
     ap.add_argument("--sweep-one-child-per-cell", action="store_true",
                     help="one process per sweep cell (default: one per (mode, P), cells in increasing G)")
+    ap.add_argument("--train", choices=("full", "lora"), default="full",
+                    help="lora: Table 1 times the trainer's whole update (grads + AdamW) full-parameter vs LoRA on a "
+                         "frozen base, per mode (exact / detached), with ratios LoRA / full")
+    ap.add_argument("--lora-rank", type=int, default=8, help="--train lora: adapter rank (default 8)")
+    ap.add_argument("--lora-alpha", type=float, default=None, help="--train lora: alpha (default 2 x rank)")
+    ap.add_argument("--lora-targets", default="all", help="--train lora: target groups / expressions (default all)")
     ap.add_argument("--quick", action="store_true", help="smoke run: P=512, R=16, G=2, reps=2, chunk=128")
     ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     ap.add_argument("--json-out", help="write all raw results to this JSON file")
@@ -657,7 +766,7 @@ def _main(args, argv, start) -> None:
     _log(head)
     tables, raw = [], []
     if not args.no_modes:
-        t, r = table_modes(args, geo)
+        t, r = table_train(args, geo) if args.train == "lora" else table_modes(args, geo)
         tables.append(t)
         raw += r
     if args.sweep:

@@ -5,6 +5,17 @@
     .venv/bin/python tools/plan_capacity.py --config configs/qwen3.6-27b.json --mesh 4x8 -P 2.1M --groups-per-step 4
     .venv/bin/python tools/plan_capacity.py --config configs/qwen3.6-27b.json --mesh 1x8 -G 8 --search --device-gb 96
 
+    .venv/bin/python tools/plan_capacity.py --config configs/glm-5.2.json --mesh 4x8 -P 2.1M -G 2,8 --train lora \
+        --lora-rank 64 --json glm_lora.json
+
+`--train lora` (`--lora-rank`, default 64; `--lora-alpha`; `--lora-targets`, default all: attention projections,
+dense MLPs, shared and routed experts) sizes the trainer's `--train lora`: the adapters are added abstractly
+(`jax.eval_shape` over `lora.add_adapters`), the tree is split as `run_loop.Trainer` splits it
+(`trainable.split(params, trainable.adapter_leaf)`), and the update compiles `train_step(..., frozen=base)`: params
+= frozen base + adapters (sampling holds both), optimizer and grads = the adapters' only. Routed experts and their
+adapters are expert-parallel when the device count divides the experts (`rules.param_specs`), which the compiled
+programs see and `largest_layer_bytes` (the decode's gathered layer) follows.
+
 A trainer step has two phases; the planner sizes each per device and reports the step's peak = the larger one.
 
 **Update phase.** For each (mode, G, P) it AOT-compiles the trainer's update (`train._train_step`: sharded
@@ -38,7 +49,8 @@ captured state plus a small replicated *tail*. Per device:
     tail         B/data x (the decode tail, replicated: `init_state(R)` = the R response positions' KV / latent
                  rows and indexer keys, plus the GDN conv/recurrent state being advanced; plus the carried part
                  saved after prompt[-1], restored for each branch)
-    decode       one decode step's transient: one layer all-gathered whole (the largest), the embedding table
+    decode       one decode step's transient: one layer all-gathered (the largest; expert-parallel routed experts
+                 stay this device's shard), the embedding table
                  all-gathered whole (as XLA:CPU does for the capture's token lookup: an upper bound), and per group
                  4 float32 rows of [vocab] (logits, sampling logits, two log-softmaxes); one token's activations
                  are negligible
@@ -137,20 +149,27 @@ def _memory_total(compiled) -> dict[str, int]:
 
 
 def largest_layer_bytes(params) -> int:
-    """Bytes of the largest single layer, whole: what `rules.gather_layer` all-gathers right before using it.
-    Stacked leaves (under `blocks` / `layers`, [stack, per_stack, ...]) are grouped by their kind (the path up to
-    the stacked leaves: Qwen3.6 `blocks/linear`, GLM-5.x `layers/<segment>/<group>`); one layer of a kind is the
-    sum of its leaves with both stacked axes indexed away."""
+    """Bytes of the largest single layer as `rules.gather_layer` holds it right before using it: whole, except the
+    routed-expert weights (and their adapters) that expert parallelism splits by expert index
+    (`rules.expert_parallel`: never all-gathered; this device's experts only). `params`: ShapeDtypeStructs, sharded
+    (`sharding`: the mesh's specs decide what is expert-parallel) or not (everything counted whole). Stacked leaves
+    (under `blocks` / `layers`, [stack, per_stack, ...]) are grouped by their kind (the path up to the stacked
+    leaves: Qwen3.6 `blocks/linear`, GLM-5.x `layers/<segment>/<group>`); one layer of a kind is the sum of its
+    leaves with both stacked axes indexed away. LoRA nodes count base + a + b."""
     import jax
 
-    from longstraw_jax.sharding.rules import STACKED_ROOTS
+    from longstraw_jax.sharding.rules import STACKED_ROOTS, expert_parallel
 
     kinds: dict[tuple, int] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
         if keys and keys[0] in STACKED_ROOTS:
             kind = keys[:2] if keys[0] == "blocks" else keys[:3]
-            kinds[kind] = kinds.get(kind, 0) + math.prod(leaf.shape[2:]) * leaf.dtype.itemsize
+            shape = leaf.shape
+            sharding = getattr(leaf, "sharding", None)
+            if sharding is not None and expert_parallel(path, sharding.spec, 2):
+                shape = sharding.shard_shape(leaf.shape)  # this device's experts stay local
+            kinds[kind] = kinds.get(kind, 0) + math.prod(shape[2:]) * leaf.dtype.itemsize
     return max(kinds.values(), default=0)
 
 
@@ -181,13 +200,18 @@ def step_peak(sampling: dict, update: dict) -> tuple[int, str]:
 
 
 class Planner:
-    def __init__(self, config, mesh_spec: str, dtype: str, response_len: int, chunk: int, devices=None):
+    def __init__(self, config, mesh_spec: str, dtype: str, response_len: int, chunk: int, devices=None,
+                 train_mode: str = "full", lora_rank: int = 64, lora_alpha: float | None = None,
+                 lora_targets: str = "all"):
         """`config`: an HF config.json path or a model config object; `devices`: the mesh's devices (default all of
-        jax.devices(); a process with more passes a subset)."""
+        jax.devices(); a process with more passes a subset). train_mode "lora": LoRA adapters of `lora_rank` on
+        `lora_targets` (`lora.resolve_targets`), built abstractly, and the trainer's split (`trainable.split` by
+        `trainable.adapter_leaf`): the update compiles `train_step(..., frozen=base)`, so gradients and AdamW state
+        exist for the adapters only, while params (and the sampling phase) hold base + adapters."""
         import jax
         import jax.numpy as jnp
 
-        from longstraw_jax import models, sharding, train
+        from longstraw_jax import lora, models, sharding, train, trainable
         from longstraw_jax.sharding import rules
 
         self.jax, self.rules, self.train = jax, rules, train
@@ -196,19 +220,38 @@ class Planner:
         self.mesh = sharding.make_mesh(mesh_spec, devices)
         self.dtype = jnp.dtype(dtype)
         self.response_len, self.chunk = response_len, chunk
+        if train_mode not in ("full", "lora"):
+            raise ValueError(f"--train {train_mode!r}: expected full or lora")
+        self.train_mode = train_mode
         params = jax.eval_shape(lambda key: self.model.init(key, self.dtype), jax.random.key(0))
+        self.lora = None
+        if train_mode == "lora":  # as lora.prepare_run does, on abstract arrays (adapters in the params' dtype)
+            paths = lora.resolve_targets(params, lora_targets)
+            lora.check_rank(params, paths, lora_rank)
+            alpha = 2.0 * lora_rank if lora_alpha is None else float(lora_alpha)
+            params = jax.eval_shape(lambda p, key: lora.add_adapters(p, paths, lora_rank, alpha, key), params,
+                                    jax.random.key(0))
+            self.lora = dict(rank=lora_rank, alpha=alpha, targets=lora_targets, matrices=len(paths))
         self.param_shardings = rules.named(rules.param_specs(params, self.mesh), self.mesh)
         self.params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
                                    self.param_shardings)
+        # the trainer's split (run_loop.Trainer.split): the trainable part with holes, and the frozen rest or None
+        if train_mode == "lora":
+            self.trainable, self.frozen = trainable.split(self.params, trainable.adapter_leaf)
+        else:
+            self.trainable, self.frozen = self.params, None
+        part = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), self.trainable)
         self.optimizer = train.make_optimizer(1e-6)
-        opt = jax.eval_shape(self.optimizer.init, params)
-        opt_specs = rules.like_params_specs(opt, params, rules.param_specs(params, self.mesh))
+        opt = jax.eval_shape(self.optimizer.init, part)  # AdamW state for the trainable part only
+        opt_specs = rules.like_params_specs(opt, part, rules.param_specs(part, self.mesh))
         self.opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt,
                                       rules.named(opt_specs, self.mesh))
         self.num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
-        self.layer_bytes = largest_layer_bytes(params)
+        self.num_trainable = sum(math.prod(p.shape) for p in jax.tree.leaves(self.trainable))
+        self.layer_bytes = largest_layer_bytes(self.params)
         self.embed_bytes = _tree_bytes(params["embed"])
-        self.step = jax.jit(train._train_step.__wrapped__, static_argnums=(0, 4, 5, 6, 7, 8), donate_argnums=(1, 2))
+        # the trainer's donated step: trainable params and their AdamW state donated, the frozen part read only
+        self.step = jax.jit(train._train_step.__wrapped__, static_argnums=train._STATIC, donate_argnums=(1, 2))
         self._captures: dict[int, dict] = {}
         self._updates: dict[tuple, dict] = {}
 
@@ -223,7 +266,8 @@ class Planner:
 
         out = {"params": _local_bytes(self.params), "optimizer": _local_bytes(self.opt_state),
                "grads": _local_bytes(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32,
-                                                                                 sharding=p.sharding), self.params))}
+                                                                                 sharding=p.sharding),
+                                                  self.trainable))}
         state, cotangent = self._state_bytes(prompt_len - 1)
         out["state"] = state
         out["cotangent"] = 0 if mode == "detached" else cotangent
@@ -316,8 +360,8 @@ class Planner:
                            mask=arr((g, r), jnp.float32), rewards=arr((g,), jnp.float32),
                            old_logprobs=arr((g, r), jnp.float32), ref_logprobs=None)
         start = time.perf_counter()
-        compiled = self.step.lower(self.model, self.params, self.opt_state, batch, self.optimizer, GRPOConfig(),
-                                   mode, self.chunk, self.mesh).compile()
+        compiled = self.step.lower(self.model, self.trainable, self.opt_state, batch, self.optimizer, GRPOConfig(),
+                                   mode, self.chunk, self.mesh, None, self.frozen).compile()
         seconds = time.perf_counter() - start
         memory = _memory_total(compiled)
         parts = self.components(prompt_len, mode)
@@ -335,7 +379,8 @@ class Planner:
         capture = self.capture(prompt_len)
         update = update_phase(compiled, state=compiled["state"], boundaries=capture["aux"], groups=groups, mode=mode)
         peak, phase = step_peak(sampling, update)
-        return dict(mode=mode, G=group, P=prompt_len, B=groups_per_step, decode_steps=group * self.response_len,
+        return dict(train=self.train_mode, mode=mode, G=group, P=prompt_len, B=groups_per_step,
+                    decode_steps=group * self.response_len,
                     sampling=sampling, update=update, peak=peak, peak_phase=phase, fits=bool(peak <= limit),
                     compile_s=compiled["compile_s"] + capture["compile_s"])
 
@@ -369,26 +414,28 @@ def _table(head: list[str], lines: list[list[str]], markdown: bool, left: int) -
 def format_rows(rows: list[dict], device_gb: float, markdown: bool, unit: str = "GiB") -> str:
     """Three tables: the step (each phase's total, the peak, "fits"), then each phase's components."""
     scale = {"GiB": GIB, "MiB": MIB}[unit]
-    key = lambda row: [row["mode"], str(row["G"]), f"{row['P']:,}", str(row["B"])]
+    key = lambda row: [row.get("train", "full"), row["mode"], str(row["G"]), f"{row['P']:,}", str(row["B"])]
     num = lambda x: f"{x / scale:.2f}"
-    step = _table(["mode", "G", "P", "B", f"sampling {unit}", f"update {unit}", f"peak {unit}", "peak phase",
+    step = _table(["train", "mode", "G", "P", "B", f"sampling {unit}", f"update {unit}", f"peak {unit}", "peak phase",
                    "decode steps", f"fits {device_gb:g} GB"],
                   [key(r) + [num(r["sampling"]["total"]), num(r["update"]["total"]), num(r["peak"]), r["peak_phase"],
-                             f"{r['decode_steps']:,}", "yes" if r["fits"] else "no"] for r in rows], markdown, 4)
-    sampling = _table(["mode", "G", "P", "B"] + [f"{c} {unit}" for c in SAMPLING_COLUMNS],
-                      [key(r) + [num(r["sampling"][c]) for c in SAMPLING_COLUMNS] for r in rows], markdown, 4)
-    update = _table(["mode", "G", "P", "B"] + [f"{c} {unit}" for c in UPDATE_COLUMNS],
-                    [key(r) + [num(r["update"][c]) for c in UPDATE_COLUMNS] for r in rows], markdown, 4)
+                             f"{r['decode_steps']:,}", "yes" if r["fits"] else "no"] for r in rows], markdown, 5)
+    sampling = _table(["train", "mode", "G", "P", "B"] + [f"{c} {unit}" for c in SAMPLING_COLUMNS],
+                      [key(r) + [num(r["sampling"][c]) for c in SAMPLING_COLUMNS] for r in rows], markdown, 5)
+    update = _table(["train", "mode", "G", "P", "B"] + [f"{c} {unit}" for c in UPDATE_COLUMNS],
+                    [key(r) + [num(r["update"][c]) for c in UPDATE_COLUMNS] for r in rows], markdown, 5)
     return f"Step (per device)\n{step}\n\nSampling phase\n{sampling}\n\nUpdate phase\n{update}"
 
 
 def write_json(path: str, rows: list[dict], args, planner) -> None:
-    """{"setup": the run's options, "rows": one object per row (`Planner.plan`): mode, G, P, B, decode_steps, the
+    """{"setup": the run's options (train mode, LoRA rank / alpha / targets, parameter counts), "rows": one object
+    per row (`Planner.plan`): train, mode, G, P, B, decode_steps, the
     "sampling" and "update" phases' components and "total" in bytes per device, "peak", "peak_phase", and "fits"
     (peak <= device_gb * 1e9)}."""
     setup = dict(config=args.config, mesh=args.mesh, dtype=args.dtype, response_len=args.response_len,
                  chunk=args.chunk, device_gb=args.device_gb, groups_per_step=args.groups_per_step,
-                 params=planner.num_params)
+                 params=planner.num_params, train=planner.train_mode, trainable_params=planner.num_trainable,
+                 lora=planner.lora, largest_layer_bytes=planner.layer_bytes)
     with open(path, "w") as f:
         json.dump(dict(setup=setup, rows=rows), f, indent=1)
         f.write("\n")
@@ -413,6 +460,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=_count, default=16384,
                     help="capture / prompt-backward round length in positions (default 16K: a round's working set "
                          "is most of the exact step's transient memory)")
+    ap.add_argument("--train", choices=("full", "lora"), default="full",
+                    help="full: every parameter trains (AdamW + fp32 grads for all); lora: frozen base + adapters "
+                         "(grads and AdamW for the adapters only), as the trainer's --train lora")
+    ap.add_argument("--lora-rank", type=int, default=64, help="--train lora: adapter rank (default 64)")
+    ap.add_argument("--lora-alpha", type=float, default=None, help="--train lora: alpha (default 2 x rank; no "
+                    "effect on memory)")
+    ap.add_argument("--lora-targets", default="all", help="--train lora: groups (attn, mlp, shared, experts, all) "
+                    "or expressions, as the trainer's (default all: attention projections and every MLP / expert "
+                    "matrix)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--unit", choices=("GiB", "MiB"), default="GiB", help="table unit (default GiB)")
     ap.add_argument("--json", metavar="FILE", help="also write every row as JSON (bytes per phase; 'fits' per row)")
@@ -424,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         args.groups_per_step = data if args.groups_per_step is None else args.groups_per_step
         local_groups(args.groups_per_step, data)
         _setup_jax(data * seq)
-        planner = Planner(args.config, args.mesh, args.dtype, args.response_len, args.chunk)
+        planner = Planner(args.config, args.mesh, args.dtype, args.response_len, args.chunk, train_mode=args.train,
+                          lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets)
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -435,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.mesh} (simulated, jax {jax.__version__}, XLA:CPU); R={args.response_len}; "
           f"B={args.groups_per_step} groups per step; rounds of {args.chunk:,} positions; device "
           f"{args.device_gb:g} GB", flush=True)
+    if planner.lora is not None:
+        print(f"--train lora: rank {planner.lora['rank']} on {planner.lora['matrices']} stacked matrices "
+              f"({args.lora_targets}); {planner.num_trainable / 1e6:.1f}M trainable parameters (adapters), base frozen",
+              flush=True)
     rows, limit = [], int(args.device_gb * 1e9)
     for mode in args.modes.split(","):
         for group in args.group:
