@@ -39,7 +39,7 @@ from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attenti
 from longstraw_jax.ops.norms import rms_norm
 from longstraw_jax.sharding import rules, sequence
 from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
-from longstraw_jax.sharding.rules import gather_layer, param_specs, prompt_state_specs
+from longstraw_jax.sharding.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
 from longstraw_jax.sharding.sequence import SEQ
 
 _ROWS = P(None, SEQ)  # latent rows / indexer keys [layers, S, Dk] or [F, S, Di], positions split along seq
@@ -353,11 +353,55 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, sta
 # ----- the adapter the engine asks the model for ---------------------------------------------------------------
 
 
+class _SegmentOnMesh(NamedTuple):
+    """A `layerwise.Stage` of the sharded replay: the model's segment stage (`Glm52.block_stages`), whose block runs
+    one repeat in its own `shard_map` over the block's slice of the seq-sharded state (a `ReplayReader` over it,
+    layer numbers local to the slice), so `layerwise.branch_grads` backpropagates block by block and adds each
+    block's slice of the state cotangent into the accumulator in place (no state-sized cotangent per branch; none at
+    all for the indexer keys). Everything else is the stage's."""
+
+    stage: Any
+    mesh: Any
+    rounds: RoundLayout
+    layer_specs: dict  # param_specs(params)["layers"]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.stage.num_blocks
+
+    def block_params(self, params):
+        return self.stage.block_params(params)
+
+    def with_block_params(self, params, blocks):
+        return self.stage.with_block_params(params, blocks)
+
+    def at(self, tree, b):
+        return self.stage.at(tree, b)
+
+    def set_at(self, tree, b, sub):
+        return self.stage.set_at(tree, b, sub)
+
+    def stacked(self, entries):
+        return self.stage.stacked(entries)
+
+    def block(self, bp, carry, state_block, positions, cache_length):
+        """One repeat over carry (h [T, D], selected [T, k]) (replicated); state_block: a ShardedPromptState sliced at
+        the block. Returns (carry, None): the replay needs no entries."""
+        rounds, slice_specs = self.rounds, block_slice_specs(self.layer_specs[str(self.stage.s)])
+
+        def local(bp, carry, state):
+            positions = rounds.length + jnp.arange(carry[0].shape[0], dtype=jnp.int32)
+            reader = ReplayReader(state.kv, state.index_keys, positions, rounds, _Layers(self.layer_specs))
+            return self.stage.block_with_reader(bp, carry, reader)[0]
+
+        state = state_block.state
+        return _shard_map(self.mesh, local, (slice_specs, P(), prompt_state_specs(state)), P())(bp, carry, state), None
+
+
 @dataclasses.dataclass(frozen=True)
 class Glm52OnMesh:
-    """GLM-5.x's `SequenceParallel` (models/base.py). Its replay has no block protocol (IndexShare selections cross
-    layers), so each branch is backpropagated by autodiff of the sharded replay: a sharded state-sized cotangent per
-    branch."""
+    """GLM-5.x's `SequenceParallel` (models/base.py). Its replay backpropagates block by block (`_SegmentOnMesh`:
+    one stage per segment, a block = one repeat of its pattern), as one device does."""
 
     model: Any
     min_segment = 1  # GLM reads no halo from the previous segment: any segment length works
@@ -371,7 +415,9 @@ class Glm52OnMesh:
         return extend_hidden_fn(self.model, mesh, param_specs(params, mesh))(params, sstate, tokens)
 
     def branch_grads(self, mesh, rounds: RoundLayout, specs):
-        return functools.partial(layerwise.branch_grads_autodiff, extend_hidden_fn(self.model, mesh, specs))
+        """`layerwise.branch_grads` over the mesh stages; the top-k width is the sharded replay's (P + T)."""
+        stages = tuple(_SegmentOnMesh(stage, mesh, rounds, specs["layers"]) for stage in self.model.block_stages())
+        return functools.partial(layerwise.branch_grads, self.model.layerwise_blocks(rounds.length), stages=stages)
 
     def prompt_backward(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, sstate,
                         capture_aux, state_cot, grads):

@@ -88,7 +88,7 @@ def _group_grads(model, params, batch, cfg, mode, mesh, layout, attention, weigh
         sstate, capture_aux = family.capture(jax.lax.stop_gradient(params), stored, mesh, layout, attention)
     else:
         sstate, capture_aux = captured.sstate, captured.capture_aux
-    state_specs = sstate.replace(state=prompt_state_specs(sstate.state))
+    state_specs = model.differentiable_state(sstate.replace(state=prompt_state_specs(sstate.state)))  # like the acc
     loss, grads, state_cot, sums = replay_branches(
         model, params, sstate, batch, cfg, with_state_grad=mode == "exact",
         branch_grads=family.branch_grads(mesh, layout, param_specs(params, mesh)), like_params=like_params,
