@@ -27,7 +27,7 @@ from plain autodiff of its whole layer stack, with a full-size state cotangent p
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +76,7 @@ def _positions(start, length: int) -> jax.Array:
     return start + jnp.arange(length, dtype=jnp.int32)
 
 
+@runtime_checkable
 class Stage(Protocol):
     """One kind of block, repeated `num_blocks` times. `block_params` leaves are stacked [num_blocks, ...]; `block`
     runs one block (as `BlockModel.block`); `at(tree, b)` is block b's slice of a state, of a state cotangent (None
