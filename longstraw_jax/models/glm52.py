@@ -14,7 +14,9 @@ Prompt state (docs/models.md 2.11): per layer and position, one row `[c | k_pe]`
 roped 64-wide rope key), and per full layer the indexer key. Attention is the absorbed form (`ops/mla.py`): keys and
 values are never expanded per head. Execution mirrors Qwen36: `capture` walks the prompt in chunks, writing each
 chunk's rows once after all layers; `extend` continues after a state without modifying it; `forward` is `extend`
-from an empty state.
+from an empty state. The engine's backward goes block by block (`layerwise.py`): one `SegmentStage` per segment, a
+block = one repeat of its pattern, the IndexShare selection carried with h, and no cotangent for the indexer keys
+(`differentiable_state`).
 """
 from __future__ import annotations
 

@@ -4,10 +4,10 @@ replay and prompt backward (`model.sequence_parallel()`: `sharding/qwen36.py`, `
     capture   sstate = capture(prompt[:-1]) on the mesh, in rounds    seq-sharded caches, replicated GDN state
               (or the sampler's capture, passed in: one capture per step)
     replay    for g in branches (lax.scan): parameter gradients (FSDP-sharded, float32) and, in exact mode, the
-              state cotangent (sharded like the state). Qwen3.6: block by block (`layerwise.branch_grads`, each
-              block in its own shard_map), the cotangent added in place one block slice at a time; GLM-5.x: autodiff
-              of the sharded replay (no block protocol yet), a sharded state-sized cotangent per branch
-    prompt    exact mode: rounds in reverse (Qwen3.6: and blocks in reverse, sharding/qwen36.prompt_backward; GLM-5.x:
+              state cotangent (sharded like the state; only `model.differentiable_state`'s leaves). Both families
+              block by block (`layerwise.branch_grads`, each block in its own shard_map; GLM-5.x one stage per
+              segment), the cotangent added in place one block slice at a time
+    prompt    exact mode: rounds in reverse and blocks in reverse (sharding/qwen36.prompt_backward,
               sharding/glm52.prompt_backward)
 
 Gradients flow through `shard_map` by JAX's transposes of the collectives: the layers' `all_gather` becomes a
