@@ -1,12 +1,13 @@
 """Compiled memory of exact-mode `grpo_grads` for GLM-5.x: block-by-block backward vs the autodiff fallback.
 
-    .venv/bin/python tools/bench_glm_backward.py                         # P = 8192, 32768 (about 4 min on 2 cores)
+    .venv/bin/python tools/bench_glm_backward.py                         # P = 8192, 32768 (about 12 min on 2 cores)
+    .venv/bin/python tools/bench_glm_backward.py --depth 78              # GLM-5.2's 78-layer layout
     .venv/bin/python tools/bench_glm_backward.py --prompt 4096 --quick   # smoke run
 
 AOT only: `jax.jit(engine._grpo_grads).lower(abstract args).compile().memory_analysis()`, nothing is executed. The
 model is GLM-5.2's layer layout cut to 22 layers (3 full_dense, (shared_sparse x 3, full_sparse) x 4, shared_sparse x
-3: three segments, 7 full layers) at small widths, in bfloat16, so that at these prompt lengths the prompt state
-(MLA latent rows + indexer keys) dominates the parameters. "fallback" is the same model through `CausalLM`'s autodiff
+3: three segments, 7 full layers; `--depth 78`: the whole layout, (...) x 18) at small widths, in bfloat16, so that
+at these prompt lengths the prompt state (MLA latent rows + indexer keys) dominates the parameters. "fallback" is the same model through `CausalLM`'s autodiff
 hooks with a full float32 state cotangent (what the engine ran for GLM before the block-by-block backward, kept as
 `layerwise.branch_grads_autodiff` / `chunk_grads_autodiff`); "blocks" is the model as shipped (`layerwise` stages,
 no indexer-key cotangent). Temp bytes are XLA's temporaries: everything live besides arguments and outputs (the
@@ -29,7 +30,10 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--branches", type=int, default=4)
     parser.add_argument("--response", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="4 layers (one segment) instead of 22")
+    parser.add_argument("--quick", action="store_true", help="the tiny preset (4 layers, one segment)")
+    parser.add_argument("--depth", choices=("22", "78"), default="22",
+                        help="GLM-5.2's layout cut to 22 layers, or whole (78 layers: configs/glm-5.2.json's layer "
+                             "types); compile time does not depend on it (the layers are scanned)")
     parser.add_argument("--json", action="store_true", help="one JSON line per cell")
     args = parser.parse_args()
 
@@ -52,7 +56,8 @@ def main() -> None:
     if args.quick:
         cfg = Glm52Config.tiny()
     else:
-        indexers = ["full"] * 3 + ["shared", "shared", "shared", "full"] * 4 + ["shared"] * 3
+        indexers = ["full"] * 3 + ["shared", "shared", "shared", "full"] * (4 if args.depth == "22" else 18) + [
+            "shared"] * 3
         cfg = Glm52Config.tiny(
             vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
             num_hidden_layers=len(indexers), num_attention_heads=4, q_lora_rank=64, kv_lora_rank=128,
