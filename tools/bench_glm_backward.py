@@ -7,10 +7,10 @@
 AOT only: `jax.jit(engine._grpo_grads).lower(abstract args).compile().memory_analysis()`, nothing is executed. The
 model is GLM-5.2's layer layout cut to 22 layers (3 full_dense, (shared_sparse x 3, full_sparse) x 4, shared_sparse x
 3: three segments, 7 full layers; `--depth 78`: the whole layout, (...) x 18) at small widths, in bfloat16, so that
-at these prompt lengths the prompt state (MLA latent rows + indexer keys) dominates the parameters. "fallback" is the same model through `CausalLM`'s autodiff
-hooks with a full float32 state cotangent (what the engine ran for GLM before the block-by-block backward, kept as
-`layerwise.branch_grads_autodiff` / `chunk_grads_autodiff`); "blocks" is the model as shipped (`layerwise` stages,
-no indexer-key cotangent). Temp bytes are XLA's temporaries: everything live besides arguments and outputs (the
+at these prompt lengths the prompt state (MLA latent rows + indexer keys) dominates the parameters. "fallback" is
+the same model through `CausalLM`'s autodiff hooks with a full float32 state cotangent (what the engine ran for GLM
+before the block-by-block backward, kept as `layerwise.branch_grads_autodiff` / `chunk_grads_autodiff`); "blocks" is
+the model as shipped (`layerwise` stages, no indexer-key cotangent). Temp bytes are XLA's temporaries: everything live besides arguments and outputs (the
 state, its cotangent, the gradient accumulator, activations). Results: docs/benchmarks.md.
 """
 from __future__ import annotations
