@@ -10,8 +10,9 @@ model is GLM-5.2's layer layout cut to 22 layers (3 full_dense, (shared_sparse x
 at these prompt lengths the prompt state (MLA latent rows + indexer keys) dominates the parameters. "fallback" is
 the same model through `CausalLM`'s autodiff hooks with a full float32 state cotangent (what the engine ran for GLM
 before the block-by-block backward, kept as `layerwise.branch_grads_autodiff` / `chunk_grads_autodiff`); "blocks" is
-the model as shipped (`layerwise` stages, no indexer-key cotangent). Temp bytes are XLA's temporaries: everything live besides arguments and outputs (the
-state, its cotangent, the gradient accumulator, activations). Results: docs/benchmarks.md.
+the model as shipped (`layerwise` stages, no indexer-key cotangent). Temp bytes are XLA's temporaries: everything
+live besides arguments and outputs (the state, its cotangent, the gradient accumulator, activations). Results:
+docs/benchmarks.md 9.
 """
 from __future__ import annotations
 
