@@ -602,10 +602,12 @@ class SegmentStage:
 
     def _rows(self, path) -> tuple[int, int]:
         """(first layer of block 0, layers per block) on the layer axis of the leaf at `path`."""
-        seg = self.seg
-        if _last_key(path) == "kv":
+        seg, name = self.seg, _last_key(path)
+        if name == "kv":
             return seg.first_layer, len(seg.pattern)
-        return seg.first_full, _full_count(seg.pattern)
+        if name == "index_keys":
+            return seg.first_full, _full_count(seg.pattern)
+        raise ValueError(f"no layer axis known for a state field {name!r}")
 
     def at(self, tree, b):
         def one(path, a):
