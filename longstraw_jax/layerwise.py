@@ -10,11 +10,24 @@ accumulator at block b (no stacked per-block gradients, no second params-sized b
 block's; the state cotangent and the gradient exist once.
 
 Models provide the block protocol (`models.base.BlockModel`) and call `branch_grads` / `chunk_grads` from their own
-methods of those names (Qwen3.6). A family without it (GLM-5.x: its layers carry IndexShare selections and come in
-several segments) keeps `CausalLM`'s defaults, `branch_grads_autodiff` / `chunk_grads_autodiff`: the same results
+methods of those names. Two generalisations serve a family whose layers are not one repeated block:
+- `stages`: several kinds of blocks run one after another (`Stage`: its own block count, parameters and state
+  slices), scanned in order forward and in reverse backward; `None` is the model's own blocks as one stage.
+  GLM-5.x: one stage per segment (a block is one repeat of the segment's layer pattern, `models/glm52.py`).
+- The block carry `h` may be a pytree with integer leaves (GLM-5.x: `(h, selected)`, the IndexShare selection that
+  shared layers reuse from the latest full layer, possibly in an earlier block): they are recomputed in the forward,
+  stored with each block's input, and get no cotangent (the backward differentiates the floating leaves only).
+And the state cotangent accumulator `acc` may lack leaves of the state (None there: `Model.differentiable_state`):
+those leaves are closed over as constants, never vjp inputs, so no cotangent of them is ever allocated (GLM-5.x: the
+indexer keys, read only by the non-differentiable top-k selection). Qwen3.6 uses none of this: one stage, an array
+carry, a full accumulator, and the same computation as before.
+
+A family may also keep `CausalLM`'s defaults, `branch_grads_autodiff` / `chunk_grads_autodiff`: the same results
 from plain autodiff of its whole layer stack, with a full-size state cotangent per branch/chunk.
 """
 from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -40,88 +53,185 @@ def _add_at(acc, b, tree):
     return jax.tree.map(lambda a, x: a.at[b].add(x.astype(a.dtype)), acc, tree)
 
 
+def _is_none(x) -> bool:
+    return x is None
+
+
+def _floats(tree):
+    """tree with its integer leaves (e.g. IndexShare selections in a block carry) replaced by None: the part that
+    gets a cotangent. An array (Qwen's h) is returned as is."""
+    return jax.tree.map(lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else None, tree)
+
+
+def _like(part, tree):
+    """tree restricted to part's structure: tree's leaf where part has one, None where part has None."""
+    return jax.tree.map(lambda p, x: None if p is None else x, part, tree, is_leaf=_is_none)
+
+
+def _fill(part, tree):
+    """part with its None leaves taken from tree (the inverse of `_like` / `_floats`)."""
+    return jax.tree.map(lambda p, x: x if p is None else p, part, tree, is_leaf=_is_none)
+
+
 def _positions(start, length: int) -> jax.Array:
     return start + jnp.arange(length, dtype=jnp.int32)
 
 
-def _forward(model, params, state, tokens, start, cache_length):
-    """Blocks 0..nb-1 over tokens [T]: (h [T, D] after the last block, each block's input h stacked [nb, T, D])."""
+@runtime_checkable
+class Stage(Protocol):
+    """One kind of block, repeated `num_blocks` times. `block_params` leaves are stacked [num_blocks, ...]; `block`
+    runs one block (as `BlockModel.block`); `at(tree, b)` is block b's slice of a state, of a state cotangent (None
+    leaves stay None) or of a chunk's entries, `set_at(tree, b, sub)` writes a slice back (in place in a scan carry);
+    `stacked(entries)` turns a chunk's entries (`read_entries` of a whole state) into leaves [num_blocks, ...]."""
+
+    num_blocks: int
+
+    def block_params(self, params: dict) -> dict: ...
+
+    def with_block_params(self, params: dict, blocks: dict) -> dict: ...
+
+    def block(self, bp: dict, h, state_block, positions: jax.Array, cache_length) -> tuple: ...
+
+    def at(self, tree, b): ...
+
+    def set_at(self, tree, b, sub): ...
+
+    def stacked(self, entries): ...
+
+
+class _Uniform(NamedTuple):
+    """A `BlockModel`'s own blocks as one stage: every leaf of a state (and of its entries) has the block axis
+    first."""
+
+    model: Any
+
+    @property
+    def num_blocks(self) -> int:
+        return self.model.num_blocks
+
+    def block_params(self, params):
+        return self.model.block_params(params)
+
+    def with_block_params(self, params, blocks):
+        return self.model.with_block_params(params, blocks)
+
+    def block(self, bp, h, state_block, positions, cache_length):
+        return self.model.block(bp, h, state_block, positions, cache_length)
+
+    def at(self, tree, b):
+        return _at(tree, b)
+
+    def set_at(self, tree, b, sub):
+        return _set(tree, b, sub)
+
+    def stacked(self, entries):
+        return entries
+
+
+def _forward(model, stages, params, state, tokens, start, cache_length):
+    """The stages' blocks in order over tokens [T]: (the carry after the last block, per stage each block's input
+    carry stacked [nb, ...])."""
     positions = _positions(start, tokens.shape[0])
+    h, inputs = model.embed(params, tokens), []
+    for stage in stages:
+        def body(h, xs, stage=stage):
+            bp, b = xs
+            return stage.block(bp, h, stage.at(state, b), positions, cache_length)[0], h
 
-    def body(h, xs):
-        bp, b = xs
-        return model.block(bp, h, _at(state, b), positions, cache_length)[0], h
-
-    return jax.lax.scan(body, model.embed(params, tokens), (model.block_params(params), jnp.arange(model.num_blocks)))
+        h, stage_inputs = jax.lax.scan(body, h, (stage.block_params(params), jnp.arange(stage.num_blocks)))
+        inputs.append(stage_inputs)
+    return h, inputs
 
 
-def _backward(model, params, state, tokens, start, cache_length, inputs, dh, grads, acc, chunk_entries: bool):
-    """Reverse scan over blocks. dh: cotangent of the last block's output h. grads: float32 params-shaped gradient
-    accumulator. acc: float32 state cotangent (or None: no gradient into the state). With `chunk_entries`, each
-    block's new entries also receive their cotangent, read from acc at positions start.. (keys/values) and from acc's
-    carried part, which is then replaced by the cotangent of the carried state the block read (the chunk before owns
-    it); cache reads are added into acc.
+def _backward_stage(model, stage, params, state, positions, cache_length, inputs, entries_cot, dh, grads, acc,
+                    chunk_entries: bool):
+    """Reverse scan over one stage's blocks (see `_backward`). Returns (dh, grads, acc)."""
+    def body(carry, xs):
+        dh, acc, grads_blocks = carry
+        bp, b, h_in, entries_cot = xs
+        state_block = stage.at(state, b)
+        run = lambda bp, h, s: stage.block(bp, _fill(h, h_in), s, positions, cache_length)
+        # with respect to the trainable leaves of the block only (grads_blocks has their structure: trainable.py)
+        vjp_of = lambda fn, *primals: trainable.vjp(fn, bp, grads_blocks, *primals)
+        if acc is None:
+            _, vjp = vjp_of(lambda bp, h: _floats(run(bp, h, state_block)[0]), _floats(h_in))
+            d_bp, dh = vjp(dh)
+            return (dh, None, _add_at(grads_blocks, b, d_bp)), None
+        acc_block = stage.at(acc, b)
+        # the state leaves acc has are vjp inputs; the others (None in acc) are constants: no cotangent for them
+        state_in = _like(acc_block, state_block)
+        if chunk_entries:
+            def entries_fn(bp, h, s):  # the entries that get a cotangent: those acc has (entries_cot's structure)
+                h, entries = run(bp, h, _fill(s, state_block))
+                return _floats(h), _like(entries_cot, entries)
+
+            entries, vjp = vjp_of(entries_fn, _floats(h_in), state_in)
+            d_bp, dh, d_state = vjp((dh, jax.tree.map(lambda c, e: c.astype(e.dtype), entries_cot, entries[1])))
+            acc_block = model.with_carried(_add(acc_block, d_state),
+                                           model.carried(jax.tree.map(at_least_f32, d_state)))
+        else:
+            _, vjp = vjp_of(lambda bp, h, s: _floats(run(bp, h, _fill(s, state_block))[0]), _floats(h_in), state_in)
+            d_bp, dh, d_state = vjp(dh)
+            acc_block = _add(acc_block, d_state)
+        return (dh, stage.set_at(acc, b, acc_block), _add_at(grads_blocks, b, d_bp)), None
+
+    xs = (stage.block_params(params), jnp.arange(stage.num_blocks), inputs,
+          None if entries_cot is None else stage.stacked(entries_cot))
+    (dh, acc, grads_blocks), _ = jax.lax.scan(body, (dh, acc, stage.block_params(grads)), xs, reverse=True)
+    return dh, stage.with_block_params(grads, grads_blocks), acc
+
+
+def _backward(model, stages, params, state, tokens, start, cache_length, inputs, dh, grads, acc,
+              chunk_entries: bool):
+    """Reverse scans over the stages' blocks, last stage first. dh: cotangent of the last block's output carry
+    (floating leaves). grads: float32 params-shaped gradient accumulator. acc: float32 state cotangent (or None: no
+    gradient into the state). With `chunk_entries`, each block's new entries also receive their cotangent, read
+    from acc at positions start.. (keys/values) and from acc's carried part, which is then replaced by the cotangent
+    of the carried state the block read (the chunk before owns it); cache reads are added into acc.
 
     Returns (grads + the gradient of params through the blocks and the embedding, acc).
     """
     positions = _positions(start, tokens.shape[0])
-    # The entries' cotangents, read for all blocks before the scan (chunk-sized): inside it, acc is only read and
+    # The entries' cotangents, read for all blocks before the scans (chunk-sized): inside them, acc is only read and
     # written at block b, which XLA then updates in place.
     entries_cot = model.read_entries(acc, start, tokens.shape[0]) if chunk_entries else None
-
-    def body(carry, xs):
-        dh, acc, grads_blocks = carry
-        bp, b, h_in, entries_cot = xs
-        state_block = _at(state, b)
-        # with respect to the trainable leaves of the block only (grads_blocks has their structure: trainable.py)
-        vjp_of = lambda fn, *primals: trainable.vjp(fn, bp, grads_blocks, *primals)
-        if acc is None:
-            _, vjp = vjp_of(lambda bp, h: model.block(bp, h, state_block, positions, cache_length)[0], h_in)
-            d_bp, dh = vjp(dh)
-            return (dh, None, _add_at(grads_blocks, b, d_bp)), None
-        acc_block = _at(acc, b)
-        if chunk_entries:
-            entries, vjp = vjp_of(lambda bp, h, s: model.block(bp, h, s, positions, cache_length), h_in, state_block)
-            entries_cot = jax.tree.map(lambda c, e: c.astype(e.dtype), entries_cot, entries[1])
-            d_bp, dh, d_state = vjp((dh, entries_cot))
-            acc_block = model.with_carried(_add(acc_block, d_state),
-                                           model.carried(jax.tree.map(at_least_f32, d_state)))
-        else:
-            _, vjp = vjp_of(lambda bp, h, s: model.block(bp, h, s, positions, cache_length)[0], h_in, state_block)
-            d_bp, dh, d_state = vjp(dh)
-            acc_block = _add(acc_block, d_state)
-        return (dh, _set(acc, b, acc_block), _add_at(grads_blocks, b, d_bp)), None
-
-    xs = (model.block_params(params), jnp.arange(model.num_blocks), inputs, entries_cot)
-    (dh, acc, grads_blocks), _ = jax.lax.scan(body, (dh, acc, model.block_params(grads)), xs, reverse=True)
-    _, vjp = trainable.vjp(lambda p: model.embed(p, tokens), params, grads)
-    return _add(model.with_block_params(grads, grads_blocks), vjp(dh)[0]), acc
+    for stage, stage_inputs in zip(reversed(stages), reversed(inputs)):
+        dh, grads, acc = _backward_stage(model, stage, params, state, positions, cache_length, stage_inputs,
+                                         entries_cot, dh, grads, acc, chunk_entries)
+    _, vjp = trainable.vjp(lambda p: _floats(model.embed(p, tokens)), params, grads)
+    return _add(grads, vjp(dh)[0]), acc
 
 
-def branch_grads(model, params, state, tokens, head, grads, acc):
+def branch_grads(model, params, state, tokens, head, grads, acc, stages=None):
     """One branch replayed after `state`: tokens [R] at positions state.length.. attend over the state's positions
     < state.length (a state with spare capacity keeps whatever it holds beyond its length out of sight).
 
     head(params, hidden [R, D] final-normed) -> (loss, aux). grads: the float32 gradient accumulator (params-shaped).
-    Returns (loss, aux, grads + this branch's parameter gradient, acc + the state cotangent of this branch; acc None:
-    detached, no state gradient).
+    acc: the float32 state cotangent accumulator (None: detached, no state gradient); a None leaf in it (a state
+    leaf that receives no gradient) is never differentiated. stages: the kinds of blocks (`Stage`s) in order; None:
+    the model's own blocks (`BlockModel`). Returns (loss, aux, grads + this branch's parameter gradient, acc + the
+    state cotangent of this branch).
     """
-    h, inputs = _forward(model, params, state, tokens, state.length, state.length)
-    loss, vjp, aux = trainable.vjp(lambda p, h: head(p, model.final_norm(p, h)), params, grads, h, has_aux=True)
+    stages = (_Uniform(model),) if stages is None else stages
+    h, inputs = _forward(model, stages, params, state, tokens, state.length, state.length)
+    loss, vjp, aux = trainable.vjp(lambda p, hf: head(p, model.final_norm(p, _fill(hf, h))), params, grads,
+                                   _floats(h), has_aux=True)
     d_head, dh = vjp(jnp.ones_like(loss))
-    grads, acc = _backward(model, params, state, tokens, state.length, state.length, inputs, dh, _add(grads, d_head),
-                           acc, chunk_entries=False)
+    grads, acc = _backward(model, stages, params, state, tokens, state.length, state.length, inputs, dh,
+                           _add(grads, d_head), acc, chunk_entries=False)
     return loss, aux, grads, acc
 
 
-def chunk_grads(model, params, state, tokens, start, grads, acc):
+def chunk_grads(model, params, state, tokens, start, grads, acc, stages=None):
     """The prompt chunk tokens [C] at positions start.., recomputed from `state` (the final cache, with the carried
     part as it was before this chunk). acc holds the cotangent of everything the chunk wrote (its keys/values at
     start.., the carried state after it). Returns (grads + the chunk's parameter gradient, acc with the chunk's cache
-    reads added and its carried part now the cotangent of the carried state before the chunk)."""
-    h, inputs = _forward(model, params, state, tokens, start, start)
-    return _backward(model, params, state, tokens, start, start, inputs, jnp.zeros_like(h), grads, acc,
-                     chunk_entries=True)
+    reads added and its carried part now the cotangent of the carried state before the chunk). stages: as in
+    `branch_grads`."""
+    stages = (_Uniform(model),) if stages is None else stages
+    h, inputs = _forward(model, stages, params, state, tokens, start, start)
+    return _backward(model, stages, params, state, tokens, start, start, inputs,
+                     jax.tree.map(jnp.zeros_like, _floats(h)), grads, acc, chunk_entries=True)
 
 
 # ----- models without the block protocol: autodiff of the whole layer stack -----

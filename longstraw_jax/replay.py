@@ -36,8 +36,8 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
     `batch_advantages` (default: those of this group alone). grads: the float32 accumulator to add into (default
     zeros; an engine running several groups passes its running sum).
 
-    Returns (loss, param grads (float32), state cotangent summed over branches (float32; None unless
-    with_state_grad), metric sums).
+    Returns (loss, param grads (float32), state cotangent summed over branches (float32, the leaves of
+    `model.differentiable_state(state)`; None unless with_state_grad), metric sums).
     """
     branch_grads = model.branch_grads if branch_grads is None else branch_grads
     responses = batch.responses.astype(jnp.int32)
@@ -65,7 +65,7 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
     hidden = jax.ShapeDtypeStruct((length, head_matrix.shape[1]), head_matrix.dtype)
     loss0, sums0 = jax.eval_shape(lambda h: head(params, h, jax.tree.map(lambda a: a[0], xs)), hidden)
     carry = (zeros_f32(loss0), like_params(zeros_f32(params) if grads is None else grads),
-             like_state(zeros_f32(state)) if with_state_grad else None, zeros_f32(sums0))
+             like_state(zeros_f32(model.differentiable_state(state))) if with_state_grad else None, zeros_f32(sums0))
     (loss, grads, state_cot, sums), _ = jax.lax.scan(step, carry, xs)
     return loss, grads, state_cot, sums
 

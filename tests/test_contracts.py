@@ -7,7 +7,8 @@ import jax
 import pytest
 
 from longstraw_jax import models
-from longstraw_jax.models.base import BlockModel, Model, PromptState, SequenceParallel
+from longstraw_jax.layerwise import Stage
+from longstraw_jax.models.base import BlockModel, CausalLM, Model, PromptState, SequenceParallel
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "longstraw_jax"
 FAMILY_CLASSES = {"Qwen36", "Qwen36Config", "Qwen36State", "Glm52", "Glm52Config", "GlmState"}
@@ -26,11 +27,16 @@ def test_families_satisfy_the_protocols(config):
     assert isinstance(state, PromptState) and isinstance(state, model.state_type) and state.length == 4
 
 
-def test_block_protocol_is_qwen_only():
-    """Qwen3.6 backpropagates block by block; GLM-5.x keeps the autodiff default (its IndexShare selections cross
-    blocks), which `CausalLM` supplies: the engines call `model.branch_grads` either way."""
+def test_both_families_backpropagate_block_by_block():
+    """Qwen3.6 is a `BlockModel` (one kind of block); GLM-5.x gives `layerwise` one `Stage` per segment (its blocks
+    carry the IndexShare selection). Neither keeps `CausalLM`'s autodiff hooks; the engines call
+    `model.branch_grads` either way."""
     assert isinstance(models.build(models.Qwen36Config.tiny()), BlockModel)
-    assert not isinstance(models.build(models.Glm52Config.tiny()), BlockModel)
+    glm = models.build(models.Glm52Config.tiny())
+    assert glm.block_stages() and all(isinstance(stage, Stage) for stage in glm.block_stages())
+    for model in (models.build(models.Qwen36Config.tiny()), glm):
+        assert type(model).branch_grads is not CausalLM.branch_grads
+        assert type(model).chunk_grads is not CausalLM.chunk_grads
 
 
 def _class_dispatch(tree: ast.AST) -> list[str]:

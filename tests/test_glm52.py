@@ -1,6 +1,7 @@
 """GLM-5.x model: capture/extend/advance == forward with sparsity active, the ops against dense references (values
 and gradients), real-size parameter count and state size, capture memory, bad input; and the engine on GLM:
 exact == naive (no gradient into the indexer), detached == stop_gradient autograd (as tests/test_engine.py)."""
+import dataclasses
 import json
 import os
 
@@ -11,9 +12,9 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from longstraw_jax import grpo_grads, models, naive_grpo_grads
-from longstraw_jax.models.base import capture_chunks
-from longstraw_jax.models.glm52 import Glm52Config
+from longstraw_jax import GroupBatch, GRPOConfig, engine, grpo_grads, models, naive_grpo_grads
+from longstraw_jax.models.base import CausalLM, capture_chunks
+from longstraw_jax.models.glm52 import Glm52, Glm52Config
 from longstraw_jax.ops.mla import sparse_latent_attention
 from longstraw_jax.ops.moe import grouped_swiglu, route
 from tests.helpers import (
@@ -304,3 +305,88 @@ def test_detached_equals_stop_gradient_autograd_and_differs_from_exact(tiny, eng
     assert_metrics_equal(metrics, exact_metrics)
     assert not np.any(np.asarray(grads["embed"])[prompt_only_tokens(batch)])
 
+
+
+# ----- block by block (layerwise: one stage per segment) vs the autodiff fallback ----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AutodiffGlm(Glm52):
+    """GLM through `CausalLM`'s autodiff hooks with a full state cotangent (the engine's path before GLM went block
+    by block): the reference for the block-by-block backward."""
+
+    branch_grads = CausalLM.branch_grads
+    chunk_grads = CausalLM.chunk_grads
+    differentiable_state = CausalLM.differentiable_state
+
+
+def segmented_config(**overrides) -> Glm52Config:
+    """6 layers from a transformers config with first_k_dense_replace 1 and index_topk_pattern FSFSFS: segments
+    [full_dense] x 1, [shared_sparse, full_sparse] x 2, [shared_sparse] x 1. Shared layers reuse a selection made in
+    an earlier segment (layers 1 and 5) and in an earlier block (layer 3); the last segment has no indexer keys."""
+    raw = {k: v for k, v in Glm52Config.tiny().to_hf().items() if k not in ("indexer_types", "mlp_layer_types")}
+    raw |= {"num_hidden_layers": 6, "first_k_dense_replace": 1, "index_topk_pattern": "FSFSFS", "index_topk": 8}
+    return Glm52Config.from_hf(raw, **{"query_block_size": 8, "index_key_block_size": 8} | overrides)
+
+
+def test_block_by_block_equals_the_autodiff_fallback():
+    """branch_grads and chunk_grads (exact mode's two hooks), block by block vs autodiff of the whole layer stack, on
+    dense first layers and several segments (index_topk 8 < every key count here: selection is sparse)."""
+    cfg = segmented_config()
+    assert [(seg.pattern, seg.repeats) for seg in cfg.segments] == [
+        (("full_dense",), 1), (("shared_sparse", "full_sparse"), 2), (("shared_sparse",), 1)]
+    model = models.build(cfg)
+    params = glm_o1_params(model, jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (26,), 0, cfg.vocab_size, dtype=jnp.int32)
+    state = capture_chunks(model, params, tokens[:21], 8, jnp.float32)
+    head = lambda p, h: (jnp.sum(model.logits(p, h)[:, :7] ** 2) / 100.0, None)
+
+    def run(m, params, state):
+        zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+        loss, _, grads, acc = m.branch_grads(params, state, tokens[21:], head, zeros(params),
+                                             zeros(m.differentiable_state(state)))
+        chunk_grads, chunk_acc = m.chunk_grads(params, state, tokens[8:16], 8, zeros(params), acc)
+        return loss, grads, acc, chunk_grads, chunk_acc
+
+    got = jax.jit(run, static_argnums=0)(model, params, state)
+    want = jax.jit(run, static_argnums=0)(AutodiffGlm(cfg), params, state)
+    assert got[2].index_keys is None and got[4].index_keys is None  # no indexer-key cotangent at all
+    assert not np.any(np.asarray(want[2].index_keys))  # the fallback's: zero by construction
+    assert float(got[0]) == pytest.approx(float(want[0]), rel=1e-6)
+    for name, g, w in [("grads", got[1], want[1]), ("state cot", got[2].kv, want[2].kv),
+                       ("chunk grads", got[3], want[3]), ("chunk state cot", got[4].kv, want[4].kv)]:
+        assert np.abs(np.asarray(jax.tree.leaves(w)[0])).max() > 0, name
+        assert rel_err(g, w) <= 1e-5, (name, rel_err(g, w))
+    assert_only_selection_has_no_gradient(got[1])
+
+
+def _float32_shapes(jaxpr) -> set:
+    """Shapes of the float32 values a jaxpr and its sub-jaxprs (scan / while / cond / custom_vjp bodies) compute."""
+    shapes = set()
+    for eqn in jaxpr.eqns:
+        shapes |= {v.aval.shape for v in eqn.outvars if getattr(v.aval, "dtype", None) == jnp.float32}
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    shapes |= {v.aval.shape for v in sub.invars if getattr(v.aval, "dtype", None) == jnp.float32}
+                    shapes |= _float32_shapes(sub)
+    return shapes
+
+
+def test_state_cotangent_has_no_indexer_key_buffer():
+    """Exact grpo_grads, traced (not compiled) for a bfloat16 model: the state cotangent accumulator has no
+    index_keys leaf, and no float32 array of the indexer keys' shape [F, P - 1, Di] exists anywhere in the program.
+    The autodiff fallback (a full float32 accumulator) has one, so the check would see it."""
+    cfg = segmented_config()
+    params = jax.eval_shape(lambda: models.build(cfg).init(jax.random.key(0), jnp.bfloat16))
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    batch = GroupBatch(prompt=jax.ShapeDtypeStruct((38,), jnp.int32), responses=jax.ShapeDtypeStruct((2, 5), jnp.int32),
+                       mask=f32(2, 5), rewards=f32(2))
+    state = jax.eval_shape(lambda: models.build(cfg).init_state(37, jnp.bfloat16))
+    assert models.build(cfg).differentiable_state(state).index_keys is None
+    index_keys = (cfg.num_full_layers, 37, cfg.index_head_dim)
+    trace = lambda model: jax.make_jaxpr(engine._grpo_grads, static_argnums=(0, 3, 4, 5))(
+        model, params, batch, GRPOConfig(), "exact", 16).jaxpr
+    assert index_keys not in _float32_shapes(trace(models.build(cfg)))
+    assert index_keys in _float32_shapes(trace(AutodiffGlm(cfg)))

@@ -72,6 +72,10 @@ class Model(Protocol):
 
     def logits(self, params: dict, hidden: jax.Array) -> jax.Array: ...
 
+    def differentiable_state(self, state: PromptState) -> PromptState:
+        """`state` with the leaves that never receive a gradient set to None: the structure of the state cotangent
+        accumulator (`replay.py`), so that none is allocated for them."""
+
     def branch_grads(self, params, state, tokens, head, grads, acc): ...
 
     def chunk_grads(self, params, state, tokens, start, grads, acc): ...
@@ -258,6 +262,10 @@ class CausalLM:
         hold positions < start and have room for start + C. Layers only read the state; entries are written once,
         after the last layer, so the cache is updated in place."""
         return self.write_entries(state, self.chunk_entries(params, state, tokens, start), start)
+
+    def differentiable_state(self, state):
+        """Every leaf of the state can receive a gradient (a family overrides this when some cannot)."""
+        return state
 
     def branch_grads(self, params: dict, state, tokens: jax.Array, head, grads, acc):
         """One replayed branch (`replay.replay_branches`): tokens [R] after `state`; head(params, hidden) -> (loss,

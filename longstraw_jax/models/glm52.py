@@ -14,7 +14,9 @@ Prompt state (docs/models.md 2.11): per layer and position, one row `[c | k_pe]`
 roped 64-wide rope key), and per full layer the indexer key. Attention is the absorbed form (`ops/mla.py`): keys and
 values are never expanded per head. Execution mirrors Qwen36: `capture` walks the prompt in chunks, writing each
 chunk's rows once after all layers; `extend` continues after a state without modifying it; `forward` is `extend`
-from an empty state.
+from an empty state. The engine's backward goes block by block (`layerwise.py`): one `SegmentStage` per segment, a
+block = one repeat of its pattern, the IndexShare selection carried with h, and no cotangent for the indexer keys
+(`differentiable_state`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct, traverse_util
 
+from longstraw_jax import layerwise
 from longstraw_jax.models.base import CausalLM, Slot, check_config_fields, read_json_config, state_capacity
 from longstraw_jax.ops.dsa import select_topk
 from longstraw_jax.ops.dtypes import at_least_f32
@@ -494,34 +497,43 @@ def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int, int]]:
     return [tuple(r) for r in runs]
 
 
+def _full_count(groups) -> int:
+    return sum(g.startswith(FULL) for g in groups)
+
+
+def _repeat(c: Glm52Config, s: int, seg: Segment, rp: dict, carry, reader, layer0, full0, remat=False):
+    """One repeat of segment `s`'s pattern over carry (h [T, D], selected [T, k]): a scan over each run of one group.
+    rp: the repeat's parameters (leaves [per_pattern, ...] per group). layer0 / full0: where the repeat's first layer
+    and first full layer sit in the cache `reader` reads (in the whole state: their global numbers; in one repeat's
+    slice of it, `SegmentStage`: 0). Returns (carry, (rows [plen, T, kv_row_dim], index keys [full per repeat, T, Di]
+    or None, the full layers' selections [full per repeat, T, k] or None))."""
+    outputs = []
+    for group, pos, j, count in _runs(seg.pattern):
+        def step(carry, xs, layer=layer0 + pos, full=full0 + _full_count(seg.pattern[:pos]), group=group):
+            lp, i = xs
+            lp = reader.layer_params(lp, s, group)
+            h, selected, rows, key = _layer(c, lp, *carry, reader, layer + i, full + i)
+            return (h, selected), (rows, key, selected if key is not None else None)
+
+        run_params = jax.tree.map(lambda a: a[j : j + count], rp[group])
+        carry, out = jax.lax.scan(jax.checkpoint(step) if remat else step, carry, (run_params, jnp.arange(count)))
+        outputs.append(out)
+    return carry, tuple(None if all(o[n] is None for o in outputs) else
+                        jnp.concatenate([o[n] for o in outputs if o[n] is not None]) for n in range(3))
+
+
 def _segment(c: Glm52Config, s: int, seg: Segment, seg_params: dict, h, selected, reader, remat=False):
-    """Segment `s`: a scan over its repeats; inside a repeat, a scan over each run of one group. The prompt is only
-    read (through `reader`). remat: under autodiff keep only each layer's inputs and recompute the layer in the
-    backward pass (one layer's activations, and on a mesh one layer's gathered weights, live at a time).
+    """Segment `s`: a scan over its repeats (`_repeat`). The prompt is only read (through `reader`). remat: under
+    autodiff keep only each layer's inputs and recompute the layer in the backward pass (one layer's activations,
+    and on a mesh one layer's gathered weights, live at a time).
     Returns (h, selected, rows [layers, T, kv_row_dim], index keys [full layers, T, Di] or None, the full layers'
     selections [full layers, T, k] or None)."""
-    plen = len(seg.pattern)
-    full_per_repeat = sum(g.startswith(FULL) for g in seg.pattern)
+    plen, full_per_repeat = len(seg.pattern), _full_count(seg.pattern)
 
     def repeat(carry, xs):
         rp, r = xs
-        outputs = []
-        for group, pos, j, count in _runs(seg.pattern):
-            layer0 = seg.first_layer + r * plen + pos
-            full0 = seg.first_full + r * full_per_repeat + sum(g.startswith(FULL) for g in seg.pattern[:pos])
-
-            def step(carry, xs, layer0=layer0, full0=full0, group=group):
-                lp, i = xs
-                lp = reader.layer_params(lp, s, group)
-                h, selected, rows, key = _layer(c, lp, *carry, reader, layer0 + i, full0 + i)
-                return (h, selected), (rows, key, selected if key is not None else None)
-
-            run_params = jax.tree.map(lambda a: a[j : j + count], rp[group])
-            carry, out = jax.lax.scan(jax.checkpoint(step) if remat else step, carry, (run_params, jnp.arange(count)))
-            outputs.append(out)
-        rows, keys, selections = (None if all(o[n] is None for o in outputs) else
-                                  jnp.concatenate([o[n] for o in outputs if o[n] is not None]) for n in range(3))
-        return carry, (rows, keys, selections)
+        return _repeat(c, s, seg, rp, carry, reader, seg.first_layer + r * plen, seg.first_full + r * full_per_repeat,
+                       remat)
 
     (h, selected), outs = jax.lax.scan(repeat, (h, selected), (seg_params, jnp.arange(seg.repeats)))
     flatten = lambda a: None if a is None else a.reshape((-1,) + a.shape[2:])
@@ -550,6 +562,103 @@ def _chunk(c: Glm52Config, params: dict, state: GlmState, tokens: jax.Array, sta
     # k covers every visible key whenever fewer than index_topk are (decoding at start > state.length included)
     k = min(c.index_topk, state.kv.shape[1] + t)
     return decoder_layers(c, params["layers"], params["embed"][tokens], reader, k, remat)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Block by block (longstraw_jax/layerwise.py): one stage per segment, a block = one repeat of its pattern
+
+
+def _last_key(path) -> str:
+    key = path[-1]
+    return getattr(key, "name", None) or getattr(key, "key")
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentStage:
+    """`layerwise.Stage` of segment `s`: block r is repeat r of the segment's pattern, layers first_layer + r * plen
+    .. (+ plen) and full layers first_full + r * (full per repeat) ... The block carry is (h, selected): a shared
+    layer may reuse the selection of a full layer in an earlier block or segment, so the selection travels with h
+    (integer: no cotangent). A block reads its slice of the state: kv [plen, S, Dk], index_keys [full per repeat,
+    S, Di] (layer indices local to the slice). `at` / `set_at` / `stacked` work on a GlmState, a ShardedPromptState
+    and a dict of entries alike (by field name, layer axis first), None leaves (the cotangent has no index_keys)
+    staying None."""
+
+    config: Glm52Config
+    s: int
+    seg: Segment
+
+    @property
+    def num_blocks(self) -> int:
+        return self.seg.repeats
+
+    def block_params(self, params: dict) -> dict:
+        return params["layers"][str(self.s)]
+
+    def with_block_params(self, params: dict, blocks: dict) -> dict:
+        return dict(params, layers=dict(params["layers"], **{str(self.s): blocks}))
+
+    def block(self, bp: dict, carry, state_block: GlmState, positions: jax.Array, cache_length):
+        """One repeat on carry (h [T, D], selected [T, k]) at `positions`, reading `state_block` at positions <
+        cache_length. Returns (carry, {"kv": rows [plen, T, Dk], "index_keys": keys [full per repeat, T, Di] or
+        None})."""
+        return self.block_with_reader(bp, carry, PromptReader(state_block, positions, cache_length))
+
+    def block_with_reader(self, bp: dict, carry, reader):
+        """`block` with the prompt read through `reader` (one block's slice of it; the sharded replay's reader)."""
+        carry, (rows, keys, _) = _repeat(self.config, self.s, self.seg, bp, carry, reader, 0, 0)
+        return carry, {"kv": rows, "index_keys": keys}
+
+    def _rows(self, path) -> tuple[int, int]:
+        """(first layer of block 0, layers per block) on the layer axis of the leaf at `path`."""
+        seg, name = self.seg, _last_key(path)
+        if name == "kv":
+            return seg.first_layer, len(seg.pattern)
+        if name == "index_keys":
+            return seg.first_full, _full_count(seg.pattern)
+        raise ValueError(f"no layer axis known for a state field {name!r}")
+
+    def at(self, tree, b):
+        def one(path, a):
+            first, size = self._rows(path)
+            return jax.lax.dynamic_slice_in_dim(a, first + b * size, size, axis=0)
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    def set_at(self, tree, b, sub):
+        def one(path, a, x):
+            first, size = self._rows(path)
+            return jax.lax.dynamic_update_slice_in_dim(a, x.astype(a.dtype), first + b * size, axis=0)
+        return jax.tree_util.tree_map_with_path(one, tree, sub)
+
+    def stacked(self, entries):
+        def one(path, a):
+            first, size = self._rows(path)
+            return a[first : first + self.num_blocks * size].reshape((self.num_blocks, size) + a.shape[1:])
+        return jax.tree_util.tree_map_with_path(one, entries)
+
+
+class GlmBlocks(NamedTuple):
+    """What `layerwise` needs of GLM-5.x besides its stages: the block carry is (h, selected), selected starting as
+    -1 (layer 0 is a full layer: it selects before any layer reads). `visible`: the key positions before the tokens
+    that the top-k width covers, k = min(index_topk, visible + T) (one device: the state's capacity, as `_chunk`)."""
+
+    model: "Glm52"
+    visible: int
+
+    def embed(self, params: dict, tokens: jax.Array):
+        k = min(self.model.config.index_topk, self.visible + tokens.shape[0])
+        return params["embed"][tokens], jnp.full((tokens.shape[0], k), -1, jnp.int32)
+
+    def final_norm(self, params: dict, carry) -> jax.Array:
+        return rms_norm(carry[0], params["final_norm"], self.model.config.rms_norm_eps)
+
+    def read_entries(self, state, start, size: int) -> dict:
+        return self.model.read_entries(state, start, size)
+
+    def carried(self, state):
+        return self.model.carried(state)
+
+    def with_carried(self, state, carried):
+        return self.model.with_carried(state, carried)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -649,6 +758,31 @@ class Glm52(CausalLM):
         """Capture, replay and prompt backward on a ("data", "seq") mesh: `sharding/glm52.py`."""
         return sharded.Glm52OnMesh(self)
 
+    # ----- block by block (longstraw_jax/layerwise.py: the engine's backward) -----
+    def block_stages(self) -> tuple[SegmentStage, ...]:
+        """One `layerwise.Stage` per segment (a block = one repeat of its pattern), in layer order."""
+        return tuple(SegmentStage(self.config, s, seg) for s, seg in enumerate(self.config.segments))
+
+    def differentiable_state(self, state):
+        """Every GlmState in `state` (a GlmState, a ShardedPromptState) with index_keys None: the indexer keys are
+        read only by the top-k selection, which is not differentiable, so their cotangent is zero by construction
+        and the state cotangent accumulator (`replay.py`) has no buffer for them, nor does any block's vjp."""
+        return jax.tree.map(lambda s: s.replace(index_keys=None), state, is_leaf=lambda x: isinstance(x, GlmState))
+
+    def layerwise_blocks(self, visible: int) -> GlmBlocks:
+        """What `layerwise` needs besides the stages, with the top-k width for `visible` earlier key positions."""
+        return GlmBlocks(self, visible)
+
+    def branch_grads(self, params, state, tokens, head, grads, acc):
+        """One replayed branch, backpropagated block by block (`layerwise.branch_grads`, one stage per segment)."""
+        return layerwise.branch_grads(self.layerwise_blocks(state.kv.shape[1]), params, state, tokens, head, grads,
+                                      acc, stages=self.block_stages())
+
+    def chunk_grads(self, params, state, tokens, start, grads, acc):
+        """One prompt chunk of exact mode's backward, block by block (`layerwise.chunk_grads`)."""
+        return layerwise.chunk_grads(self.layerwise_blocks(state.kv.shape[1]), params, state, tokens, start, grads,
+                                     acc, stages=self.block_stages())
+
     def carried(self, state: GlmState):
         """Nothing is overwritten chunk to chunk: every part of the state is appended (pure attention)."""
         return ()
@@ -675,5 +809,5 @@ class Glm52(CausalLM):
 
     def read_entries(self, state: GlmState, start, size: int) -> dict:
         """The transpose of `write_entries`: the rows of positions start..start+size-1 (used on cotangents)."""
-        read = lambda cache: jax.lax.dynamic_slice_in_dim(cache, start, size, axis=1)
+        read = lambda cache: None if cache is None else jax.lax.dynamic_slice_in_dim(cache, start, size, axis=1)
         return {"kv": read(state.kv), "index_keys": read(state.index_keys)}

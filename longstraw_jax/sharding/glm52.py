@@ -17,9 +17,11 @@ Capture (in rounds, `RoundLayout`; each round laid out zigzag like Qwen3.6's). P
 Replay: a branch's queries run on every shard. Each shard scores its own prompt keys (top-k candidates, all-gathered
 and merged with the branch's own keys' candidates); attention is a partial over the selected rows this shard holds,
 merged across shards by log-sum-exp (`sequence.psum_merge`), then merged with the branch's own rows.
-Exact backward: rounds in reverse, each recomputed from the final cache (its earlier slots are what it read) under
-`jax.vjp` of its `shard_map`, with the round's slice of the state cotangent; the all-gathers transpose to
-reduce-scatters (cache-read cotangents land on the shards that hold the rows, layer gradients on their FSDP shards).
+Replay backward and exact backward go block by block (`layerwise`, one stage per segment, a block = one repeat of
+its pattern, each block in its own `shard_map`): a branch, or a capture round recomputed from the final cache (its
+earlier slots are what it read), is backpropagated one block at a time under `jax.vjp`, each block's slice of the
+state cotangent added in place (none for the indexer keys); the all-gathers transpose to reduce-scatters (cache-read
+cotangents land on the shards that hold the rows, layer gradients on their FSDP shards).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from longstraw_jax import layerwise, trainable
+from longstraw_jax import layerwise
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.dsa import merge_candidates, topk_over_keys
 from longstraw_jax.ops.dtypes import at_least_f32
@@ -42,7 +44,7 @@ from longstraw_jax.ops.norms import rms_norm
 from longstraw_jax.sharding import rules, sequence
 from longstraw_jax.sharding.experts import routed_swiglu
 from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
-from longstraw_jax.sharding.rules import gather_layer, param_specs, prompt_state_specs
+from longstraw_jax.sharding.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
 from longstraw_jax.sharding.sequence import SEQ
 
 _ROWS = P(None, SEQ)  # latent rows / indexer keys [layers, S, Dk] or [F, S, Di], positions split along seq
@@ -347,45 +349,158 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
 # ----- exact mode: the prompt's backward -----------------------------------------------------------------------
 
 
+class _RoundBlocks(NamedTuple):
+    """What `layerwise.chunk_grads` needs besides the stages, for capture round `index` (laid out by `layout`): the
+    round's tokens (stored order, seq-sharded) embedded with an empty selection as the block carry, and the round's
+    slots of the state cotangent as its entries' cotangent (`start` is not used: the round knows its slots)."""
+
+    model: Any
+    mesh: Any
+    rounds: RoundLayout
+    layout: SeqLayout
+    index: jax.Array
+
+    def embed(self, params, tokens):
+        k = min(self.model.config.index_topk, self.rounds.length)  # as `round_entries`
+        h = rules.constrain(params["embed"][tokens], P(SEQ), self.mesh)
+        return h, rules.constrain(jnp.full((tokens.shape[0], k), -1, jnp.int32), P(SEQ), self.mesh)
+
+    def read_entries(self, acc, start, size: int) -> dict:
+        return {"kv": sequence.round_slots(self.mesh, self.rounds, acc.kv, self.index, self.layout.per_shard, 1),
+                "index_keys": None}
+
+    def carried(self, state):
+        return self.model.carried(state)
+
+    def with_carried(self, state, carried):
+        return self.model.with_carried(state, carried)
+
+
+class _SegmentRound(NamedTuple):
+    """A `layerwise.Stage` of the sharded prompt backward: the model's segment stage, whose block runs one repeat
+    of capture round `index` in its own `shard_map` (a `RoundReader` over the block's slice of the final cache,
+    layer numbers local to the slice). Returns the block's latent rows (zero at padding); its indexer keys get no
+    cotangent and are not returned."""
+
+    stage: Any
+    mesh: Any
+    rounds: RoundLayout
+    layout: SeqLayout
+    index: jax.Array
+    layer_specs: dict  # param_specs(params)["layers"]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.stage.num_blocks
+
+    def block_params(self, params):
+        return self.stage.block_params(params)
+
+    def with_block_params(self, params, blocks):
+        return self.stage.with_block_params(params, blocks)
+
+    def at(self, tree, b):
+        return self.stage.at(tree, b)
+
+    def set_at(self, tree, b, sub):
+        return self.stage.set_at(tree, b, sub)
+
+    def stacked(self, entries):
+        return self.stage.stacked(entries)
+
+    def block(self, bp, carry, state_block, positions, cache_length):
+        rounds, layout = self.rounds, self.layout
+
+        def local(bp, carry, kv, index_keys, index):
+            positions = index * rounds.round_positions + sequence.local_positions(layout).reshape(-1)
+            reader = RoundReader(kv, index_keys, positions, index, rounds, layout, _Layers(self.layer_specs))
+            carry, entries = self.stage.block_with_reader(bp, carry, reader)
+            return carry, jnp.where((positions < rounds.length)[None, :, None], entries["kv"], 0)
+
+        slice_specs = block_slice_specs(self.layer_specs[str(self.stage.s)])
+        carry, rows = _shard_map(self.mesh, local, (slice_specs, P(SEQ), _ROWS, _ROWS, P()), (P(SEQ), _ROWS))(
+            bp, carry, state_block.kv, state_block.index_keys, self.index)
+        return carry, {"kv": rows, "index_keys": None}
+
+
 def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, state, state_cot,
                     grads) -> dict:
     """grads + the float32 gradient of the sequence-parallel capture given `state_cot` (the float32 cotangent of the
-    captured GlmState, sharded like it). Rounds in reverse: round r's entries are recomputed under `jax.vjp` from
-    the final cache; their cotangent is the round's slots of the running cotangent; the cotangent of its cache
-    reads (earlier rounds' rows) is added into the running cotangent. Indexer keys carry no gradient."""
-    specs = param_specs(params, mesh)
+    captured GlmState, sharded like it; no index_keys: `Glm52.differentiable_state`). Rounds in reverse, and in each
+    round blocks in reverse (`layerwise.chunk_grads` over `_SegmentRound` stages): a forward over the blocks keeps
+    each block's input carry (h, selected); then each block is recomputed from the final cache (its earlier slots are
+    what the round read) under `jax.vjp` of its `shard_map`, its rows' cotangent read from the round's slots of the
+    running cotangent, and the cotangent of its cache reads added into the running cotangent at the block's layers,
+    in place. Live: the state, its float32 cotangent, one round's block inputs and one block's recomputation."""
+    layer_specs = param_specs(params, mesh)["layers"]
     grad_specs = param_specs(grads, mesh)  # the trainable part's (grads has its structure: trainable.py)
     place = lambda tree, spec_tree: rules.constrain(tree, spec_tree, mesh)
 
     def one_round(carry, layout, index):
-        grads, kv_cot = carry
-        tokens, h = _embedded_round(params, mesh, rounds, stored_tokens, index, layout.per_shard)
-        entries = lambda layers, h, kv: round_entries(model, mesh, rounds, layout, specs["layers"], layers, h, kv,
-                                                      state.index_keys, index)[0]
-        # with respect to the trainable layer leaves only (the structure of grads["layers"])
-        rows, vjp = trainable.vjp(entries, params["layers"], grads["layers"], h, state.kv)
-        rows_cot = sequence.round_slots(mesh, rounds, kv_cot, index, layout.per_shard, 1)
-        d_layers, dh, d_kv = vjp(rows_cot.astype(rows.dtype))
-        layers = place(jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads["layers"], d_layers),
-                       grad_specs["layers"])
-        grads = dict(grads, layers=layers)
-        if grads["embed"] is not None:  # a trained embedding
-            grads = dict(grads, embed=place(grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)),
-                                            specs["embed"]))
-        kv_cot = rules.constrain(kv_cot + d_kv.astype(kv_cot.dtype), _ROWS, mesh)
-        return grads, kv_cot
+        grads, acc = carry
+        tokens = sequence.round_slots(mesh, rounds, stored_tokens, index, layout.per_shard, 0)
+        stages = tuple(_SegmentRound(stage, mesh, rounds, layout, index, layer_specs)
+                       for stage in model.block_stages())
+        grads, acc = layerwise.chunk_grads(_RoundBlocks(model, mesh, rounds, layout, index), params, state, tokens,
+                                           0, grads, acc, stages=stages)
+        return place(grads, grad_specs), acc.replace(kv=rules.constrain(acc.kv, _ROWS, mesh))
 
-    return sequence.each_round(rounds, (grads, at_least_f32(state_cot.kv)), one_round, reverse=True)[0]
+    acc = model.differentiable_state(state_cot).replace(kv=at_least_f32(state_cot.kv))
+    return sequence.each_round(rounds, (grads, acc), one_round, reverse=True)[0]
 
 
 # ----- the adapter the engine asks the model for ---------------------------------------------------------------
 
 
+class _SegmentOnMesh(NamedTuple):
+    """A `layerwise.Stage` of the sharded replay: the model's segment stage (`Glm52.block_stages`), whose block runs
+    one repeat in its own `shard_map` over the block's slice of the seq-sharded state (a `ReplayReader` over it,
+    layer numbers local to the slice), so `layerwise.branch_grads` backpropagates block by block and adds each
+    block's slice of the state cotangent into the accumulator in place (no state-sized cotangent per branch; none at
+    all for the indexer keys). Everything else is the stage's."""
+
+    stage: Any
+    mesh: Any
+    rounds: RoundLayout
+    layer_specs: dict  # param_specs(params)["layers"]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.stage.num_blocks
+
+    def block_params(self, params):
+        return self.stage.block_params(params)
+
+    def with_block_params(self, params, blocks):
+        return self.stage.with_block_params(params, blocks)
+
+    def at(self, tree, b):
+        return self.stage.at(tree, b)
+
+    def set_at(self, tree, b, sub):
+        return self.stage.set_at(tree, b, sub)
+
+    def stacked(self, entries):
+        return self.stage.stacked(entries)
+
+    def block(self, bp, carry, state_block, positions, cache_length):
+        """One repeat over carry (h [T, D], selected [T, k]) (replicated); state_block: a ShardedPromptState sliced at
+        the block. Returns (carry, None): the replay needs no entries."""
+        rounds, slice_specs = self.rounds, block_slice_specs(self.layer_specs[str(self.stage.s)])
+
+        def local(bp, carry, state):
+            positions = rounds.length + jnp.arange(carry[0].shape[0], dtype=jnp.int32)
+            reader = ReplayReader(state.kv, state.index_keys, positions, rounds, _Layers(self.layer_specs))
+            return self.stage.block_with_reader(bp, carry, reader)[0]
+
+        state = state_block.state
+        return _shard_map(self.mesh, local, (slice_specs, P(), prompt_state_specs(state)), P())(bp, carry, state), None
+
+
 @dataclasses.dataclass(frozen=True)
 class Glm52OnMesh:
-    """GLM-5.x's `SequenceParallel` (models/base.py). Its replay has no block protocol (IndexShare selections cross
-    layers), so each branch is backpropagated by autodiff of the sharded replay: a sharded state-sized cotangent per
-    branch."""
+    """GLM-5.x's `SequenceParallel` (models/base.py). Its replay backpropagates block by block (`_SegmentOnMesh`:
+    one stage per segment, a block = one repeat of its pattern), as one device does."""
 
     model: Any
     min_segment = 1  # GLM reads no halo from the previous segment: any segment length works
@@ -399,7 +514,9 @@ class Glm52OnMesh:
         return extend_hidden_fn(self.model, mesh, param_specs(params, mesh))(params, sstate, tokens)
 
     def branch_grads(self, mesh, rounds: RoundLayout, specs):
-        return functools.partial(layerwise.branch_grads_autodiff, extend_hidden_fn(self.model, mesh, specs))
+        """`layerwise.branch_grads` over the mesh stages; the top-k width is the sharded replay's (P + T)."""
+        stages = tuple(_SegmentOnMesh(stage, mesh, rounds, specs["layers"]) for stage in self.model.block_stages())
+        return functools.partial(layerwise.branch_grads, self.model.layerwise_blocks(rounds.length), stages=stages)
 
     def prompt_backward(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, sstate,
                         capture_aux, state_cot, grads):

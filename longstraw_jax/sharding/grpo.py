@@ -4,10 +4,10 @@ replay and prompt backward (`model.sequence_parallel()`: `sharding/qwen36.py`, `
     capture   sstate = capture(prompt[:-1]) on the mesh, in rounds    seq-sharded caches, replicated GDN state
               (or the sampler's capture, passed in: one capture per step)
     replay    for g in branches (lax.scan): parameter gradients (FSDP-sharded, float32) and, in exact mode, the
-              state cotangent (sharded like the state). Qwen3.6: block by block (`layerwise.branch_grads`, each
-              block in its own shard_map), the cotangent added in place one block slice at a time; GLM-5.x: autodiff
-              of the sharded replay (no block protocol yet), a sharded state-sized cotangent per branch
-    prompt    exact mode: rounds in reverse (Qwen3.6: and blocks in reverse, sharding/qwen36.prompt_backward; GLM-5.x:
+              state cotangent (sharded like the state; only `model.differentiable_state`'s leaves). Both families
+              block by block (`layerwise.branch_grads`, each block in its own shard_map; GLM-5.x one stage per
+              segment), the cotangent added in place one block slice at a time
+    prompt    exact mode: rounds in reverse and blocks in reverse (sharding/qwen36.prompt_backward,
               sharding/glm52.prompt_backward)
 
 Gradients flow through `shard_map` by JAX's transposes of the collectives: the layers' `all_gather` becomes a
@@ -95,7 +95,7 @@ def _group_grads(model, params, batch, cfg, mode, mesh, layout, attention, weigh
         sstate, capture_aux = family.capture(jax.lax.stop_gradient(params), stored, mesh, layout, attention)
     else:
         sstate, capture_aux = captured.sstate, captured.capture_aux
-    state_specs = sstate.replace(state=prompt_state_specs(sstate.state))
+    state_specs = model.differentiable_state(sstate.replace(state=prompt_state_specs(sstate.state)))  # like the acc
     loss, grads, state_cot, sums = replay_branches(
         model, params, sstate, batch, cfg, with_state_grad=mode == "exact",
         branch_grads=family.branch_grads(mesh, layout, param_specs(params, mesh)), like_params=like_params,
