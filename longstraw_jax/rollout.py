@@ -88,12 +88,15 @@ class Rollout:
     the logits at temperature 1, no top-p; what the trainer's ratio compares against: use as old_logprobs),
     sample_logprobs float32 [G, R]: log-prob under the distribution actually sampled from (temperature, top-p).
     The two are equal when temperature = 1 and top_p = 1; greedy decoding (temperature 0) samples from a point
-    mass: sample_logprobs 0. Padded positions hold 0."""
+    mass: sample_logprobs 0. Padded positions hold 0. first_logprobs float32 [V]: the policy's log-probabilities of
+    response token 0 (log_softmax of the logits after the prompt, temperature 1; one row for all G branches, which
+    share it), e.g. for the held-out evaluation's entropy and KL (evaluate.py)."""
 
     responses: jax.Array
     mask: jax.Array
     logprobs: jax.Array
     sample_logprobs: jax.Array
+    first_logprobs: jax.Array
 
 
 def sampling_logits(logits: jax.Array, temperature: float, top_p: float) -> jax.Array:
@@ -258,4 +261,5 @@ def sample_branches(step, state, first_logits, restore, key, num_branches: int, 
         return state, (tokens, mask, logp, sample_logp)
 
     state, (tokens, mask, logp, sample_logp) = jax.lax.scan(branch, state, jax.random.split(key, num_branches))
-    return state, Rollout(responses=tokens, mask=mask, logprobs=logp, sample_logprobs=sample_logp)
+    return state, Rollout(responses=tokens, mask=mask, logprobs=logp, sample_logprobs=sample_logp,
+                          first_logprobs=jax.nn.log_softmax(first_logits.astype(jnp.float32)))

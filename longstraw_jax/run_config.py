@@ -24,8 +24,8 @@ DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`
 RESUMABLE = frozenset({"steps", "resume", "resume_step", "out", "export_hf", "force", "log_every", "save_every",
                        "coordinator", "num_processes", "process_id"})
 # Options a checkpoint records and a resumed run adopts, but that may be given differently on --resume (a run saved by
-# 2 processes on a 2x4 mesh continues on one process, on 2x4 or 1x8).
-CHANGEABLE = frozenset({"mesh"})
+# 2 processes on a 2x4 mesh continues on one process, on 2x4 or 1x8; evaluations may come more or less often).
+CHANGEABLE = frozenset({"mesh", "eval_every"})
 
 
 class RunError(Exception):
@@ -81,6 +81,17 @@ class RunConfig:
     mesh: str | None = _option(None, "device mesh data x seq (e.g. 1x8); on CPU raises the simulated device count "
                                "to A*B before JAX starts", metavar="AxB")
     seed: int = _option(0)
+    # held-out evaluation and supervised warm-up (evaluate.py, sft.py)
+    eval_every: int = _option(10, "score K held-out prompts (greedy) before step 1, every N steps and after the last "
+                              "step; 0: never", group="held-out evaluation and warm-up", metavar="N")
+    eval_prompts: int = _option(64, "K held-out prompts: the task built with --seed's bit 31 flipped, a stream "
+                                "training never draws (a multiple of the mesh's data size)", metavar="K")
+    sft_steps: int = _option(0, "supervised warm-up steps before GRPO: cross-entropy on the task's target response "
+                             "(retrieval: the answer), full-graph autograd (short prompts); not on --resume",
+                             metavar="N")
+    sft_batch: int = _option(16, "prompts per warm-up step")
+    sft_lr: float = _option(1e-3, "warm-up AdamW learning rate (its own optimizer state, dropped after the warm-up)")
+    sft_prompt_len: int | None = _option(None, "warm-up prompt length (default --prompt-len)")
     # output
     out: str | None = _option(None, "output directory (default: out/run-<UTC time>)", group="output")
     resume: bool = _option(False, "continue the run in --out from its newest intact checkpoint (a damaged newer one "
@@ -103,12 +114,20 @@ class RunConfig:
     def __post_init__(self):
         errors = []
         for name, low in (("group_size", 1), ("response_len", 1), ("steps", 1), ("chunk_size", 1), ("prompt_len", 2),
-                          ("save_every", 1), ("log_every", 1), ("vocab_size", 1)):
+                          ("save_every", 1), ("log_every", 1), ("vocab_size", 1), ("eval_every", 0),
+                          ("eval_prompts", 1), ("sft_steps", 0), ("sft_batch", 1)):
             if getattr(self, name) < low:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be >= {low}")
-        for name in ("lr", "weight_decay", "kl_coef", "temperature", "top_p", "max_grad_norm"):
+        for name in ("lr", "weight_decay", "kl_coef", "temperature", "top_p", "max_grad_norm", "sft_lr"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be a finite number >= 0")
+        if self.temperature == 0:
+            errors.append("--temperature=0.0 must be > 0: the G branches of a group must be sampled (greedy makes "
+                          "them equal; the held-out evaluation is greedy)")
+        if self.sft_steps and self.rollouts:
+            errors.append(f"--sft-steps={self.sft_steps} needs task prompts: not with --rollouts")
+        if self.sft_prompt_len is not None and self.sft_prompt_len < 2:
+            errors.append(f"--sft-prompt-len={self.sft_prompt_len} must be >= 2")
         if self.groups_per_step is not None and self.groups_per_step < 1:
             errors.append(f"--groups-per-step={self.groups_per_step} must be >= 1")
         if self.num_processes is not None and self.num_processes < 1:
@@ -129,6 +148,9 @@ class RunConfig:
                 if self.groups_per_step is not None and self.groups_per_step >= 1 and self.groups_per_step % data:
                     errors.append(f"--groups-per-step={self.groups_per_step} must be a multiple of the mesh's data "
                                   f"size {data} (--mesh={self.mesh}): each data slice runs the same number of groups")
+                if self.eval_every > 0 and self.eval_prompts >= 1 and self.eval_prompts % data:
+                    errors.append(f"--eval-prompts={self.eval_prompts} must be a multiple of the mesh's data size "
+                                  f"{data} (--mesh={self.mesh}): each data slice scores the same number of prompts")
         for field in dataclasses.fields(self):
             choices = field.metadata["argparse"].get("choices")
             if choices is not None and getattr(self, field.name) not in choices:

@@ -17,8 +17,9 @@ import threading
 import time
 
 import jax
+import numpy as np
 
-from longstraw_jax import distributed, fault_hooks, metrics, models, run_log, run_outdir, run_setup
+from longstraw_jax import distributed, evaluate, fault_hooks, metrics, models, run_log, run_outdir, run_setup, sft
 from longstraw_jax.grpo import GRPOConfig
 from longstraw_jax.run_config import RunConfig, RunError
 from longstraw_jax.train import train_step
@@ -51,8 +52,11 @@ class Trainer:
             self.params, self.opt_state, self.key, meta = self.plan.restore(self.params, self.opt_state, self.key)
             self.step, self.data_position = meta["step"], meta["data_position"]
         self.start_step = self.step
+        # held-out evaluation (evaluate.py): --eval-every N > 0 on a task (not a rollout file)
+        self.evaluator = evaluate.for_run(config, explicit, self.data, self.model.config.vocab_size, self.mesh)
         # opened by _start_writing, after the first step: until then the output directory is as it was
         self.checkpoints, self.log = None, None
+        self.pending = []  # records computed before the run writes (warm-up, the start's evaluation)
 
     def _start_writing(self) -> None:
         with _sigint_deferred():
@@ -63,6 +67,10 @@ class Trainer:
             if self.plan.resuming:
                 for note in self.log.keep_until(self.start_step):
                     run_outdir.warn(note)
+            for record in self.pending:
+                self.log.write(record)
+            if self.evaluator is not None and not self.plan.resuming and distributed.is_primary():
+                np.save(os.path.join(self.out, evaluate.REFERENCE_FILE), self.evaluator.reference)
 
     def train_one(self) -> dict:
         """One step: a batch from the data source, one train_step, one metrics.jsonl line (returned)."""
@@ -91,11 +99,14 @@ class Trainer:
         records = []
         wall = time.perf_counter()
         try:
+            self.before_first_step(say)
             while self.step < config.steps:
                 record = self.train_one()
                 records.append(record)
                 if self.step % config.log_every == 0 or self.step == config.steps:
                     say(run_log.progress(record, config.steps), flush=True)
+                if self.evaluator is not None and (self.step % config.eval_every == 0 or self.step == config.steps):
+                    self.log.write(self.evaluate(say))
                 if self.step % config.save_every == 0 or self.step == config.steps:
                     with _sigint_deferred():
                         self.checkpoints.save(self.step, self.params, self.opt_state, self.key, self.data_position,
@@ -107,7 +118,8 @@ class Trainer:
                 if distributed.is_primary():  # process 0 writes the plot and the export, and prints the summary
                     history = metrics.read_metrics(self.log.path)
                     metrics.plot_metrics(history, os.path.join(self.out, "metrics.png"),
-                                         title=f"GRPO ({config.mode}) on {self.data.description}")
+                                         title=f"GRPO ({config.mode}) on {self.data.description}",
+                                         chance=getattr(self.data.task, "chance_accuracy", None))
                     if config.export_hf:
                         with run_outdir.replaced_dir(config.export_hf, config.force) as staging:
                             models.save_hf(self.model, final, staging)
@@ -115,6 +127,33 @@ class Trainer:
         except KeyboardInterrupt:
             return self.interrupted()
         return 0
+
+    def before_first_step(self, say) -> None:
+        """A new run (not resumed): the supervised warm-up (--sft-steps), then the held-out evaluation of the
+        starting policy (its first-token distribution is the reference of eval_kl_to_start). A resumed run: the
+        reference from <out>/eval_start.npy. Records wait in self.pending until the run writes."""
+        config = self.config
+        if self.plan.resuming:
+            if self.evaluator is not None:
+                self.evaluator.reference = evaluate.load_reference(self.out, self.evaluator)
+            return
+        if config.sft_steps:
+            task = sft.warm_up_task(config, self.model.config.vocab_size)
+            say(f"warm-up: {config.sft_steps} supervised steps x {config.sft_batch} prompts of "
+                f"{task.prompt_len if hasattr(task, 'prompt_len') else '?'} tokens, lr {config.sft_lr}", flush=True)
+            self.params, records = sft.warm_up(self.model, self.params, task, config.sft_steps, config.sft_batch,
+                                               config.sft_lr, getattr(task, "pad_token", 0), say=say,
+                                               place=lambda tree: run_setup.place(tree, self.mesh, self.params))
+            self.pending.extend(records)
+        if self.evaluator is not None:
+            self.pending.append(self.evaluate(say, reference=True))
+
+    def evaluate(self, say, reference: bool = False) -> dict:
+        """Score the held-out prompts with the current params -> the metrics.jsonl record (kind "eval")."""
+        result = self.evaluator(self.model, self.params, reference=reference)
+        say(f"eval @ step {self.step}: " + evaluate.describe(result, getattr(self.evaluator.task, "chance_accuracy",
+                                                                              None)), flush=True)
+        return {"step": self.step, "kind": "eval", **result}
 
     def interrupted(self) -> int:
         """After Ctrl-C: say where the run stands on stderr -> 130."""

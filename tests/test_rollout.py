@@ -86,6 +86,7 @@ def test_greedy_is_the_argmax_of_a_full_recompute(setup):
     np.testing.assert_array_equal(out.sample_logprobs, 0.0)
     oracle, _ = response_logprobs(model, params, jnp.asarray(prompt), jnp.asarray(responses))
     np.testing.assert_allclose(out.logprobs, oracle, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out.first_logprobs, jax.nn.log_softmax(logits[0, 0]), rtol=1e-4, atol=1e-4)
 
 
 

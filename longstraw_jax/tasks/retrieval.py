@@ -115,5 +115,9 @@ class RetrievalTask:
             return 1.0
         return self.format_reward if FIRST_ANSWER <= first < self.first_key else 0.0
 
+    def target(self, info: dict) -> np.ndarray:
+        """The response to imitate in a supervised warm-up (sft.py): [answer, STOP]."""
+        return np.array([info["answer"], STOP], np.int32)
+
     def is_correct(self, response_tokens: np.ndarray, info: dict) -> bool:
         return len(response_tokens) > 0 and int(response_tokens[0]) == info["answer"]
