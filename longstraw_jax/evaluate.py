@@ -139,7 +139,7 @@ def held_out_task(config, vocab_size: int):
     from longstraw_jax.tasks import make_task
 
     return make_task(config.task, prompt_len=config.prompt_len, vocab_size=vocab_size,
-                     seed=held_out_seed(config.seed), **({"depth": config.depth} if config.depth is not None else {}))
+                     seed=held_out_seed(config.seed), **config.task_options())
 
 
 def for_config(config, vocab_size: int, mesh=None) -> Evaluator:

@@ -115,11 +115,12 @@ def moving_mean(values: list[float], window: int) -> list[float]:
 
 
 def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", smooth: int = 10,
-                 chance: float | None = None) -> None:
+                 chance: float | None = None, levels: dict | None = None) -> None:
     """PNG over GRPO step: (1) training reward (group mean, points and a `smooth`-step mean), training accuracy
     (`smooth`-step mean) and held-out accuracy / reward (evaluations, kind "eval"), with `chance` as a line; (2) the
     policy's entropy (training tokens) and the held-out KL to the start policy; (3) the update: grad norm (raw,
-    before clipping) and clip fraction. With warm-up records (kind "sft"), a first panel of its loss and batch
+    before clipping) and clip fraction. levels: {label: accuracy} drawn as more horizontal lines in (1), e.g. the
+    accuracy of copying a random fact's value. With warm-up records (kind "sft"), a first panel of its loss and batch
     accuracy per warm-up step."""
     # here, not at module level: matplotlib costs ~0.5 s to import and only the end of a run plots; the Agg backend
     # must be chosen before pyplot is imported (headless machines)
@@ -129,6 +130,9 @@ def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", 
     import matplotlib.pyplot as plt
 
     steps_records, evals, warm = split_records(records)
+    if evals:  # the run's own length (a warm-up at another length is evaluated at its length too, at step 0)
+        other = [r for r in evals if r["eval_prompt_len"] != evals[-1]["eval_prompt_len"]]
+        evals = [r for r in evals if r["eval_prompt_len"] == evals[-1]["eval_prompt_len"]]
     value = lambda r, k: r.get(k) if r.get(k) is not None else math.nan
     panels = 3 + bool(warm)
     fig, axes = plt.subplots(panels, 1, figsize=(8, 2.6 * panels))
@@ -166,8 +170,13 @@ def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", 
                      label=f"held-out accuracy (greedy, {evals[-1]['eval_prompts']} prompts)")
         top.plot(eval_steps, [value(r, "eval_reward") for r in evals], "s--", color="C4", alpha=0.7, markersize=4,
                  label="held-out reward (greedy)")
+        for r in other:
+            top.plot([r["step"]], [value(r, "eval_accuracy")], "*", color="C5", markersize=10,
+                     label=f"held-out accuracy at the warm-up's {r['eval_prompt_len']} tokens")
     if chance is not None:
         top.axhline(chance, color="gray", linestyle=":", label=f"chance accuracy {chance:.2f}")
+    for i, (label, level) in enumerate((levels or {}).items()):
+        top.axhline(level, color="gray", linestyle=("--", "-.")[i % 2], alpha=0.6, label=f"{label} {level:.2f}")
     top.set_ylabel("reward / accuracy")
     top.legend(loc="best", fontsize=8)
 

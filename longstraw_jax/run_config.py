@@ -59,6 +59,8 @@ class RunConfig:
     prompt_len: int = _option(512, "prompt tokens per group (task prompts)")
     depth: float | None = _option(None, "retrieval task: depth of the planted fact in [0, 1] (default: random per "
                                   "prompt)")
+    facts: int | None = _option(None, "retrieval task: facts per prompt, the queried one and N-1 distractors with "
+                                "other keys at random depths (default: the task's, 2)", metavar="N")
     # sampling
     group_size: int = _option(8, "G, response branches per prompt", group="sampling", short="-G")
     groups_per_step: int | None = _option(None, "B, groups (prompts) per step, side by side on the mesh's data axis "
@@ -128,6 +130,8 @@ class RunConfig:
             errors.append(f"--sft-steps={self.sft_steps} needs task prompts: not with --rollouts")
         if self.sft_prompt_len is not None and self.sft_prompt_len < 2:
             errors.append(f"--sft-prompt-len={self.sft_prompt_len} must be >= 2")
+        if self.facts is not None and self.facts < 1:
+            errors.append(f"--facts={self.facts} must be >= 1")
         if self.groups_per_step is not None and self.groups_per_step < 1:
             errors.append(f"--groups-per-step={self.groups_per_step} must be >= 1")
         if self.num_processes is not None and self.num_processes < 1:
@@ -157,6 +161,11 @@ class RunConfig:
                 errors.append(f"{flag(field.name)}={getattr(self, field.name)!r} must be one of {', '.join(choices)}")
         if errors:
             raise ValueError("; ".join(errors))
+
+    def task_options(self) -> dict:
+        """The task factory's keyword arguments beyond prompt_len, vocab_size and seed: depth and num_facts, those
+        given (a custom factory receives only the options the command line sets)."""
+        return {k: v for k, v in (("depth", self.depth), ("num_facts", self.facts)) if v is not None}
 
     @property
     def num_groups(self) -> int:

@@ -10,6 +10,7 @@ while the output directory is being set up takes effect when that is done.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -119,7 +120,8 @@ class Trainer:
                     history = metrics.read_metrics(self.log.path)
                     metrics.plot_metrics(history, os.path.join(self.out, "metrics.png"),
                                          title=f"GRPO ({config.mode}) on {self.data.description}",
-                                         chance=getattr(self.data.task, "chance_accuracy", None))
+                                         chance=getattr(self.data.task, "chance_accuracy", None),
+                                         levels=run_log.accuracy_levels(self.data.task))
                     if config.export_hf:
                         with run_outdir.replaced_dir(config.export_hf, config.force) as staging:
                             models.save_hf(self.model, final, staging)
@@ -140,19 +142,26 @@ class Trainer:
         if config.sft_steps:
             task = sft.warm_up_task(config, self.model.config.vocab_size)
             say(f"warm-up: {config.sft_steps} supervised steps x {config.sft_batch} prompts of "
-                f"{task.prompt_len if hasattr(task, 'prompt_len') else '?'} tokens, lr {config.sft_lr}", flush=True)
+                f"{config.sft_prompt_len or config.prompt_len} tokens, lr {config.sft_lr}", flush=True)
             self.params, records = sft.warm_up(self.model, self.params, task, config.sft_steps, config.sft_batch,
                                                config.sft_lr, getattr(task, "pad_token", 0), say=say,
                                                place=lambda tree: run_setup.place(tree, self.mesh, self.params))
             self.pending.extend(records)
+            if self.evaluator is not None and config.sft_prompt_len not in (None, config.prompt_len):
+                # the warm start at the warm-up's length too
+                short = evaluate.for_config(dataclasses.replace(config, prompt_len=config.sft_prompt_len),
+                                            self.model.config.vocab_size, self.mesh)
+                self.pending.append(self.evaluate(say, evaluator=short))
         if self.evaluator is not None:
             self.pending.append(self.evaluate(say, reference=True))
 
-    def evaluate(self, say, reference: bool = False) -> dict:
-        """Score the held-out prompts with the current params -> the metrics.jsonl record (kind "eval")."""
-        result = self.evaluator(self.model, self.params, reference=reference)
-        say(f"eval @ step {self.step}: " + evaluate.describe(result, getattr(self.evaluator.task, "chance_accuracy",
-                                                                              None)), flush=True)
+    def evaluate(self, say, reference: bool = False, evaluator=None) -> dict:
+        """Score the held-out prompts (of `evaluator`, default the run's) with the current params -> the
+        metrics.jsonl record (kind "eval")."""
+        evaluator = evaluator or self.evaluator
+        result = evaluator(self.model, self.params, reference=reference)
+        say(f"eval @ step {self.step}: " + evaluate.describe(result, getattr(evaluator.task, "chance_accuracy", None)),
+            flush=True)
         return {"step": self.step, "kind": "eval", **result}
 
     def interrupted(self) -> int:

@@ -36,7 +36,7 @@ def warm_up_task(config, vocab_size: int):
     from longstraw_jax.tasks import make_task
 
     return make_task(config.task, prompt_len=config.sft_prompt_len or config.prompt_len, vocab_size=vocab_size,
-                     seed=warm_up_seed(config.seed), **({"depth": config.depth} if config.depth is not None else {}))
+                     seed=warm_up_seed(config.seed), **config.task_options())
 
 
 def target_batch(task, start: int, size: int, pad_token: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -80,6 +80,15 @@ def sft_step(model, optimizer, params, opt_state, prompts, targets, mask):
     return optax.apply_updates(params, updates), opt_state, dict(metrics, sft_grad_norm=optax.tree.norm(grads))
 
 
+@functools.lru_cache(maxsize=8)
+def _jitted_step(model, optimizer, param_shardings: tuple, opt_shardings: tuple):
+    """`sft_step` jitted with output shardings = the inputs' ((treedef, leaves) pairs, hashable): one compile per
+    model, optimizer, placement and batch shape, shared by every warm-up in the process."""
+    unflat = lambda pair: jax.tree.unflatten(*pair)  # noqa: E731
+    return jax.jit(functools.partial(sft_step, model, optimizer), donate_argnums=(0, 1),
+                   out_shardings=(unflat(param_shardings), unflat(opt_shardings), None))
+
+
 @functools.lru_cache(maxsize=None)
 def warm_up_optimizer(learning_rate: float) -> optax.GradientTransformation:
     """AdamW (b2 0.95, clipped to global norm 1), one object per rate (a static jit argument: one compile)."""
@@ -101,8 +110,8 @@ def warm_up(model, params, task, steps: int, batch: int, learning_rate: float, p
         device = next(iter(jax.tree.leaves(params)[0].devices()))
         place = lambda tree: jax.device_put(tree, device)  # noqa: E731
     opt_state = place(opt_state)
-    step = jax.jit(functools.partial(sft_step, model, optimizer), donate_argnums=(0, 1),
-                   out_shardings=(shardings, jax.tree.map(lambda x: x.sharding, opt_state), None))
+    flat = lambda tree: (jax.tree.structure(tree), tuple(jax.tree.leaves(tree)))  # noqa: E731 (hashable)
+    step = _jitted_step(model, optimizer, flat(shardings), flat(jax.tree.map(lambda x: x.sharding, opt_state)))
     records = []
     for i in range(steps):
         start = time.perf_counter()

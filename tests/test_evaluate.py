@@ -7,7 +7,8 @@
 - the warm-up's loss is the cross-entropy a full forward gives, and a few steps lower it;
 - a trainer run with --sft-steps and --eval-every logs warm-up and evaluation records (KL to the start 0 at the start,
   its reference saved and used again on --resume) and plots them; `python -m longstraw_jax.evaluate --resume OUT`
-  scores the run's checkpoint and writes JSON.
+  scores the run's checkpoint and writes JSON;
+- tools/bench_length.py at a tiny size (its runs share the trainer test's compiled sampler, evaluation and step).
 """
 import json
 import os
@@ -175,3 +176,30 @@ def test_bad_evaluation_and_warm_up_options(tmp_path, capsys):
     assert evaluate.main(["--init-from", str(tmp_path), "--resume-step", "2"]) == 2
     assert capsys.readouterr().err == "error: --resume-step needs --resume OUT\n"
     assert not os.path.exists(out)
+
+
+def test_bench_length_smoke(tmp_path, capsys):
+    """Two seeds of one mode, two GRPO steps each after a 2-step warm-up at 24 tokens: the table, figure and JSON
+    hold every evaluation, the warm start is evaluated at both lengths and is the same policy for a given seed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_length", os.path.join(os.path.dirname(__file__), "..",
+                                                                                "tools", "bench_length.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = str(tmp_path / "length")
+    assert tool.main(["--short", "24", "--long", "48", "--sft-steps", "2", "--sft-batch", "2", "--sft-lr", "1e-3",
+                      "--steps", "2", "--lr", "3e-3", "--eval-every", "1", "--eval-prompts", "4", "-G", "3", "-B", "1",
+                      "--chunk-size", "16", "--seeds", "0,1", "--modes", "detached", "--out", out]) == 0
+    printed = capsys.readouterr().out
+    assert "| GRPO step | detached: mean [min, max] |" in printed and "chance 0.250" in printed
+    with open(os.path.join(out, "length.json")) as f:
+        result = json.load(f)
+    for seed in ("0", "1"):
+        assert sorted(result["accuracy"]["detached"][seed]) == ["0", "1", "2"]
+        assert result["warm_start_short"]["detached"][seed] is not None
+        steps, evals, warm = metrics.split_records(metrics.read_metrics(os.path.join(out, f"detached-seed{seed}",
+                                                                                    "metrics.jsonl")))
+        assert [r["eval_prompt_len"] for r in evals] == [24, 48, 48, 48] and len(warm) == 2 and len(steps) == 2
+    with open(os.path.join(out, "length.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
