@@ -130,9 +130,12 @@ def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", 
     import matplotlib.pyplot as plt
 
     steps_records, evals, warm = split_records(records)
-    if evals:  # the run's own length (a warm-up at another length is evaluated at its length too, at step 0)
+    if evals:  # the run's own length (a warm-up at another length is evaluated at its length too, at step 0),
+        # after the warm-up (the policy before it is evaluated too)
         other = [r for r in evals if r["eval_prompt_len"] != evals[-1]["eval_prompt_len"]]
-        evals = [r for r in evals if r["eval_prompt_len"] == evals[-1]["eval_prompt_len"]]
+        before = [r for r in evals if r.get("before_warm_up")]
+        evals = [r for r in evals if r["eval_prompt_len"] == evals[-1]["eval_prompt_len"]
+                 and not r.get("before_warm_up")]
     value = lambda r, k: r.get(k) if r.get(k) is not None else math.nan
     panels = 3 + bool(warm)
     fig, axes = plt.subplots(panels, 1, figsize=(8, 2.6 * panels))
@@ -173,6 +176,9 @@ def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", 
         for r in other:
             top.plot([r["step"]], [value(r, "eval_accuracy")], "*", color="C5", markersize=10,
                      label=f"held-out accuracy at the warm-up's {r['eval_prompt_len']} tokens")
+        for r in before:
+            top.plot([r["step"]], [value(r, "eval_accuracy")], "x", color="C3", markersize=9,
+                     label="held-out accuracy before the warm-up")
     if chance is not None:
         top.axhline(chance, color="gray", linestyle=":", label=f"chance accuracy {chance:.2f}")
     for i, (label, level) in enumerate((levels or {}).items()):

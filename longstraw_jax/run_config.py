@@ -17,7 +17,8 @@ from longstraw_jax.sharding.mesh import parse_mesh_spec
 DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`, or the next group of a rollout "
                "file), capture it once and sample G branches from the captured state (rollout.py), score them with "
                "the reward function, then one GRPO update (engine gradients, exact or detached; clipped AdamW). "
-               "Writes to --out: metrics.jsonl (one line per step), metrics.png (reward and loss over steps), "
+               "Writes to --out: metrics.jsonl (one line per step, held-out evaluation and warm-up step), metrics.png "
+               "(reward, held-out accuracy, entropy, KL, grad norm, clip fraction), "
                "checkpoints/ (Orbax: params, optimizer state, RNG key, data position), and with --export-hf a "
                "safetensors checkpoint of the final params.")
 # Options that may differ when resuming (everything else must match the checkpointed run's configuration).

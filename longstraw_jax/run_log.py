@@ -88,9 +88,13 @@ def summary(records: list[dict], history: list[dict], wall: float, trainer) -> s
                      f"{mean(warm[:k], 'sft_accuracy'):.3f} -> last {k} {mean(warm[-k:], 'sft_accuracy'):.3f}, "
                      f"loss {mean(warm[:k], 'sft_loss'):.3f} -> {mean(warm[-k:], 'sft_loss'):.3f}")
     if evals:
-        at_length = [r for r in evals if r["eval_prompt_len"] == evals[-1]["eval_prompt_len"]]
+        at_length = [r for r in evals if r["eval_prompt_len"] == evals[-1]["eval_prompt_len"]
+                     and not r.get("before_warm_up")]
         for r in evals:
-            if r["eval_prompt_len"] != evals[-1]["eval_prompt_len"] and "eval_accuracy" in r:
+            if r.get("before_warm_up") and "eval_accuracy" in r:
+                lines.append(f"held-out accuracy before the warm-up (step 0, the initial policy): "
+                             f"{r['eval_accuracy']:.3f}")
+            elif r["eval_prompt_len"] != evals[-1]["eval_prompt_len"] and "eval_accuracy" in r:
                 lines.append(f"the warm start at the warm-up's length ({r['eval_prompt_len']} tokens): held-out "
                              f"accuracy {r['eval_accuracy']:.3f}")
         lines.append(held_out_line(at_length, task))

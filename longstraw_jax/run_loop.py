@@ -140,6 +140,8 @@ class Trainer:
                 self.evaluator.reference = evaluate.load_reference(self.out, self.evaluator)
             return
         if config.sft_steps:
+            if self.evaluator is not None:  # the policy before the warm-up (a random init: what the warm-up adds)
+                self.pending.append(dict(self.evaluate(say, label="before the warm-up"), before_warm_up=True))
             task = sft.warm_up_task(config, self.model.config.vocab_size)
             say(f"warm-up: {config.sft_steps} supervised steps x {config.sft_batch} prompts of "
                 f"{config.sft_prompt_len or config.prompt_len} tokens, lr {config.sft_lr}", flush=True)
@@ -151,17 +153,17 @@ class Trainer:
                 # the warm start at the warm-up's length too
                 short = evaluate.for_config(dataclasses.replace(config, prompt_len=config.sft_prompt_len),
                                             self.model.config.vocab_size, self.mesh)
-                self.pending.append(self.evaluate(say, evaluator=short))
+                self.pending.append(self.evaluate(say, evaluator=short, label="warm start at the warm-up length"))
         if self.evaluator is not None:
             self.pending.append(self.evaluate(say, reference=True))
 
-    def evaluate(self, say, reference: bool = False, evaluator=None) -> dict:
+    def evaluate(self, say, reference: bool = False, evaluator=None, label: str = "") -> dict:
         """Score the held-out prompts (of `evaluator`, default the run's) with the current params -> the
         metrics.jsonl record (kind "eval")."""
         evaluator = evaluator or self.evaluator
         result = evaluator(self.model, self.params, reference=reference)
-        say(f"eval @ step {self.step}: " + evaluate.describe(result, getattr(evaluator.task, "chance_accuracy", None)),
-            flush=True)
+        say(f"eval @ step {self.step}{f' ({label})' if label else ''}: "
+            + evaluate.describe(result, getattr(evaluator.task, "chance_accuracy", None)), flush=True)
         return {"step": self.step, "kind": "eval", **result}
 
     def interrupted(self) -> int:

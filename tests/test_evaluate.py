@@ -134,8 +134,10 @@ def test_trainer_warm_up_evaluation_resume_and_evaluate_cli(tmp_path, capsys):
     records = metrics.read_metrics(os.path.join(out, "metrics.jsonl"))
     steps, evals, warm = metrics.split_records(records)
     assert [r["sft_step"] for r in warm] == [1, 2, 3] and [r["step"] for r in steps] == [1, 2, 3]
-    assert [r["step"] for r in evals] == [0, 2, 3]
-    assert [r.get("kind") for r in records[:5]] == ["sft"] * 3 + ["eval", None]  # warm-up, start, then steps
+    assert [r["step"] for r in evals] == [0, 0, 2, 3] and evals[0]["before_warm_up"]
+    # evaluation before the warm-up, the warm-up, the start of GRPO (the KL reference), then the steps
+    assert [r.get("kind") for r in records[:6]] == ["eval"] + ["sft"] * 3 + ["eval", None]
+    evals = evals[1:]
     assert evals[0]["eval_kl_to_start"] == pytest.approx(0.0, abs=1e-6)
     assert all(r["eval_kl_to_start"] > 0 for r in evals[1:])  # the resumed run read the start's reference
     for r in evals:
@@ -200,6 +202,7 @@ def test_bench_length_smoke(tmp_path, capsys):
         assert result["warm_start_short"]["detached"][seed] is not None
         steps, evals, warm = metrics.split_records(metrics.read_metrics(os.path.join(out, f"detached-seed{seed}",
                                                                                     "metrics.jsonl")))
-        assert [r["eval_prompt_len"] for r in evals] == [24, 48, 48, 48] and len(warm) == 2 and len(steps) == 2
+        assert [r["eval_prompt_len"] for r in evals] == [48, 24, 48, 48, 48] and len(warm) == 2 and len(steps) == 2
+        assert evals[0]["before_warm_up"] and evals[1]["step"] == 0
     with open(os.path.join(out, "length.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

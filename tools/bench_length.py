@@ -78,7 +78,7 @@ def trainer_args(args: argparse.Namespace, mode: str, seed: int, out: str, extra
 def curves(records: list[dict], long: int) -> tuple[dict[int, float], float | None]:
     """A run's metrics.jsonl records -> ({step: held-out accuracy at the long length}, the warm start's held-out
     accuracy at the warm-up's length, or None)."""
-    evals = split_records(records)[1]
+    evals = [r for r in split_records(records)[1] if not r.get("before_warm_up")]
     at_long = {r["step"]: r["eval_accuracy"] for r in evals if r["eval_prompt_len"] == long}
     short = [r["eval_accuracy"] for r in evals if r["eval_prompt_len"] != long]
     return at_long, (short[0] if short else None)
