@@ -184,10 +184,12 @@ def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", 
     for i, (label, level) in enumerate((levels or {}).items()):
         top.axhline(level, color="gray", linestyle=("--", "-.")[i % 2], alpha=0.6, label=f"{label} {level:.2f}")
     top.set_ylabel("reward / accuracy")
-    top.legend(loc="best", fontsize=8)
+    top.legend(loc="best", fontsize=7, ncol=2)
 
-    middle.plot(steps, [value(r, "entropy") for r in steps_records], "-", color="C0",
-                label="entropy (training tokens, nats)")
+    entropy = [value(r, "entropy") for r in steps_records]
+    middle.plot(steps, entropy, "-", color="C0", alpha=0.3, linewidth=0.8)
+    middle.plot(steps[smooth - 1 :], moving_mean(entropy, smooth), "-", color="C0",
+                label=f"entropy (training tokens, nats; {smooth}-step mean)")
     middle.set_ylabel("entropy")
     handles = middle.get_legend_handles_labels()
     kl = [(r["step"], r["eval_kl_to_start"]) for r in evals if r.get("eval_kl_to_start") is not None]
@@ -200,8 +202,10 @@ def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", 
         handles = (handles[0] + more[0], handles[1] + more[1])
     middle.legend(*handles, loc="best", fontsize=8)
 
-    bottom.plot(steps, [value(r, "grad_norm") for r in steps_records], "-", color="C0",
-                label="grad norm (before clipping)")
+    grad_norm = [value(r, "grad_norm") for r in steps_records]
+    bottom.plot(steps, grad_norm, "-", color="C0", alpha=0.3, linewidth=0.8)
+    bottom.plot(steps[smooth - 1 :], moving_mean(grad_norm, smooth), "-", color="C0",
+                label=f"grad norm (before clipping; {smooth}-step mean)")
     bottom.set_ylabel("grad norm")
     clip = [value(r, "clip_frac") for r in steps_records]
     twin = bottom.twinx()

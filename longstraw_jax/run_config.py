@@ -57,7 +57,7 @@ class RunConfig:
                                    "sampling; --task/--reward and the sampling options are then unused",
                                    metavar="FILE.jsonl")
     tokenizer: str | None = _option(None, "for text fields in --rollouts", metavar="tokenizer.json")
-    prompt_len: int = _option(512, "prompt tokens per group (task prompts)")
+    prompt_len: int = _option(32, "prompt tokens per group (task prompts)")
     depth: float | None = _option(None, "retrieval task: depth of the planted fact in [0, 1] (default: random per "
                                   "prompt)")
     facts: int | None = _option(None, "retrieval task: facts per prompt, the queried one and N-1 distractors with "
@@ -73,7 +73,7 @@ class RunConfig:
     stop_token: int | None = _option(None, "default: the task's stop token, if it has one")
     # training
     steps: int = _option(40, "total GRPO steps (a resumed run continues up to this)", group="training")
-    lr: float = _option(3e-3, "AdamW learning rate")
+    lr: float = _option(3e-4, "AdamW learning rate")
     weight_decay: float = _option(0.0)
     max_grad_norm: float = _option(1.0, "global-norm clip (0: none)")
     mode: str = _option("exact", "exact: gradient through the prompt (== full graph); detached: prompt state "
@@ -85,15 +85,16 @@ class RunConfig:
                                "to A*B before JAX starts", metavar="AxB")
     seed: int = _option(0)
     # held-out evaluation and supervised warm-up (evaluate.py, sft.py)
-    eval_every: int = _option(10, "score K held-out prompts (greedy) before step 1, every N steps and after the last "
-                              "step; 0: never", group="held-out evaluation and warm-up", metavar="N")
-    eval_prompts: int = _option(64, "K held-out prompts: the task built with --seed's bit 31 flipped, a stream "
+    eval_every: int = _option(20, "score K held-out prompts (greedy) before step 1, every N steps and after the last "
+                              "step; 0: never (each evaluation captures K prompts: at long prompts raise N)",
+                              group="held-out evaluation and warm-up (defaults: the embedded demo's)", metavar="N")
+    eval_prompts: int = _option(128, "K held-out prompts: the task built with --seed's bit 31 flipped, a stream "
                                 "training never draws (a multiple of the mesh's data size)", metavar="K")
-    sft_steps: int = _option(0, "supervised warm-up steps before GRPO: cross-entropy on the task's target response "
-                             "(retrieval: the answer), full-graph autograd (short prompts); not on --resume",
-                             metavar="N")
-    sft_batch: int = _option(16, "prompts per warm-up step")
-    sft_lr: float = _option(1e-3, "warm-up AdamW learning rate (its own optimizer state, dropped after the warm-up)")
+    sft_steps: int = _option(200, "supervised warm-up steps before GRPO: cross-entropy on the task's target response "
+                             "(retrieval: the answer), full-graph autograd (short prompts); not on --resume; task "
+                             "runs only (0 for a task without target(info))", metavar="N")
+    sft_batch: int = _option(32, "prompts per warm-up step")
+    sft_lr: float = _option(3e-3, "warm-up AdamW learning rate (its own optimizer state, dropped after the warm-up)")
     sft_prompt_len: int | None = _option(None, "warm-up prompt length (default --prompt-len)")
     # output
     out: str | None = _option(None, "output directory (default: out/run-<UTC time>)", group="output")
@@ -127,8 +128,6 @@ class RunConfig:
         if self.temperature == 0:
             errors.append("--temperature=0.0 must be > 0: the G branches of a group must be sampled (greedy makes "
                           "them equal; the held-out evaluation is greedy)")
-        if self.sft_steps and self.rollouts:
-            errors.append(f"--sft-steps={self.sft_steps} needs task prompts: not with --rollouts")
         if self.sft_prompt_len is not None and self.sft_prompt_len < 2:
             errors.append(f"--sft-prompt-len={self.sft_prompt_len} must be >= 2")
         if self.facts is not None and self.facts < 1:

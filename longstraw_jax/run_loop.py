@@ -55,6 +55,9 @@ class Trainer:
         self.start_step = self.step
         # held-out evaluation (evaluate.py): --eval-every N > 0 on a task (not a rollout file)
         self.evaluator = evaluate.for_run(config, explicit, self.data, self.model.config.vocab_size, self.mesh)
+        if config.sft_steps and self.data.task is None and "sft_steps" in explicit:
+            raise RunError(f"--sft-steps={config.sft_steps} needs task prompts: a --rollouts file has none (pass "
+                           "--sft-steps 0)")
         # opened by _start_writing, after the first step: until then the output directory is as it was
         self.checkpoints, self.log = None, None
         self.pending = []  # records computed before the run writes (warm-up, the start's evaluation)
@@ -139,7 +142,7 @@ class Trainer:
             if self.evaluator is not None:
                 self.evaluator.reference = evaluate.load_reference(self.out, self.evaluator)
             return
-        if config.sft_steps:
+        if config.sft_steps and self.data.task is not None:  # (a --rollouts run has no task to imitate)
             if self.evaluator is not None:  # the policy before the warm-up (a random init: what the warm-up adds)
                 self.pending.append(dict(self.evaluate(say, label="before the warm-up"), before_warm_up=True))
             task = sft.warm_up_task(config, self.model.config.vocab_size)

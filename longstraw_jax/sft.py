@@ -6,8 +6,8 @@ response, e.g. to give a random tiny model the answer format and short-range ret
 The task must have `target(info) -> int tokens [T]` (the retrieval task: [answer, STOP]). Step i takes the task's
 prompts i * batch .. i * batch + batch - 1 (build the task with `warm_up_seed(seed)`: a stream that neither GRPO
 nor the held-out evaluation draws). The loss is the token mean of -log p(target token) over the batch, computed
-through the full graph (`model._forward` of prompt + target[:-1], per-block remat): meant for short prompts, not
-for the long-prompt engine. Its own AdamW state (global-norm clip 1), dropped after the warm-up: GRPO starts with
+through the full graph (`model._forward` of prompt + target[:-1], every activation kept): meant for short prompts,
+not for the long-prompt engine. Its own AdamW state (global-norm clip 1), dropped after the warm-up: GRPO starts with
 fresh optimizer moments, as from any checkpoint.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def target_batch(task, start: int, size: int, pad_token: int = 0) -> tuple[np.nd
     `target` or a target is empty."""
     if not hasattr(task, "target"):
         raise ValueError(f"task {getattr(task, 'name', task)!r} has no target(info) method: the supervised warm-up "
-                         "(--sft-steps) needs the response to imitate")
+                         "(--sft-steps) needs the response to imitate; pass --sft-steps 0")
     prompts = [task.prompt(i) for i in range(start, start + size)]
     targets = [np.asarray(task.target(p.info), np.int32) for p in prompts]
     if any(t.ndim != 1 or t.size == 0 for t in targets):
@@ -63,7 +63,7 @@ def sft_loss(model, params, prompts, targets, mask) -> tuple[jax.Array, dict]:
     target tokens, {"sft_loss": same, "sft_accuracy": fraction of rows whose first target token is the argmax})."""
     p = prompts.shape[1]
     tokens = jnp.concatenate([prompts, targets[:, :-1]], axis=1)  # [N, P + T - 1]
-    logits = jax.vmap(lambda t: model._forward(params, t, remat=True))(tokens)[:, p - 1 :]  # [N, T, V]
+    logits = jax.vmap(lambda t: model._forward(params, t))(tokens)[:, p - 1 :]  # [N, T, V]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [N, T]
     loss = -jnp.sum(picked * mask) / jnp.maximum(jnp.sum(mask), 1.0)

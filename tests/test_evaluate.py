@@ -28,7 +28,7 @@ from tests.helpers import o1_params
 # one LLLF block: compiles faster than the tiny preset's two
 SMALL_MODEL = models.Qwen36Config.tiny(vocab_size=32, num_hidden_layers=4, layer_types=(LINEAR, LINEAR, LINEAR, FULL))
 SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
-         "--save-every", "2", "--seed", "1"]
+         "--lr", "3e-3", "--sft-lr", "1e-3", "--sft-steps", "0", "--save-every", "2", "--seed", "1"]
 
 
 def test_held_out_prompts_are_never_training_or_warm_up_prompts():
@@ -173,6 +173,9 @@ def test_bad_evaluation_and_warm_up_options(tmp_path, capsys):
     rollouts.write_text(json.dumps({"prompt": [1, 2, 3], "responses": [[4, 5]], "rewards": [1.0]}) + "\n")
     assert run.main(SMALL + ["--out", out, "--rollouts", str(rollouts), "--eval-every", "5"]) == 2
     assert "--eval-every=5 needs a task to hold prompts out of" in capsys.readouterr().err
+    assert run.main(SMALL + ["--out", out, "--rollouts", str(rollouts), "--eval-every", "0", "--sft-steps", "4"]) == 2
+    assert capsys.readouterr().err == ("error: --sft-steps=4 needs task prompts: a --rollouts file has none (pass "
+                                       "--sft-steps 0)\n")
     assert evaluate.main(["--resume", str(tmp_path / "missing")]) == 2
     assert "no checkpoint directory" in capsys.readouterr().err
     assert evaluate.main(["--init-from", str(tmp_path), "--resume-step", "2"]) == 2
