@@ -224,6 +224,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def saved_mesh(out: str | None) -> str | None:
+    """The --mesh of the run in `out` (its config.json), or None."""
+    path = os.path.join(out, "config.json") if out else None
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        mesh = json.load(f).get("mesh")
+    return mesh if isinstance(mesh, str) else None
+
+
 def config_of(args: argparse.Namespace):
     """The command line -> (RunConfig to evaluate with, the run directory or None). With --resume OUT the
     checkpoint's options, with the ones given here replacing them."""
@@ -260,10 +270,13 @@ def main(argv=None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
-        config, out = config_of(args)
         from longstraw_jax import run
+        from longstraw_jax.run_config import RunConfig
 
-        run.start_jax(config)
+        # before anything touches a JAX backend (reading the checkpoint does): the mesh's devices, or join the
+        # processes of a cluster job; the mesh is --mesh, else the run's (its config.json, read without JAX)
+        run.start_jax(RunConfig(mesh=getattr(args, "mesh", None) or saved_mesh(args.resume)))
+        config, out = config_of(args)
         result = evaluate(config, out)
     except (RunError, DistributedError, ValueError, OSError, NotImplementedError) as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
