@@ -3,8 +3,9 @@
 Each JSONL line is a flat object of numbers (see `run_log.step_record` for the fields). Each line is appended with
 one write and fsync'd before the step is reported, so a crash can damage at most the line being written, never an
 earlier one; on resume `keep_until` drops such a partial last line (and the steps after the checkpoint) with a
-message. `plot_metrics` draws reward and loss against step with matplotlib's non-interactive Agg backend (no
-display needed).
+message. Held-out evaluations (evaluate.py) and warm-up steps (sft.py) are lines of their own ("kind": "eval" /
+"sft"; `split_records`). `plot_metrics` draws reward, held-out accuracy, entropy, KL, grad norm and clip fraction
+against step with matplotlib's non-interactive Agg backend (no display needed).
 """
 from __future__ import annotations
 
@@ -97,8 +98,30 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return _parse(os.fspath(path))[0]
 
 
-def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", smooth: int = 10) -> None:
-    """PNG with two panels over step: reward mean (points, and a `smooth`-step moving average) and loss."""
+def split_records(records: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """metrics.jsonl records -> (GRPO steps, held-out evaluations (kind "eval"), warm-up steps (kind "sft")), each in
+    file order. A GRPO step's record has no "kind"."""
+    kinds = {None: [], "eval": [], "sft": []}
+    for record in records:
+        kinds.setdefault(record.get("kind"), []).append(record)
+    return kinds[None], kinds["eval"], kinds["sft"]
+
+
+def moving_mean(values: list[float], window: int) -> list[float]:
+    """Trailing means over `window` values ([len - window + 1]; NaN where a window holds one); [] when shorter."""
+    if len(values) < window:
+        return []
+    return [sum(values[i - window + 1 : i + 1]) / window for i in range(window - 1, len(values))]
+
+
+def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", smooth: int = 10,
+                 chance: float | None = None, levels: dict | None = None) -> None:
+    """PNG over GRPO step: (1) training reward (group mean, points and a `smooth`-step mean), training accuracy
+    (`smooth`-step mean) and held-out accuracy / reward (evaluations, kind "eval"), with `chance` as a line; (2) the
+    policy's entropy (training tokens) and the held-out KL to the start policy; (3) the update: grad norm (raw,
+    before clipping) and clip fraction. levels: {label: accuracy} drawn as more horizontal lines in (1), e.g. the
+    accuracy of copying a random fact's value. With warm-up records (kind "sft"), a first panel of its loss and batch
+    accuracy per warm-up step."""
     # here, not at module level: matplotlib costs ~0.5 s to import and only the end of a run plots; the Agg backend
     # must be chosen before pyplot is imported (headless machines)
     import matplotlib
@@ -106,20 +129,100 @@ def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in records]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for axis, key, label in ((top, "reward_mean", "reward (group mean)"), (bottom, "loss", "GRPO loss")):
-        values = [r.get(key) if r.get(key) is not None else math.nan for r in records]
-        axis.plot(steps, values, ".", alpha=0.35, label=label)
-        if len(values) >= smooth:
-            window = [sum(values[i - smooth + 1 : i + 1]) / smooth for i in range(smooth - 1, len(values))]
-            axis.plot(steps[smooth - 1 :], window, "-", label=f"{smooth}-step mean")
-        axis.set_ylabel(key)
+    steps_records, evals, warm = split_records(records)
+    if evals:  # the run's own length (a warm-up at another length is evaluated at its length too, at step 0),
+        # after the warm-up (the policy before it is evaluated too)
+        other = [r for r in evals if r["eval_prompt_len"] != evals[-1]["eval_prompt_len"]]
+        before = [r for r in evals if r.get("before_warm_up")]
+        evals = [r for r in evals if r["eval_prompt_len"] == evals[-1]["eval_prompt_len"]
+                 and not r.get("before_warm_up")]
+    value = lambda r, k: r.get(k) if r.get(k) is not None else math.nan
+    panels = 3 + bool(warm)
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 2.6 * panels))
+    if warm:
+        ax = axes[0]
+        ax.plot([r["sft_step"] for r in warm], [value(r, "sft_loss") for r in warm], "-", label="warm-up loss")
+        ax.set_ylabel("cross-entropy")
+        twin = ax.twinx()
+        acc = [value(r, "sft_accuracy") for r in warm]
+        window = max(1, min(smooth, len(acc)))
+        twin.plot([r["sft_step"] for r in warm][window - 1 :], moving_mean(acc, window), "-", color="C2",
+                  label=f"batch accuracy ({window}-step mean)")
+        twin.set_ylim(-0.02, 1.02)
+        twin.set_ylabel("accuracy")
+        ax.set_xlabel("warm-up step (supervised, before GRPO)")
+        ax.grid(alpha=0.3)
+        lines = ax.get_legend_handles_labels(), twin.get_legend_handles_labels()
+        ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], loc="best", fontsize=8)
+        axes = axes[1:]
+    top, middle, bottom = axes
+    steps = [r["step"] for r in steps_records]
+    reward = [value(r, "reward_mean") for r in steps_records]
+    top.plot(steps, reward, ".", alpha=0.3, color="C0", label="training reward (group mean)")
+    if len(reward) >= smooth:
+        top.plot(steps[smooth - 1 :], moving_mean(reward, smooth), "-", color="C0",
+                 label=f"training reward ({smooth}-step mean)")
+    accuracy = [value(r, "accuracy") for r in steps_records]
+    if steps_records and "accuracy" in steps_records[-1] and len(accuracy) >= smooth:
+        top.plot(steps[smooth - 1 :], moving_mean(accuracy, smooth), "-", color="C1", alpha=0.7,
+                 label=f"training accuracy ({smooth}-step mean)")
+    if evals:
+        eval_steps = [r["step"] for r in evals]
+        if "eval_accuracy" in evals[-1]:
+            top.plot(eval_steps, [value(r, "eval_accuracy") for r in evals], "o-", color="C3",
+                     label=f"held-out accuracy (greedy, {evals[-1]['eval_prompts']} prompts)")
+        top.plot(eval_steps, [value(r, "eval_reward") for r in evals], "s--", color="C4", alpha=0.7, markersize=4,
+                 label="held-out reward (greedy)")
+        for r in other:
+            top.plot([r["step"]], [value(r, "eval_accuracy")], "*", color="C5", markersize=10,
+                     label=f"held-out accuracy at the warm-up's {r['eval_prompt_len']} tokens")
+        for r in before:
+            top.plot([r["step"]], [value(r, "eval_accuracy")], "x", color="C3", markersize=9,
+                     label="held-out accuracy before the warm-up")
+    if chance is not None:
+        top.axhline(chance, color="gray", linestyle=":", label=f"chance accuracy {chance:.2f}")
+    for i, (label, level) in enumerate((levels or {}).items()):
+        top.axhline(level, color="gray", linestyle=("--", "-.")[i % 2], alpha=0.6, label=f"{label} {level:.2f}")
+    top.set_ylabel("reward / accuracy")
+    top.legend(loc="best", fontsize=7, ncol=2)
+
+    entropy = [value(r, "entropy") for r in steps_records]
+    middle.plot(steps, entropy, "-", color="C0", alpha=0.3, linewidth=0.8)
+    middle.plot(steps[smooth - 1 :], moving_mean(entropy, smooth), "-", color="C0",
+                label=f"entropy (training tokens, nats; {smooth}-step mean)")
+    middle.set_ylabel("entropy")
+    handles = middle.get_legend_handles_labels()
+    kl = [(r["step"], r["eval_kl_to_start"]) for r in evals if r.get("eval_kl_to_start") is not None]
+    if kl:
+        twin = middle.twinx()
+        twin.plot([s for s, _ in kl], [k for _, k in kl], "o-", color="C3",
+                  label="held-out KL(policy || start), first token")
+        twin.set_ylabel("KL (nats)")
+        more = twin.get_legend_handles_labels()
+        handles = (handles[0] + more[0], handles[1] + more[1])
+    middle.legend(*handles, loc="best", fontsize=8)
+
+    grad_norm = [value(r, "grad_norm") for r in steps_records]
+    bottom.plot(steps, grad_norm, "-", color="C0", alpha=0.3, linewidth=0.8)
+    bottom.plot(steps[smooth - 1 :], moving_mean(grad_norm, smooth), "-", color="C0",
+                label=f"grad norm (before clipping; {smooth}-step mean)")
+    bottom.set_ylabel("grad norm")
+    clip = [value(r, "clip_frac") for r in steps_records]
+    twin = bottom.twinx()
+    twin.plot(steps, clip, "-", color="C1", alpha=0.8,
+              label="clip fraction" + (" (0: one on-policy update per batch)"
+                                       if all(c == 0 for c in clip if not math.isnan(c)) else ""))
+    twin.set_ylim(-0.02, max(0.2, max((c for c in clip if not math.isnan(c)), default=0) * 1.1))
+    twin.set_ylabel("clip fraction")
+    handles = bottom.get_legend_handles_labels(), twin.get_legend_handles_labels()
+    bottom.legend(handles[0][0] + handles[1][0], handles[0][1] + handles[1][1], loc="best", fontsize=8)
+    bottom.set_xlabel("GRPO step (evaluations at step 0 score the starting policy)")
+    for axis in (top, middle):
+        axis.sharex(bottom)
+    for axis in (top, middle, bottom):
         axis.grid(alpha=0.3)
-        axis.legend(loc="best")
-    bottom.set_xlabel("step")
     if title:
-        top.set_title(title)
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -46,8 +46,9 @@ from longstraw_jax.validation import check_size, check_tokens, is_int, is_real
 class SamplingConfig:
     """How branches are sampled (frozen, hashable: a `jax.jit` static argument).
 
-    temperature: > 0; logits are divided by it before sampling. top_p: in (0, 1]; nucleus sampling keeps the
-    smallest set of most likely tokens whose probability reaches top_p (the most likely token is always kept).
+    temperature: >= 0; logits are divided by it before sampling; 0 is greedy decoding (the most likely token, the
+    first one on ties; top_p then plays no part). top_p: in (0, 1]; nucleus sampling keeps the smallest set of most
+    likely tokens whose probability reaches top_p (the most likely token is always kept).
     max_new_tokens: R, the response length (the arrays are [G, R]). stop_token: None or a token id that ends a
     branch (it is kept, with mask 1). pad_token: written after the stop token (mask 0).
     """
@@ -63,8 +64,8 @@ class SamplingConfig:
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             errors.append(f"max_new_tokens={self.max_new_tokens!r} must be a positive int")
         temperature = self.temperature
-        if not (is_real(temperature) and math.isfinite(temperature) and temperature > 0):
-            errors.append(f"temperature={self.temperature!r} must be a finite number > 0")
+        if not (is_real(temperature) and math.isfinite(temperature) and temperature >= 0):
+            errors.append(f"temperature={self.temperature!r} must be a finite number >= 0 (0: greedy)")
         if not (is_real(self.top_p) and 0 < self.top_p <= 1):
             errors.append(f"top_p={self.top_p!r} must be in (0, 1]")
         for name in ("stop_token", "pad_token"):
@@ -86,18 +87,25 @@ class Rollout:
     the stop token included), logprobs float32 [G, R]: log pi(token) under the unmodified policy (log_softmax of
     the logits at temperature 1, no top-p; what the trainer's ratio compares against: use as old_logprobs),
     sample_logprobs float32 [G, R]: log-prob under the distribution actually sampled from (temperature, top-p).
-    The two are equal when temperature = 1 and top_p = 1. Padded positions hold 0."""
+    The two are equal when temperature = 1 and top_p = 1; greedy decoding (temperature 0) samples from a point
+    mass: sample_logprobs 0. Padded positions hold 0. first_logprobs float32 [V]: the policy's log-probabilities of
+    response token 0 (log_softmax of the logits after the prompt, temperature 1; one row for all G branches, which
+    share it), e.g. for the held-out evaluation's entropy and KL (evaluate.py)."""
 
     responses: jax.Array
     mask: jax.Array
     logprobs: jax.Array
     sample_logprobs: jax.Array
+    first_logprobs: jax.Array
 
 
 def sampling_logits(logits: jax.Array, temperature: float, top_p: float) -> jax.Array:
     """logits [V] (float32) -> the logits of the sampling distribution: divided by temperature, and with tokens
     outside the top-p nucleus set to -inf. The nucleus is the shortest prefix of tokens sorted by probability
-    whose total reaches top_p (ties at the boundary are kept)."""
+    whose total reaches top_p (ties at the boundary are kept). Greedy (temperature 0): the logits unchanged (the
+    sampler takes their argmax)."""
+    if temperature == 0:
+        return logits
     logits = logits / temperature
     if top_p >= 1.0:
         return logits
@@ -201,7 +209,8 @@ def sample_branches(step, state, first_logits, restore, key, num_branches: int, 
 
     Branches run in a `lax.scan` (the state is the carry, updated in place); each samples in a `lax.while_loop`
     over t < R that stops after the stop token: token t ~ categorical(fold_in(branch key, t), sampling_logits),
-    branch keys = jax.random.split(key, G). Returns (the state after the last branch, Rollout).
+    branch keys = jax.random.split(key, G); at temperature 0 token t = argmax(logits) (every branch the same).
+    Returns (the state after the last branch, Rollout).
     """
     length = sampling.max_new_tokens
     stop = -1 if sampling.stop_token is None else sampling.stop_token
@@ -222,11 +231,15 @@ def sample_branches(step, state, first_logits, restore, key, num_branches: int, 
             t, state, logits, done, count, tokens, logp, sample_logp = c
             live = ~done  # this branch has not stopped (always true outside lockstep)
             shaped = sampling_logits(logits, sampling.temperature, sampling.top_p)
-            token = jax.random.categorical(jax.random.fold_in(branch_key, t), shaped).astype(jnp.int32)
+            if sampling.temperature == 0:  # greedy (static): a point mass on the argmax
+                token = jnp.argmax(logits).astype(jnp.int32)
+            else:
+                token = jax.random.categorical(jax.random.fold_in(branch_key, t), shaped).astype(jnp.int32)
             keep = lambda new, old: jnp.where(live, new, old)
             tokens = keep(tokens.at[t].set(token), tokens)
             logp = keep(logp.at[t].set(jax.nn.log_softmax(logits)[token]), logp)
-            sample_logp = keep(sample_logp.at[t].set(jax.nn.log_softmax(shaped)[token]), sample_logp)
+            point = jnp.float32(0.0) if sampling.temperature == 0 else jax.nn.log_softmax(shaped)[token]
+            sample_logp = keep(sample_logp.at[t].set(point), sample_logp)
             done = done | (live & (token == stop))
             # the last token (or a stop) needs no successor: skip its forward step
             need = ~done & (t + 1 < length)
@@ -248,4 +261,5 @@ def sample_branches(step, state, first_logits, restore, key, num_branches: int, 
         return state, (tokens, mask, logp, sample_logp)
 
     state, (tokens, mask, logp, sample_logp) = jax.lax.scan(branch, state, jax.random.split(key, num_branches))
-    return state, Rollout(responses=tokens, mask=mask, logprobs=logp, sample_logprobs=sample_logp)
+    return state, Rollout(responses=tokens, mask=mask, logprobs=logp, sample_logprobs=sample_logp,
+                          first_logprobs=jax.nn.log_softmax(first_logits.astype(jnp.float32)))

@@ -18,15 +18,16 @@ from longstraw_jax.sharding.mesh import parse_mesh_spec
 DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`, or the next group of a rollout "
                "file), capture it once and sample G branches from the captured state (rollout.py), score them with "
                "the reward function, then one GRPO update (engine gradients, exact or detached; clipped AdamW). "
-               "Writes to --out: metrics.jsonl (one line per step), metrics.png (reward and loss over steps), "
+               "Writes to --out: metrics.jsonl (one line per step, held-out evaluation and warm-up step), metrics.png "
+               "(reward, held-out accuracy, entropy, KL, grad norm, clip fraction), "
                "checkpoints/ (Orbax: params, optimizer state, RNG key, data position), and with --export-hf a "
                "safetensors checkpoint of the final params.")
 # Options that may differ when resuming (everything else must match the checkpointed run's configuration).
 RESUMABLE = frozenset({"steps", "resume", "resume_step", "out", "export_hf", "export_peft", "force", "log_every",
                        "save_every", "coordinator", "num_processes", "process_id"})
 # Options a checkpoint records and a resumed run adopts, but that may be given differently on --resume (a run saved by
-# 2 processes on a 2x4 mesh continues on one process, on 2x4 or 1x8).
-CHANGEABLE = frozenset({"mesh"})
+# 2 processes on a 2x4 mesh continues on one process, on 2x4 or 1x8; evaluations may come more or less often).
+CHANGEABLE = frozenset({"mesh", "eval_every"})
 
 
 class RunError(Exception):
@@ -57,9 +58,11 @@ class RunConfig:
                                    "sampling; --task/--reward and the sampling options are then unused",
                                    metavar="FILE.jsonl")
     tokenizer: str | None = _option(None, "for text fields in --rollouts", metavar="tokenizer.json")
-    prompt_len: int = _option(512, "prompt tokens per group (task prompts)")
+    prompt_len: int = _option(32, "prompt tokens per group (task prompts)")
     depth: float | None = _option(None, "retrieval task: depth of the planted fact in [0, 1] (default: random per "
                                   "prompt)")
+    facts: int | None = _option(None, "retrieval task: facts per prompt, the queried one and N-1 distractors with "
+                                "other keys at random depths (default: the task's, 2)", metavar="N")
     # sampling
     group_size: int = _option(8, "G, response branches per prompt", group="sampling", short="-G")
     groups_per_step: int | None = _option(None, "B, groups (prompts) per step, side by side on the mesh's data axis "
@@ -71,7 +74,7 @@ class RunConfig:
     stop_token: int | None = _option(None, "default: the task's stop token, if it has one")
     # training
     steps: int = _option(40, "total GRPO steps (a resumed run continues up to this)", group="training")
-    lr: float = _option(3e-3, "AdamW learning rate")
+    lr: float = _option(3e-4, "AdamW learning rate")
     weight_decay: float = _option(0.0)
     max_grad_norm: float = _option(1.0, "global-norm clip (0: none)")
     mode: str = _option("exact", "exact: gradient through the prompt (== full graph); detached: prompt state "
@@ -92,6 +95,18 @@ class RunConfig:
     mesh: str | None = _option(None, "device mesh data x seq (e.g. 1x8); on CPU raises the simulated device count "
                                "to A*B before JAX starts", metavar="AxB")
     seed: int = _option(0)
+    # held-out evaluation and supervised warm-up (evaluate.py, sft.py)
+    eval_every: int = _option(20, "score K held-out prompts (greedy) before step 1, every N steps and after the last "
+                              "step; 0: never (each evaluation captures K prompts: at long prompts raise N)",
+                              group="held-out evaluation and warm-up (defaults: the embedded demo's)", metavar="N")
+    eval_prompts: int = _option(128, "K held-out prompts: the task built with --seed's bit 31 flipped, a stream "
+                                "training never draws (a multiple of the mesh's data size)", metavar="K")
+    sft_steps: int = _option(200, "supervised warm-up steps before GRPO: cross-entropy on the task's target response "
+                             "(retrieval: the answer), full-graph autograd (short prompts); not on --resume; task "
+                             "runs only (0 for a task without target(info))", metavar="N")
+    sft_batch: int = _option(32, "prompts per warm-up step")
+    sft_lr: float = _option(3e-3, "warm-up AdamW learning rate (its own optimizer state, dropped after the warm-up)")
+    sft_prompt_len: int | None = _option(None, "warm-up prompt length (default --prompt-len)")
     # output
     out: str | None = _option(None, "output directory (default: out/run-<UTC time>)", group="output")
     resume: bool = _option(False, "continue the run in --out from its newest intact checkpoint (a damaged newer one "
@@ -117,13 +132,21 @@ class RunConfig:
     def __post_init__(self):
         errors = []
         for name, low in (("group_size", 1), ("response_len", 1), ("steps", 1), ("chunk_size", 1), ("prompt_len", 2),
-                          ("save_every", 1), ("log_every", 1), ("vocab_size", 1), ("lora_rank", 1)):
+                          ("save_every", 1), ("log_every", 1), ("vocab_size", 1), ("lora_rank", 1),
+                          ("eval_every", 0), ("eval_prompts", 1), ("sft_steps", 0), ("sft_batch", 1)):
             if getattr(self, name) < low:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be >= {low}")
-        for name in ("lr", "weight_decay", "kl_coef", "temperature", "top_p", "max_grad_norm"):
+        for name in ("lr", "weight_decay", "kl_coef", "temperature", "top_p", "max_grad_norm", "sft_lr"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be a finite number >= 0")
         errors += _train_errors(self)
+        if self.temperature == 0:
+            errors.append("--temperature=0.0 must be > 0: the G branches of a group must be sampled (greedy makes "
+                          "them equal; the held-out evaluation is greedy)")
+        if self.sft_prompt_len is not None and self.sft_prompt_len < 2:
+            errors.append(f"--sft-prompt-len={self.sft_prompt_len} must be >= 2")
+        if self.facts is not None and self.facts < 1:
+            errors.append(f"--facts={self.facts} must be >= 1")
         if self.groups_per_step is not None and self.groups_per_step < 1:
             errors.append(f"--groups-per-step={self.groups_per_step} must be >= 1")
         if self.num_processes is not None and self.num_processes < 1:
@@ -144,12 +167,20 @@ class RunConfig:
                 if self.groups_per_step is not None and self.groups_per_step >= 1 and self.groups_per_step % data:
                     errors.append(f"--groups-per-step={self.groups_per_step} must be a multiple of the mesh's data "
                                   f"size {data} (--mesh={self.mesh}): each data slice runs the same number of groups")
+                if self.eval_every > 0 and self.eval_prompts >= 1 and self.eval_prompts % data:
+                    errors.append(f"--eval-prompts={self.eval_prompts} must be a multiple of the mesh's data size "
+                                  f"{data} (--mesh={self.mesh}): each data slice scores the same number of prompts")
         for field in dataclasses.fields(self):
             choices = field.metadata["argparse"].get("choices")
             if choices is not None and getattr(self, field.name) not in choices:
                 errors.append(f"{flag(field.name)}={getattr(self, field.name)!r} must be one of {', '.join(choices)}")
         if errors:
             raise ValueError("; ".join(errors))
+
+    def task_options(self) -> dict:
+        """The task factory's keyword arguments beyond prompt_len, vocab_size and seed: depth and num_facts, those
+        given (a custom factory receives only the options the command line sets)."""
+        return {k: v for k, v in (("depth", self.depth), ("num_facts", self.facts)) if v is not None}
 
     @property
     def num_groups(self) -> int:

@@ -64,7 +64,9 @@ def progress(r: dict, total: int, width: int = 20) -> str:
 
 
 def summary(records: list[dict], history: list[dict], wall: float, trainer) -> str:
-    """records: this process's steps; history: every step of the run (metrics.jsonl, earlier processes included)."""
+    """records: this process's steps; history: every record of the run (metrics.jsonl, earlier processes included:
+    GRPO steps, held-out evaluations, warm-up steps)."""
+    history, evals, warm = metrics.split_records(history)
     n = max(1, min(10, len(history) // 2))
     head, tail = history[:n], history[-n:]
     mean = lambda rows, k: float(np.mean([r[k] for r in rows if r.get(k) is not None]))
@@ -80,14 +82,56 @@ def summary(records: list[dict], history: list[dict], wall: float, trainer) -> s
         chance = getattr(task, "chance_accuracy", None)
         lines.append(f"accuracy: first {n} {mean(head, 'accuracy'):.3f} -> last {n} {mean(tail, 'accuracy'):.3f}"
                      + (f" (chance {chance:.3f})" if chance is not None else ""))
+    if warm:
+        k = max(1, min(10, len(warm) // 2))
+        lines.append(f"warm-up: {len(warm)} supervised steps; batch accuracy first {k} "
+                     f"{mean(warm[:k], 'sft_accuracy'):.3f} -> last {k} {mean(warm[-k:], 'sft_accuracy'):.3f}, "
+                     f"loss {mean(warm[:k], 'sft_loss'):.3f} -> {mean(warm[-k:], 'sft_loss'):.3f}")
+    if evals:
+        at_length = [r for r in evals if r["eval_prompt_len"] == evals[-1]["eval_prompt_len"]
+                     and not r.get("before_warm_up")]
+        for r in evals:
+            if r.get("before_warm_up") and "eval_accuracy" in r:
+                lines.append(f"held-out accuracy before the warm-up (step 0, the initial policy): "
+                             f"{r['eval_accuracy']:.3f}")
+            elif r["eval_prompt_len"] != evals[-1]["eval_prompt_len"] and "eval_accuracy" in r:
+                lines.append(f"the warm start at the warm-up's length ({r['eval_prompt_len']} tokens): held-out "
+                             f"accuracy {r['eval_accuracy']:.3f}")
+        lines.append(held_out_line(at_length, task))
     skipped = sum(int(r["skipped"]) for r in records)
     lines.append(f"loss (last step) {records[-1]['loss']:+.4f}; skipped updates {skipped}; peak mem "
                  f"{_gib(max(r['peak_mem_bytes'] for r in records))} ({records[-1]['peak_mem_source']})")
-    files = [os.path.join(trainer.out, "metrics.jsonl"), os.path.join(trainer.out, "metrics.png"),
-             os.path.join(trainer.checkpoints.directory, str(trainer.step))]
+    files = [os.path.join(trainer.out, "metrics.jsonl"), os.path.join(trainer.checkpoints.directory, str(trainer.step))]
     if trainer.config.export_hf:
         files.append(trainer.config.export_hf)
     if getattr(trainer.config, "export_peft", None):
         files.append(trainer.config.export_peft)
     lines.append("wrote: " + ", ".join(files))
+    lines.append(f"plot: {os.path.join(trainer.out, 'metrics.png')}")
     return "\n".join(lines)
+
+
+def held_out_line(evals: list[dict], task=None) -> str:
+    """The summary's line on the held-out evaluations (kind "eval" records, in step order): the first and last
+    (and the best) accuracy, else reward, with the prompts' count and length, and the task's chance accuracy and
+    the accuracy of copying a random fact's value (when the task has them)."""
+    chance = getattr(task, "chance_accuracy", None)
+    copy_any = getattr(task, "copy_any_fact_accuracy", None)
+    first, last = evals[0], evals[-1]
+    key = "eval_accuracy" if "eval_accuracy" in last else "eval_reward"
+    best = max(evals, key=lambda r: r[key])
+    what = "accuracy" if key == "eval_accuracy" else "reward"
+    return (f"held-out {what} ({last['eval_prompts']} prompts of {last['eval_prompt_len']} tokens never trained on, "
+            f"greedy): step {first['step']} {first[key]:.3f} -> step {last['step']} {last[key]:.3f} (best "
+            f"{best[key]:.3f} at step {best['step']})" + (f"; chance {chance:.3f}" if chance is not None and
+                                                           key == "eval_accuracy" else "")
+            + (f", copying a random fact's value {copy_any:.3f}" if copy_any is not None and key == "eval_accuracy"
+               and getattr(task, "num_facts", 1) > 1 else ""))
+
+
+def accuracy_levels(task) -> dict:
+    """Reference accuracies of a task besides chance, for the plot: copying a random fact's value (retrieval with
+    distractors)."""
+    if task is None or getattr(task, "num_facts", 1) < 2 or not hasattr(task, "copy_any_fact_accuracy"):
+        return {}
+    return {"copying a random fact's value": task.copy_any_fact_accuracy}

@@ -10,6 +10,7 @@ while the output directory is being set up takes effect when that is done.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -17,8 +18,21 @@ import threading
 import time
 
 import jax
+import numpy as np
 
-from longstraw_jax import distributed, fault_hooks, lora, metrics, models, run_log, run_outdir, run_setup, trainable
+from longstraw_jax import (
+    distributed,
+    evaluate,
+    fault_hooks,
+    lora,
+    metrics,
+    models,
+    run_log,
+    run_outdir,
+    run_setup,
+    sft,
+    trainable,
+)
 from longstraw_jax.grpo import GRPOConfig
 from longstraw_jax.run_config import RunConfig, RunError
 from longstraw_jax.train import train_step
@@ -54,8 +68,14 @@ class Trainer:
             self.params, self.opt_state, self.key, meta = self.plan.restore(self.params, self.opt_state, self.key)
             self.step, self.data_position = meta["step"], meta["data_position"]
         self.start_step = self.step
+        # held-out evaluation (evaluate.py): --eval-every N > 0 on a task (not a rollout file)
+        self.evaluator = evaluate.for_run(config, explicit, self.data, self.model.config.vocab_size, self.mesh)
+        if config.sft_steps and self.data.task is None and "sft_steps" in explicit:
+            raise RunError(f"--sft-steps={config.sft_steps} needs task prompts: a --rollouts file has none (pass "
+                           "--sft-steps 0)")
         # opened by _start_writing, after the first step: until then the output directory is as it was
         self.checkpoints, self.log = None, None
+        self.pending = []  # records computed before the run writes (warm-up, the start's evaluation)
 
     def split(self):
         """(the trainable part of self.params, the frozen part or None): `trainable.split` by --train/--trainable."""
@@ -72,6 +92,10 @@ class Trainer:
             if self.plan.resuming:
                 for note in self.log.keep_until(self.start_step):
                     run_outdir.warn(note)
+            for record in self.pending:
+                self.log.write(record)
+            if self.evaluator is not None and not self.plan.resuming and distributed.is_primary():
+                np.save(os.path.join(self.out, evaluate.REFERENCE_FILE), self.evaluator.reference)
 
     def train_one(self) -> dict:
         """One step: a batch from the data source, one train_step, one metrics.jsonl line (returned)."""
@@ -102,11 +126,14 @@ class Trainer:
         records = []
         wall = time.perf_counter()
         try:
+            self.before_first_step(say)
             while self.step < config.steps:
                 record = self.train_one()
                 records.append(record)
                 if self.step % config.log_every == 0 or self.step == config.steps:
                     say(run_log.progress(record, config.steps), flush=True)
+                if self.evaluator is not None and (self.step % config.eval_every == 0 or self.step == config.steps):
+                    self.log.write(self.evaluate(say))
                 if self.step % config.save_every == 0 or self.step == config.steps:
                     with _sigint_deferred():
                         self.checkpoints.save(self.step, self.params, self.opt_state, self.key, self.data_position,
@@ -119,7 +146,9 @@ class Trainer:
                 if distributed.is_primary():  # process 0 writes the plot and the export, and prints the summary
                     history = metrics.read_metrics(self.log.path)
                     metrics.plot_metrics(history, os.path.join(self.out, "metrics.png"),
-                                         title=f"GRPO ({config.mode}) on {self.data.description}")
+                                         title=f"GRPO ({config.mode}) on {self.data.description}",
+                                         chance=getattr(self.data.task, "chance_accuracy", None),
+                                         levels=run_log.accuracy_levels(self.data.task))
                     if config.export_hf:  # merged weights (base + scale * B A) for a LoRA run
                         with run_outdir.replaced_dir(config.export_hf, config.force) as staging:
                             models.save_hf(self.model, lora.merged(final), staging)
@@ -130,6 +159,42 @@ class Trainer:
         except KeyboardInterrupt:
             return self.interrupted()
         return 0
+
+    def before_first_step(self, say) -> None:
+        """A new run (not resumed): the supervised warm-up (--sft-steps), then the held-out evaluation of the
+        starting policy (its first-token distribution is the reference of eval_kl_to_start). A resumed run: the
+        reference from <out>/eval_start.npy. Records wait in self.pending until the run writes."""
+        config = self.config
+        if self.plan.resuming:
+            if self.evaluator is not None:
+                self.evaluator.reference = evaluate.load_reference(self.out, self.evaluator)
+            return
+        if config.sft_steps and self.data.task is not None:  # (a --rollouts run has no task to imitate)
+            if self.evaluator is not None:  # the policy before the warm-up (a random init: what the warm-up adds)
+                self.pending.append(dict(self.evaluate(say, label="before the warm-up"), before_warm_up=True))
+            task = sft.warm_up_task(config, self.model.config.vocab_size)
+            say(f"warm-up: {config.sft_steps} supervised steps x {config.sft_batch} prompts of "
+                f"{config.sft_prompt_len or config.prompt_len} tokens, lr {config.sft_lr}", flush=True)
+            self.params, records = sft.warm_up(self.model, self.params, task, config.sft_steps, config.sft_batch,
+                                               config.sft_lr, getattr(task, "pad_token", 0), say=say,
+                                               place=lambda tree: run_setup.place(tree, self.mesh, self.params))
+            self.pending.extend(records)
+            if self.evaluator is not None and config.sft_prompt_len not in (None, config.prompt_len):
+                # the warm start at the warm-up's length too
+                short = evaluate.for_config(dataclasses.replace(config, prompt_len=config.sft_prompt_len),
+                                            self.model.config.vocab_size, self.mesh)
+                self.pending.append(self.evaluate(say, evaluator=short, label="warm start at the warm-up length"))
+        if self.evaluator is not None:
+            self.pending.append(self.evaluate(say, reference=True))
+
+    def evaluate(self, say, reference: bool = False, evaluator=None, label: str = "") -> dict:
+        """Score the held-out prompts (of `evaluator`, default the run's) with the current params -> the
+        metrics.jsonl record (kind "eval")."""
+        evaluator = evaluator or self.evaluator
+        result = evaluator(self.model, self.params, reference=reference)
+        say(f"eval @ step {self.step}{f' ({label})' if label else ''}: "
+            + evaluate.describe(result, getattr(evaluator.task, "chance_accuracy", None)), flush=True)
+        return {"step": self.step, "kind": "eval", **result}
 
     def interrupted(self) -> int:
         """After Ctrl-C: say where the run stands on stderr -> 130."""

@@ -33,7 +33,8 @@ from longstraw_jax.run_config import CHANGEABLE, RunConfig, RunError
 
 SET_ASIDE_DIR = "checkpoints-set-aside"
 # what a run writes before its first checkpoint completes (*.tmp: a kill while one was being rewritten)
-EARLY_RUN_FILES = frozenset({"config.json", "config.json.tmp", "metrics.jsonl", "metrics.jsonl.tmp", CHECKPOINT_DIR})
+EARLY_RUN_FILES = frozenset({"config.json", "config.json.tmp", "metrics.jsonl", "metrics.jsonl.tmp", CHECKPOINT_DIR,
+                             "eval_start.npy"})
 
 
 def warn(message: str) -> None:
@@ -158,7 +159,7 @@ class OutPlan:
     def _make_changes(self) -> None:
         os.makedirs(self.out, exist_ok=True)
         if self.restart:
-            for name in ("metrics.jsonl", "metrics.jsonl.tmp", "config.json.tmp"):
+            for name in ("metrics.jsonl", "metrics.jsonl.tmp", "config.json.tmp", "eval_start.npy"):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(self.out, name))
         if not self.resuming:

@@ -172,7 +172,7 @@ def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | 
         raise RunError(f"--kl-coef={config.kl_coef}: sampled rollouts have no reference log-probs; the KL term "
                        "needs a --rollouts file with ref_logprobs")
     task = make_task(config.task, prompt_len=config.prompt_len, vocab_size=vocab_size, seed=config.seed,
-                     **({"depth": config.depth} if config.depth is not None else {}))
+                     **config.task_options())
     reward_fn = load_callable(config.reward) if config.reward else task.reward
     stop = config.stop_token if config.stop_token is not None else getattr(task, "stop_token", None)
     sampling = SamplingConfig(max_new_tokens=config.response_len, temperature=config.temperature,

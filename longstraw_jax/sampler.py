@@ -2,9 +2,9 @@
 captures kept for the update, so that a training step captures every prompt once.
 
     rollouts, captured = sample_groups(model, params, prompts, keys, G, sampling, chunk_size, mesh=None)
-    rollouts.responses [B, G, R] (likewise mask, logprobs, sample_logprobs); captured: `rollout.Captured` (one
-    device) or `sharding.sample.ShardedCaptured` (mesh), every leaf stacked [B, ...]: pass it to
-    `train.train_step(..., captured=captured)` / `engine.grpo_grads(..., captured=captured)`.
+    rollouts.responses [B, G, R] (likewise mask, logprobs, sample_logprobs; first_logprobs [B, V]); captured:
+    `rollout.Captured` (one device) or `sharding.sample.ShardedCaptured` (mesh), every leaf stacked [B, ...]: pass it
+    to `train.train_step(..., captured=captured)` / `engine.grpo_grads(..., captured=captured)`.
 
 One device: the groups one after another (`lax.map` over `rollout.sample_traced`). On a mesh: B is split over
 `data` (`sharding/groups.py`); each data slice samples its own groups, one after another, with the mesh sampler

@@ -32,7 +32,7 @@ from longstraw_jax.orbax_io import TrainCheckpoints
 from tests.helpers import ROOT
 
 SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
-         "--save-every", "2", "--seed", "1"]
+         "--eval-every", "0", "--sft-steps", "0", "--lr", "3e-3", "--save-every", "2", "--seed", "1"]
 
 
 def checksums(directory):

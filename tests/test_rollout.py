@@ -71,6 +71,24 @@ def test_tokens_and_logprobs_match_a_full_recompute(setup, temperature, top_p):
     else:  # the sampling distribution is not the policy's: old_logprobs must be `logprobs`, not these
         assert np.max(np.abs(np.asarray(out.sample_logprobs) - np.asarray(out.logprobs))) > 0.1
 
+def test_greedy_is_the_argmax_of_a_full_recompute(setup):
+    """temperature 0: every token is the argmax of the full recompute's logits at its position, every branch is
+    the same whatever the key, sample_logprobs are 0 (a point mass) and logprobs are the policy's."""
+    model, params, prompt = setup
+    greedy = SamplingConfig(max_new_tokens=R, temperature=0.0)
+    out = sample_group(model, params, prompt, 2, greedy, jax.random.key(1), chunk_size=CHUNK)
+    other = sample_group(model, params, prompt, 2, greedy, jax.random.key(2), chunk_size=CHUNK)
+    responses = np.asarray(out.responses)
+    assert np.array_equal(responses[0], responses[1]) and np.array_equal(responses, np.asarray(other.responses))
+    logits = full_logits(model, params, prompt, jnp.asarray(responses))
+    np.testing.assert_array_equal(responses, np.argmax(np.asarray(logits), axis=-1))
+    assert len(set(responses[0].tolist())) > 1  # not a degenerate constant sequence
+    np.testing.assert_array_equal(out.sample_logprobs, 0.0)
+    oracle, _ = response_logprobs(model, params, jnp.asarray(prompt), jnp.asarray(responses))
+    np.testing.assert_allclose(out.logprobs, oracle, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out.first_logprobs, jax.nn.log_softmax(logits[0, 0]), rtol=1e-4, atol=1e-4)
+
+
 
 def test_glm_samples_through_the_same_protocol():
     """GLM-5.2 (MLA + DSA indexer, top-k 16 < P: sparse selection active) through the same sampler: tokens and
@@ -133,7 +151,7 @@ def test_bad_input_raises(setup):
         sample_group(model, params, prompt, 2, SamplingConfig(max_new_tokens=2, stop_token=64), key)
     with pytest.raises(ValueError, match="need at least 2"):
         sample_group(model, params, prompt[:1], 2, ok, key)
-    for bad in (dict(max_new_tokens=0), dict(temperature=0.0), dict(top_p=1.5), dict(stop_token=-1)):
+    for bad in (dict(max_new_tokens=0), dict(temperature=-0.5), dict(top_p=1.5), dict(stop_token=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingConfig(**bad)
 

@@ -8,12 +8,15 @@ Token layout (ids below `vocab_size`; nothing needs a tokenizer):
 A prompt of exactly `prompt_len` tokens is a log of tool outputs (TOOL followed by 8..32 random filler tokens,
 repeated), with `num_facts` facts "FACT key value" planted in it (distinct keys, random values) and the question
 "QUERY key" at the end. The queried fact sits at `depth` (0 = the start of the log, 1 = just before the question;
-None = uniform per prompt); the others are distractors at random depths. The answer is the queried fact's value.
+None = uniform per prompt); the others are distractors at random depths (default 2 facts: one distractor). The answer
+is the queried fact's value.
 
 Reward: 1.0 when the first response token is the answer, `format_reward` when it is another answer token (a
 well-formed but wrong answer), else 0. A policy that always answers but guesses uniformly scores
 1/num_answers + (1 - 1/num_answers) * format_reward: `chance_reward`. `accuracy` (first token correct) is what the
-learning benchmark reports next to its chance level 1/num_answers.
+learning benchmark reports next to its chance level 1/num_answers. A policy that finds the facts but not the one
+with the queried key (it copies a random fact's value) scores `copy_any_fact_accuracy` = 1/F + (1 - 1/F)/A with F
+facts and A answers (0.625 for 2 facts and 4 answers): accuracy above that needs the key matched.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ class RetrievalTask:
     seed: int = 0
     num_answers: int = 4
     num_keys: int = 4
-    num_facts: int = 1
+    num_facts: int = 2
     depth: float | None = None
     format_reward: float = 0.1
     name: str = "retrieval"
@@ -78,6 +81,11 @@ class RetrievalTask:
         return 1 / self.num_answers
 
     @property
+    def copy_any_fact_accuracy(self) -> float:
+        """Accuracy of copying a uniformly chosen fact's value (values are independent uniform answers)."""
+        return 1 / self.num_facts + (1 - 1 / self.num_facts) / self.num_answers
+
+    @property
     def chance_reward(self) -> float:
         return 1 / self.num_answers + (1 - 1 / self.num_answers) * self.format_reward
 
@@ -114,6 +122,10 @@ class RetrievalTask:
         if first == info["answer"]:
             return 1.0
         return self.format_reward if FIRST_ANSWER <= first < self.first_key else 0.0
+
+    def target(self, info: dict) -> np.ndarray:
+        """The response to imitate in a supervised warm-up (sft.py): [answer, STOP]."""
+        return np.array([info["answer"], STOP], np.int32)
 
     def is_correct(self, response_tokens: np.ndarray, info: dict) -> bool:
         return len(response_tokens) > 0 and int(response_tokens[0]) == info["answer"]
