@@ -14,9 +14,11 @@ Dropless: every (token, expert) assignment is computed exactly once, by the expe
 device's up to the order of the floating-point sum over a token's top-k experts. Under autodiff the all-gather and
 the reduce-scatter transpose into each other: an expert's weight gradient is computed on its own device, from every
 token routed to it, and stays there. This path needs only all-gather and reduce-scatter, so it runs on every backend
-(XLA:CPU has no `ragged_all_to_all`); its transient memory is the gathered tokens of one layer, n * T * D. A
-`ragged_all_to_all` exchange (only the routed rows travel, T * k * D per device) is the faster path on GPUs and is
-not written yet.
+(XLA:CPU has no `ragged_all_to_all`). Its cost is the weak point: every device runs the grouped matmul over all
+n * T * k gathered (token, expert) rows, most of them another device's (masked, not skipped), so one layer's
+transient is about n * T * k * (D + 3 I) floats; for GLM-5.2 on 4x8 with rounds of 2K positions per device that is
+the 121 GiB capture transient of docs/benchmarks.md 4.3. Not written yet: computing only the local rows in
+fixed-size blocks, and a `ragged_all_to_all` exchange (only the routed rows travel, T * k * D per device) on GPUs.
 """
 from __future__ import annotations
 
