@@ -3,6 +3,7 @@
     .venv/bin/python tools/bench_glm_backward.py                         # P = 8192, 32768 (about 12 min on 2 cores)
     .venv/bin/python tools/bench_glm_backward.py --depth 78              # GLM-5.2's 78-layer layout
     .venv/bin/python tools/bench_glm_backward.py --prompt 4096 --quick   # smoke run
+    .venv/bin/python tools/bench_glm_backward.py --mesh 1x8 --chunk 4096 --prompt 32768 131072   # per device
 
 AOT only: `jax.jit(engine._grpo_grads).lower(abstract args).compile().memory_analysis()`, nothing is executed. The
 model is GLM-5.2's layer layout cut to 22 layers (3 full_dense, (shared_sparse x 3, full_sparse) x 4, shared_sparse x
@@ -11,8 +12,12 @@ at these prompt lengths the prompt state (MLA latent rows + indexer keys) domina
 the same model through `CausalLM`'s autodiff hooks with a full float32 state cotangent (what the engine ran for GLM
 before the block-by-block backward, kept as `layerwise.branch_grads_autodiff` / `chunk_grads_autodiff`); "blocks" is
 the model as shipped (`layerwise` stages, no indexer-key cotangent). Temp bytes are XLA's temporaries: everything
-live besides arguments and outputs (the state, its cotangent, the gradient accumulator, activations). Results:
-docs/benchmarks.md 9.
+live besides arguments and outputs (the state, its cotangent, the gradient accumulator, activations).
+
+`--mesh SPEC` (CPU devices, e.g. 1x8): the sharded engine (`sharding/grpo.py`, rounds of --chunk), per-device bytes,
+the package as imported only (its sharded GLM path has no fallback to switch to; for the engine before GLM went block
+by block, run this with PYTHONPATH at an export of commit 439adbc: `git archive 439adbc longstraw_jax | tar -x -C
+DIR`). Results: docs/benchmarks.md 9.
 """
 from __future__ import annotations
 
@@ -28,13 +33,14 @@ MIB = 2**20
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt", type=int, nargs="+", default=[8192, 32768], help="prompt lengths P")
-    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--chunk", type=int, default=2048, help="chunk size (round length on a mesh)")
     parser.add_argument("--branches", type=int, default=4)
     parser.add_argument("--response", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="the tiny preset (4 layers, one segment)")
     parser.add_argument("--depth", choices=("22", "78"), default="22",
                         help="GLM-5.2's layout cut to 22 layers, or whole (78 layers: configs/glm-5.2.json's layer "
                              "types); compile time does not depend on it (the layers are scanned)")
+    parser.add_argument("--mesh", default=None, help="a data x seq mesh of CPU devices, e.g. 1x8")
     parser.add_argument("--json", action="store_true", help="one JSON line per cell")
     args = parser.parse_args()
 
@@ -44,15 +50,13 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
+    if args.mesh:
+        data, seq = map(int, args.mesh.split("x"))
+        jax.config.update("jax_num_cpu_devices", data * seq)
+
     from longstraw_jax import GroupBatch, GRPOConfig, engine, models
     from longstraw_jax.models.base import CausalLM
     from longstraw_jax.models.glm52 import Glm52, Glm52Config
-
-    @dataclasses.dataclass(frozen=True)
-    class AutodiffGlm(Glm52):
-        branch_grads = CausalLM.branch_grads
-        chunk_grads = CausalLM.chunk_grads
-        differentiable_state = CausalLM.differentiable_state
 
     if args.quick:
         cfg = Glm52Config.tiny()
@@ -72,29 +76,61 @@ def main() -> None:
     nbytes = lambda x: x.size * x.dtype.itemsize
     param_bytes = sum(nbytes(x) for x in jax.tree.leaves(params))
     g, r = args.branches, args.response
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    cfg_grpo = GRPOConfig(kl_coef=0.1)
+
+    if args.mesh:
+        from longstraw_jax import sharding
+        from longstraw_jax.sharding import grpo as sharded_grpo, rules
+        from longstraw_jax.sharding.api import round_layout
+
+        mesh = sharding.make_mesh(args.mesh)
+        named = lambda spec: jax.sharding.NamedSharding(mesh, spec)
+        params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=named(s)), params,
+                              rules.param_specs(params, mesh))
+        arr = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=named(jax.sharding.PartitionSpec()))
+        methods = (("sharded", models.build(cfg)),)  # the package as imported
+
+        def compile_step(model, batch, prompt):
+            layout = round_layout(model, prompt - 1, mesh.shape["seq"], args.chunk)
+            return sharded_grpo._grpo_grads.lower(model, params, batch, cfg_grpo, "exact", mesh, layout, "ring",
+                                                  None).compile()
+    else:
+        @dataclasses.dataclass(frozen=True)
+        class AutodiffGlm(Glm52):
+            branch_grads = CausalLM.branch_grads
+            chunk_grads = CausalLM.chunk_grads
+            differentiable_state = CausalLM.differentiable_state
+
+        arr = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype)
+        methods = (("fallback", AutodiffGlm(cfg)), ("blocks", models.build(cfg)))
+
+        def compile_step(model, batch, prompt):
+            return jax.jit(engine._grpo_grads, static_argnums=(0, 3, 4, 5)).lower(
+                model, params, batch, cfg_grpo, "exact", args.chunk).compile()
+
+    devices = 1 if not args.mesh else data * seq
     rows = []
     for prompt in args.prompt:
         state = jax.eval_shape(lambda: models.build(cfg).init_state(prompt - 1, jnp.bfloat16))
-        batch = GroupBatch(prompt=jax.ShapeDtypeStruct((prompt,), jnp.int32),
-                           responses=jax.ShapeDtypeStruct((g, r), jnp.int32), mask=f32(g, r), rewards=f32(g),
-                           old_logprobs=f32(g, r), ref_logprobs=f32(g, r))
-        for name, model in (("fallback", AutodiffGlm(cfg)), ("blocks", models.build(cfg))):
+        batch = GroupBatch(prompt=arr(jnp.int32, prompt), responses=arr(jnp.int32, g, r),
+                           mask=arr(jnp.float32, g, r), rewards=arr(jnp.float32, g),
+                           old_logprobs=arr(jnp.float32, g, r), ref_logprobs=arr(jnp.float32, g, r))
+        for name, model in methods:
             start = time.perf_counter()
-            mem = jax.jit(engine._grpo_grads, static_argnums=(0, 3, 4, 5)).lower(
-                model, params, batch, GRPOConfig(kl_coef=0.1), "exact", args.chunk).compile().memory_analysis()
-            row = dict(method=name, prompt=prompt, chunk=args.chunk, branches=g, response=r,
+            mem = compile_step(model, batch, prompt).memory_analysis()
+            row = dict(method=name, mesh=args.mesh, prompt=prompt, chunk=args.chunk, branches=g, response=r,
                        state_mib=state.nbytes() / MIB, kv_mib=nbytes(state.kv) / MIB,
                        index_keys_mib=nbytes(state.index_keys) / MIB, params_mib=param_bytes / MIB,
                        temp_mib=mem.temp_size_in_bytes / MIB, argument_mib=mem.argument_size_in_bytes / MIB,
                        output_mib=mem.output_size_in_bytes / MIB, compile_s=time.perf_counter() - start)
             rows.append(row)
+            per = row["state_mib"] / devices  # per device on a mesh (the state is split along seq)
             print(json.dumps(row) if args.json else
-                  f"P={prompt:>6} {name:>8}: temp {row['temp_mib']:9.1f} MiB = {row['temp_mib'] / row['state_mib']:.2f}"
-                  f" x state ({row['state_mib']:.1f} MiB: kv {row['kv_mib']:.1f} + index keys "
+                  f"P={prompt:>6} {name:>8}: temp {row['temp_mib']:9.1f} MiB = {row['temp_mib'] / per:.2f} x "
+                  f"state{' per device' if args.mesh else ''} ({per:.1f} MiB of kv {row['kv_mib']:.1f} + index keys "
                   f"{row['index_keys_mib']:.1f}); args {row['argument_mib']:.1f} MiB; compiled in "
                   f"{row['compile_s']:.0f} s", flush=True)
-    if not args.json:
+    if not args.json and not args.mesh:
         print("\n| P | state MiB | fallback temp MiB | blocks temp MiB | saved MiB | saved / state |")
         print("|---:|---:|---:|---:|---:|---:|")
         for prompt in args.prompt:

@@ -89,7 +89,8 @@ class BlockModel(Protocol):
     are stacked [num_blocks, ...]; `block` runs one block on h [T, D] at `positions`, reading `state_block` (every
     state leaf indexed at the block) up to `cache_length` (None: all), and returns (h, the block's entries as
     `chunk_entries` gives them, minus the block axis). `read_entries` / `carried` / `with_carried` must also work on
-    one block's slice of a state."""
+    one block's slice of a state. A family whose layers are not one repeated block passes `layerwise.Stage`s instead
+    (GLM-5.x: one per segment, `Glm52.block_stages`)."""
 
     num_blocks: int
 
