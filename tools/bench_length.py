@@ -55,7 +55,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--eval-prompts", type=int, default=128)
     p.add_argument("--facts", type=int, default=2, help="facts per prompt (the queried one and distractors)")
-    p.add_argument("--table-steps", default=None, help="comma list of steps for the table (default: 5 evenly spaced)")
+    p.add_argument("--table-steps", default=None, help="comma list of steps for the table (default: every evaluation "
+                   "up to 7 of them, else 5 evenly spaced)")
     p.add_argument("--out", default="out/bench_length")
     args = p.parse_args(own)
     for name in ("short", "long", "sft_steps", "steps", "eval_every", "eval_prompts"):
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
     if args.facts > 1:
         levels["copying a random fact's value"] = task.copy_any_fact_accuracy
     common = sorted(set.intersection(*(set(c) for runs in results.values() for c in runs.values())))
-    steps = ([int(s) for s in args.table_steps.split(",")] if args.table_steps else
+    steps = ([int(s) for s in args.table_steps.split(",")] if args.table_steps else common if len(common) <= 7 else
              sorted({common[round(i * (len(common) - 1) / 4)] for i in range(5)}))
     title = (f"warm-up {args.sft_steps} x {args.sft_batch} prompts of {args.short} tokens, then GRPO at {args.long} "
              f"tokens ({args.facts} facts, G={args.group_size}, B={args.groups_per_step}, lr {args.lr})")
