@@ -73,6 +73,11 @@ class Trainer:
         if config.sft_steps and self.data.task is None and "sft_steps" in explicit:
             raise RunError(f"--sft-steps={config.sft_steps} needs task prompts: a --rollouts file has none (pass "
                            "--sft-steps 0)")
+        # the warm-up trains every parameter: not with a frozen part (by default it is skipped there)
+        self.freezes = config.train == "lora" or config.trainable is not None
+        if config.sft_steps and self.freezes and "sft_steps" in explicit:
+            raise RunError(f"--sft-steps={config.sft_steps}: the supervised warm-up trains every parameter, but "
+                           "--train lora / --trainable keep some frozen (pass --sft-steps 0)")
         # opened by _start_writing, after the first step: until then the output directory is as it was
         self.checkpoints, self.log = None, None
         self.pending = []  # records computed before the run writes (warm-up, the start's evaluation)
@@ -169,7 +174,8 @@ class Trainer:
             if self.evaluator is not None:
                 self.evaluator.reference = evaluate.load_reference(self.out, self.evaluator)
             return
-        if config.sft_steps and self.data.task is not None:  # (a --rollouts run has no task to imitate)
+        # (a --rollouts run has no task to imitate; a run with frozen parameters skips it)
+        if config.sft_steps and self.data.task is not None and not self.freezes:
             if self.evaluator is not None:  # the policy before the warm-up (a random init: what the warm-up adds)
                 self.pending.append(dict(self.evaluate(say, label="before the warm-up"), before_warm_up=True))
             task = sft.warm_up_task(config, self.model.config.vocab_size)

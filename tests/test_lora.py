@@ -150,7 +150,7 @@ def small(tmp_path):
         vocab_size=32, num_hidden_layers=4, layer_types=QWEN.layer_types)), "--prompt-len", "40", "--group-size", "3",
         "--response-len", "2", "--chunk-size", "16", "--save-every", "2", "--seed", "1", "--mode", "detached",
         "--reward", "tests.test_lora:token_reward", "--train", "lora", "--lora-rank", "4", "--lora-targets",
-        "attn,mlp"]
+        "attn,mlp", "--eval-every", "0", "--lr", "3e-3"]
 
 
 def restore(out, argv):
@@ -220,6 +220,8 @@ def test_bad_lora_input_one_line_error_nothing_written(tmp_path, capsys):
         (["--lora-rank", "-3"], r"--lora-rank=-3 must be >= 1"),
         (["--lora-rank", "80"], r"--lora-rank=80 is larger than .* \[.*\] allows"),
         (["--train", "full", "--export-peft", str(tmp_path / "p")], r"--export-peft needs --train lora"),
+        (["--sft-steps", "5"], r"--sft-steps=5: the supervised warm-up trains every parameter, but --train lora / "
+                               r"--trainable keep some frozen \(pass --sft-steps 0\)"),
         (["--trainable", "norm"], r"--trainable selects parameters for --train full"),
         (["--train", "full", "--trainable", "nothing_like_this"], r"--trainable='nothing_like_this' matches no "
                                                                   r"parameter"),
