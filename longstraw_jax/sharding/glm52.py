@@ -376,18 +376,9 @@ class _RoundBlocks(NamedTuple):
         return self.model.with_carried(state, carried)
 
 
-class _SegmentRound(NamedTuple):
-    """A `layerwise.Stage` of the sharded prompt backward: the model's segment stage, whose block runs one repeat
-    of capture round `index` in its own `shard_map` (a `RoundReader` over the block's slice of the final cache,
-    layer numbers local to the slice). Returns the block's latent rows (zero at padding); its indexer keys get no
-    cotangent and are not returned."""
-
-    stage: Any
-    mesh: Any
-    rounds: RoundLayout
-    layout: SeqLayout
-    index: jax.Array
-    layer_specs: dict  # param_specs(params)["layers"]
+class _OnStage:
+    """A `layerwise.Stage` that is the model's segment stage (`Glm52.block_stages`) except for `block`, which the
+    subclass runs on the mesh."""
 
     @property
     def num_blocks(self) -> int:
@@ -407,6 +398,21 @@ class _SegmentRound(NamedTuple):
 
     def stacked(self, entries):
         return self.stage.stacked(entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SegmentRound(_OnStage):
+    """A `layerwise.Stage` of the sharded prompt backward: the model's segment stage, whose block runs one repeat
+    of capture round `index` in its own `shard_map` (a `RoundReader` over the block's slice of the final cache,
+    layer numbers local to the slice). Returns the block's latent rows (zero at padding); its indexer keys get no
+    cotangent and are not returned."""
+
+    stage: Any
+    mesh: Any
+    rounds: RoundLayout
+    layout: SeqLayout
+    index: jax.Array
+    layer_specs: dict  # param_specs(params)["layers"]
 
     def block(self, bp, carry, state_block, positions, cache_length):
         rounds, layout = self.rounds, self.layout
@@ -452,7 +458,8 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, sta
 # ----- the adapter the engine asks the model for ---------------------------------------------------------------
 
 
-class _SegmentOnMesh(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class _SegmentOnMesh(_OnStage):
     """A `layerwise.Stage` of the sharded replay: the model's segment stage (`Glm52.block_stages`), whose block runs
     one repeat in its own `shard_map` over the block's slice of the seq-sharded state (a `ReplayReader` over it,
     layer numbers local to the slice), so `layerwise.branch_grads` backpropagates block by block and adds each
@@ -463,25 +470,6 @@ class _SegmentOnMesh(NamedTuple):
     mesh: Any
     rounds: RoundLayout
     layer_specs: dict  # param_specs(params)["layers"]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.stage.num_blocks
-
-    def block_params(self, params):
-        return self.stage.block_params(params)
-
-    def with_block_params(self, params, blocks):
-        return self.stage.with_block_params(params, blocks)
-
-    def at(self, tree, b):
-        return self.stage.at(tree, b)
-
-    def set_at(self, tree, b, sub):
-        return self.stage.set_at(tree, b, sub)
-
-    def stacked(self, entries):
-        return self.stage.stacked(entries)
 
     def block(self, bp, carry, state_block, positions, cache_length):
         """One repeat over carry (h [T, D], selected [T, k]) (replicated); state_block: a ShardedPromptState sliced at
