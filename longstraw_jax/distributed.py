@@ -247,6 +247,36 @@ def initialize(cluster: Cluster, mesh_size: int | None, environ=os.environ) -> N
 
 # ----- after initialisation --------------------------------------------------------------------------------------
 
+def raise_cpu_device_count(mesh: str) -> None:
+    """Ask for A*B simulated CPU devices before JAX initialises its backends (no effect on accelerators)."""
+    import jax
+
+    from longstraw_jax.sharding.mesh import parse_mesh_spec
+
+    try:
+        jax.config.update("jax_num_cpu_devices", max(math.prod(parse_mesh_spec(mesh)), 1))
+    except RuntimeError:  # backends already initialised (e.g. in-process tests): keep what exists
+        pass
+
+
+def start_jax(config) -> None:
+    """Before anything touches a JAX backend (the trainer and `evaluate` call it first): join a multi-process run
+    (config.coordinator / num_processes / process_id, the JAX_* variables, or a detected SLURM / Open MPI job) with
+    config.mesh's A*B devices split over the processes, or in one process raise the simulated CPU device count to
+    A*B. config: a RunConfig (or anything with those four fields)."""
+    from longstraw_jax.sharding.mesh import parse_mesh_spec
+
+    cluster = resolve(config.coordinator, config.num_processes, config.process_id)
+    if cluster is None:
+        if config.mesh is not None:
+            raise_cpu_device_count(config.mesh)
+        return
+    if config.mesh is None:
+        raise DistributedError(f"{cluster.source}: a multi-process run needs --mesh AxB (the global mesh, its A*B "
+                               "devices split evenly over the processes)")
+    initialize(cluster, math.prod(parse_mesh_spec(config.mesh)))
+
+
 def process_index() -> int:
     import jax
 

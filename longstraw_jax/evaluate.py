@@ -270,12 +270,12 @@ def main(argv=None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
-        from longstraw_jax import run
+        from longstraw_jax.distributed import start_jax
         from longstraw_jax.run_config import RunConfig
 
         # before anything touches a JAX backend (reading the checkpoint does): the mesh's devices, or join the
         # processes of a cluster job; the mesh is --mesh, else the run's (its config.json, read without JAX)
-        run.start_jax(RunConfig(mesh=getattr(args, "mesh", None) or saved_mesh(args.resume)))
+        start_jax(RunConfig(mesh=getattr(args, "mesh", None) or saved_mesh(args.resume)))
         config, out = config_of(args)
         result = evaluate(config, out)
     except (RunError, DistributedError, ValueError, OSError, NotImplementedError) as e:

@@ -21,32 +21,12 @@ run_log.py (metrics records, progress lines, summary), distributed.py (several p
 """
 from __future__ import annotations
 
-import math
 import sys
 
-from longstraw_jax.distributed import DistributedError
+from longstraw_jax.distributed import DistributedError, start_jax
 from longstraw_jax.run_config import RunConfig, RunError, build_parser, parse_args
 
 __all__ = ["main", "RunConfig", "RunError", "build_parser", "parse_args"]
-
-
-def start_jax(config: RunConfig) -> None:
-    """Before anything touches a JAX backend: join a multi-process run (--coordinator / --num-processes /
-    --process-id, the JAX_* variables, or a detected SLURM / Open MPI job; distributed.py) with --mesh's A*B
-    devices split over the processes, or in one process raise the simulated CPU device count to A*B."""
-    from longstraw_jax import distributed
-    from longstraw_jax.run_setup import raise_cpu_device_count
-    from longstraw_jax.sharding.mesh import parse_mesh_spec
-
-    cluster = distributed.resolve(config.coordinator, config.num_processes, config.process_id)
-    if cluster is None:
-        if config.mesh is not None:
-            raise_cpu_device_count(config.mesh)
-        return
-    if config.mesh is None:
-        raise RunError(f"{cluster.source}: a multi-process run needs --mesh AxB (the global mesh, its A*B devices "
-                       "split evenly over the processes)")
-    distributed.initialize(cluster, math.prod(parse_mesh_spec(config.mesh)))
 
 
 def main(argv=None) -> int:

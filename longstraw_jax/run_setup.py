@@ -5,7 +5,6 @@ the device mesh, the model and its params (placed on one device or FSDP-sharded)
 from __future__ import annotations
 
 import functools
-import math
 import os
 import time
 import warnings
@@ -19,18 +18,10 @@ from longstraw_jax.grpo import GroupBatch
 from longstraw_jax.rollout import SamplingConfig
 from longstraw_jax.run_config import RunConfig, RunError
 from longstraw_jax.sampler import sample_groups
-from longstraw_jax.sharding import make_mesh, parse_mesh_spec, rules
+from longstraw_jax.sharding import make_mesh, rules
 from longstraw_jax.tasks import load_callable, make_task, score
 from longstraw_jax.tasks.rollout_file import load_rollouts
 from longstraw_jax.train import make_optimizer
-
-
-def raise_cpu_device_count(mesh: str) -> None:
-    """Ask for A*B simulated CPU devices before JAX initialises its backends (no effect on accelerators)."""
-    try:
-        jax.config.update("jax_num_cpu_devices", max(math.prod(parse_mesh_spec(mesh)), 1))
-    except RuntimeError:  # backends already initialised (e.g. in-process tests): keep what exists
-        pass
 
 
 def default_out() -> str:
