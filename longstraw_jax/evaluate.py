@@ -111,16 +111,13 @@ class Evaluator:
         """Score the K prompts -> metrics: eval_accuracy (tasks with is_correct), eval_reward, eval_entropy (first
         response token), eval_kl_to_start (when a reference is set), eval_prompts (K), eval_prompt_len (P),
         eval_s (wall time). reference=True: these answers' first-token distribution becomes the reference."""
-        from longstraw_jax.tasks import score
+        from longstraw_jax.run_setup import score_groups
 
         start = time.perf_counter()
         responses, mask, first = self.answers(model, params)
-        rewards = np.array([score(self.reward_fn, p, r[None], m[None])[0]
-                            for p, r, m in zip(self.prompts, responses, mask)])
-        correct = None
-        if hasattr(self.task, "is_correct"):
-            correct = np.array([bool(self.task.is_correct(r[m > 0], p.info))
-                                for p, r, m in zip(self.prompts, responses, mask)])
+        rewards, correct = score_groups(self.task, self.reward_fn, self.prompts, responses[:, None], mask[:, None],
+                                        self.mesh)  # K groups of one branch, each scored by its owner
+        rewards, correct = rewards[:, 0], None if correct is None else correct[:, 0] > 0
         if reference:
             self.reference = np.asarray(first, np.float32)
         stats = first_token_stats(first, self.reference)

@@ -113,6 +113,23 @@ def stack_groups(groups: list[GroupBatch]) -> GroupBatch:
     return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *groups)
 
 
+def score_groups(task, reward_fn, prompts, responses: np.ndarray, mask: np.ndarray, mesh=None):
+    """Rewards float32 [B, G] and, when the task has `is_correct`, correctness float32 [B, G] (else None) of
+    responses [B, G, R] (mask [B, G, R]) to `prompts` [B]. Each group is scored by the process that owns its data
+    slice (`distributed.group_owners`); the rows are summed over processes, so every process gets every value. A
+    reward function raising on one process stops all of them (`distributed.agreed`)."""
+    owners, me = distributed.group_owners(mesh, len(prompts)), distributed.process_index()
+    judged = hasattr(task, "is_correct")
+    rewards, correct = np.zeros(mask.shape[:2], np.float32), np.zeros(mask.shape[:2], np.float32)
+    with distributed.agreed("reward", (Exception,)):
+        for b in (b for b in range(len(prompts)) if owners[b] == me):
+            rewards[b] = score(reward_fn, prompts[b], responses[b], mask[b])
+            if judged:
+                correct[b] = [task.is_correct(r[m > 0], prompts[b].info) for r, m in zip(responses[b], mask[b])]
+    rewards, correct = distributed.sum_over_processes((rewards, correct))
+    return rewards, (correct if judged else None)
+
+
 class TaskSampler:
     """B groups per step: group b of step position p is the task's prompt number p * B + b, with G branches sampled
     from the policy (key = fold_in(fold_in(run key, step), b)) by `sampler.sample_groups` (on the mesh when there is
@@ -135,17 +152,8 @@ class TaskSampler:
         # the full values on every process (gathered when sharded over several); each group is scored by the
         # process that owns its data slice, and the rewards are summed over processes (zero where not owned)
         responses, mask, logprobs = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.logprobs))
-        owners, me = distributed.group_owners(self.mesh, self.num_groups), distributed.process_index()
-        judged = hasattr(self.task, "is_correct")
-        rewards, correct = np.zeros(mask.shape[:2], np.float32), np.zeros(mask.shape[:2], np.float32)
-        with distributed.agreed("reward", (Exception,)):
-            for b in (b for b in range(self.num_groups) if owners[b] == me):
-                rewards[b] = score(self.reward_fn, prompts[b], responses[b], mask[b])
-                if judged:
-                    correct[b] = [self.task.is_correct(r[m > 0], prompts[b].info) for r, m in zip(responses[b],
-                                                                                                  mask[b])]
-        rewards, correct = distributed.sum_over_processes((rewards, correct))
-        extra = {"accuracy": float(correct.mean())} if judged else {}
+        rewards, correct = score_groups(self.task, self.reward_fn, prompts, responses, mask, self.mesh)
+        extra = {"accuracy": float(correct.mean())} if correct is not None else {}
         batch = GroupBatch(prompt=np.stack([p.tokens for p in prompts]), responses=responses, mask=mask,
                            rewards=rewards, old_logprobs=logprobs)
         return batch, extra, captured
