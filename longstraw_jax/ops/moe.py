@@ -127,6 +127,14 @@ def _grouped(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Array:
     return lora.grouped(_grouped_scan if jax.default_backend() == "cpu" else _grouped_ragged, lhs, rhs, group_sizes)
 
 
+def expert_rows(rows: jax.Array, sizes: jax.Array, gate_proj, up_proj, down_proj) -> jax.Array:
+    """rows [M, D] sorted by expert (the first sizes[0] rows are expert 0's, the next sizes[1] expert 1's, ...; rows
+    past sum(sizes) belong to no expert) -> Expert_e(row) [M, D] in rows.dtype (0 for rows of no expert), one grouped
+    matmul per projection. Weights as in `grouped_swiglu`."""
+    gate, up = (_grouped(rows, w, sizes).astype(rows.dtype) for w in (gate_proj, up_proj))
+    return _grouped(jax.nn.silu(gate) * up, down_proj, sizes).astype(rows.dtype)
+
+
 def grouped_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
                    down_proj: jax.Array) -> jax.Array:
     """sum_j weights[t, j] * Expert_{experts[t, j]}(x[t]), Expert_e(u) = down_e(silu(gate_e(u)) * up_e(u)).
@@ -142,9 +150,7 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_pr
     token = order // k
     num_experts = lora.shape_of(gate_proj)[0]
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # ids >= E are counted nowhere
-    rows = x[token]  # [M, D]
-    gate, up = (_grouped(rows, w, sizes).astype(x.dtype) for w in (gate_proj, up_proj))
-    out = _grouped(jax.nn.silu(gate) * up, down_proj, sizes).astype(x.dtype)
+    out = expert_rows(x[token], sizes, gate_proj, up_proj, down_proj)
     weights = jnp.where(flat < num_experts, weights.reshape(-1), 0)[order]  # float32; 0 for rows of no group
     out = (at_least_f32(out) * weights[:, None]).astype(x.dtype)
     return jnp.zeros((num_tokens, x.shape[-1]), x.dtype).at[token].add(out)

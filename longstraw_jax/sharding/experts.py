@@ -6,41 +6,110 @@ expert index over the whole mesh when n divides E); they are never all-gathered.
 
 1. every device routes its own tokens (the router and the shared expert stay FSDP, gathered like any layer weight);
 2. the tokens, their expert ids and routing weights are all-gathered over the mesh: [n * T, D];
-3. each device computes only its own experts' rows (`ops.moe.grouped_swiglu`, ids outside its range contribute
-   nothing), weighted by the routing weights: partial outputs [n * T, D];
+3. each device computes only its own experts' (token, expert) rows (`local_experts`): it sorts the n * T * k
+   gathered assignments with its own first (by expert), and runs them through its experts in fixed blocks of
+   `block` rows, a `lax.scan` whose blocks past the last local row are skipped (`lax.cond`) and whose blocks are
+   rematerialised in the backward; the weighted rows are added to their tokens: partial outputs [n * T, D];
 4. `psum_scatter` sums the partials over devices and returns each device its own tokens' rows [T, D].
 
-Dropless: every (token, expert) assignment is computed exactly once, by the expert's device; the outputs equal one
-device's up to the order of the floating-point sum over a token's top-k experts. Under autodiff the all-gather and
-the reduce-scatter transpose into each other: an expert's weight gradient is computed on its own device, from every
-token routed to it, and stays there. This path needs only all-gather and reduce-scatter, so it runs on every backend
-(XLA:CPU has no `ragged_all_to_all`). Its cost is the weak point: every device runs the grouped matmul over all
-n * T * k gathered (token, expert) rows, most of them another device's (masked, not skipped), so one layer's
-transient is about n * T * k * (D + 3 I) floats; for GLM-5.2 on 4x8 with rounds of 2K positions per device that is
-the 121 GiB capture transient of docs/benchmarks.md 4.3. Not written yet: computing only the local rows in
-fixed-size blocks, and a `ragged_all_to_all` exchange (only the routed rows travel, T * k * D per device) on GPUs.
+Dropless: every (token, expert) assignment is computed exactly once, by the expert's device, whatever the routing
+(a device that receives every row runs all n * T * k / block blocks); the outputs equal one device's up to the order
+of the floating-point sum over a token's top-k experts. Under autodiff the all-gather and the reduce-scatter
+transpose into each other: an expert's weight gradient is computed on its own device, from every token routed to
+it, and stays there. Memory per layer: the gathered tokens and the partial outputs (2 n T D) plus one block's rows
+(block x (D + 3 I)), whatever n; work: the device's own rows rounded up to blocks (balanced routing: about T * k,
+one to two blocks of the default size T * k).
+
+Tokens that are the same on every `seq` shard (replay and decoding: the branch's tokens run on every shard) are
+computed once: each seq shard sends only its 1 / seq slice of them (`replicated_over_seq`), and the outputs are
+all-gathered over `seq` afterwards. Under the collectives' summing transposes each shard's cotangent for the
+replicated tokens is then its slice's; their sum over shards is the whole.
+
+This path needs only all-gather and reduce-scatter, so it runs on every backend (XLA:CPU has no
+`ragged_all_to_all`). Not written: a `ragged_all_to_all` exchange on GPUs (only the routed rows travel: T * k * D
+per device instead of the n-fold token gather).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.ops.lora import shape_of
-from longstraw_jax.ops.moe import grouped_swiglu
+from longstraw_jax.ops.moe import expert_rows
 from longstraw_jax.sharding.rules import FSDP
+from longstraw_jax.sharding.sequence import SEQ
 
 
 def routed_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
-                  down_proj: jax.Array, axes=FSDP) -> jax.Array:
+                  down_proj: jax.Array, axes=FSDP, replicated_over_seq: bool = False,
+                  block: int | None = None) -> jax.Array:
     """Inside `shard_map` over `axes`: this device's tokens x [T, D] with their routing (experts int [T, k] global
     ids, weights float32 [T, k]) through the experts of all devices. gate_proj, up_proj [E / n, I, D] and down_proj
     [E / n, D, I] (or LoRA nodes over them, with their experts' adapters) are this device's experts e in
     [i * E / n, (i + 1) * E / n), i = its index along `axes`. -> [T, D] in x.dtype, the same as `grouped_swiglu`
-    with all E experts on one device."""
+    with all E experts on one device. replicated_over_seq: x and its routing are the same on every `seq` shard
+    (each shard then sends only its slice). block: rows per block of `local_experts` (default T * k, after the
+    slice)."""
+    if replicated_over_seq:
+        return _seq_slices(lambda *a: routed_swiglu(*a, gate_proj, up_proj, down_proj, axes, block=block),
+                           x, experts, weights, num_experts=shape_of(gate_proj)[0] * jax.lax.axis_size(axes))
     local = shape_of(gate_proj)[0]
-    first = jax.lax.axis_index(axes) * local
     everyone = lambda a: jax.lax.all_gather(a, axes, tiled=True)
-    ids = everyone(experts) - first
-    ids = jnp.where((ids >= 0) & (ids < local), ids, local)  # local: "another device's expert"
-    partial = grouped_swiglu(everyone(x), ids, everyone(weights), gate_proj, up_proj, down_proj)
+    ids = everyone(experts) - jax.lax.axis_index(axes) * local
+    partial = local_experts(everyone(x), ids, everyone(weights), gate_proj, up_proj, down_proj,
+                            block or experts.size)
     return jax.lax.psum_scatter(partial, axes, tiled=True)
+
+
+def local_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_proj, up_proj, down_proj,
+                  block: int) -> jax.Array:
+    """sum_j [ids[t, j] local] weights[t, j] * Expert_{ids[t, j]}(x[t]) over this device's L experts: x [N, D];
+    ids int [N, k] (local expert index; < 0 or >= L: another device's); weights float32 [N, k]; expert weights
+    [L, ...] as in `grouped_swiglu`. -> [N, D] in x.dtype. The M = N * k assignments are sorted local-first by
+    expert and computed `block` rows at a time; blocks past the last local row are skipped."""
+    num_tokens, k = ids.shape
+    local = shape_of(gate_proj)[0]
+    flat = ids.reshape(-1)
+    mine = (flat >= 0) & (flat < local)
+    flat = jnp.where(mine, flat, local)
+    order = jnp.argsort(flat, stable=True)  # this device's assignments first, grouped by expert
+    ends = jnp.cumsum(jnp.bincount(flat, length=local)).astype(jnp.int32)
+    starts = ends - jnp.bincount(flat, length=local).astype(jnp.int32)
+    num_blocks = -(-flat.size // block)
+    pad = num_blocks * block - flat.size
+    order = jnp.pad(order, (0, pad))
+    row_weights = jnp.pad(jnp.where(mine, weights.reshape(-1), 0)[order[:flat.size]], (0, pad))
+
+    def compute(first):
+        rows = jax.lax.dynamic_slice_in_dim(order, first, block)
+        sizes = jnp.clip(ends, first, first + block) - jnp.clip(starts, first, first + block)  # per expert, here
+        out = expert_rows(x[rows // k], sizes, gate_proj, up_proj, down_proj)
+        w = jax.lax.dynamic_slice_in_dim(row_weights, first, block)
+        return rows // k, (at_least_f32(out) * w[:, None]).astype(x.dtype)
+
+    skip = lambda first: (jnp.zeros((block,), order.dtype), jnp.zeros((block, x.shape[-1]), x.dtype))
+
+    @jax.checkpoint
+    def one_block(first):
+        return jax.lax.cond(first < ends[-1], compute, skip, first)
+
+    def step(out, b):
+        tokens, rows = one_block(b * block)
+        return out.at[tokens].add(rows), None
+
+    init = jnp.zeros((num_tokens, x.shape[-1]), x.dtype)
+    return jax.lax.scan(step, init, jnp.arange(num_blocks, dtype=jnp.int32))[0]
+
+
+def _seq_slices(fn, x, experts, weights, num_experts: int):
+    """fn over this `seq` shard's 1 / seq slice of tokens that are the same on every shard (padded to a multiple of
+    the shard count: padding rows route to no expert), its outputs all-gathered over `seq` -> [T, D]."""
+    shards, tokens = jax.lax.axis_size(SEQ), x.shape[0]
+    per = -(-tokens // shards)
+    pad = per * shards - tokens
+    x, weights = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, weights))
+    experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=num_experts)
+    mine = lambda a: jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(SEQ) * per, per)
+    out = fn(mine(x), mine(experts), mine(weights))
+    return jax.lax.all_gather(out, SEQ, tiled=True)[:tokens]

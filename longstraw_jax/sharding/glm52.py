@@ -73,13 +73,13 @@ class _Layers(NamedTuple):
     def layer_params(self, lp, segment: int, group: str):
         return gather_layer(lp, self.specs[str(segment)][group])
 
-    def routed_experts(self, x, experts, weights, p):
-        """The layer's routed experts: this device's E / n (expert-parallel) or, when n does not divide E, all of
-        them (gathered like any weight)."""
+    def routed_experts(self, x, experts, weights, p, replicated_over_seq: bool = False):
+        """The layer's routed experts: this device's E / n (expert-parallel; replicated_over_seq: x is the same on
+        every seq shard) or, when n does not divide E, all of them (gathered like any weight)."""
         weights_of = (p["experts_gate"], p["experts_up"], p["experts_down"])
         if shape_of(p["experts_gate"])[0] == shape_of(p["router"])[0]:
             return grouped_swiglu(x, experts, weights, *weights_of)
-        return routed_swiglu(x, experts, weights, *weights_of)
+        return routed_swiglu(x, experts, weights, *weights_of, replicated_over_seq=replicated_over_seq)
 
 
 
@@ -153,7 +153,7 @@ class ReplayReader(NamedTuple):
         return self.params.layer_params(lp, segment, group)
 
     def routed_experts(self, x, experts, weights, p):
-        return self.params.routed_experts(x, experts, weights, p)
+        return self.params.routed_experts(x, experts, weights, p, replicated_over_seq=True)
 
     def select(self, c, q, w, keys, full, k):
         common = _topk_common(c, k)
@@ -214,7 +214,7 @@ class DecodeReader(NamedTuple):
         return self.params.layer_params(lp, segment, group)
 
     def routed_experts(self, x, experts, weights, p):
-        return self.params.routed_experts(x, experts, weights, p)
+        return self.params.routed_experts(x, experts, weights, p, replicated_over_seq=True)
 
     def select(self, c, q, w, keys, full, k):
         common = _topk_common(c, k)
