@@ -12,7 +12,7 @@ from longstraw_jax.sharding import mesh as mesh_lib
 from longstraw_jax.sharding.experts import local_experts, routed_swiglu
 from longstraw_jax.sharding.rules import FSDP
 
-E, K, D, I, T = 16, 3, 8, 6, 5  # 16 experts on 8 devices: 2 each; 5 tokens per device
+E, K, D, HIDDEN, T = 16, 3, 8, 6, 5  # 16 experts on 8 devices: 2 each; 5 tokens per device
 
 
 def _inputs(skewed: bool, tokens: int):
@@ -23,8 +23,8 @@ def _inputs(skewed: bool, tokens: int):
     else:
         experts = jnp.argsort(jax.random.uniform(keys[1], (tokens, E)), axis=-1)[:, :K].astype(jnp.int32)
     weights = jax.random.uniform(keys[2], (tokens, K), minval=0.1)
-    gate, up = (jax.random.normal(k, (E, I, D)) for k in keys[3:5])
-    down = jax.random.normal(keys[5], (E, D, I))
+    gate, up = (jax.random.normal(k, (E, HIDDEN, D)) for k in keys[3:5])
+    down = jax.random.normal(keys[5], (E, D, HIDDEN))
     return x, experts, weights, gate, up, down
 
 
@@ -70,7 +70,7 @@ def test_local_experts_skip_blocks_without_local_rows():
     masked one-device sum."""
     x, experts, weights, gate, up, down = _inputs(False, 12)
     nan = jnp.full_like(gate[:2], jnp.nan)
-    out = local_experts(x, experts + 2, weights, nan, nan, jnp.full((2, D, I), jnp.nan), block=4)  # ids >= 2
+    out = local_experts(x, experts + 2, weights, nan, nan, jnp.full((2, D, HIDDEN), jnp.nan), block=4)  # ids >= 2
     assert out.shape == (12, D) and np.all(np.asarray(out) == 0)
     got = local_experts(x, experts, weights, gate[:2], up[:2], down[:2], block=5)
     mask = experts < 2
