@@ -152,5 +152,11 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_pr
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # ids >= E are counted nowhere
     out = expert_rows(x[token], sizes, gate_proj, up_proj, down_proj)
     weights = jnp.where(flat < num_experts, weights.reshape(-1), 0)[order]  # float32; 0 for rows of no group
-    out = (at_least_f32(out) * weights[:, None]).astype(x.dtype)
-    return jnp.zeros((num_tokens, x.shape[-1]), x.dtype).at[token].add(out)
+    return add_to_tokens(out, token, weights, num_tokens)
+
+
+def add_to_tokens(rows: jax.Array, tokens: jax.Array, weights: jax.Array, num_tokens: int) -> jax.Array:
+    """sum over rows r of weights[r] * rows[r], added to token tokens[r]: rows [M, D]; tokens int [M] in
+    [0, num_tokens); weights float32 [M] (products in float32, rounded to rows.dtype). -> [num_tokens, D]."""
+    out = (at_least_f32(rows) * weights[:, None]).astype(rows.dtype)
+    return jnp.zeros((num_tokens, rows.shape[-1]), rows.dtype).at[tokens].add(out)

@@ -31,35 +31,91 @@ per device instead of the n-fold token gather).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
 from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.ops.lora import shape_of
-from longstraw_jax.ops.moe import expert_rows
+from longstraw_jax.ops.moe import add_to_tokens, expert_rows
 from longstraw_jax.sharding.rules import FSDP
 from longstraw_jax.sharding.sequence import SEQ
 
+# (x, experts, weights, gate_proj, up_proj, down_proj, axes, block) -> [T, D]: `gathered` or `ragged`
+Exchange = Callable[..., jax.Array]
+
 
 def routed_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
-                  down_proj: jax.Array, axes=FSDP, replicated_over_seq: bool = False,
-                  block: int | None = None) -> jax.Array:
+                  down_proj: jax.Array, axes=FSDP, replicated_over_seq: bool = False, block: int | None = None,
+                  exchange: Exchange | None = None) -> jax.Array:
     """Inside `shard_map` over `axes`: this device's tokens x [T, D] with their routing (experts int [T, k] global
     ids, weights float32 [T, k]) through the experts of all devices. gate_proj, up_proj [E / n, I, D] and down_proj
     [E / n, D, I] (or LoRA nodes over them, with their experts' adapters) are this device's experts e in
     [i * E / n, (i + 1) * E / n), i = its index along `axes`. -> [T, D] in x.dtype, the same as `grouped_swiglu`
     with all E experts on one device. replicated_over_seq: x and its routing are the same on every `seq` shard
     (each shard then sends only its slice). block: rows per block of `local_experts` (default T * k, after the
-    slice)."""
+    slice). exchange: `gathered` or `ragged` (default: `exchange_for(jax.default_backend())`)."""
+    exchange = exchange or exchange_for(jax.default_backend())
     if replicated_over_seq:
-        return _seq_slices(lambda *a: routed_swiglu(*a, gate_proj, up_proj, down_proj, axes, block=block),
+        return _seq_slices(lambda *a: routed_swiglu(*a, gate_proj, up_proj, down_proj, axes, block=block,
+                                                    exchange=exchange),
                            x, experts, weights, num_experts=shape_of(gate_proj)[0] * jax.lax.axis_size(axes))
+    return exchange(x, experts, weights, gate_proj, up_proj, down_proj, axes, block or experts.size)
+
+
+def exchange_for(backend: str) -> Exchange:
+    """The exchange a backend runs: `ragged` where XLA has `ragged_all_to_all` and a grouped `ragged_dot` (GPU,
+    TPU), `gathered` elsewhere (XLA:CPU)."""
+    return ragged if backend in ("gpu", "cuda", "rocm", "tpu") else gathered
+
+
+def gathered(x, experts, weights, gate_proj, up_proj, down_proj, axes, block: int) -> jax.Array:
+    """The all-gather exchange (module docstring, path 1); arguments as in `routed_swiglu`. -> [T, D]."""
     local = shape_of(gate_proj)[0]
     everyone = lambda a: jax.lax.all_gather(a, axes, tiled=True)
     ids = everyone(experts) - jax.lax.axis_index(axes) * local
-    partial = local_experts(everyone(x), ids, everyone(weights), gate_proj, up_proj, down_proj,
-                            block or experts.size)
+    partial = local_experts(everyone(x), ids, everyone(weights), gate_proj, up_proj, down_proj, block)
     return jax.lax.psum_scatter(partial, axes, tiled=True)
+
+
+def ragged(x, experts, weights, gate_proj, up_proj, down_proj, axes, block: int,
+           collective=jax.lax.ragged_all_to_all) -> jax.Array:
+    """The ragged all-to-all exchange (module docstring, path 2); arguments as in `routed_swiglu`. -> [T, D].
+    collective: `jax.lax.ragged_all_to_all` or a stand-in with its signature and semantics (tests on XLA:CPU).
+
+    This device's M = T * k assignments, sorted by expert (so by destination device; ids >= E last, sent nowhere),
+    go to their experts' devices as rows [M, D] with their local expert ids; each device receives at most n * M
+    rows (dropless: every device may send it all of its rows), in source order, runs them through its experts
+    (`local_experts`: k = 1, unit weights, blocks past the received rows skipped) and sends the outputs back along
+    the reverse exchange; the routing weights multiply them on the tokens' own device."""
+    n, me, local = jax.lax.axis_size(axes), jax.lax.axis_index(axes), shape_of(gate_proj)[0]
+    num_tokens, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # by destination device, then expert
+    sends = jnp.bincount(flat // local, length=n).astype(jnp.int32)  # ids >= E are counted nowhere
+    sizes = jax.lax.all_gather(sends, axes)  # [n, n]: sizes[s, d] rows device s sends device d
+    received = n * flat.size
+
+    def send(operand, fill, buffer_rows, plan):
+        output = jnp.full((buffer_rows,) + operand.shape[1:], fill, operand.dtype)
+        return collective(operand, output, *plan, axis_name=axes)
+
+    rows = send(x[order // k], 0, received, _ragged_plan(sizes, me))  # [n M, D]
+    ids = send(flat[order] % local, local, received, _ragged_plan(sizes, me))  # [n M]; local: no row
+    out = local_experts(rows, ids[:, None], jnp.ones((received, 1), jnp.float32), gate_proj, up_proj, down_proj,
+                        block)
+    out = send(out, 0, flat.size, _ragged_plan(sizes.T, me))  # [M, D], sorted like `order`; 0 for ids >= E
+    return add_to_tokens(out, order // k, weights.reshape(-1)[order], num_tokens)
+
+
+def _ragged_plan(sizes: jax.Array, me: jax.Array) -> tuple[jax.Array, ...]:
+    """sizes int [n, n] (sizes[s, d]: rows device s sends device d) -> device me's `ragged_all_to_all` arguments
+    (input_offsets, send_sizes, output_offsets, recv_sizes), each [n], for rows sent in destination order from
+    row 0 of the operand and received in source order from row 0 of the output. The reverse exchange (every row
+    back to where it came from) is `_ragged_plan(sizes.T, me)`."""
+    before = lambda axis: jnp.cumsum(sizes, axis) - sizes  # rows ahead in the sender's / the receiver's buffer
+    return before(1)[me], sizes[me], before(0)[me], sizes[:, me]
 
 
 def local_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_proj, up_proj, down_proj,
