@@ -1,6 +1,7 @@
 """What several test modules share (no test module imports another): O(1)-scale random parameters, the pytree
 relative error, the engine's test cases and oracles (tests/test_engine.py, reused on GLM by tests/test_glm52.py),
-the sharded-vs-one-device gradient check, and the 32-device subprocess runner.
+the sharded-vs-one-device gradient check, the 32-device subprocess runner, and an all-gather emulation of
+`jax.lax.ragged_all_to_all` (XLA:CPU has none; checked in tests/test_experts.py).
 
 The transformers oracles live apart, in tests/hf_reference.py and tests/glm_reference.py: they import torch.
 """
@@ -140,3 +141,29 @@ def run_32_device_check(module: str) -> dict:
     lines = run.stdout.strip().splitlines()
     assert lines, f"{module} printed nothing; stderr: {run.stderr[-3000:]}"
     return json.loads(lines[-1])
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+    """`jax.lax.ragged_all_to_all` built from `all_gather` (XLA:CPU has no ragged all-to-all), differentiable:
+    device `me`'s slot i (of K = n * per) receives from device src = i // per that device's slot
+    j = me * per + i % per, i.e. operand_src[input_offsets_src[j] :][: recv_sizes[i]] written at
+    output_offsets_src[j] (a later slot wins where writes overlap); the other rows keep `output`. send_sizes is the
+    senders' side of recv_sizes (the primitive requires them to agree) and is not read."""
+    del send_sizes
+    n, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    slots = input_offsets.shape[0]
+    per = slots // n
+    everyone = lambda a: jax.lax.all_gather(a, axis_name)  # [n, ...]
+    operands, starts_in, starts_out = everyone(operand), everyone(input_offsets), everyone(output_offsets)
+    src = jnp.arange(slots) // per
+    theirs = me * per + jnp.arange(slots) % per
+    first, start = starts_in[src, theirs], starts_out[src, theirs]  # [K]
+    row = jnp.arange(output.shape[0])[:, None]
+    inside = (row >= start) & (row < start + recv_sizes)  # [M, K]
+    slot = slots - 1 - jnp.argmax(inside[:, ::-1], axis=1)  # the last slot writing the row
+    source_row = jnp.clip(first[slot] + row[:, 0] - start[slot], 0, operand.shape[0] - 1)
+    got = operands[src[slot], source_row]
+    hit = inside.any(axis=1).reshape((-1,) + (1,) * (output.ndim - 1))
+    return jnp.where(hit, got, output)
+

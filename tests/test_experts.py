@@ -14,36 +14,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from longstraw_jax.ops.moe import grouped_swiglu
-from longstraw_jax.sharding import mesh as mesh_lib
+from longstraw_jax.sharding import mesh as mesh_lib, rules
 from longstraw_jax.sharding.experts import exchange_for, gathered, local_experts, ragged, routed_swiglu
+from longstraw_jax.sharding.groups import DATA
 from longstraw_jax.sharding.rules import FSDP
+from tests.helpers import emulated_ragged_all_to_all
 
 E, K, D, HIDDEN, T = 16, 3, 8, 6, 5  # 16 experts on 8 devices: 2 each; 5 tokens per device
-
-
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                               axis_name):
-    """`jax.lax.ragged_all_to_all` built from `all_gather` (XLA:CPU has no ragged all-to-all), differentiable:
-    device `me`'s slot i (of K = n * per) receives from device src = i // per that device's slot
-    j = me * per + i % per, i.e. operand_src[input_offsets_src[j] :][: recv_sizes[i]] written at
-    output_offsets_src[j] (a later slot wins where writes overlap); the other rows keep `output`. send_sizes is the
-    senders' side of recv_sizes (the primitive requires them to agree) and is not read."""
-    del send_sizes
-    n, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
-    slots = input_offsets.shape[0]
-    per = slots // n
-    everyone = lambda a: jax.lax.all_gather(a, axis_name)  # [n, ...]
-    operands, starts_in, starts_out = everyone(operand), everyone(input_offsets), everyone(output_offsets)
-    src = jnp.arange(slots) // per
-    theirs = me * per + jnp.arange(slots) % per
-    first, start = starts_in[src, theirs], starts_out[src, theirs]  # [K]
-    row = jnp.arange(output.shape[0])[:, None]
-    inside = (row >= start) & (row < start + recv_sizes)  # [M, K]
-    slot = slots - 1 - jnp.argmax(inside[:, ::-1], axis=1)  # the last slot writing the row
-    source_row = jnp.clip(first[slot] + row[:, 0] - start[slot], 0, operand.shape[0] - 1)
-    got = operands[src[slot], source_row]
-    hit = inside.any(axis=1).reshape((-1,) + (1,) * (output.ndim - 1))
-    return jnp.where(hit, got, output)
 
 
 EMULATED = functools.partial(ragged, collective=emulated_ragged_all_to_all)
@@ -192,15 +169,20 @@ def test_emulated_ragged_all_to_all_follows_the_documentation(per):
     np.testing.assert_array_equal(np.asarray(got).reshape(want.shape), want)
 
 
-def test_ragged_exchange_lowers_for_cuda(monkeypatch):
+@pytest.mark.parametrize("nested", [False, True], ids=["mesh", "inside-over-data"])
+def test_ragged_exchange_lowers_for_cuda(monkeypatch, nested):
     """With the backend reported as "gpu", `routed_swiglu` picks the ragged exchange and `ops.moe` the grouped
     `ragged_dot`; the forward + backward program lowers for CUDA on this CPU-only machine (StableHLO: XLA:GPU never
-    compiles it here) with the primitive's custom call (3 exchanges forward, the 2 float ones transposed backward),
-    grouped `ragged_dot`s and no reduce-scatter (the all-gather path's). On CPU the default is the all-gather."""
+    compiles it here) with the primitive's custom call over all 8 devices (3 exchanges forward, the 2 float ones
+    transposed backward), grouped `ragged_dot`s and no reduce-scatter (the all-gather path's). nested: as inside
+    `groups.over_data` (`data` manual outside, `seq` inside: `rules.shard_map`). On CPU the default is the
+    all-gather exchange."""
     assert exchange_for("cpu") is gathered and exchange_for("gpu") is ragged and exchange_for("tpu") is ragged
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     mesh = mesh_lib.make_mesh("2x4")
-    f = jax.shard_map(routed_swiglu, mesh=mesh, in_specs=(P(FSDP),) * 6, out_specs=P(FSDP), check_vma=False)
+    f = lambda *a: rules.shard_map(routed_swiglu, mesh, (P(FSDP),) * 6, P(FSDP))(*a)
+    if nested:
+        f = jax.shard_map(f, mesh=mesh, in_specs=P(DATA), out_specs=P(DATA), axis_names={DATA}, check_vma=False)
     grads = jax.grad(lambda x, e, *w: jnp.sum(f(x, e, *w) ** 2), argnums=(0, 2, 3, 4, 5))
     shapes = [((8 * T, D), jnp.float32), ((8 * T, K), jnp.int32), ((8 * T, K), jnp.float32),
               ((E, HIDDEN, D), jnp.float32), ((E, HIDDEN, D), jnp.float32), ((E, D, HIDDEN), jnp.float32)]
@@ -208,4 +190,5 @@ def test_ragged_exchange_lowers_for_cuda(monkeypatch):
         lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert text.count("stablehlo.custom_call @ragged_all_to_all") == 5
+    assert text.count("replica_groups = dense<[[0, 1, 2, 3, 4, 5, 6, 7]]>") >= 5
     assert "chlo.ragged_dot" in text and "reduce_scatter" not in text

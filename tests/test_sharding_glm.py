@@ -6,6 +6,7 @@ The prompt (45 positions) divides evenly by no mesh's 2 * seq segments; capture 
 the sharded indexer (per-shard top-k + all_to_all merge) must pick the same positions as one device, or the
 logits would differ.
 """
+import functools
 import json
 
 import chex
@@ -16,8 +17,15 @@ import pytest
 
 from longstraw_jax import GroupBatch, grpo_grads, models, sharding
 from longstraw_jax.models.glm52 import Glm52Config
-from longstraw_jax.sharding import rules
-from tests.helpers import SHARDED_CFG, assert_sharded_grads_match, o1_params, rel_err, run_32_device_check
+from longstraw_jax.sharding import experts, rules
+from tests.helpers import (
+    SHARDED_CFG,
+    assert_sharded_grads_match,
+    emulated_ragged_all_to_all,
+    o1_params,
+    rel_err,
+    run_32_device_check,
+)
 
 PROMPT, TOTAL = 45, 56
 
@@ -109,6 +117,31 @@ def test_sharded_grpo_grads_equal_one_device(spec, mode):
     got_grads, _ = assert_sharded_grads_match(model, params, _batch(model.config.vocab_size), spec, mode)
     experts = got_grads["layers"]["0"]["full_sparse"]["mlp"]["experts_gate"]  # [repeats, per_pattern, E, I, D]
     assert {s.data.shape[2] for s in experts.addressable_shards} == {1}  # each expert's gradient on its device
+
+
+def test_ragged_exchange_equals_one_device(tiny, monkeypatch):
+    """The GPU exchange (`sharding.experts.ragged`, with `ragged_all_to_all` emulated: XLA:CPU has none) in the model:
+    capture + decoding (tokens replicated over seq) on 2x4 and grpo_grads on 2x4 (inside `groups.over_data`: the
+    exchange names the manual `data` axis) equal one device. The caches are cleared first, so that nothing compiled
+    by the tests above (the all-gather exchange) is reused; each step traces the emulated collective."""
+    traced = []
+
+    def collective(*args, **kwargs):
+        traced.append(kwargs["axis_name"])
+        return emulated_ragged_all_to_all(*args, **kwargs)
+
+    monkeypatch.setattr(experts, "exchange_for", lambda backend: functools.partial(experts.ragged,
+                                                                                   collective=collective))
+    jax.clear_caches()
+    model, params, tokens, _, logits = tiny
+    mesh = sharding.make_mesh("2x4")
+    placed = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
+    sstate = sharding.capture(model, placed, tokens[:PROMPT], mesh)
+    np.testing.assert_allclose(sharding.extend(model, placed, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
+    assert traced and set(traced) == {rules.FSDP}
+    traced.clear()
+    assert_sharded_grads_match(model, params, _batch(model.config.vocab_size), "2x4", "detached")
+    assert traced
 
 
 def _check_32_devices() -> dict:
