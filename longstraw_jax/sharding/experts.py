@@ -2,32 +2,45 @@
 
 Each device of the mesh holds E / n of a layer's experts (`rules.param_specs` splits the routed-expert weights by
 expert index over the whole mesh when n divides E); they are never all-gathered. Inside the sequence-parallel
-`shard_map`, a MoE layer then runs as:
+`shard_map`, every device routes its own tokens (the router and the shared expert stay FSDP, gathered like any layer
+weight), and `routed_swiglu` brings each (token, expert) assignment to its expert's device and the result back by
+one of two exchanges, chosen by backend (`exchange_for`; `routed_swiglu(..., exchange=)` forces either):
 
-1. every device routes its own tokens (the router and the shared expert stay FSDP, gathered like any layer weight);
-2. the tokens, their expert ids and routing weights are all-gathered over the mesh: [n * T, D];
-3. each device computes only its own experts' (token, expert) rows (`local_experts`): it sorts the n * T * k
-   gathered assignments with its own first (by expert), and runs them through its experts in fixed blocks of
-   `block` rows, a `lax.scan` whose blocks past the last local row are skipped (`lax.cond`) and whose blocks are
-   rematerialised in the backward; the weighted rows are added to their tokens: partial outputs [n * T, D];
-4. `psum_scatter` sums the partials over devices and returns each device its own tokens' rows [T, D].
+1. `gathered` (XLA:CPU; runs on every backend: all-gather and reduce-scatter only). The tokens, their expert ids and
+   routing weights are all-gathered over the mesh: [n * T, D]; each device computes only its own experts' rows
+   (`local_experts`: it sorts the n * T * k gathered assignments with its own first, by expert, and runs them
+   through its experts in fixed blocks of `block` rows, a `lax.scan` whose blocks past the last local row are
+   skipped (`lax.cond`) and rematerialised in the backward); the weighted rows are added to their tokens (partial
+   outputs [n * T, D]) and `psum_scatter` returns each device the sums for its own tokens [T, D]. Memory per layer:
+   the gathered tokens and the partial outputs (2 n T D) plus one block's rows (block x (D + 3 I)); traffic: the
+   n-fold token gather and the reduce-scatter.
+2. `ragged` (GPU, TPU: `jax.lax.ragged_all_to_all`, grouped `ragged_dot`). Each device sorts its M = T * k
+   assignments by expert (so by destination device), learns every device's send sizes (an all-gather of [n]
+   vectors: `_ragged_plan` turns the [n, n] matrix into the primitive's offsets) and sends the rows [M, D] with
+   their local expert ids to their experts' devices; a device receives them in source order into a buffer of
+   n * M rows (dropless: every device may send it all its rows), computes them with `local_experts` (k = 1, unit
+   weights, blocks past the received rows skipped) and sends the outputs back by the reverse exchange (the
+   transposed size matrix); the routing weights multiply them on the tokens' own device. Traffic: only the routed
+   rows, M * D per device each way. Memory per layer: the receive buffer and its outputs, 2 n T k D, k times the
+   gathered path's (the worst-case buffer; with distinct top-k ids it could be n T min(k, E / n)), plus a block.
 
-Dropless: every (token, expert) assignment is computed exactly once, by the expert's device, whatever the routing
-(a device that receives every row runs all n * T * k / block blocks); the outputs equal one device's up to the order
-of the floating-point sum over a token's top-k experts. Under autodiff the all-gather and the reduce-scatter
-transpose into each other: an expert's weight gradient is computed on its own device, from every token routed to
-it, and stays there. Memory per layer: the gathered tokens and the partial outputs (2 n T D) plus one block's rows
-(block x (D + 3 I)), whatever n; work: the device's own rows rounded up to blocks (balanced routing: about T * k,
-one to two blocks of the default size T * k).
+Both: every (token, expert) assignment is computed exactly once, by the expert's device, whatever the routing (a
+device that receives every row runs all n * T * k / block blocks); the outputs equal one device's up to the order of
+the floating-point sum over a token's top-k experts. Under autodiff the collectives transpose into their reverse
+(all-gather <-> reduce-scatter; a ragged all-to-all into the reverse ragged all-to-all, JAX's rule): an expert's
+weight gradient is computed on its own device, from every token routed to it, and stays there.
 
 Tokens that are the same on every `seq` shard (replay and decoding: the branch's tokens run on every shard) are
 computed once: each seq shard sends only its 1 / seq slice of them (`replicated_over_seq`), and the outputs are
 all-gathered over `seq` afterwards. Under the collectives' summing transposes each shard's cotangent for the
 replicated tokens is then its slice's; their sum over shards is the whole.
 
-This path needs only all-gather and reduce-scatter, so it runs on every backend (XLA:CPU has no
-`ragged_all_to_all`). Not written: a `ragged_all_to_all` exchange on GPUs (only the routed rows travel: T * k * D
-per device instead of the n-fold token gather).
+Tested where (tests/test_experts.py, tests/test_sharding_glm.py; CPU only): `gathered` as it runs. `ragged` with
+`jax.lax.ragged_all_to_all` replaced by an all-gather emulation of its documented semantics (XLA:CPU cannot compile
+the primitive; the emulation is checked against a transcription of the documentation): values and gradients equal
+one device, alone and inside the GLM model. Its real program (the primitive, `ragged_dot`) is lowered for CUDA on a
+CPU machine, which checks JAX's lowering, not XLA:GPU: the primitive has not compiled or run on a GPU in this
+project (nor on a TPU).
 """
 from __future__ import annotations
 
@@ -83,12 +96,8 @@ def ragged(x, experts, weights, gate_proj, up_proj, down_proj, axes, block: int,
            collective=jax.lax.ragged_all_to_all) -> jax.Array:
     """The ragged all-to-all exchange (module docstring, path 2); arguments as in `routed_swiglu`. -> [T, D].
     collective: `jax.lax.ragged_all_to_all` or a stand-in with its signature and semantics (tests on XLA:CPU).
-
-    This device's M = T * k assignments, sorted by expert (so by destination device; ids >= E last, sent nowhere),
-    go to their experts' devices as rows [M, D] with their local expert ids; each device receives at most n * M
-    rows (dropless: every device may send it all of its rows), in source order, runs them through its experts
-    (`local_experts`: k = 1, unit weights, blocks past the received rows skipped) and sends the outputs back along
-    the reverse exchange; the routing weights multiply them on the tokens' own device."""
+    Invariants: the M = T * k rows leave sorted by expert, hence by destination (ids >= E last, sent nowhere); a
+    device's receive buffer [n M] holds its received rows first, in source order, then fill (id L: no expert)."""
     n, me, local = jax.lax.axis_size(axes), jax.lax.axis_index(axes), shape_of(gate_proj)[0]
     num_tokens, k = experts.shape
     flat = experts.reshape(-1)
@@ -101,8 +110,9 @@ def ragged(x, experts, weights, gate_proj, up_proj, down_proj, axes, block: int,
         output = jnp.full((buffer_rows,) + operand.shape[1:], fill, operand.dtype)
         return collective(operand, output, *plan, axis_name=axes)
 
-    rows = send(x[order // k], 0, received, _ragged_plan(sizes, me))  # [n M, D]
-    ids = send(flat[order] % local, local, received, _ragged_plan(sizes, me))  # [n M]; local: no row
+    there = _ragged_plan(sizes, me)
+    rows = send(x[order // k], 0, received, there)  # [n M, D]
+    ids = send(flat[order] % local, local, received, there)  # [n M] local expert ids; fill `local`: no expert
     out = local_experts(rows, ids[:, None], jnp.ones((received, 1), jnp.float32), gate_proj, up_proj, down_proj,
                         block)
     out = send(out, 0, flat.size, _ragged_plan(sizes.T, me))  # [M, D], sorted like `order`; 0 for ids >= E
