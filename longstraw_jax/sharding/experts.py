@@ -15,14 +15,15 @@ one of two exchanges, chosen by backend (`exchange_for`; `routed_swiglu(..., exc
    the gathered tokens and the partial outputs (2 n T D) plus one block's rows (block x (D + 3 I)); traffic: the
    n-fold token gather and the reduce-scatter.
 2. `ragged` (GPU, TPU: `jax.lax.ragged_all_to_all`, grouped `ragged_dot`). Each device sorts its M = T * k
-   assignments by expert (so by destination device), learns every device's send sizes (an all-gather of [n]
-   vectors: `_ragged_plan` turns the [n, n] matrix into the primitive's offsets) and sends the rows [M, D] with
-   their local expert ids to their experts' devices; a device receives them in source order into a buffer of
-   n * M rows (dropless: every device may send it all its rows), computes them with `local_experts` (k = 1, unit
+   assignments by expert (so by destination device), learns every device's send sizes (an all-gather of [n] vectors:
+   `_ragged_plan` turns the [n, n] matrix into the primitive's offsets) and sends the rows [M, D] with their local
+   expert ids to their experts' devices; a device receives them in source order into a buffer of n * T * min(k, E /
+   n) rows (dropless: every device may send it all the rows it can), computes them with `local_experts` (k = 1, unit
    weights, blocks past the received rows skipped) and sends the outputs back by the reverse exchange (the
    transposed size matrix); the routing weights multiply them on the tokens' own device. Traffic: only the routed
-   rows, M * D per device each way. Memory per layer: the receive buffer and its outputs, 2 n T k D, k times the
-   gathered path's (the worst-case buffer; with distinct top-k ids it could be n T min(k, E / n)), plus a block.
+   rows, M * D per device each way. Memory per layer: the receive buffer and its outputs, 2 n T min(k, E / n) D (the
+   dropless worst case: a token's k experts are distinct, so it sends at most min(k, E / n) rows to one device),
+   min(k, E / n) times the gathered path's, plus a block.
 
 Both: every (token, expert) assignment is computed exactly once, by the expert's device, whatever the routing (a
 device that receives every row runs all n * T * k / block blocks); the outputs equal one device's up to the order of
@@ -96,23 +97,26 @@ def ragged(x, experts, weights, gate_proj, up_proj, down_proj, axes, block: int,
            collective=jax.lax.ragged_all_to_all) -> jax.Array:
     """The ragged all-to-all exchange (module docstring, path 2); arguments as in `routed_swiglu`. -> [T, D].
     collective: `jax.lax.ragged_all_to_all` or a stand-in with its signature and semantics (tests on XLA:CPU).
-    Invariants: the M = T * k rows leave sorted by expert, hence by destination (ids >= E last, sent nowhere); a
-    device's receive buffer [n M] holds its received rows first, in source order, then fill (id L: no expert)."""
+    Invariants: a token's k ids are distinct (the router's top-k; padding rows: all E), so a token sends at most
+    min(k, L) rows to one device and no device receives more than n * T * min(k, L) (the dropless worst case: the
+    receive buffer's size); the M = T * k rows leave sorted by expert, hence by destination (ids >= E last, sent
+    nowhere); a device's receive buffer holds its received rows first, in source order, then fill (id L: no
+    expert)."""
     n, me, local = jax.lax.axis_size(axes), jax.lax.axis_index(axes), shape_of(gate_proj)[0]
     num_tokens, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # by destination device, then expert
     sends = jnp.bincount(flat // local, length=n).astype(jnp.int32)  # ids >= E are counted nowhere
     sizes = jax.lax.all_gather(sends, axes)  # [n, n]: sizes[s, d] rows device s sends device d
-    received = n * flat.size
+    received = n * num_tokens * min(k, local)
 
     def send(operand, fill, buffer_rows, plan):
         output = jnp.full((buffer_rows,) + operand.shape[1:], fill, operand.dtype)
         return collective(operand, output, *plan, axis_name=axes)
 
     there = _ragged_plan(sizes, me)
-    rows = send(x[order // k], 0, received, there)  # [n M, D]
-    ids = send(flat[order] % local, local, received, there)  # [n M] local expert ids; fill `local`: no expert
+    rows = send(x[order // k], 0, received, there)  # [n T min(k, L), D]
+    ids = send(flat[order] % local, local, received, there)  # local expert ids; fill `local`: no expert
     out = local_experts(rows, ids[:, None], jnp.ones((received, 1), jnp.float32), gate_proj, up_proj, down_proj,
                         block)
     out = send(out, 0, flat.size, _ragged_plan(sizes.T, me))  # [M, D], sorted like `order`; 0 for ids >= E
