@@ -155,6 +155,13 @@ def test_planner_lora_sizes_adapters_and_expert_parallel_layers():
     assert abs(a["optimizer"] - 2 * a["grads"]) <= 64  # two float32 moments (+ step counts)
     whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), full.params)
     assert full.layer_bytes < plan.largest_layer_bytes(whole)
+    # GPUs' ragged expert exchange, added analytically: 2 n T (min(k, E / n) - 1) D elements for T tokens per device
+    assert full.ragged_extra("exact") == dict(sampling=0, update=0)  # 8 experts on 8 devices: one each, as gathered
+    extra = lambda **kw: plan.ragged_exchange_bytes(**dict(dict(devices=8, experts=32, top_k=2, hidden=4, itemsize=2,
+                                                                tokens=3), **kw))
+    assert extra() == 2 * 8 * 3 * (2 - 1) * 4 * 2 and extra(top_k=8) == 2 * 8 * 3 * (4 - 1) * 4 * 2
+    assert extra(experts=12) == 0 and extra(experts=0, top_k=1) == 0
+    assert plan.ragged_exchange_bytes(devices=8, experts=0, top_k=1, hidden=4, itemsize=2, tokens=3) == 0
 
 
 def test_planner_sampling_matches_the_compiled_sampler():

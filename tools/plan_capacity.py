@@ -58,6 +58,12 @@ captured state plus a small replicated *tail*. Per device:
 
     sampling total = params + optimizer + state + boundaries + max(capture, tail + decode)
 
+**Expert exchange.** The compiled programs run the expert exchange XLA:CPU can run (`gathered`,
+`sharding/experts.py`); GPUs and TPUs run `ragged`, whose receive buffer is min(k, E / n) times larger (dropless
+worst case).
+"peak ragged" / "fits (ragged)" add its extra bytes analytically (`Planner.ragged_extra`) to each phase; "peak" /
+"fits" are the compiled programs' (the trainer on a GPU runs the ragged one unless told otherwise).
+
 `--search` binary-searches the longest prompt (to --search-step positions) whose step peak fits --device-gb.
 
 Caveats: sizes come from XLA:CPU's buffer assignment for the per-device SPMD program; a GPU compile differs
@@ -192,6 +198,18 @@ def update_phase(compiled: dict[str, int], *, state: int, boundaries: int, group
     out["others"] = (groups - 1) * (state + (boundaries if mode == "exact" else 0))
     out["total"] = compiled["total"] + out["others"]
     return out
+
+
+def ragged_exchange_bytes(*, devices: int, experts: int, top_k: int, hidden: int, itemsize: int,
+                          tokens: int) -> int:
+    """Extra per-device bytes of one MoE layer when the expert exchange is `ragged` (GPU/TPU) instead of `gathered`
+    (the CPU program the planner compiles; `sharding/experts.py`): the receive buffer and its outputs hold
+    n * T * min(k, E / n) rows of D, the gathered path's tokens and partial outputs n * T rows:
+    2 n T (min(k, E / n) - 1) D elements, for `tokens` = T per device. 0 when the experts are not expert-parallel
+    (n does not divide E) or there are none."""
+    if not experts or experts % devices:
+        return 0
+    return 2 * devices * tokens * (min(top_k, experts // devices) - 1) * hidden * itemsize
 
 
 def step_peak(sampling: dict, update: dict) -> tuple[int, str]:
@@ -379,10 +397,27 @@ class Planner:
         capture = self.capture(prompt_len)
         update = update_phase(compiled, state=compiled["state"], boundaries=capture["aux"], groups=groups, mode=mode)
         peak, phase = step_peak(sampling, update)
+        ragged = self.ragged_extra(mode)
+        peak_gpu = max(sampling["total"] + ragged["sampling"], update["total"] + ragged["update"])
         return dict(train=self.train_mode, mode=mode, G=group, P=prompt_len, B=groups_per_step,
                     decode_steps=group * self.response_len,
                     sampling=sampling, update=update, peak=peak, peak_phase=phase, fits=bool(peak <= limit),
+                    ragged_extra=ragged, peak_ragged=peak_gpu, fits_ragged=bool(peak_gpu <= limit),
                     compile_s=compiled["compile_s"] + capture["compile_s"])
+
+    def ragged_extra(self, mode: str) -> dict[str, int]:
+        """`ragged_exchange_bytes` per phase: sampling = a capture round's tokens per device (chunk / seq); update =
+        the replay's (R / seq: replicated tokens are sent once per seq shard), and in exact mode the prompt
+        backward's recomputed round, whose exchange also holds the rows' cotangents (twice the capture's)."""
+        c = self.model.config
+        seq = self.mesh.shape["seq"]
+        extra = lambda tokens: ragged_exchange_bytes(
+            devices=self.mesh.size, experts=getattr(c, "n_routed_experts", 0),
+            top_k=getattr(c, "num_experts_per_tok", 1), hidden=c.hidden_size, itemsize=self.dtype.itemsize,
+            tokens=tokens)
+        capture = extra(-(-self.chunk // seq))
+        replay = extra(-(-self.response_len // seq))
+        return dict(sampling=capture, update=max(replay, 2 * capture if mode == "exact" else 0))
 
     def search(self, group: int, mode: str, groups_per_step: int, limit: int, step: int, log) \
             -> tuple[int, dict | None]:
@@ -416,10 +451,12 @@ def format_rows(rows: list[dict], device_gb: float, markdown: bool, unit: str = 
     scale = {"GiB": GIB, "MiB": MIB}[unit]
     key = lambda row: [row.get("train", "full"), row["mode"], str(row["G"]), f"{row['P']:,}", str(row["B"])]
     num = lambda x: f"{x / scale:.2f}"
+    yes = lambda flag: "yes" if flag else "no"
     step = _table(["train", "mode", "G", "P", "B", f"sampling {unit}", f"update {unit}", f"peak {unit}", "peak phase",
-                   "decode steps", f"fits {device_gb:g} GB"],
+                   "decode steps", f"fits {device_gb:g} GB", f"peak ragged {unit}", "fits (ragged)"],
                   [key(r) + [num(r["sampling"]["total"]), num(r["update"]["total"]), num(r["peak"]), r["peak_phase"],
-                             f"{r['decode_steps']:,}", "yes" if r["fits"] else "no"] for r in rows], markdown, 5)
+                             f"{r['decode_steps']:,}", yes(r["fits"]), num(r["peak_ragged"]), yes(r["fits_ragged"])]
+                   for r in rows], markdown, 5)
     sampling = _table(["train", "mode", "G", "P", "B"] + [f"{c} {unit}" for c in SAMPLING_COLUMNS],
                       [key(r) + [num(r["sampling"][c]) for c in SAMPLING_COLUMNS] for r in rows], markdown, 5)
     update = _table(["train", "mode", "G", "P", "B"] + [f"{c} {unit}" for c in UPDATE_COLUMNS],
