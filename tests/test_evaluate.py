@@ -209,3 +209,18 @@ def test_bench_length_smoke(tmp_path, capsys):
         assert evals[0]["before_warm_up"] and evals[1]["step"] == 0
     with open(os.path.join(out, "length.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # --reuse: the completed runs are read back, not run again; the same numbers come out
+    os.remove(os.path.join(out, "length.json"))
+    assert tool.main(["--short", "24", "--long", "48", "--sft-steps", "2", "--sft-batch", "2", "--sft-lr", "1e-3",
+                      "--steps", "2", "--lr", "3e-3", "--eval-every", "1", "--eval-prompts", "4", "-G", "3", "-B", "1",
+                      "--chunk-size", "16", "--seeds", "0,1", "--modes", "detached", "--out", out, "--reuse"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("reusing") == 2 and "longstraw_jax.run" not in printed
+    with open(os.path.join(out, "length.json")) as f:
+        again = json.load(f)
+    assert again["accuracy"] == result["accuracy"] and again["wall_s"] == result["wall_s"]
+    # other options than the run directory's: an error, not a mix
+    with pytest.raises(SystemExit, match="was run with other options"):
+        tool.main(["--short", "24", "--long", "48", "--sft-steps", "2", "--sft-batch", "2", "--sft-lr", "1e-3",
+                   "--steps", "2", "--lr", "1e-3", "--eval-every", "1", "--eval-prompts", "4", "-G", "3", "-B", "1",
+                   "--chunk-size", "16", "--seeds", "0", "--modes", "detached", "--out", out, "--reuse"])
