@@ -13,7 +13,7 @@ accuracy at the long length over GRPO steps: per mode the mean over seeds, the m
 `length.md` (mean and range at fixed steps, with chance, copying a random fact's value, and the warm start at
 both lengths) and `length.json` (every number of both). Not a test: minutes per run on a small CPU.
 
-    python tools/bench_length.py --modes exact,detached --seeds 0,1,2 --out out/bench_length
+    python tools/bench_length.py --modes exact,detached --seeds 0,1,2 --out out/bench_length   # docs/benchmarks.md 6c
     python tools/bench_length.py --short 16 --long 24 --sft-steps 2 --steps 2 --eval-every 1 --eval-prompts 2 \\
         --seeds 0 --out /tmp/smoke                                                   # the smoke test's size
 
@@ -49,13 +49,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--seeds", default="0,1,2", help="comma list of seeds (each mode runs each)")
     p.add_argument("--short", type=int, default=32, help="warm-up prompt length")
     p.add_argument("--long", type=int, default=128, help="evaluation and GRPO prompt length")
-    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--sft-steps", type=int, default=50)
     p.add_argument("--sft-batch", type=int, default=32)
     p.add_argument("--sft-lr", type=float, default=3e-3)
-    p.add_argument("--steps", type=int, default=200, help="GRPO steps at the long length")
-    p.add_argument("--lr", type=float, default=3e-4, help="GRPO learning rate")
+    p.add_argument("--steps", type=int, default=160, help="GRPO steps at the long length")
+    p.add_argument("--lr", type=float, default=1e-3, help="GRPO learning rate")
     p.add_argument("--group-size", "-G", type=int, default=8)
-    p.add_argument("--groups-per-step", "-B", type=int, default=2)
+    p.add_argument("--groups-per-step", "-B", type=int, default=8)
     p.add_argument("--chunk-size", type=int, default=None, help="default: the long length (one chunk)")
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--eval-prompts", type=int, default=128)
