@@ -53,7 +53,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--sft-batch", type=int, default=32)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--steps", type=int, default=160, help="GRPO steps at the long length")
-    p.add_argument("--lr", type=float, default=1e-3, help="GRPO learning rate")
+    p.add_argument("--lr", type=float, default=5e-4, help="GRPO learning rate")
     p.add_argument("--group-size", "-G", type=int, default=8)
     p.add_argument("--groups-per-step", "-B", type=int, default=8)
     p.add_argument("--chunk-size", type=int, default=None, help="default: the long length (one chunk)")
