@@ -209,3 +209,46 @@ def test_bench_length_smoke(tmp_path, capsys):
         assert evals[0]["before_warm_up"] and evals[1]["step"] == 0
     with open(os.path.join(out, "length.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # --reuse: the completed runs are read back, not run again; the same numbers come out
+    os.remove(os.path.join(out, "length.json"))
+    assert tool.main(["--short", "24", "--long", "48", "--sft-steps", "2", "--sft-batch", "2", "--sft-lr", "1e-3",
+                      "--steps", "2", "--lr", "3e-3", "--eval-every", "1", "--eval-prompts", "4", "-G", "3", "-B", "1",
+                      "--chunk-size", "16", "--seeds", "0,1", "--modes", "detached", "--out", out, "--reuse"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("reusing") == 2 and "longstraw_jax.run" not in printed
+    with open(os.path.join(out, "length.json")) as f:
+        again = json.load(f)
+    assert again["accuracy"] == result["accuracy"] and again["wall_s"] == result["wall_s"]
+    # other options than the run directory's: an error, not a mix
+    with pytest.raises(SystemExit, match="was run with other options"):
+        tool.main(["--short", "24", "--long", "48", "--sft-steps", "2", "--sft-batch", "2", "--sft-lr", "1e-3",
+                   "--steps", "2", "--lr", "1e-3", "--eval-every", "1", "--eval-prompts", "4", "-G", "3", "-B", "1",
+                   "--chunk-size", "16", "--seeds", "0", "--modes", "detached", "--out", out, "--reuse"])
+
+
+def test_length_answers_classify():
+    """tools/length_answers.classify: over the prompts whose distractor holds another value than the answer, a first
+    token is the answer, the distractor's value, another answer id or no answer; other prompts are not counted."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("length_answers", os.path.join(os.path.dirname(__file__), "..",
+                                                                                  "tools", "length_answers.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    task = RetrievalTask(prompt_len=48, vocab_size=32, seed=3, num_facts=2)
+    rows, expected = [], {"prompts": 0, "correct": 0, "distractor": 0, "other answer": 0, "not an answer": 0}
+    for i in range(40):
+        p = task.prompt(i)
+        facts = np.flatnonzero(p.tokens[:-2] == 3)
+        values = {int(p.tokens[j + 2]) for j in facts}
+        other = sorted(values - {p.info["answer"]})
+        if not other:
+            rows.append({"index": i, "response": [STOP], "info": p.info})
+            continue
+        unused = sorted(set(range(FIRST_ANSWER, FIRST_ANSWER + 4)) - values)
+        kind, first = [("correct", p.info["answer"]), ("distractor", other[0]), ("other answer", unused[0]),
+                       ("not an answer", STOP)][i % 4]
+        expected["prompts"] += 1
+        expected[kind] += 1
+        rows.append({"index": i, "response": [first, STOP], "info": p.info})
+    assert tool.classify(task, rows) == expected and 0 < expected["prompts"] < 40

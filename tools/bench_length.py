@@ -13,11 +13,16 @@ accuracy at the long length over GRPO steps: per mode the mean over seeds, the m
 `length.md` (mean and range at fixed steps, with chance, copying a random fact's value, and the warm start at
 both lengths) and `length.json` (every number of both). Not a test: minutes per run on a small CPU.
 
-    python tools/bench_length.py --modes exact,detached --seeds 0,1,2 --out out/bench_length
+    python tools/bench_length.py --modes exact,detached --seeds 0,1,2 --out out/bench_length   # docs/benchmarks.md 6c
     python tools/bench_length.py --short 16 --long 24 --sft-steps 2 --steps 2 --eval-every 1 --eval-prompts 2 \\
         --seeds 0 --out /tmp/smoke                                                   # the smoke test's size
 
 Everything after `--` is passed to the trainer unchanged (e.g. `-- --lr 3e-4 -B 2`).
+
+`--reuse` reads a run directory that already holds a completed run (its evaluation after the last step) instead of
+running it again, so the runs can be split over several invocations (e.g. one per mode, side by side, into the same
+--out) and one last invocation with every mode and seed and `--reuse` writes the figure, table and JSON of them all.
+Each run's wall time is kept in its directory (`bench_wall.json`) for that.
 """
 from __future__ import annotations
 
@@ -44,13 +49,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--seeds", default="0,1,2", help="comma list of seeds (each mode runs each)")
     p.add_argument("--short", type=int, default=32, help="warm-up prompt length")
     p.add_argument("--long", type=int, default=128, help="evaluation and GRPO prompt length")
-    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--sft-steps", type=int, default=50)
     p.add_argument("--sft-batch", type=int, default=32)
     p.add_argument("--sft-lr", type=float, default=3e-3)
-    p.add_argument("--steps", type=int, default=200, help="GRPO steps at the long length")
-    p.add_argument("--lr", type=float, default=3e-4, help="GRPO learning rate")
+    p.add_argument("--steps", type=int, default=160, help="GRPO steps at the long length")
+    p.add_argument("--lr", type=float, default=5e-4, help="GRPO learning rate")
     p.add_argument("--group-size", "-G", type=int, default=8)
-    p.add_argument("--groups-per-step", "-B", type=int, default=2)
+    p.add_argument("--groups-per-step", "-B", type=int, default=8)
     p.add_argument("--chunk-size", type=int, default=None, help="default: the long length (one chunk)")
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--eval-prompts", type=int, default=128)
@@ -58,6 +63,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--table-steps", default=None, help="comma list of steps for the table (default: every evaluation "
                    "up to 7 of them, else 5 evenly spaced)")
     p.add_argument("--out", default="out/bench_length")
+    p.add_argument("--reuse", action="store_true", help="read a completed run directory instead of running it again "
+                   "(same options: the trainer's command line is checked)")
     args = p.parse_args(own)
     for name in ("short", "long", "sft_steps", "steps", "eval_every", "eval_prompts"):
         if getattr(args, name) < 1:
@@ -83,6 +90,20 @@ def curves(records: list[dict], long: int) -> tuple[dict[int, float], float | No
     at_long = {r["step"]: r["eval_accuracy"] for r in evals if r["eval_prompt_len"] == long}
     short = [r["eval_accuracy"] for r in evals if r["eval_prompt_len"] != long]
     return at_long, (short[0] if short else None)
+
+
+def completed(out: str, steps: int, argv_run: list[str]) -> bool:
+    """Whether `out` holds a completed run of this command line: its wall-time file with the same trainer arguments
+    (a different one is an error, not a silent mix) and an evaluation after the last GRPO step."""
+    try:
+        with open(os.path.join(out, "bench_wall.json")) as f:
+            saved = json.load(f)["argv"]
+    except FileNotFoundError:
+        return False
+    if saved != argv_run:
+        raise SystemExit(f"error: --reuse: {out} was run with other options:\n  {' '.join(saved)}\nnot\n  "
+                         f"{' '.join(argv_run)}")
+    return any(r.get("step") == steps for r in split_records(read_metrics(os.path.join(out, "metrics.jsonl")))[1])
 
 
 def table(results: dict[str, dict[int, dict[int, float]]], steps: list[int]) -> str:
@@ -143,12 +164,20 @@ def main(argv=None) -> int:
             out = os.path.join(args.out, f"{mode}-seed{seed}")
             argv_run = trainer_args(args, mode, seed, out, extra)
             commands[f"{mode}-seed{seed}"] = "python -m longstraw_jax.run " + " ".join(argv_run)
-            print(f"== {mode}, seed {seed}: python -m longstraw_jax.run {' '.join(argv_run)}", flush=True)
-            start = time.perf_counter()
-            status = run.main(argv_run)
-            if status:
-                return status
-            walls[mode][seed] = time.perf_counter() - start
+            wall_file = os.path.join(out, "bench_wall.json")
+            if args.reuse and completed(out, args.steps, argv_run):
+                print(f"== {mode}, seed {seed}: reusing {out}", flush=True)
+                with open(wall_file) as f:
+                    walls[mode][seed] = json.load(f)["wall_s"]
+            else:
+                print(f"== {mode}, seed {seed}: python -m longstraw_jax.run {' '.join(argv_run)}", flush=True)
+                start = time.perf_counter()
+                status = run.main(argv_run)
+                if status:
+                    return status
+                walls[mode][seed] = time.perf_counter() - start
+                with open(wall_file, "w") as f:
+                    json.dump({"wall_s": walls[mode][seed], "argv": argv_run}, f)
             results[mode][seed], short_acc[mode][seed] = curves(read_metrics(os.path.join(out, "metrics.jsonl")),
                                                                 args.long)
     task = RetrievalTask(prompt_len=args.long, vocab_size=32, num_facts=args.facts)
