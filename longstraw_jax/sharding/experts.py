@@ -144,8 +144,9 @@ def local_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate_proj, u
     mine = (flat >= 0) & (flat < local)
     flat = jnp.where(mine, flat, local)
     order = jnp.argsort(flat, stable=True)  # this device's assignments first, grouped by expert
-    ends = jnp.cumsum(jnp.bincount(flat, length=local)).astype(jnp.int32)
-    starts = ends - jnp.bincount(flat, length=local).astype(jnp.int32)
+    counts = jnp.bincount(flat, length=local).astype(jnp.int32)
+    ends = jnp.cumsum(counts)
+    starts = ends - counts
     num_blocks = -(-flat.size // block)
     pad = num_blocks * block - flat.size
     order = jnp.pad(order, (0, pad))
