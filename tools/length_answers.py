@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from longstraw_jax import evaluate  # noqa: E402
-from longstraw_jax.tasks.retrieval import FACT, RetrievalTask  # noqa: E402
+from longstraw_jax.tasks.retrieval import FACT, FIRST_ANSWER, RetrievalTask  # noqa: E402
 
 
 def classify(task: RetrievalTask, answers: list[dict]) -> dict[str, int]:
@@ -48,7 +48,7 @@ def classify(task: RetrievalTask, answers: list[dict]) -> dict[str, int]:
             counts["correct"] += 1
         elif first in values:
             counts["distractor"] += 1
-        elif task.first_key - task.num_answers <= first < task.first_key:
+        elif FIRST_ANSWER <= first < task.first_key:
             counts["other answer"] += 1
         else:
             counts["not an answer"] += 1
