@@ -17,7 +17,7 @@ import pytest
 
 from longstraw_jax import GroupBatch, grpo_grads, models, sharding
 from longstraw_jax.models.glm52 import Glm52Config
-from longstraw_jax.sharding import experts, rules
+from longstraw_jax.sharding import experts, grpo as sharded_grpo, rules
 from tests.helpers import (
     SHARDED_CFG,
     assert_sharded_grads_match,
@@ -43,13 +43,15 @@ def tiny():
     return model, params, tokens, reference, model.extend(params, reference, tokens[PROMPT:])
 
 
-@pytest.mark.parametrize("spec,round_len", [("2x4", None), ("1x8", 16), ("4x2", 12)])
-def test_sharded_capture_and_extend_equal_one_device(tiny, spec, round_len):
-    """One round on 2x4; rounds on 1x8 (2 full rounds of 16 + 13) and 4x2 (3 full rounds of 12 + 9)."""
+@pytest.mark.parametrize("spec,round_len,attention", [("2x4", None, "ring"), ("1x8", 16, "ring"),
+                                                      ("1x8", 16, "allgather"), ("4x2", 12, "ring")])
+def test_sharded_capture_and_extend_equal_one_device(tiny, spec, round_len, attention):
+    """One round on 2x4; rounds on 1x8 (2 full rounds of 16 + 13) and 4x2 (3 full rounds of 12 + 9), earlier
+    rounds' rows read around the ring or from the all-gathered layer."""
     model, params, tokens, reference, logits = tiny
     mesh = sharding.make_mesh(spec)
     params = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
-    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, round_len=round_len)
+    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, attention=attention, round_len=round_len)
     assert sstate.layout.full == {"2x4": 0, "1x8": 2, "4x2": 3}[spec]
     per_device = sstate.layout.padded // mesh.shape["seq"]
     for name in ("kv", "index_keys"):  # split along seq: each device holds 1/seq of the positions
@@ -117,6 +119,20 @@ def test_sharded_grpo_grads_equal_one_device(spec, mode):
     got_grads, _ = assert_sharded_grads_match(model, params, _batch(model.config.vocab_size), spec, mode)
     experts = got_grads["layers"]["0"]["full_sparse"]["mlp"]["experts_gate"]  # [repeats, per_pattern, E, I, D]
     assert {s.data.shape[2] for s in experts.addressable_shards} == {1}  # each expert's gradient on its device
+
+
+def test_exact_grads_with_all_gathered_rows_equal_one_device():
+    """Exact mode on 1x8 in rounds (2 of 16 + 13) with `attention="allgather"` (the engine's default is the ring,
+    covered above): the all-gathered layer's cotangent reduce-scatters onto the shards that hold the rows."""
+    model, params = _model()
+    batch = _batch(model.config.vocab_size)
+    loss, grads, _ = grpo_grads(model, params, batch, SHARDED_CFG, "exact", chunk_size=16)
+    mesh = sharding.make_mesh("1x8")
+    placed = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
+    got_loss, got_grads, _ = sharded_grpo.grpo_grads(model, placed, batch, SHARDED_CFG, "exact", mesh, round_len=16,
+                                                     attention="allgather")
+    assert abs(float(got_loss) - float(loss)) <= 1e-5
+    assert rel_err(got_grads, grads) <= 1e-4
 
 
 def test_ragged_exchange_equals_one_device(tiny, monkeypatch):

@@ -10,11 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from longstraw_jax import models, sharding
 from longstraw_jax.models.qwen36 import Qwen36Config
-from longstraw_jax.sharding import SeqLayout, rules
+from longstraw_jax.sharding import SeqLayout, rules, sequence
 from longstraw_jax.sharding.layout import RoundLayout
+from longstraw_jax.sharding.sequence import SEQ
 from tests.helpers import o1_params, rel_err, run_32_device_check
 
 PROMPT, TOTAL = 45, 56  # 45 = 2 * 8 segments of 3 with 3 padding positions (2x4: 8 segments of 6, 3 padding)
@@ -27,6 +29,27 @@ def tiny():
     tokens = jax.random.randint(jax.random.key(2), (TOTAL,), 0, model.config.vocab_size, dtype=jnp.int32)
     reference = model.capture(params, tokens[:PROMPT], chunk_size=16)
     return model, params, tokens, reference, model.extend(params, reference, tokens[PROMPT:])
+
+
+def test_ring_take_fetches_any_shards_rows_and_sends_cotangents_home():
+    """ring_take on 1x8 == indexing the whole array on one device, in value and in the gradient wrt the rows (each
+    shard's cotangent lands on its own rows, repeated picks add up); wanted rows from every shard, in any order."""
+    mesh = sharding.make_mesh("1x8")
+    n, rows_per, width = 8, 5, 3
+    x = jax.random.normal(jax.random.key(0), (n * rows_per, width))
+    wanted = jax.random.randint(jax.random.key(1), (n, 4, 6), 0, n * rows_per)  # per shard [4, 6] global rows
+    weights = jax.random.normal(jax.random.key(2), (n, 4, 6, width))
+
+    def sharded(x, wanted, weights):
+        def local(x, wanted, weights):
+            got = sequence.ring_take(x, wanted[0] // rows_per, wanted[0] % rows_per, n)
+            return got[None], jax.lax.psum(jnp.sum(got * weights[0]), sequence.SEQ)
+        return rules.shard_map(local, mesh, (P(SEQ), P(SEQ), P(SEQ)), (P(SEQ), P()))(x, wanted, weights)
+
+    got, _ = jax.jit(sharded)(x, wanted, weights)
+    np.testing.assert_array_equal(got, x[wanted])
+    grad = jax.jit(jax.grad(lambda x: sharded(x, wanted, weights)[1]))(x)
+    np.testing.assert_allclose(grad, jax.grad(lambda x: jnp.sum(x[wanted] * weights))(x), rtol=1e-6, atol=1e-6)
 
 
 def test_round_layout():

@@ -24,9 +24,9 @@ def capture(model, params: dict, tokens, mesh, attention: str = "ring", pad_id: 
     `round_len` positions (None: one round; later rounds attend over the cache of earlier ones).
 
     `params` may be placed anywhere (ideally by `rules.param_specs`: then nothing moves but one layer at a time).
-    attention ("ring" / "allgather", `sequence.causal_attention`) chooses Qwen3.6's softmax attention; GLM-5.x always
-    all-gathers its latent rows (`sharding/glm52.py` says why). `pad_id` only fills padding slots; it cannot change
-    any result (tests check this)."""
+    attention ("ring" / "allgather") chooses how a round reads the other shards' keys: Qwen3.6's softmax attention
+    (`sequence.causal_attention`), GLM-5.x's earlier rounds' latent rows (`sharding/glm52.py`). `pad_id` only
+    fills padding slots; it cannot change any result (tests check this)."""
     tokens = check_tokens(tokens, model.config.vocab_size)
     if attention not in sequence.ATTENTION_METHODS:
         raise ValueError(f"attention={attention!r}; allowed: {sequence.ATTENTION_METHODS}")

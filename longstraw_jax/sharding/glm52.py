@@ -10,10 +10,15 @@ Capture (in rounds, `RoundLayout`; each round laid out zigzag like Qwen3.6's). P
   (earlier rounds' slots and its part of the round, causally) and keeps a top-k per query; an `all_to_all` sends
   each query's candidates to the query's shard, which merges the n candidate lists into the global top-k. The
   scores are the O(P^2) part of GLM's prompt work, and the zigzag layout gives every shard the same share of it.
-- MLA: each query attends to exactly k rows, anywhere before it. The layer's latent rows (one 576-wide row per
-  position, shared by all heads: 1/57 of per-head keys and values at 64 heads) are all-gathered and each shard
-  gathers its queries' selected rows locally. A ring would need the same k gathers per query at every hop, n times
-  the work; all-gathering the rows is one collective and O(P) transient memory for one layer.
+- MLA: each query attends to exactly k rows, anywhere before it (one 576-wide latent row per position, shared by
+  all heads: 1/57 of per-head keys and values at 64 heads). The round's own rows are all-gathered (O(round)).
+  Earlier rounds' rows, `attention`:
+  "ring" (default): the layer's cache slots travel around the ring (`sequence.ring_take`) and each shard keeps the
+  rows its queries selected, [2L, k, 576] live; n - 1 hops, each taking the selected rows held by the shard just
+  received (n times the gathers of one lookup), and the backward sends the rows' cotangents back the same way.
+  "allgather": the layer's whole cache is all-gathered (one collective) and the rows looked up in it: O(P)
+  transient memory for one layer ([P, 576] rows, and in the exact backward their float32 cotangent), ~11 GiB at
+  GLM-5.2's 2.1M positions.
 Replay: a branch's queries run on every shard. Each shard scores its own prompt keys (top-k candidates, all-gathered
 and merged with the branch's own keys' candidates); attention is a partial over the selected rows this shard holds,
 merged across shards by log-sum-exp (`sequence.psum_merge`), then merged with the branch's own rows.
@@ -86,7 +91,8 @@ class _Layers(NamedTuple):
 class RoundReader(NamedTuple):
     """Inside `shard_map`: a layer of capture round `index` (laid out by `layout`) on this shard. kv [layers, S, Dk] and
     index_keys [F, S, Di]: this shard's cache slots (`rounds`' stored order), of which the first index *
-    round_slots hold the earlier rounds; positions [2L]: the natural positions of this shard's tokens."""
+    round_slots hold the earlier rounds; positions [2L]: the natural positions of this shard's tokens; method:
+    `sequence.ATTENTION_METHODS`."""
 
     kv: jax.Array
     index_keys: jax.Array
@@ -95,6 +101,7 @@ class RoundReader(NamedTuple):
     rounds: RoundLayout
     layout: SeqLayout
     params: _Layers
+    method: str  # how earlier rounds' rows are read: "ring" or "allgather" (`attend`)
 
     def layer_params(self, lp, segment, group):
         return self.params.layer_params(lp, segment, group)
@@ -124,14 +131,21 @@ class RoundReader(NamedTuple):
         return merge_candidates(mine(scores), mine(positions), k)[1]
 
     def attend(self, c, q_abs, rows, layer, selected):
-        """The selected rows, gathered from the all-gathered layer: this round's rows and earlier rounds' cache."""
+        """Over the selected rows: this round's from its all-gathered rows, earlier rounds' from the cache, either
+        fetched around the ring (`method` "ring": only the queries' selected rows, [2L, k, Dk], live) or taken from
+        the all-gathered layer ("allgather": one collective, the layer's n S rows live)."""
         round_rows = _everyone(rows)  # [n * 2L, Dk]: the round in stored order
         shard, slot = self.layout.shard_and_slot(jnp.maximum(selected - self.offset, 0))
         index = shard * self.layout.per_shard + slot
         if self.rounds.full:
-            cache = _everyone(self.kv[layer])[None]  # [1, n * S, Dk]
             shard, slot = self.rounds.shard_and_slot(jnp.maximum(selected, 0))
-            earlier = shard * self.rounds.per_shard + slot
+            if self.method == "allgather":
+                cache = _everyone(self.kv[layer])[None]  # [1, n * S, Dk]
+                earlier = shard * self.rounds.per_shard + slot
+            else:
+                cache = sequence.ring_take(self.kv[layer], shard, slot, self.layout.shards)[None]  # [1, 2L, k, Dk]
+                cache = cache.reshape(1, -1, rows.shape[-1])
+                earlier = jnp.arange(selected.size, dtype=jnp.int32).reshape(selected.shape)
             index = jnp.where(selected < self.offset, earlier, cache.shape[1] + index)
         else:
             cache = jnp.zeros((1, 0, rows.shape[-1]), rows.dtype)
@@ -250,7 +264,7 @@ def _write_round(mesh, rounds: RoundLayout, cache, new, index):
 
 
 def round_entries(model, mesh, rounds: RoundLayout, layout: SeqLayout, layer_specs, layers, h, kv,
-                  index_keys, index):
+                  index_keys, index, attention: str):
     """All layers of capture round `index` (laid out by `layout`) on the mesh: h [n * 2L, D] the round's embedded
     tokens (stored order, seq-sharded) -> (rows [layers, n * 2L, Dk], indexer keys [F, n * 2L, Di]), zero at padding.
     Reads kv / index_keys (the sharded cache) at earlier rounds' slots only."""
@@ -258,7 +272,7 @@ def round_entries(model, mesh, rounds: RoundLayout, layout: SeqLayout, layer_spe
 
     def local(layers, h, kv, index_keys, index):
         positions = index * rounds.round_positions + sequence.local_positions(layout).reshape(-1)
-        reader = RoundReader(kv, index_keys, positions, index, rounds, layout, _Layers(layer_specs))
+        reader = RoundReader(kv, index_keys, positions, index, rounds, layout, _Layers(layer_specs), attention)
         _, entries, _ = model.decoder_layers(layers, h, reader, min(c.index_topk, rounds.length), remat=True)
         real = (positions < rounds.length)[None, :, None]
         return jnp.where(real, entries["kv"], 0), jnp.where(real, entries["index_keys"], 0)
@@ -272,9 +286,9 @@ def _embedded_round(params, mesh, rounds, stored_tokens, index, size):
     return tokens, rules.constrain(params["embed"][tokens], P(SEQ), mesh)
 
 
-def capture(model, params, stored_tokens, mesh, rounds: RoundLayout) -> ShardedPromptState:
+def capture(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: str = "ring") -> ShardedPromptState:
     """Traceable: stored_tokens [rounds.padded] (stored order) -> ShardedPromptState (a GlmState split along
-    `seq`), round by round."""
+    `seq`), round by round; attention: how a round reads earlier rounds' rows (`RoundReader.attend`)."""
     c = model.config
     layer_specs = param_specs(params, mesh)["layers"]
     dtype = params["embed"].dtype
@@ -284,7 +298,8 @@ def capture(model, params, stored_tokens, mesh, rounds: RoundLayout) -> ShardedP
 
     def one_round(caches, layout, index):
         _, h = _embedded_round(params, mesh, rounds, stored_tokens, index, layout.per_shard)
-        entries = round_entries(model, mesh, rounds, layout, layer_specs, params["layers"], h, *caches, index)
+        entries = round_entries(model, mesh, rounds, layout, layer_specs, params["layers"], h, *caches, index,
+                                 attention)
         return tuple(_write_round(mesh, rounds, cache, new, index) for cache, new in zip(caches, entries))
 
     kv, index_keys = sequence.each_round(rounds, caches, one_round)
@@ -413,13 +428,15 @@ class _SegmentRound(_OnStage):
     layout: SeqLayout
     index: jax.Array
     layer_specs: dict  # param_specs(params)["layers"]
+    attention: str  # RoundReader.method
 
     def block(self, bp, carry, state_block, positions, cache_length):
         rounds, layout = self.rounds, self.layout
 
         def local(bp, carry, kv, index_keys, index):
             positions = index * rounds.round_positions + sequence.local_positions(layout).reshape(-1)
-            reader = RoundReader(kv, index_keys, positions, index, rounds, layout, _Layers(self.layer_specs))
+            reader = RoundReader(kv, index_keys, positions, index, rounds, layout, _Layers(self.layer_specs),
+                                 self.attention)
             carry, entries = self.stage.block_with_reader(bp, carry, reader)
             return carry, jnp.where((positions < rounds.length)[None, :, None], entries["kv"], 0)
 
@@ -430,7 +447,7 @@ class _SegmentRound(_OnStage):
 
 
 def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, state, state_cot,
-                    grads) -> dict:
+                    grads, attention: str = "ring") -> dict:
     """grads + the float32 gradient of the sequence-parallel capture given `state_cot` (the float32 cotangent of the
     captured GlmState, sharded like it; no index_keys: `Glm52.differentiable_state`). Rounds in reverse, and in each
     round blocks in reverse (`layerwise.chunk_grads` over `_SegmentRound` stages): a forward over the blocks keeps
@@ -445,7 +462,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, sta
     def one_round(carry, layout, index):
         grads, acc = carry
         tokens = sequence.round_slots(mesh, rounds, stored_tokens, index, layout.per_shard, 0)
-        stages = tuple(_SegmentRound(stage, mesh, rounds, layout, index, layer_specs)
+        stages = tuple(_SegmentRound(stage, mesh, rounds, layout, index, layer_specs, attention)
                        for stage in model.block_stages())
         grads, acc = layerwise.chunk_grads(_RoundBlocks(model, mesh, rounds, layout, index), params, state, tokens,
                                            0, grads, acc, stages=stages)
@@ -494,9 +511,9 @@ class Glm52OnMesh:
     min_segment = 1  # GLM reads no halo from the previous segment: any segment length works
 
     def capture(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str):
-        """`attention` is Qwen3.6's choice; GLM always all-gathers its latent rows. No capture output is kept for
-        the backward (every round is recomputed from the final cache)."""
-        return capture(self.model, params, stored_tokens, mesh, rounds), None
+        """`attention`: how a round reads earlier rounds' latent rows ("ring" / "allgather": `RoundReader.attend`).
+        No capture output is kept for the backward (every round is recomputed from the final cache)."""
+        return capture(self.model, params, stored_tokens, mesh, rounds, attention), None
 
     def extend_hidden(self, params, sstate, tokens, mesh):
         return extend_hidden_fn(self.model, mesh, param_specs(params, mesh))(params, sstate, tokens)
@@ -508,7 +525,8 @@ class Glm52OnMesh:
 
     def prompt_backward(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, sstate,
                         capture_aux, state_cot, grads):
-        return prompt_backward(self.model, params, stored_tokens, mesh, rounds, sstate.state, state_cot, grads)
+        return prompt_backward(self.model, params, stored_tokens, mesh, rounds, sstate.state, state_cot, grads,
+                               attention)
 
     def init_tail(self, params, sstate, capacity: int):
         return init_tail(self.model, params, sstate, capacity)

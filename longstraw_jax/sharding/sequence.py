@@ -6,6 +6,8 @@ Every shard holds two segments of L positions in the layout of `SeqLayout` (loca
   passing key/value blocks around a ring (`ppermute`, n - 1 hops, online-softmax merge; O(P / n) memory) or by
   all-gathering the keys and values of the layer (O(P) transient memory, fewer collectives).
 - `psum_merge`: exact softmax attention over keys split across shards, from each shard's (out, lse) partial.
+- `ring_take`: rows of a seq-sharded array at (shard, slot) pairs, fetched by passing the shards' rows around a ring
+  (GLM's capture reads its selected latent rows this way: O(P / n) memory instead of an all-gathered layer).
 - `affine_fold`: the exclusive fold of per-segment affine maps S_out = A_i S_in + B_i (Gated DeltaNet; segment i)
   across segments, giving each segment its incoming state.
 - `previous_rows`: the last rows of the previous segment (the causal conv's K-1 halo).
@@ -126,6 +128,27 @@ def causal_attention(q, k, v, positions, layout: SeqLayout, *, scale: float, blo
 
     acc, _ = jax.lax.fori_loop(1, n, hop, (acc, (k, v)))
     return acc
+
+
+def ring_take(x: jax.Array, shard: jax.Array, slot: jax.Array, shards: int) -> jax.Array:
+    """x [S, ...]: this shard's rows of a seq-sharded array; shard, slot int [...]: the rows wanted (shard `shard`'s
+    row `slot`; in range). Returns [*shard.shape, *x.shape[1:]]: every wanted row, whichever shard holds it.
+
+    x travels around the ring (`shards` - 1 `ppermute` hops); at each hop the rows of the shard just received are
+    taken where wanted. Live: two shards' rows and the result, never the n S rows of an all-gather. Differentiable in
+    x: the transpose sends the rows' cotangents back around the ring, each landing on the shard that holds its row.
+    """
+    me = jax.lax.axis_index(SEQ)
+    take = lambda held, source, got: jnp.where((shard == source).reshape(shard.shape + (1,) * (x.ndim - 1)),
+                                               held[slot], got)
+    got = take(x, me, jnp.zeros(shard.shape + x.shape[1:], x.dtype))
+
+    def hop(step, carry):
+        got, held = carry
+        held = jax.lax.ppermute(held, SEQ, [(i, (i + 1) % shards) for i in range(shards)])
+        return take(held, (me - step) % shards, got), held
+
+    return jax.lax.fori_loop(1, shards, hop, (got, x))[0]
 
 
 def round_slots(mesh, rounds: RoundLayout, x, index, size: int, axis: int):
