@@ -25,8 +25,9 @@ merged across shards by log-sum-exp (`sequence.psum_merge`), then merged with th
 Replay backward and exact backward go block by block (`layerwise`, one stage per segment, a block = one repeat of
 its pattern, each block in its own `shard_map`): a branch, or a capture round recomputed from the final cache (its
 earlier slots are what it read), is backpropagated one block at a time under `jax.vjp`, each block's slice of the
-state cotangent added in place (none for the indexer keys); the all-gathers transpose to reduce-scatters (cache-read
-cotangents land on the shards that hold the rows, layer gradients on their FSDP shards).
+state cotangent added in place (none for the indexer keys); the ring and the all-gathers transpose to the reverse
+ring and to reduce-scatters (cache-read cotangents land on the shards that hold the rows, layer gradients on their
+FSDP shards).
 """
 from __future__ import annotations
 

@@ -139,16 +139,18 @@ def ring_take(x: jax.Array, shard: jax.Array, slot: jax.Array, shards: int) -> j
     x: the transpose sends the rows' cotangents back around the ring, each landing on the shard that holds its row.
     """
     me = jax.lax.axis_index(SEQ)
-    take = lambda held, source, got: jnp.where((shard == source).reshape(shard.shape + (1,) * (x.ndim - 1)),
-                                               held[slot], got)
-    got = take(x, me, jnp.zeros(shard.shape + x.shape[1:], x.dtype))
+
+    def take(held, source):
+        """The wanted rows `source` holds, zero elsewhere. An out-of-range index, not a mask: the backward keeps one
+        int32 index per wanted row and hop, not a mask as wide as the rows."""
+        return held.at[jnp.where(shard == source, slot, held.shape[0])].get(mode="fill", fill_value=0)
 
     def hop(step, carry):
         got, held = carry
         held = jax.lax.ppermute(held, SEQ, [(i, (i + 1) % shards) for i in range(shards)])
-        return take(held, (me - step) % shards, got), held
+        return got + take(held, (me - step) % shards), held  # each row is taken at exactly one hop
 
-    return jax.lax.fori_loop(1, shards, hop, (got, x))[0]
+    return jax.lax.fori_loop(1, shards, hop, (take(x, me), x))[0]
 
 
 def round_slots(mesh, rounds: RoundLayout, x, index, size: int, axis: int):
