@@ -17,7 +17,7 @@ import pytest
 
 from longstraw_jax import GroupBatch, grpo_grads, models, sharding
 from longstraw_jax.models.glm52 import Glm52Config
-from longstraw_jax.sharding import experts, grpo as sharded_grpo, rules
+from longstraw_jax.sharding import experts, glm52 as glm_sharding, grpo as sharded_grpo, rules
 from tests.helpers import (
     SHARDED_CFG,
     assert_sharded_grads_match,
@@ -121,16 +121,21 @@ def test_sharded_grpo_grads_equal_one_device(spec, mode):
     assert {s.data.shape[2] for s in experts.addressable_shards} == {1}  # each expert's gradient on its device
 
 
-def test_exact_grads_with_all_gathered_rows_equal_one_device():
-    """Exact mode on 1x8 in rounds (2 of 16 + 13) with `attention="allgather"` (the engine's default is the ring,
-    covered above): the all-gathered layer's cotangent reduce-scatters onto the shards that hold the rows."""
+@pytest.mark.parametrize("attention,around_ring", [("ring", True), ("allgather", False)])
+def test_exact_grads_read_around_ring_or_all_gathered_equal_one_device(attention, around_ring):
+    """Exact mode on 1x8 in rounds (2 of 16 + 13; 2 queries per shard x k 16 = 32 selected rows < the layer's 48):
+    the ring's backward returns each row's cotangent to its owner, the all-gathered layer's reduce-scatters. (On 2x4,
+    above, 4 x 16 = 64 rows >= 48: the ring's choice falls back to the all-gathered layer.)"""
     model, params = _model()
     batch = _batch(model.config.vocab_size)
-    loss, grads, _ = grpo_grads(model, params, batch, SHARDED_CFG, "exact", chunk_size=16)
     mesh = sharding.make_mesh("1x8")
+    rounds = sharding.api.round_layout(model, batch.prompt.shape[0] - 1, 8, 16)
+    assert glm_sharding.reads_around_ring(attention, 2 * 16, rounds) == around_ring
+    assert not glm_sharding.reads_around_ring("ring", 4 * 16, sharding.api.round_layout(model, batch.prompt.shape[0] - 1, 4, 16))
+    loss, grads, _ = grpo_grads(model, params, batch, SHARDED_CFG, "exact", chunk_size=16)
     placed = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
     got_loss, got_grads, _ = sharded_grpo.grpo_grads(model, placed, batch, SHARDED_CFG, "exact", mesh, round_len=16,
-                                                     attention="allgather")
+                                                     attention=attention)
     assert abs(float(got_loss) - float(loss)) <= 1e-5
     assert rel_err(got_grads, grads) <= 1e-4
 

@@ -16,9 +16,9 @@ Capture (in rounds, `RoundLayout`; each round laid out zigzag like Qwen3.6's). P
   "ring" (default): the layer's cache slots travel around the ring (`sequence.ring_take`) and each shard keeps the
   rows its queries selected, [2L, k, 576] live; n - 1 hops, each taking the selected rows held by the shard just
   received (n times the gathers of one lookup), and the backward sends the rows' cotangents back the same way.
-  "allgather": the layer's whole cache is all-gathered (one collective) and the rows looked up in it: O(P)
-  transient memory for one layer ([P, 576] rows, and in the exact backward their float32 cotangent), ~11 GiB at
-  GLM-5.2's 2.1M positions.
+  Used while 2L k < P (`reads_around_ring`); otherwise, and with "allgather": the layer's whole cache is
+  all-gathered (one collective) and the rows looked up in it: [P, 576] rows live for one layer (and in the exact
+  backward their float32 cotangent), ~11 GiB at GLM-5.2's 2.1M positions.
 Replay: a branch's queries run on every shard. Each shard scores its own prompt keys (top-k candidates, all-gathered
 and merged with the branch's own keys' candidates); attention is a partial over the selected rows this shard holds,
 merged across shards by log-sum-exp (`sequence.psum_merge`), then merged with the branch's own rows.
@@ -133,14 +133,14 @@ class RoundReader(NamedTuple):
 
     def attend(self, c, q_abs, rows, layer, selected):
         """Over the selected rows: this round's from its all-gathered rows, earlier rounds' from the cache, either
-        fetched around the ring (`method` "ring": only the queries' selected rows, [2L, k, Dk], live) or taken from
-        the all-gathered layer ("allgather": one collective, the layer's n S rows live)."""
+        fetched around the ring (only the queries' selected rows, [2L, k, Dk], live) or taken from the all-gathered
+        layer (one collective, the layer's n S rows live): `reads_around_ring`."""
         round_rows = _everyone(rows)  # [n * 2L, Dk]: the round in stored order
         shard, slot = self.layout.shard_and_slot(jnp.maximum(selected - self.offset, 0))
         index = shard * self.layout.per_shard + slot
         if self.rounds.full:
             shard, slot = self.rounds.shard_and_slot(jnp.maximum(selected, 0))
-            if self.method == "allgather":
+            if not reads_around_ring(self.method, selected.size, self.rounds):
                 cache = _everyone(self.kv[layer])[None]  # [1, n * S, Dk]
                 earlier = shard * self.rounds.per_shard + slot
             else:
@@ -152,6 +152,13 @@ class RoundReader(NamedTuple):
             cache = jnp.zeros((1, 0, rows.shape[-1]), rows.dtype)
         index = jnp.where(selected >= 0, index, -1)
         return sparse_latent_attention(q_abs, cache, 0, round_rows, index, cache.shape[1], **_attend_common(c))
+
+
+def reads_around_ring(method: str, rows_wanted: int, rounds: RoundLayout) -> bool:
+    """Whether a capture round fetches its queries' `rows_wanted` (2L k) selected rows of earlier rounds around the
+    ring: with `method` "ring" when they are fewer than the layer's rows (rounds.padded), else the all-gathered layer
+    is the smaller buffer (e.g. GLM-5.2, 2.1M positions, 16K rounds: 2L k = 1.0M rows on 32 shards, 4.2M on 8)."""
+    return method == "ring" and rows_wanted < rounds.padded
 
 
 class ReplayReader(NamedTuple):
