@@ -129,9 +129,9 @@ def test_exact_grads_read_around_ring_or_all_gathered_equal_one_device(attention
     model, params = _model()
     batch = _batch(model.config.vocab_size)
     mesh = sharding.make_mesh("1x8")
-    rounds = sharding.api.round_layout(model, batch.prompt.shape[0] - 1, 8, 16)
-    assert glm_sharding.reads_around_ring(attention, 2 * 16, rounds) == around_ring
-    assert not glm_sharding.reads_around_ring("ring", 4 * 16, sharding.api.round_layout(model, batch.prompt.shape[0] - 1, 4, 16))
+    rounds = functools.partial(sharding.api.round_layout, model, batch.prompt.shape[0] - 1)
+    assert glm_sharding.reads_around_ring(attention, 2 * 16, rounds(8, 16)) == around_ring
+    assert not glm_sharding.reads_around_ring("ring", 4 * 16, rounds(4, 16))
     loss, grads, _ = grpo_grads(model, params, batch, SHARDED_CFG, "exact", chunk_size=16)
     placed = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
     got_loss, got_grads, _ = sharded_grpo.grpo_grads(model, placed, batch, SHARDED_CFG, "exact", mesh, round_len=16,
