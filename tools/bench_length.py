@@ -187,8 +187,9 @@ def main(argv=None) -> int:
     common = sorted(set.intersection(*(set(c) for runs in results.values() for c in runs.values())))
     steps = ([int(s) for s in args.table_steps.split(",")] if args.table_steps else common if len(common) <= 7 else
              sorted({common[round(i * (len(common) - 1) / 4)] for i in range(5)}))
-    title = (f"warm-up {args.sft_steps} x {args.sft_batch} prompts of {args.short} tokens, then GRPO at {args.long} "
-             f"tokens ({args.facts} facts, G={args.group_size}, B={args.groups_per_step}, lr {args.lr})")
+    title = (f"warm-up {args.sft_steps} x {args.sft_batch} prompts of {args.short} tokens (lr {args.sft_lr:g}), then "
+             f"GRPO at {args.long} tokens ({args.facts} facts, G={args.group_size}, B={args.groups_per_step}, "
+             f"lr {args.lr:g})")
     plot(results, levels, os.path.join(args.out, "length.png"), title)
     warm_long = {m: [c.get(0) for c in results[m].values()] for m in modes}
     warm_short = {m: list(short_acc[m].values()) for m in modes}
