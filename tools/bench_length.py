@@ -51,7 +51,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--long", type=int, default=128, help="evaluation and GRPO prompt length")
     p.add_argument("--sft-steps", type=int, default=50)
     p.add_argument("--sft-batch", type=int, default=32)
-    p.add_argument("--sft-lr", type=float, default=3e-3)
+    p.add_argument("--sft-lr", type=float, default=1e-3, help="warm-up learning rate (3e-3, the default before: "
+                   "the copy-a-fact plateau, or chance on one seed; docs/benchmarks.md 6c)")
     p.add_argument("--steps", type=int, default=160, help="GRPO steps at the long length")
     p.add_argument("--lr", type=float, default=5e-4, help="GRPO learning rate")
     p.add_argument("--group-size", "-G", type=int, default=8)
