@@ -51,7 +51,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--long", type=int, default=128, help="evaluation and GRPO prompt length")
     p.add_argument("--sft-steps", type=int, default=50)
     p.add_argument("--sft-batch", type=int, default=32)
-    p.add_argument("--sft-lr", type=float, default=3e-3)
+    p.add_argument("--sft-lr", type=float, default=1e-3, help="warm-up learning rate (3e-3, the default before: "
+                   "the copy-a-fact plateau, or chance on one seed; docs/benchmarks.md 6c)")
     p.add_argument("--steps", type=int, default=160, help="GRPO steps at the long length")
     p.add_argument("--lr", type=float, default=5e-4, help="GRPO learning rate")
     p.add_argument("--group-size", "-G", type=int, default=8)
@@ -187,8 +188,9 @@ def main(argv=None) -> int:
     common = sorted(set.intersection(*(set(c) for runs in results.values() for c in runs.values())))
     steps = ([int(s) for s in args.table_steps.split(",")] if args.table_steps else common if len(common) <= 7 else
              sorted({common[round(i * (len(common) - 1) / 4)] for i in range(5)}))
-    title = (f"warm-up {args.sft_steps} x {args.sft_batch} prompts of {args.short} tokens, then GRPO at {args.long} "
-             f"tokens ({args.facts} facts, G={args.group_size}, B={args.groups_per_step}, lr {args.lr})")
+    title = (f"warm-up {args.sft_steps} x {args.sft_batch} prompts of {args.short} tokens (lr {args.sft_lr:g}), then "
+             f"GRPO at {args.long} tokens ({args.facts} facts, G={args.group_size}, B={args.groups_per_step}, "
+             f"lr {args.lr:g})")
     plot(results, levels, os.path.join(args.out, "length.png"), title)
     warm_long = {m: [c.get(0) for c in results[m].values()] for m in modes}
     warm_short = {m: list(short_acc[m].values()) for m in modes}
