@@ -10,8 +10,9 @@ params, optimizer state, RNG key, data position), eval_start.npy (the start's fi
 held-out prompts), and with --export-hf a safetensors checkpoint of the final params.
 
 With no arguments: the embedded default, a tiny Qwen3.6 (vocabulary 32) on the synthetic retrieval task (a 32-token
-tool log with the queried fact and a distractor at random depths): held-out accuracy of the random init, a 200-step
-supervised warm-up, then 40 exact-mode GRPO steps, evaluated on 128 held-out prompts every 20 steps (CPU, ~3 min).
+tool log with the queried fact and a distractor at random depths): held-out accuracy of the random init, a 60-step
+supervised warm-up (lr 1e-3), then 40 exact-mode GRPO steps, evaluated on 128 held-out prompts every 20 steps (CPU,
+~2 min).
 
 The parts: run_config.py (RunConfig: the options, their checks, the merge on --resume), run_outdir.py (what may be
 written where: --out, the checkpoint to resume, --export-hf; incomplete saves and damaged checkpoints), run_setup.py

@@ -101,11 +101,11 @@ class RunConfig:
                               group="held-out evaluation and warm-up (defaults: the embedded demo's)", metavar="N")
     eval_prompts: int = _option(128, "K held-out prompts: the task built with --seed's bit 31 flipped, a stream "
                                 "training never draws (a multiple of the mesh's data size)", metavar="K")
-    sft_steps: int = _option(200, "supervised warm-up steps before GRPO: cross-entropy on the task's target response "
+    sft_steps: int = _option(60, "supervised warm-up steps before GRPO: cross-entropy on the task's target response "
                              "(retrieval: the answer), full-graph autograd (short prompts); not on --resume; task "
                              "runs only (0 for a task without target(info))", metavar="N")
     sft_batch: int = _option(32, "prompts per warm-up step")
-    sft_lr: float = _option(3e-3, "warm-up AdamW learning rate (its own optimizer state, dropped after the warm-up)")
+    sft_lr: float = _option(1e-3, "warm-up AdamW learning rate (its own optimizer state, dropped after the warm-up)")
     sft_prompt_len: int | None = _option(None, "warm-up prompt length (default --prompt-len)")
     # output
     out: str | None = _option(None, "output directory (default: out/run-<UTC time>)", group="output")
