@@ -17,7 +17,7 @@ import pytest
 
 from longstraw_jax import GroupBatch, grpo_grads, models, sharding
 from longstraw_jax.models.glm52 import Glm52Config
-from longstraw_jax.sharding import experts, glm52 as glm_sharding, grpo as sharded_grpo, rules
+from longstraw_jax.sharding import experts, glm52 as glm_sharding, rules
 from tests.helpers import (
     SHARDED_CFG,
     assert_sharded_grads_match,
@@ -43,15 +43,14 @@ def tiny():
     return model, params, tokens, reference, model.extend(params, reference, tokens[PROMPT:])
 
 
-@pytest.mark.parametrize("spec,round_len,attention", [("2x4", None, "ring"), ("1x8", 16, "ring"),
-                                                      ("1x8", 16, "allgather"), ("4x2", 12, "ring")])
-def test_sharded_capture_and_extend_equal_one_device(tiny, spec, round_len, attention):
-    """One round on 2x4; rounds on 1x8 (2 full rounds of 16 + 13) and 4x2 (3 full rounds of 12 + 9), earlier
-    rounds' rows read around the ring or from the all-gathered layer."""
+@pytest.mark.parametrize("spec,round_len", [("2x4", None), ("1x8", 16), ("4x2", 12)])
+def test_sharded_capture_and_extend_equal_one_device(tiny, spec, round_len):
+    """One round on 2x4; rounds on 1x8 (2 full rounds of 16 + 13; earlier rounds' rows read around the ring) and 4x2
+    (3 full rounds of 12 + 9; 6 queries x k 16 per shard select more rows than the layer's 48: all-gathered)."""
     model, params, tokens, reference, logits = tiny
     mesh = sharding.make_mesh(spec)
     params = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
-    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, attention=attention, round_len=round_len)
+    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, round_len=round_len)
     assert sstate.layout.full == {"2x4": 0, "1x8": 2, "4x2": 3}[spec]
     per_device = sstate.layout.padded // mesh.shape["seq"]
     for name in ("kv", "index_keys"):  # split along seq: each device holds 1/seq of the positions
@@ -121,23 +120,17 @@ def test_sharded_grpo_grads_equal_one_device(spec, mode):
     assert {s.data.shape[2] for s in experts.addressable_shards} == {1}  # each expert's gradient on its device
 
 
-@pytest.mark.parametrize("attention,around_ring", [("ring", True), ("allgather", False)])
-def test_exact_grads_read_around_ring_or_all_gathered_equal_one_device(attention, around_ring):
-    """Exact mode on 1x8 in rounds (2 of 16 + 13; 2 queries per shard x k 16 = 32 selected rows < the layer's 48):
-    the ring's backward returns each row's cotangent to its owner, the all-gathered layer's reduce-scatters. (On 2x4,
-    above, 4 x 16 = 64 rows >= 48: the ring's choice falls back to the all-gathered layer.)"""
+def test_exact_grads_reading_around_the_ring_equal_one_device():
+    """Exact mode on 1x8 in rounds (2 of 16 + 13; 2 queries per shard x k 16 = 32 selected rows < the layer's 48, so
+    earlier rounds' rows are read around the ring and the backward returns each row's cotangent to its owner). The
+    all-gathered layer's backward is `test_sharded_grpo_grads_equal_one_device`'s 2x4 (4 x 16 = 64 rows >= 48)."""
     model, params = _model()
     batch = _batch(model.config.vocab_size)
-    mesh = sharding.make_mesh("1x8")
     rounds = functools.partial(sharding.api.round_layout, model, batch.prompt.shape[0] - 1)
-    assert glm_sharding.reads_around_ring(attention, 2 * 16, rounds(8, 16)) == around_ring
+    assert glm_sharding.reads_around_ring("ring", 2 * 16, rounds(8, 16))
+    assert not glm_sharding.reads_around_ring("allgather", 2 * 16, rounds(8, 16))
     assert not glm_sharding.reads_around_ring("ring", 4 * 16, rounds(4, 16))
-    loss, grads, _ = grpo_grads(model, params, batch, SHARDED_CFG, "exact", chunk_size=16)
-    placed = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
-    got_loss, got_grads, _ = sharded_grpo.grpo_grads(model, placed, batch, SHARDED_CFG, "exact", mesh, round_len=16,
-                                                     attention=attention)
-    assert abs(float(got_loss) - float(loss)) <= 1e-5
-    assert rel_err(got_grads, grads) <= 1e-4
+    assert_sharded_grads_match(model, params, batch, "1x8", "exact")
 
 
 def test_ragged_exchange_equals_one_device(tiny, monkeypatch):
