@@ -43,7 +43,7 @@ def test_ring_take_fetches_any_shards_rows_and_sends_cotangents_home():
     def sharded(x, wanted, weights):
         def local(x, wanted, weights):
             got = sequence.ring_take(x, wanted[0] // rows_per, wanted[0] % rows_per, n)
-            return got[None], jax.lax.psum(jnp.sum(got * weights[0]), sequence.SEQ)
+            return got[None], jax.lax.psum(jnp.sum(got * weights[0]), SEQ)
         return rules.shard_map(local, mesh, (P(SEQ), P(SEQ), P(SEQ)), (P(SEQ), P()))(x, wanted, weights)
 
     got, _ = jax.jit(sharded)(x, wanted, weights)

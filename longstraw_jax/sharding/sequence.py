@@ -87,6 +87,11 @@ def _empty(q: jax.Array, value_dim: int) -> attn_ops.Attended:
     return attn_ops.Attended(jnp.zeros(q.shape[:-1] + (value_dim,), acc), jnp.full(q.shape[:-1], attn_ops.MASKED, acc))
 
 
+def _to_next_shard(x, shards: int):
+    """One hop of a ring: every shard sends x to shard + 1 (mod shards); after h hops shard s holds shard s - h's."""
+    return jax.lax.ppermute(x, SEQ, [(i, (i + 1) % shards) for i in range(shards)])
+
+
 def causal_attention(q, k, v, positions, layout: SeqLayout, *, scale: float, block_size: int,
                      method: str = "ring") -> attn_ops.Attended:
     """q [2, L, Hq, hd], k, v [2, L, Hkv, hd], positions int [2, L] (this shard's segments).
@@ -123,7 +128,7 @@ def causal_attention(q, k, v, positions, layout: SeqLayout, *, scale: float, blo
 
     def hop(step, carry):
         acc, held = carry
-        held = jax.lax.ppermute(held, SEQ, [(i, (i + 1) % n) for i in range(n)])
+        held = _to_next_shard(held, n)
         return visit(acc, held, (me - step) % n), held
 
     acc, _ = jax.lax.fori_loop(1, n, hop, (acc, (k, v)))
@@ -147,7 +152,7 @@ def ring_take(x: jax.Array, shard: jax.Array, slot: jax.Array, shards: int) -> j
 
     def hop(step, carry):
         got, held = carry
-        held = jax.lax.ppermute(held, SEQ, [(i, (i + 1) % shards) for i in range(shards)])
+        held = _to_next_shard(held, shards)
         return got + take(held, (me - step) % shards), held  # each row is taken at exactly one hop
 
     return jax.lax.fori_loop(1, shards, hop, (take(x, me), x))[0]
