@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, batch_advantages, finalize_metrics, token_weights, validate_batch
 from longstraw_jax.models.base import capture_chunks, chunk_layout
 from longstraw_jax.replay import replay_branches, scan_groups, zeros_f32
-from longstraw_jax.sharding import grpo as sharded
+from longstraw_jax.sharding import engine as sharded
 from longstraw_jax.trainable import merge
 from longstraw_jax.validation import check_size
 
@@ -40,7 +40,7 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
     `model`, `cfg`, `mode`, `chunk_size`, `mesh` are static.
 
     mesh: a ("data", "seq") `jax.sharding.Mesh` (sharding.make_mesh) runs the sequence-parallel engine of
-    `sharding/grpo.py` (Qwen3.6 and GLM-5.x; same loss and gradients, grads FSDP-sharded; the prompt is captured
+    `sharding/engine.py` (Qwen3.6 and GLM-5.x; same loss and gradients, grads FSDP-sharded; the prompt is captured
     and backpropagated in rounds of about chunk_size positions; B groups are split over `data`, B a multiple of its
     size).
 

@@ -23,7 +23,7 @@ import optax
 from longstraw_jax.engine import MODES, check_captured, grpo_grads_unvalidated
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, validate_batch
 from longstraw_jax.models.base import chunk_layout
-from longstraw_jax.sharding.groups import check_groups
+from longstraw_jax.parallel.groups import check_groups
 from longstraw_jax.validation import check_size, is_real
 
 

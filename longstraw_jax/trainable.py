@@ -7,10 +7,10 @@ trainable part only.
     loss, grads, metrics = grpo_grads(model, trainable, batch, ..., frozen=frozen)   # grads shaped like trainable
 
 Inside the engines the float32 gradient accumulator has the trainable tree's structure, so every place that
-differentiates (`layerwise`, `sharding/qwen36.py`, `sharding/glm52.py`, the autodiff defaults) finds the split in the
-accumulator it adds into: `vjp(fn, params, like=grads, ...)` differentiates with respect to the leaves `like` holds
-and closes over the others. XLA then computes no cotangent for a frozen leaf, and no gradient buffer or optimizer
-state exists for one. A tree without holes (full training) takes the plain `jax.vjp` path: nothing changes.
+differentiates (`layerwise`, `models/qwen36_mesh.py`, `models/glm52_mesh.py`, the autodiff defaults) finds the split in
+the accumulator it adds into: `vjp(fn, params, like=grads, ...)` differentiates with respect to the leaves `like` holds
+and closes over the others. XLA then computes no cotangent for a frozen leaf, and no gradient buffer or optimizer state
+exists for one. A tree without holes (full training) takes the plain `jax.vjp` path: nothing changes.
 
 Path strings (`path_str`): dict keys joined by "/", and ".base" / ".a" / ".b" inside an `ops.lora.LoRA` node
 ("blocks/full/q_proj.a").

@@ -16,7 +16,7 @@ import numpy as np
 
 from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, sharding
 from longstraw_jax.grpo import grpo_loss
-from longstraw_jax.sharding import rules
+from longstraw_jax.parallel import rules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -169,7 +169,7 @@ def test_planner_sampling_matches_the_compiled_sampler():
     against `memory_analysis()` of `rollout.sample_group` AOT-compiled at the same shapes (tiny Qwen3.6, float32,
     P = 4096 so the state is a large part): within 0.9x-1.25x. The planner is meant to err high: its capture is the
     sharded one, which embeds the whole prompt at once where the one-device sampler embeds chunk by chunk."""
-    from longstraw_jax import rollout
+    from longstraw_jax.sampling import branches as rollout
 
     plan = _tool("plan_capacity")
     prompt_len, group, response_len, chunk = 4096, 2, 16, 256

@@ -21,7 +21,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from longstraw_jax import convert, models
+from longstraw_jax import models
+from longstraw_jax.io import convert
 from longstraw_jax.models import hf
 from longstraw_jax.models.qwen36 import FULL, LINEAR, Qwen36Config
 from tests import hf_reference
@@ -306,7 +307,7 @@ def test_interrupted_conversion_leaves_nothing_complete_looking(tiny_hf, tmp_pat
 def test_mesh_aligns_chunks_with_fsdp_shards(tiny_hf, tmp_path, monkeypatch):
     """--mesh 2x4: every leaf's zarr chunks tile each of the 8 devices' FSDP shards (sharding.rules.fsdp_dim) exactly,
     with small chunks (shards of one chunk and of several occur), and the values restore unchanged."""
-    from longstraw_jax.sharding import rules
+    from longstraw_jax.parallel import rules
 
     monkeypatch.setattr(convert, "CHUNK_BYTES", 2048)
     convert.hf2orbax(tiny_hf, tmp_path / "init", "float32", mesh="2x4", block_bytes=8192)
@@ -421,7 +422,7 @@ def _write_synthetic_checkpoint(directory, layers=24) -> tuple[int, int]:
 
 _MEASURE = """
 import json, sys
-from longstraw_jax import convert
+from longstraw_jax.io import convert
 before = convert.peak_rss_bytes()
 getattr(convert, sys.argv[1])(*sys.argv[2:])
 print(json.dumps({"before": before, "peak": convert.peak_rss_bytes()}))

@@ -1,4 +1,4 @@
-"""Held-out evaluation (evaluate.py) and the supervised warm-up (sft.py), alone and in the trainer.
+"""Held-out evaluation (trainer/evaluate.py) and the supervised warm-up (trainer/warmup.py), alone and in the trainer.
 
 - held-out prompts are a stream of their own: none of them is a training or warm-up prompt;
 - first-token entropy / KL and the accuracy summary on cases computed by hand;
@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longstraw_jax import evaluate, metrics, models, run, sft
+from longstraw_jax import models
 from longstraw_jax.models.qwen36 import FULL, LINEAR
-from longstraw_jax.run_config import RunConfig
 from longstraw_jax.tasks.base import Prompt
 from longstraw_jax.tasks.retrieval import FIRST_ANSWER, STOP, RetrievalTask
+from longstraw_jax.trainer import cli as run, evaluate, metrics, warmup as sft
+from longstraw_jax.trainer.config import RunConfig
 from tests.helpers import o1_params
 
 # one LLLF block: compiles faster than the tiny preset's two

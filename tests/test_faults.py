@@ -1,7 +1,7 @@
 """Fault injection on real tiny trainer runs (issue 14: nothing lost, nothing silent). Each case does something bad
 to a run and checks the outcome AND that nothing already saved changed (sha256 of every file):
 
-- SIGKILL inside the first and a later checkpoint save (subprocess runs; `LONGSTRAW_TEST_FAULT`, fault_hooks.py,
+- SIGKILL inside the first and a later checkpoint save (subprocess runs; `LONGSTRAW_TEST_FAULT`, io/fault_hooks.py,
   kills at an exact point: the step's files written, the atomic rename not done): the incomplete save is removed
   with a warning, and both a new run and --resume proceed, to the same params as an uninterrupted run;
 - the newest checkpoint damaged (a data file truncated, state/ deleted, meta garbled): --resume falls back to the
@@ -27,8 +27,10 @@ import jax
 import numpy as np
 import pytest
 
-from longstraw_jax import convert, fault_hooks, make_optimizer, models, run
-from longstraw_jax.orbax_io import TrainCheckpoints
+from longstraw_jax import make_optimizer, models
+from longstraw_jax.io import convert, fault_hooks
+from longstraw_jax.io.checkpoints import TrainCheckpoints
+from longstraw_jax.trainer import cli as run
 from tests.helpers import ROOT
 
 SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",

@@ -26,7 +26,7 @@ from flax import traverse_util
 
 from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, naive_grpo_grads, sharding
 from longstraw_jax.models.glm52 import Glm52Config
-from longstraw_jax.sharding import rules
+from longstraw_jax.parallel import rules
 from tests.helpers import o1_params, prompt_only_tokens, rel_err
 
 P, R = 30, 6

@@ -12,7 +12,7 @@ import pytest
 from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, naive_grpo_grads, sharding
 from longstraw_jax.grpo import grpo_loss, token_weights, validate_batch
 from longstraw_jax.models.glm52 import Glm52Config
-from longstraw_jax.sharding import groups as groups_lib, rules
+from longstraw_jax.parallel import groups as groups_lib, rules
 from tests.helpers import assert_metrics_equal, o1_params, rel_err
 
 P, R, G = 30, 6, 3
@@ -126,9 +126,10 @@ def test_one_capture_per_step(monkeypatch):
     """The trainer's step: sample B groups keeping their captures, then train_step(captured=...). The prompt is
     captured once per group (traced capture calls counted; a fresh model config, so nothing comes from a jit cache),
     and the update from the kept capture equals the update that captures again."""
-    from longstraw_jax import engine, rollout, train
-    from longstraw_jax.rollout import SamplingConfig
-    from longstraw_jax.sampler import sample_groups
+    from longstraw_jax import engine, train
+    from longstraw_jax.sampling import branches as rollout
+    from longstraw_jax.sampling.branches import SamplingConfig
+    from longstraw_jax.sampling.groups import sample_groups
 
     calls = []
 

@@ -383,7 +383,7 @@ def test_validate_batch_rejects_rewards_whose_advantages_overflow_without_std():
 def test_numpy_integer_sizes_are_accepted_bool_and_float_are_not():
     from longstraw_jax.models.base import chunk_layout
     from longstraw_jax.ops.logprobs import token_logprobs
-    from longstraw_jax.rollout import SamplingConfig
+    from longstraw_jax.sampling.branches import SamplingConfig
 
     cfg = GRPOConfig(logprob_chunk=np.int64(4))
     assert cfg.logprob_chunk == 4 and type(cfg.logprob_chunk) is int and hash(cfg) == hash(GRPOConfig(logprob_chunk=4))
@@ -407,8 +407,9 @@ def test_numpy_integer_sizes_reach_the_jitted_functions_as_python_ints(monkeypat
     on as static arguments (one compile per value); the jitted functions are stubbed: no compile here."""
     import types
 
-    from longstraw_jax import engine, rollout, train
-    from longstraw_jax.rollout import SamplingConfig
+    from longstraw_jax import engine, train
+    from longstraw_jax.sampling import branches as rollout
+    from longstraw_jax.sampling.branches import SamplingConfig
 
     seen = []
     record = lambda *args: seen.append([a for a in args if isinstance(a, (int, np.integer))])

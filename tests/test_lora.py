@@ -21,21 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longstraw_jax import (
-    GRPOConfig,
-    grpo_grads,
-    lora,
-    make_optimizer,
-    models,
-    naive_grpo_grads,
-    run,
-    sharding,
-    trainable,
-)
+from longstraw_jax import GRPOConfig, grpo_grads, lora, make_optimizer, models, naive_grpo_grads, sharding, trainable
+from longstraw_jax.io.checkpoints import TrainCheckpoints
+from longstraw_jax.io.peft import save_peft
 from longstraw_jax.ops.lora import LoRA
-from longstraw_jax.orbax_io import TrainCheckpoints
-from longstraw_jax.run_config import RunConfig
-from longstraw_jax.sharding import rules
+from longstraw_jax.parallel import rules
+from longstraw_jax.trainer import cli as run
+from longstraw_jax.trainer.config import RunConfig
+from longstraw_jax.trainer.setup import prepare_training
 from tests.helpers import make_batch, o1_params, rel_err
 
 QWEN = models.Qwen36Config.tiny(num_hidden_layers=4, layer_types=("linear_attention",) * 3 + ("full_attention",),
@@ -156,7 +149,7 @@ def small(tmp_path):
 def restore(out, argv):
     config = RunConfig(**{k: v for k, v in vars(run.build_parser().parse_args(argv)).items()})
     model = models.build(models.config_from_hf(config.model))
-    params = jax.eval_shape(lambda k: lora.prepare_run(config, model, model.init(k))[0], jax.random.key(0))
+    params = jax.eval_shape(lambda k: prepare_training(config, model, model.init(k))[0], jax.random.key(0))
     part = trainable.split(params, trainable.adapter_leaf)[0]
     checkpoints = TrainCheckpoints(out, create=False)
     params, opt_state, _, meta = checkpoints.restore(params, jax.eval_shape(make_optimizer(3e-3).init, part))
@@ -257,7 +250,7 @@ def test_peft_export_loads_with_our_logits(name, tmp_path):
     adapted = random_adapters(lora.add_adapters(params, lora.resolve_targets(params, targets), 4, 8.0,
                                                 jax.random.key(0)), jax.random.key(1))
     os.makedirs(tmp_path / "peft")
-    lora.save_peft(model, adapted, tmp_path / "peft")
+    save_peft(model, adapted, tmp_path / "peft")
     tokens = np.random.default_rng(0).integers(0, 256, 40)
     ours = np.asarray(model.forward(adapted, tokens))
     theirs = hf_logits(PeftModel.from_pretrained(torch_model, tmp_path / "peft").eval(), tokens)

@@ -1,4 +1,4 @@
-"""Multi-process runs (distributed.py, launch.py, docs/cluster.md).
+"""Multi-process runs (trainer/distributed.py, trainer/launch.py, docs/cluster.md).
 
 - the real thing, once (two processes compile in parallel: the slow part): `launch --processes 2 -- --mesh 2x4` (4
   CPU devices per process, `data` across them, each process scoring its own slice's group), 3 steps with process 1
@@ -24,9 +24,10 @@ import jax
 import numpy as np
 import pytest
 
-from longstraw_jax import distributed, launch, run, sharding
-from longstraw_jax.distributed import Cluster, DistributedError
-from longstraw_jax.run_config import RunConfig, RunError
+from longstraw_jax import sharding
+from longstraw_jax.trainer import cli as run, distributed, launch
+from longstraw_jax.trainer.config import RunConfig, RunError
+from longstraw_jax.trainer.distributed import Cluster, DistributedError
 from tests.helpers import ROOT
 
 # lr 1e-5: AdamW moves every parameter with a non-negligible gradient by ~lr, so round-off differences between

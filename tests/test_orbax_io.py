@@ -9,8 +9,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from longstraw_jax import make_optimizer, models
+from longstraw_jax.io.checkpoints import TrainCheckpoints, load_init_dir, save_init_dir
 from longstraw_jax.models.qwen36 import FULL, LINEAR
-from longstraw_jax.orbax_io import TrainCheckpoints, load_init_dir, save_init_dir
 
 CONFIG = models.Qwen36Config.tiny(num_hidden_layers=4, layer_types=(LINEAR, LINEAR, LINEAR, FULL), vocab_size=64)
 

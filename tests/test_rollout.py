@@ -1,4 +1,4 @@
-"""Sampling from the captured prompt state (rollout.py) on a small Qwen3.6 (one LLLF block, O(1) weights).
+"""Sampling from the captured prompt state (sampling/branches.py) on a small Qwen3.6 (one LLLF block, O(1) weights).
 
 - every sampled token is the one a full recompute would sample: `forward(prompt + response)` gives the logits at
   each response position, and categorical sampling with the same per-step key must pick the same token. Branches
@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longstraw_jax import models, rollout
+from longstraw_jax import models
 from longstraw_jax.models.base import capture_chunks
 from longstraw_jax.models.qwen36 import FULL, LINEAR
 from longstraw_jax.naive import response_logprobs
-from longstraw_jax.rollout import SamplingConfig, sample_group, sampling_logits
+from longstraw_jax.sampling import branches as rollout
+from longstraw_jax.sampling.branches import SamplingConfig, sample_group, sampling_logits
 from tests.helpers import o1_params, rel_err
 
 P, G, R, CHUNK = 21, 3, 6, 8

@@ -5,7 +5,7 @@
 - resume: 2 steps, stop, --resume to 3 gives bit-identical params and identical metrics to the uninterrupted run;
 - --mesh 1x8 (sharded params, optimizer state and grpo_grads) and its --resume match the one-device run;
 - bad input: a one-line error naming the thing, exit status 2, and the saved run directory is not touched;
-- RunConfig (run_config.py): bad options are one error naming each, `parse_args` tells explicit options apart, the
+- RunConfig (trainer/config.py): bad options are one error naming each, `parse_args` tells explicit options apart, the
   merge with a checkpointed run's options on --resume;
 - a training step validates its batch once (train_step on the host; not again inside the jitted step).
 
@@ -19,10 +19,11 @@ import jax
 import numpy as np
 import pytest
 
-from longstraw_jax import engine, make_optimizer, models, run, train
+from longstraw_jax import engine, make_optimizer, models, train
 from longstraw_jax.grpo import validate_batch
-from longstraw_jax.orbax_io import TrainCheckpoints, save_init_dir
-from longstraw_jax.run_config import RESUMABLE, RunConfig, RunError, parse_args
+from longstraw_jax.io.checkpoints import TrainCheckpoints, save_init_dir
+from longstraw_jax.trainer import cli as run
+from longstraw_jax.trainer.config import RESUMABLE, RunConfig, RunError, parse_args
 from longstraw_jax.validation import is_concrete
 
 SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from longstraw_jax import GroupBatch, grpo_grads, models, sharding
+from longstraw_jax.models import glm52_mesh as glm_sharding
 from longstraw_jax.models.glm52 import Glm52Config
-from longstraw_jax.sharding import experts, glm52 as glm_sharding, rules
+from longstraw_jax.parallel import experts, rules
 from tests.helpers import (
     SHARDED_CFG,
     assert_sharded_grads_match,

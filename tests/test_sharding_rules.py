@@ -7,7 +7,8 @@ from jax.sharding import PartitionSpec as P
 
 from longstraw_jax import make_optimizer, models
 from longstraw_jax.models.qwen36 import Qwen36Config
-from longstraw_jax.sharding import make_mesh, rules
+from longstraw_jax.parallel import rules
+from longstraw_jax.sharding import make_mesh
 
 
 def test_make_mesh_axes_and_errors():

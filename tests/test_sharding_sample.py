@@ -1,11 +1,12 @@
-"""Sampling on a ("data", "seq") mesh (sharding/sample.py) == the one-device sampler (rollout.py), on 8 simulated
+"""Sampling on a ("data", "seq") mesh (sampling/mesh.py) == the one-device sampler (sampling/branches.py), on 8
+simulated
 CPU devices, tiny models at O(1) scale.
 
 - same key -> the same tokens, masks and log-probs (rtol 1e-5): Qwen3.6 on 2x4 with a stop token, GLM-5.x on 1x8
   (index_topk 16 < the prompt: the sharded top-k over prompt + tail + token must select what one device selects);
   prompts captured in rounds, P - 1 divisible by no layout;
 - keep_capture: the (sstate, capture_aux) handed back equals the family's sharded capture of prompt[:-1]
-  (`sharding.api._capture`, what sharding/grpo.py computes);
+  (`sharding.api._capture`, what sharding/engine.py computes);
 - memory: per-device bytes (arguments + temporaries, AOT `memory_analysis()`) on 1x8 are well under a third of the
   one-device sampler's at a prompt whose cache dominates: nothing of size P is replicated.
 """
@@ -14,10 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longstraw_jax import models, rollout, sharding
-from longstraw_jax.rollout import SamplingConfig
-from longstraw_jax.sharding import rules, sample
-from longstraw_jax.sharding.api import _capture, round_layout
+from longstraw_jax import models, sharding
+from longstraw_jax.parallel import rules
+from longstraw_jax.sampling import branches as rollout, mesh as sample
+from longstraw_jax.sampling.branches import SamplingConfig
+from longstraw_jax.sharding.prompt import _capture, round_layout
 from tests.helpers import o1_params
 
 P, R, G, ROUND = 30, 5, 3, 8  # prompt[:-1] = 29 positions: a full round (whole segments) and a padded last round

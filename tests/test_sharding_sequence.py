@@ -14,9 +14,10 @@ from jax.sharding import PartitionSpec as P
 
 from longstraw_jax import models, sharding
 from longstraw_jax.models.qwen36 import Qwen36Config
-from longstraw_jax.sharding import SeqLayout, rules, sequence
-from longstraw_jax.sharding.layout import RoundLayout
-from longstraw_jax.sharding.sequence import SEQ
+from longstraw_jax.parallel import rules, sequence
+from longstraw_jax.parallel.layout import RoundLayout
+from longstraw_jax.parallel.sequence import SEQ
+from longstraw_jax.sharding import SeqLayout
 from tests.helpers import o1_params, rel_err, run_32_device_check
 
 PROMPT, TOTAL = 45, 56  # 45 = 2 * 8 segments of 3 with 3 padding positions (2x4: 8 segments of 6, 3 padding)
@@ -110,7 +111,8 @@ def test_row_blocks_change_nothing(tiny, monkeypatch):
     """Position-wise work (and the earlier-rounds attention of the gathered queries) in blocks of 7 rows (ROWS is
     4096; 2x4 holds 12 positions per device): same state and logits as one device; `_by_rows` pads a ragged last
     block and returns pytrees."""
-    from longstraw_jax.sharding import api, qwen36 as sharded_qwen36
+    from longstraw_jax.models import qwen36_mesh as sharded_qwen36
+    from longstraw_jax.sharding import prompt as api
 
     x = jnp.arange(30.0).reshape(10, 3)
     out = sharded_qwen36._by_rows(lambda a, b: {"s": a * 2 + b[:, :1]}, x, x + 1, rows=4)

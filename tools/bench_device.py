@@ -141,7 +141,7 @@ class _Child:
         import jax
         import jax.numpy as jnp
 
-        from longstraw_jax.sharding import rules
+        from longstraw_jax.parallel import rules
 
         init = jax.jit(lambda key: self.model.init(key, jnp.dtype(self.opts["dtype"])))
         if self.mesh is not None:
@@ -212,7 +212,7 @@ class _Child:
         import numpy as np
 
         from longstraw_jax import GroupBatch, GRPOConfig, train
-        from longstraw_jax.sharding import rules
+        from longstraw_jax.parallel import rules
 
         o = self.opts
         p, g, r = o["step_len"], o["group"], o["response_len"]

@@ -14,7 +14,7 @@ before the block-by-block backward, kept as `layerwise.branch_grads_autodiff` / 
 the model as shipped (`layerwise` stages, no indexer-key cotangent). Temp bytes are XLA's temporaries: everything
 live besides arguments and outputs (the state, its cotangent, the gradient accumulator, activations).
 
-`--mesh SPEC` (CPU devices, e.g. 1x8): the sharded engine (`sharding/grpo.py`, rounds of --chunk), per-device bytes,
+`--mesh SPEC` (CPU devices, e.g. 1x8): the sharded engine (`sharding/engine.py`, rounds of --chunk), per-device bytes,
 the package as imported only (its sharded GLM path has no fallback to switch to; for the engine before GLM went block
 by block, run this with PYTHONPATH at an export of commit 439adbc: `git archive 439adbc longstraw_jax | tar -x -C
 DIR`). Results: docs/benchmarks.md 9.
@@ -80,8 +80,9 @@ def main() -> None:
 
     if args.mesh:
         from longstraw_jax import sharding
-        from longstraw_jax.sharding import grpo as sharded_grpo, rules
-        from longstraw_jax.sharding.api import round_layout
+        from longstraw_jax.parallel import rules
+        from longstraw_jax.sharding import engine as sharded_grpo
+        from longstraw_jax.sharding.prompt import round_layout
 
         mesh = sharding.make_mesh(args.mesh)
         named = lambda spec: jax.sharding.NamedSharding(mesh, spec)

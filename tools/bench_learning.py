@@ -1,6 +1,6 @@
 """Learning-curve benchmark: GRPO (exact mode) on the synthetic retrieval task with a tiny Qwen3.6 on CPU.
 
-Runs the trainer (`longstraw_jax.run`, in this process) from a random init, then prints a markdown table of the
+Runs the trainer (`longstraw_jax.trainer.cli`, in this process) from a random init, then prints a markdown table of the
 mean reward and accuracy (first response token = the planted fact's value) per window of steps, next to chance
 (uniform guessing among the answers). Not a test: it takes minutes to tens of minutes on a small CPU.
 
@@ -19,9 +19,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from longstraw_jax import run  # noqa: E402
-from longstraw_jax.metrics import read_metrics, split_records  # noqa: E402
 from longstraw_jax.tasks.retrieval import RetrievalTask  # noqa: E402
+from longstraw_jax.trainer import cli as run  # noqa: E402
+from longstraw_jax.trainer.metrics import read_metrics, split_records  # noqa: E402
 
 # --facts 1 (no distractor) and no held-out evaluation: the setting the README's table was measured with
 DEFAULTS = ["--facts", "1", "--eval-every", "0", "--vocab-size", "32", "--prompt-len", "128", "--group-size", "8",

@@ -1,6 +1,6 @@
 """Length generalisation, exact vs detached: warm-start at short range, evaluate and GRPO-train at long range.
 
-Each run is the trainer (`longstraw_jax.run`, in this process) with:
+Each run is the trainer (`longstraw_jax.trainer.cli`, in this process) with:
 1. a supervised warm-up (`--sft-steps`) on short prompts (`--short` tokens, the queried fact and a distractor at
    random depths): a policy that can do the task at short range;
 2. held-out evaluations (greedy, `--eval-prompts` prompts never trained on) of that warm start at the short length
@@ -36,9 +36,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from longstraw_jax import run  # noqa: E402
-from longstraw_jax.metrics import read_metrics, split_records  # noqa: E402
 from longstraw_jax.tasks.retrieval import RetrievalTask  # noqa: E402
+from longstraw_jax.trainer import cli as run  # noqa: E402
+from longstraw_jax.trainer.metrics import read_metrics, split_records  # noqa: E402
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -24,7 +24,7 @@ def main():
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    from longstraw_jax.sharding.mesh import parse_mesh_spec
+    from longstraw_jax.parallel.mesh import parse_mesh_spec
     data, seq = parse_mesh_spec(args.mesh)
     import jax
     jax.config.update("jax_num_cpu_devices", data * seq)  # before JAX first touches the backend
@@ -32,7 +32,8 @@ def main():
 
     from longstraw_jax import models, sharding
     from longstraw_jax.models.qwen36 import Qwen36Config
-    from longstraw_jax.sharding import api, rules, sequence
+    from longstraw_jax.parallel import rules, sequence
+    from longstraw_jax.sharding import prompt as api
 
     model = models.build(Qwen36Config.tiny(hidden_size=args.hidden, num_key_value_heads=args.kv_heads,
                                              num_attention_heads=2 * args.kv_heads, head_dim=args.head_dim))

@@ -5,7 +5,7 @@
 """
 import sys
 
-from longstraw_jax.convert import main
+from longstraw_jax.io.convert import main
 
 if __name__ == "__main__":
     sys.exit(main())

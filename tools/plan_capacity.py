@@ -59,7 +59,7 @@ captured state plus a small replicated *tail*. Per device:
     sampling total = params + optimizer + state + boundaries + max(capture, tail + decode)
 
 **Expert exchange.** The compiled programs run the expert exchange XLA:CPU can run (`gathered`,
-`sharding/experts.py`); GPUs and TPUs run `ragged`, whose receive buffer is min(k, E / n) times larger (dropless
+`parallel/experts.py`); GPUs and TPUs run `ragged`, whose receive buffer is min(k, E / n) times larger (dropless
 worst case).
 "peak ragged" / "fits (ragged)" add its extra bytes analytically (`Planner.ragged_extra`) to each phase; "peak" /
 "fits" are the compiled programs' (the trainer on a GPU runs the ragged one unless told otherwise).
@@ -164,7 +164,7 @@ def largest_layer_bytes(params) -> int:
     leaves with both stacked axes indexed away. LoRA nodes count base + a + b."""
     import jax
 
-    from longstraw_jax.sharding.rules import STACKED_ROOTS, expert_parallel
+    from longstraw_jax.parallel.rules import STACKED_ROOTS, expert_parallel
 
     kinds: dict[tuple, int] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -203,7 +203,7 @@ def update_phase(compiled: dict[str, int], *, state: int, boundaries: int, group
 def ragged_exchange_bytes(*, devices: int, experts: int, top_k: int, hidden: int, itemsize: int,
                           tokens: int) -> int:
     """Extra per-device bytes of one MoE layer when the expert exchange is `ragged` (GPU/TPU) instead of `gathered`
-    (the CPU program the planner compiles; `sharding/experts.py`): the receive buffer and its outputs hold
+    (the CPU program the planner compiles; `parallel/experts.py`): the receive buffer and its outputs hold
     n * T * min(k, E / n) rows of D, the gathered path's tokens and partial outputs n * T rows:
     2 n T (min(k, E / n) - 1) D elements, for `tokens` = T per device. 0 when the experts are not expert-parallel
     (n does not divide E) or there are none."""
@@ -230,7 +230,7 @@ class Planner:
         import jax.numpy as jnp
 
         from longstraw_jax import lora, models, sharding, train, trainable
-        from longstraw_jax.sharding import rules
+        from longstraw_jax.parallel import rules
 
         self.jax, self.rules, self.train = jax, rules, train
         self.model = models.build(models.config_from_hf(config) if isinstance(config, (str, os.PathLike)) else config)
@@ -297,8 +297,8 @@ class Planner:
         import jax
         import numpy as np
 
-        from longstraw_jax.sharding.api import round_layout
-        from longstraw_jax.sharding.rules import SEQ_AXES
+        from longstraw_jax.parallel.rules import SEQ_AXES
+        from longstraw_jax.sharding.prompt import round_layout
 
         seq = self.mesh.shape["seq"]
         padded = round_layout(self.model, prompt_positions, seq, self.chunk).padded
@@ -333,7 +333,7 @@ class Planner:
             import jax
             import jax.numpy as jnp
 
-            from longstraw_jax.sharding import api
+            from longstraw_jax.sharding import prompt as api
 
             layout = api.round_layout(self.model, prompt_len - 1, self.mesh.shape["seq"], self.chunk)
             replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unit", choices=("GiB", "MiB"), default="GiB", help="table unit (default GiB)")
     ap.add_argument("--json", metavar="FILE", help="also write every row as JSON (bytes per phase; 'fits' per row)")
     args = ap.parse_args(argv)
-    from longstraw_jax.sharding.mesh import parse_mesh_spec
+    from longstraw_jax.parallel.mesh import parse_mesh_spec
 
     try:
         data, seq = parse_mesh_spec(args.mesh)

@@ -3,10 +3,10 @@ prompt, and the public entry points (`CausalLM`).
 
 Contracts (structural: a family implements them by having the methods, no registration):
 - `PromptState`: what `capture` returns (a flax struct dataclass: a pytree with a static `length`).
-- `Model`: the state protocol every family implements; `engine.py`, `naive.py`, `rollout.py` use only this.
+- `Model`: the state protocol every family implements; `engine.py`, `naive.py`, `sampling/branches.py` use only this.
 - `BlockModel`: the block protocol of `layerwise.py` (block-by-block backward over stacked layers).
 - `SequenceParallel`: the family's adapter for the sharded engine (`model.sequence_parallel()`), used by
-  `sharding/api.py` and `sharding/grpo.py`.
+  `sharding/prompt.py` and `sharding/engine.py`.
 A new family writes its model (and, for meshes, its adapter); nothing in the engines dispatches on model classes.
 """
 import functools
@@ -108,7 +108,7 @@ class BlockModel(Protocol):
 @runtime_checkable
 class SequenceParallel(Protocol):
     """A family's pieces for the sharded engine on a ("data", "seq") mesh. Tokens arrive in a `RoundLayout`'s
-    stored order (`sharding/layout.py`); every method is traceable (the callers jit)."""
+    stored order (`parallel/layout.py`); every method is traceable (the callers jit)."""
 
     min_segment: int  # the shortest segment a layout may use (e.g. a conv halo must fit in the previous segment)
 
@@ -126,7 +126,7 @@ class SequenceParallel(Protocol):
         """grads + the gradient of the sharded capture given the float32 state cotangent (exact mode)."""
 
     def init_tail(self, params, sstate, capacity: int) -> PromptState:
-        """The decoding state after the sharded prompt (sampling on the mesh, `sharding/sample.py`): replicated, room
+        """The decoding state after the sharded prompt (sampling on the mesh, `sampling/mesh.py`): replicated, room
         for `capacity` decoded positions P.. and the prompt's carried part. Nothing of size P."""
 
     def decode(self, params, sstate, tail, token, position, mesh) -> tuple[jax.Array, PromptState]:

@@ -30,6 +30,7 @@ import numpy as np
 from flax import struct, traverse_util
 
 from longstraw_jax import layerwise
+from longstraw_jax.models import glm52_mesh as sharded
 from longstraw_jax.models.base import CausalLM, Slot, check_config_fields, read_json_config, state_capacity
 from longstraw_jax.ops.dsa import select_topk
 from longstraw_jax.ops.dtypes import at_least_f32
@@ -39,7 +40,6 @@ from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.moe import grouped_swiglu, route
 from longstraw_jax.ops.norms import layer_norm, rms_norm
 from longstraw_jax.ops.rope import RopeConfig, apply_rope_interleaved, cos_sin, inverse_frequencies
-from longstraw_jax.sharding import glm52 as sharded
 from longstraw_jax.validation import check_tokens
 
 FULL, SHARED = "full", "shared"
@@ -396,7 +396,7 @@ def _rope_tables(c: Glm52Config, positions: jax.Array, dtype):
 
 class PromptReader(NamedTuple):
     """How a layer reads what came before its tokens, on one device: `state` at positions < start (docs/models.md 2.6,
-    2.8). tokens sit at `positions` [T] = start + arange(T). The sequence-parallel engine (`sharding/glm52.py`)
+    2.8). tokens sit at `positions` [T] = start + arange(T). The sequence-parallel engine (`models/glm52_mesh.py`)
     passes its own reader with the same four methods, so the layer code below is shared."""
 
     state: GlmState
@@ -409,7 +409,7 @@ class PromptReader(NamedTuple):
 
     def routed_experts(self, x, experts, weights, p: dict) -> jax.Array:
         """The routed experts of a MoE layer (2.9) over x [T, D] with routing experts int [T, k], weights [T, k]:
-        all E experts here (expert-parallel on a mesh: `sharding/experts.py`)."""
+        all E experts here (expert-parallel on a mesh: `parallel/experts.py`)."""
         return grouped_swiglu(x, experts, weights, p["experts_gate"], p["experts_up"], p["experts_down"])
 
     def select(self, c: Glm52Config, q, w, keys, full, k: int) -> jax.Array:
@@ -755,7 +755,7 @@ class Glm52(CausalLM):
         return decoder_layers(self.config, layers, h, reader, k, remat)
 
     def sequence_parallel(self):
-        """Capture, replay and prompt backward on a ("data", "seq") mesh: `sharding/glm52.py`."""
+        """Capture, replay and prompt backward on a ("data", "seq") mesh: `models/glm52_mesh.py`."""
         return sharded.Glm52OnMesh(self)
 
     # ----- block by block (longstraw_jax/layerwise.py: the engine's backward) -----

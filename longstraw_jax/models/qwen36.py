@@ -25,6 +25,7 @@ import numpy as np
 from flax import struct, traverse_util
 
 from longstraw_jax import layerwise
+from longstraw_jax.models import qwen36_mesh as sharded
 from longstraw_jax.models.base import CausalLM, Slot, check_config_fields, read_json_config, state_capacity
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
@@ -33,7 +34,6 @@ from longstraw_jax.ops.gated_delta import gated_delta_rule_chunked, gated_delta_
 from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.norms import l2_normalise, rms_norm_1p, rms_norm_gated
 from longstraw_jax.ops.rope import RopeConfig, apply_partial_rope, cos_sin, inverse_frequencies
-from longstraw_jax.sharding import qwen36 as sharded
 
 LINEAR, FULL = "linear_attention", "full_attention"
 GROUP = {LINEAR: "linear", FULL: "full"}  # the params/entries key of each layer kind
@@ -379,7 +379,7 @@ class PromptReader(NamedTuple):
     `cache_length` (None: every cached position), the carried GDN state as it is. tokens sit at `positions` [T]
     (contiguous). `prefix` locates the block in the state: (b,) in the whole state, () in a block's slice of it.
 
-    The sequence-parallel engine (`sharding/qwen36.py`) passes readers with the same methods that work on a
+    The sequence-parallel engine (`models/qwen36_mesh.py`) passes readers with the same methods that work on a
     shard's part of the prompt, so the layer code above is shared: `layer_params` (FSDP all-gathers there),
     `rowwise` (blocks of rows there), `conv` (a halo from the previous segment), `delta_rule` (the affine fold
     across segments), `attend` (ring / all-gather, log-sum-exp across shards).
@@ -646,7 +646,7 @@ class Qwen36(CausalLM):
         return layerwise.chunk_grads(self, params, state, tokens, start, grads, acc)
 
     def sequence_parallel(self):
-        """Capture, replay and prompt backward on a ("data", "seq") mesh: `sharding/qwen36.py`."""
+        """Capture, replay and prompt backward on a ("data", "seq") mesh: `models/qwen36_mesh.py`."""
         return sharded.Qwen36OnMesh(self)
 
     def final_norm(self, params: dict, h: jax.Array) -> jax.Array:

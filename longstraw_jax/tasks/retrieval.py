@@ -124,7 +124,7 @@ class RetrievalTask:
         return self.format_reward if FIRST_ANSWER <= first < self.first_key else 0.0
 
     def target(self, info: dict) -> np.ndarray:
-        """The response to imitate in a supervised warm-up (sft.py): [answer, STOP]."""
+        """The response to imitate in a supervised warm-up (trainer/warmup.py): [answer, STOP]."""
         return np.array([info["answer"], STOP], np.int32)
 
     def is_correct(self, response_tokens: np.ndarray, info: dict) -> bool:

@@ -7,7 +7,7 @@ captures kept for the update, so that a training step captures every prompt once
     to `train.train_step(..., captured=captured)` / `engine.grpo_grads(..., captured=captured)`.
 
 One device: the groups one after another (`lax.map` over `rollout.sample_traced`). On a mesh: B is split over
-`data` (`sharding/groups.py`); each data slice samples its own groups, one after another, with the mesh sampler
+`data` (`parallel/groups.py`); each data slice samples its own groups, one after another, with the mesh sampler
 (`sharding.sample.sample_traced`: the prompt captured in rounds of about chunk_size positions into seq-sharded
 caches, decoded with a replicated tail). Group b uses keys[b]; its tokens are those `rollout.sample_group` draws
 with that key.
@@ -19,12 +19,11 @@ import functools
 import jax
 import numpy as np
 
-from longstraw_jax import rollout
 from longstraw_jax.models.base import chunk_layout
-from longstraw_jax.rollout import SamplingConfig
-from longstraw_jax.sharding import sample as mesh_sample
-from longstraw_jax.sharding.api import round_layout
-from longstraw_jax.sharding.groups import check_groups, over_data
+from longstraw_jax.parallel.groups import check_groups, over_data
+from longstraw_jax.sampling import branches as rollout, mesh as mesh_sample
+from longstraw_jax.sampling.branches import SamplingConfig
+from longstraw_jax.sharding.prompt import round_layout
 from longstraw_jax.validation import check_size
 
 

@@ -12,7 +12,7 @@ Training checkpoints (`TrainCheckpoints`): an Orbax `CheckpointManager` under `<
 directory per save, each with two items: "state" (params, optimizer state, the run's base RNG key data) and "meta"
 (JSON: step, data position, the run configuration). Orbax writes each step into a temporary directory
 (`<step>.orbax-checkpoint-tmp`) and renames it when complete, so a crash mid-save never leaves a half-written
-checkpoint that `latest_step` would pick; `incomplete()` lists what such a crash left behind (run_outdir.py removes
+checkpoint that `latest_step` would pick; `incomplete()` lists what such a crash left behind (trainer/outdir.py removes
 it). A checkpoint damaged later (a truncated or deleted file) is reported by `read_meta` / `restore` as a
 `BrokenCheckpoint` naming the step and the item's directory.
 """
@@ -25,7 +25,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from longstraw_jax import fault_hooks, models
+from longstraw_jax import models
+from longstraw_jax.io import fault_hooks
 
 CHECKPOINT_DIR = "checkpoints"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's temporary step directories: <step>.orbax-checkpoint-tmp[...]

@@ -36,10 +36,10 @@ from longstraw_jax import layerwise, trainable
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
-from longstraw_jax.sharding import rules, sequence
-from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
-from longstraw_jax.sharding.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
-from longstraw_jax.sharding.sequence import SEQ, each_round, round_slots
+from longstraw_jax.parallel import rules, sequence
+from longstraw_jax.parallel.layout import RoundLayout, SeqLayout, ShardedPromptState
+from longstraw_jax.parallel.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
+from longstraw_jax.parallel.sequence import SEQ, each_round, round_slots
 
 ROWS = 4096  # position-wise work (projections, norms, MLP) runs over at most this many local positions at a time
 _KV = P(None, None, SEQ)  # a KV cache or its cotangent: [blocks (or 1), nf, S, Hkv, hd], S split along seq
@@ -318,7 +318,7 @@ def extend_hidden(model, params, sstate: ShardedPromptState, tokens, mesh):
     return model.final_norm(params, h)
 
 
-# ----- decoding (sampling on the mesh: sharding/sample.py) -----------------------------------------------------
+# ----- decoding (sampling on the mesh: sampling/mesh.py) -----------------------------------------------------
 
 
 def init_tail(model, params, sstate: ShardedPromptState, capacity: int):

@@ -3,7 +3,7 @@ device count per process, and moving values between one process's host memory an
 
 Who joins (`resolve`, first match wins):
 
-1. `--coordinator HOST:PORT --num-processes N --process-id I` (the trainer's flags; launch.py passes them);
+1. `--coordinator HOST:PORT --num-processes N --process-id I` (the trainer's flags; trainer/launch.py passes them);
 2. the environment: `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`;
 3. a cluster JAX detects itself: SLURM (an `srun` step with more than one task), Open MPI (`mpirun`, more than one
    rank), or the method named by `LONGSTRAW_CLUSTER_DETECTION` (any of JAX's `cluster_detection_method`s, e.g.
@@ -251,7 +251,7 @@ def raise_cpu_device_count(mesh: str) -> None:
     """Ask for A*B simulated CPU devices before JAX initialises its backends (no effect on accelerators)."""
     import jax
 
-    from longstraw_jax.sharding.mesh import parse_mesh_spec
+    from longstraw_jax.parallel.mesh import parse_mesh_spec
 
     try:
         jax.config.update("jax_num_cpu_devices", max(math.prod(parse_mesh_spec(mesh)), 1))
@@ -264,7 +264,7 @@ def start_jax(config) -> None:
     (config.coordinator / num_processes / process_id, the JAX_* variables, or a detected SLURM / Open MPI job) with
     config.mesh's A*B devices split over the processes, or in one process raise the simulated CPU device count to
     A*B. config: a RunConfig (or anything with those four fields)."""
-    from longstraw_jax.sharding.mesh import parse_mesh_spec
+    from longstraw_jax.parallel.mesh import parse_mesh_spec
 
     cluster = resolve(config.coordinator, config.num_processes, config.process_id)
     if cluster is None:
@@ -341,7 +341,7 @@ def from_process_local(tree, shardings):
 
 def group_owners(mesh, num_groups: int) -> list[int]:
     """The process that scores each of `num_groups` groups: group b lives on data slice b // (num_groups / data size)
-    (`sharding/groups.py`), and its owner is the lowest process index among that slice's devices (a slice may span
+    (`parallel/groups.py`), and its owner is the lowest process index among that slice's devices (a slice may span
     several processes, e.g. `1x8` on 2 hosts). No mesh: process 0 owns every group."""
     if mesh is None:
         return [0] * num_groups

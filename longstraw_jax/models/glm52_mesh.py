@@ -47,11 +47,11 @@ from longstraw_jax.ops.lora import shape_of
 from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attention_partial
 from longstraw_jax.ops.moe import grouped_swiglu
 from longstraw_jax.ops.norms import rms_norm
-from longstraw_jax.sharding import rules, sequence
-from longstraw_jax.sharding.experts import routed_swiglu
-from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
-from longstraw_jax.sharding.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
-from longstraw_jax.sharding.sequence import SEQ
+from longstraw_jax.parallel import rules, sequence
+from longstraw_jax.parallel.experts import routed_swiglu
+from longstraw_jax.parallel.layout import RoundLayout, SeqLayout, ShardedPromptState
+from longstraw_jax.parallel.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
+from longstraw_jax.parallel.sequence import SEQ
 
 _ROWS = P(None, SEQ)  # latent rows / indexer keys [layers, S, Dk] or [F, S, Di], positions split along seq
 _NEVER = jnp.iinfo(jnp.int32).max  # key position of a padding slot: never visible to any query
@@ -72,7 +72,7 @@ def _attend_common(c) -> dict:
 
 class _Layers(NamedTuple):
     """FSDP-sharded layer parameters: each layer is all-gathered whole right before use, except routed experts split
-    by expert index (expert parallelism: `sharding/experts.py`)."""
+    by expert index (expert parallelism: `parallel/experts.py`)."""
 
     specs: dict  # param_specs(params)["layers"]
 
@@ -338,7 +338,7 @@ def extend_hidden_fn(model, mesh, params_specs):
     return fn
 
 
-# ----- decoding (sampling on the mesh: sharding/sample.py) -----------------------------------------------------
+# ----- decoding (sampling on the mesh: sampling/mesh.py) -----------------------------------------------------
 
 
 def init_tail(model, params, sstate: ShardedPromptState, capacity: int):

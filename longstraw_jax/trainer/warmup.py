@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from longstraw_jax import distributed
+from longstraw_jax.trainer import distributed
 
-WARM_UP_BIT = 1 << 30  # warm-up prompts: the task built with seed ^ WARM_UP_BIT (held-out: bit 31, evaluate.py)
+WARM_UP_BIT = 1 << 30  # warm-up prompts: the task built with seed ^ WARM_UP_BIT (held-out: bit 31, trainer/evaluate.py)
 
 
 def warm_up_seed(seed: int) -> int:

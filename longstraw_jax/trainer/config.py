@@ -13,10 +13,10 @@ import math
 import re
 from typing import Collection
 
-from longstraw_jax.sharding.mesh import parse_mesh_spec
+from longstraw_jax.parallel.mesh import parse_mesh_spec
 
 DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`, or the next group of a rollout "
-               "file), capture it once and sample G branches from the captured state (rollout.py), score them with "
+               "file), capture it once and sample G branches from the captured state (sampling/), score them with "
                "the reward function, then one GRPO update (engine gradients, exact or detached; clipped AdamW). "
                "Writes to --out: metrics.jsonl (one line per step, held-out evaluation and warm-up step), metrics.png "
                "(reward, held-out accuracy, entropy, KL, grad norm, clip fraction), "
@@ -95,7 +95,7 @@ class RunConfig:
     mesh: str | None = _option(None, "device mesh data x seq (e.g. 1x8); on CPU raises the simulated device count "
                                "to A*B before JAX starts", metavar="AxB")
     seed: int = _option(0)
-    # held-out evaluation and supervised warm-up (evaluate.py, sft.py)
+    # held-out evaluation and supervised warm-up (trainer/evaluate.py, trainer/warmup.py)
     eval_every: int = _option(20, "score K held-out prompts (greedy) before step 1, every N steps and after the last "
                               "step; 0: never (each evaluation captures K prompts: at long prompts raise N)",
                               group="held-out evaluation and warm-up (defaults: the embedded demo's)", metavar="N")
@@ -122,7 +122,7 @@ class RunConfig:
     force: bool = _option(False, "with --export-hf / --export-peft: replace a non-empty DIR as a whole (written "
                           "beside it, then renamed over it)")
     log_every: int = _option(1, "print a progress line every N steps")
-    # several processes (docs/cluster.md; distributed.py: also from JAX_* variables or SLURM / Open MPI)
+    # several processes (docs/cluster.md; trainer/distributed.py: also from JAX_* variables or SLURM / Open MPI)
     coordinator: str | None = _option(None, "join a multi-process run: process 0's address (all processes give the "
                                       "same)", group="multi-process (docs/cluster.md)", metavar="HOST:PORT")
     num_processes: int | None = _option(None, "processes in the run; --mesh's A*B devices are split evenly over them",
@@ -210,7 +210,7 @@ class RunConfig:
 
 def _train_errors(config: RunConfig) -> list[str]:
     """--train, --lora-*, --trainable, --export-peft (model-dependent checks, e.g. targets and rank against the
-    matrices: lora.prepare_run)."""
+    matrices: trainer/setup.py:prepare_training)."""
     errors = []
     if not math.isfinite(config.lora_alpha) or config.lora_alpha <= 0:
         errors.append(f"--lora-alpha={config.lora_alpha} must be a finite number > 0")

@@ -1,14 +1,14 @@
 """Sampling G branches on a ("data", "seq") mesh: the prompt is captured sequence-parallel (the engine's sharded
 capture, so the update can reuse it) and decoding reads the seq-sharded cache in place.
 
-    sstate, aux = capture(prompt[:-1]) on the mesh, in rounds          = what sharding/grpo.py computes
+    sstate, aux = capture(prompt[:-1]) on the mesh, in rounds          = what sharding/engine.py computes
     tail = init_tail(...)                       replicated: room for R decoded positions + the carried GDN state
     h, tail = decode(prompt[-1]) at position P - 1 -> first-token logits
     for g in range(G): restore the tail saved after prompt[-1], then     rollout.sample_branches: the one-device
         while t < R and not stopped: sample, h, tail = decode(token) at P + t          sampler's branch loop
 
-One decode step runs the model's layer code on every shard through a reader (`sharding/qwen36.py:ReplayReader` with
-decoding=True, `sharding/glm52.py:DecodeReader`): attention is the log-sum-exp merge of this shard's prompt slots
+One decode step runs the model's layer code on every shard through a reader (`models/qwen36_mesh.py:ReplayReader` with
+decoding=True, `models/glm52_mesh.py:DecodeReader`): attention is the log-sum-exp merge of this shard's prompt slots
 (merged over `seq`) with the tail's positions before the token and the token itself; GLM's DSA top-k runs over
 prompt, tail and token, as on one device. Nothing of size P is replicated: the prompt cache stays seq-sharded,
 read-only, and the tail holds R positions. For the same key the tokens and log-probs are the one-device sampler's
@@ -22,15 +22,15 @@ from typing import Any
 import jax
 from flax import struct
 
-from longstraw_jax.rollout import Rollout, SamplingConfig, check_sampling_inputs, sample_branches
-from longstraw_jax.sharding import sequence
-from longstraw_jax.sharding.api import round_layout
-from longstraw_jax.sharding.layout import RoundLayout, ShardedPromptState
+from longstraw_jax.parallel import sequence
+from longstraw_jax.parallel.layout import RoundLayout, ShardedPromptState
+from longstraw_jax.sampling.branches import Rollout, SamplingConfig, check_sampling_inputs, sample_branches
+from longstraw_jax.sharding.prompt import round_layout
 
 
 @struct.dataclass
 class ShardedCaptured:
-    """The mesh sampler's capture of prompt[:-1], as `sharding/grpo.py` computes it (same layout, same family
+    """The mesh sampler's capture of prompt[:-1], as `sharding/engine.py` computes it (same layout, same family
     capture): sstate (ShardedPromptState, length P-1, seq-sharded) and capture_aux (what the family's exact backward
     needs, e.g. Qwen3.6's GDN round boundaries; None for GLM-5.x)."""
 

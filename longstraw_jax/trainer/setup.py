@@ -1,4 +1,4 @@
-"""What a run is built from, given its RunConfig (the output directory and the checkpoint to resume: run_outdir.py):
+"""What a run is built from, given its RunConfig (the output directory and the checkpoint to resume: trainer/outdir.py):
 the device mesh, the model and its params (placed on one device or FSDP-sharded), the optimizer, and the data source
 (a task sampled from the policy, or a rollout file). Every function here checks its inputs before anything is written.
 """
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import time
 import warnings
 
@@ -13,15 +14,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longstraw_jax import distributed, models, orbax_io
+from longstraw_jax import lora, models, trainable
 from longstraw_jax.grpo import GroupBatch
-from longstraw_jax.rollout import SamplingConfig
-from longstraw_jax.run_config import RunConfig, RunError
-from longstraw_jax.sampler import sample_groups
-from longstraw_jax.sharding import make_mesh, rules
+from longstraw_jax.io import checkpoints as orbax_io, peft
+from longstraw_jax.parallel import rules
+from longstraw_jax.sampling.branches import SamplingConfig
+from longstraw_jax.sampling.groups import sample_groups
+from longstraw_jax.sharding import make_mesh
 from longstraw_jax.tasks import load_callable, make_task, score
 from longstraw_jax.tasks.rollout_file import load_rollouts
 from longstraw_jax.train import make_optimizer
+from longstraw_jax.trainer import distributed
+from longstraw_jax.trainer.config import RunConfig, RunError
 
 
 def default_out() -> str:
@@ -181,3 +185,26 @@ def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | 
         if value is not None and value >= vocab_size:
             raise RunError(f"{name}={value} is out of range: ids must be in [0, vocab_size={vocab_size})")
     return TaskSampler(task, reward_fn, sampling, config.group_size, config.chunk_size, config.num_groups, mesh)
+
+
+def prepare_training(config: RunConfig, model, params):
+    """--train / --lora-* / --trainable / --export-peft -> (params, with adapters for --train lora; the trainable
+    predicate for `trainable.split`, None when every leaf trains). Every model-dependent check happens here, before
+    the run writes anything: unknown targets, a rank beyond a target's dimensions, a PEFT export of targets PEFT
+    cannot express, a --trainable expression that matches nothing."""
+    if config.train == "lora":
+        paths = lora.resolve_targets(params, config.lora_targets)
+        lora.check_rank(params, paths, config.lora_rank)
+        key = jax.random.fold_in(jax.random.key(config.seed), 0x10A)
+        params = lora.add_adapters(params, paths, config.lora_rank, config.lora_alpha, key)
+        if config.export_peft:
+            peft.check_peft(model, params)
+        return params, trainable.adapter_leaf
+    if config.trainable is not None:
+        expression = re.compile(config.trainable)
+        names = [trainable.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+        if not any(expression.search(n) for n in names):
+            shown = ", ".join(dict.fromkeys(lora.short_path(n) if n.startswith(lora.STACKED) else n for n in names))
+            raise ValueError(f"--trainable={config.trainable!r} matches no parameter; paths: {shown}")
+        return params, lambda path: bool(expression.search(path))
+    return params, None

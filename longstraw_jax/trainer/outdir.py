@@ -26,10 +26,11 @@ import sys
 
 import jax
 
-from longstraw_jax import distributed, metrics, orbax_io
-from longstraw_jax.orbax_io import CHECKPOINT_DIR, TMP_SUFFIX, BrokenCheckpoint, TrainCheckpoints
-from longstraw_jax.replace_dir import staged
-from longstraw_jax.run_config import CHANGEABLE, RunConfig, RunError
+from longstraw_jax.io import checkpoints as orbax_io
+from longstraw_jax.io.checkpoints import CHECKPOINT_DIR, TMP_SUFFIX, BrokenCheckpoint, TrainCheckpoints
+from longstraw_jax.io.replace_dir import staged
+from longstraw_jax.trainer import distributed, metrics
+from longstraw_jax.trainer.config import CHANGEABLE, RunConfig, RunError
 
 SET_ASIDE_DIR = "checkpoints-set-aside"
 # what a run writes before its first checkpoint completes (*.tmp: a kill while one was being rewritten)

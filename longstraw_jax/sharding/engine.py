@@ -1,5 +1,5 @@
 """`grpo_grads` on a ("data", "seq") mesh: the engine's algorithm with the family's sequence-parallel capture,
-replay and prompt backward (`model.sequence_parallel()`: `sharding/qwen36.py`, `sharding/glm52.py`).
+replay and prompt backward (`model.sequence_parallel()`: `models/qwen36_mesh.py`, `models/glm52_mesh.py`).
 
     capture   sstate = capture(prompt[:-1]) on the mesh, in rounds    seq-sharded caches, replicated GDN state
               (or the sampler's capture, passed in: one capture per step)
@@ -16,7 +16,7 @@ hands each shard the cotangent of its own partial, the ring's `ppermute` runs ba
 all-gather carries later segments' cotangents back to the segments that produced them, and GLM's all-gathered latent
 rows send each gathered row's cotangent back to the shard that holds it.
 
-Groups: a batch with a group axis (prompt [B, P], ...) is split over `data` (`sharding/groups.py`): each data slice
+Groups: a batch with a group axis (prompt [B, P], ...) is split over `data` (`parallel/groups.py`): each data slice
 runs its B / D groups one after another (a scan), sequence-parallel over its `seq` devices, and the gradients are
 reduced over the whole mesh. A one-group batch (no group axis) runs on the whole mesh, every data slice repeating it.
 """
@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, batch_advantages, finalize_metrics, token_weights
+from longstraw_jax.parallel import groups as groups_lib
+from longstraw_jax.parallel.layout import RoundLayout
+from longstraw_jax.parallel.rules import constrain, param_specs, prompt_state_specs
 from longstraw_jax.replay import replay_branches, scan_groups, zeros_f32
-from longstraw_jax.sharding import groups as groups_lib
-from longstraw_jax.sharding.api import round_layout
-from longstraw_jax.sharding.layout import RoundLayout
-from longstraw_jax.sharding.rules import constrain, param_specs, prompt_state_specs
+from longstraw_jax.sharding.prompt import round_layout
 from longstraw_jax.trainable import merge, split_like
 
 

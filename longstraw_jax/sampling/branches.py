@@ -24,7 +24,7 @@ mask 0, and no more tokens are computed for it.
 
 keep_capture=True also returns `Captured`: the capture of prompt[:-1] (length P - 1, its carried part as right after
 prompt[:-1]) and its chunk boundaries, so a training step captures its prompt once. `sample_branches` is the branch
-loop; `sharding/sample.py` (sampling on a mesh) runs the same one over its own decoding step.
+loop; `sampling/mesh.py` (sampling on a mesh) runs the same one over its own decoding step.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from longstraw_jax.models.base import capture_chunks, chunk_layout
-from longstraw_jax.sharding.groups import DATA
-from longstraw_jax.sharding.rules import manual_axes
+from longstraw_jax.parallel.groups import DATA
+from longstraw_jax.parallel.rules import manual_axes
 from longstraw_jax.validation import check_size, check_tokens, is_int, is_real
 
 
@@ -90,7 +90,7 @@ class Rollout:
     The two are equal when temperature = 1 and top_p = 1; greedy decoding (temperature 0) samples from a point
     mass: sample_logprobs 0. Padded positions hold 0. first_logprobs float32 [V]: the policy's log-probabilities of
     response token 0 (log_softmax of the logits after the prompt, temperature 1; one row for all G branches, which
-    share it), e.g. for the held-out evaluation's entropy and KL (evaluate.py)."""
+    share it), e.g. for the held-out evaluation's entropy and KL (trainer/evaluate.py)."""
 
     responses: jax.Array
     mask: jax.Array
@@ -200,7 +200,7 @@ _sample_group = jax.jit(sample_traced, static_argnums=(0, 4, 5, 6, 7))
 
 def sample_branches(step, state, first_logits, restore, key, num_branches: int, sampling: SamplingConfig,
                     start) -> tuple[Any, Rollout]:
-    """The G-branch loop of every sampler (one device: `sample_traced`; on a mesh: `sharding/sample.py`).
+    """The G-branch loop of every sampler (one device: `sample_traced`; on a mesh: `sampling/mesh.py`).
 
     step(state, token int32 [], position) -> (state, float32 logits [V] of the next token): one decoding step at
     `position`. state: the decoder's state after the prompt, whose next-token logits are first_logits [V].

@@ -1,14 +1,14 @@
 """The sharded prompt API, the same for every model family: `capture` a prompt sequence-parallel over a mesh, then
 `extend` (logits) or `extend_hidden` after it. Each family supplies its adapter (`model.sequence_parallel()`, the
-`SequenceParallel` protocol of models/base.py): Qwen3.6 `sharding/qwen36.py`, GLM-5.x `sharding/glm52.py`."""
+`SequenceParallel` protocol of models/base.py): Qwen3.6 `models/qwen36_mesh.py`, GLM-5.x `models/glm52_mesh.py`."""
 from __future__ import annotations
 
 import functools
 
 import jax
 
-from longstraw_jax.sharding import sequence
-from longstraw_jax.sharding.layout import RoundLayout, ShardedPromptState
+from longstraw_jax.parallel import sequence
+from longstraw_jax.parallel.layout import RoundLayout, ShardedPromptState
 from longstraw_jax.validation import check_tokens
 
 
@@ -25,7 +25,7 @@ def capture(model, params: dict, tokens, mesh, attention: str = "ring", pad_id: 
 
     `params` may be placed anywhere (ideally by `rules.param_specs`: then nothing moves but one layer at a time).
     attention ("ring" / "allgather") chooses how a round reads the other shards' keys: Qwen3.6's softmax attention
-    (`sequence.causal_attention`), GLM-5.x's earlier rounds' latent rows (`sharding/glm52.py`). `pad_id` only
+    (`sequence.causal_attention`), GLM-5.x's earlier rounds' latent rows (`models/glm52_mesh.py`). `pad_id` only
     fills padding slots; it cannot change any result (tests check this)."""
     tokens = check_tokens(tokens, model.config.vocab_size)
     if attention not in sequence.ATTENTION_METHODS:

@@ -7,7 +7,7 @@ import os
 import jax
 import numpy as np
 
-from longstraw_jax import metrics
+from longstraw_jax.trainer import metrics
 
 
 class NoLog:

@@ -2,7 +2,7 @@
 step, data position, checkpoints, metrics log); `run()` trains to `config.steps`, checkpointing every
 `save_every` steps and after the last, then plots, exports and prints the summary.
 
-Nothing is written before every input has been checked (run_setup.py, run_outdir.py) and the first step has been
+Nothing is written before every input has been checked (trainer/setup.py, trainer/outdir.py) and the first step has been
 computed (so a bad reward function or batch is raised first too): until then the output directory stays as it was.
 Ctrl-C stops the run (exit status 130) saying which checkpoint is the last complete one; a Ctrl-C during a save or
 while the output directory is being set up takes effect when that is done.
@@ -20,22 +20,20 @@ import time
 import jax
 import numpy as np
 
-from longstraw_jax import (
+from longstraw_jax import lora, models, trainable
+from longstraw_jax.grpo import GRPOConfig
+from longstraw_jax.io import fault_hooks, peft
+from longstraw_jax.train import train_step
+from longstraw_jax.trainer import (
     distributed,
     evaluate,
-    fault_hooks,
-    lora,
+    log as run_log,
     metrics,
-    models,
-    run_log,
-    run_outdir,
-    run_setup,
-    sft,
-    trainable,
+    outdir as run_outdir,
+    setup as run_setup,
+    warmup as sft,
 )
-from longstraw_jax.grpo import GRPOConfig
-from longstraw_jax.run_config import RunConfig, RunError
-from longstraw_jax.train import train_step
+from longstraw_jax.trainer.config import RunConfig, RunError
 
 
 class Trainer:
@@ -50,7 +48,7 @@ class Trainer:
         self.mesh = run_setup.mesh_for(config)
         self.model, params = run_setup.load_model(config)
         # --train lora: adapters added (frozen base); --trainable: a predicate; None: every leaf trains
-        params, self.trains = lora.prepare_run(config, self.model, params)
+        params, self.trains = run_setup.prepare_training(config, self.model, params)
         if self.mesh is not None:
             self.model.sequence_parallel()  # a family without a sharded path says so here
         self.params = run_setup.place(params, self.mesh)
@@ -68,7 +66,7 @@ class Trainer:
             self.params, self.opt_state, self.key, meta = self.plan.restore(self.params, self.opt_state, self.key)
             self.step, self.data_position = meta["step"], meta["data_position"]
         self.start_step = self.step
-        # held-out evaluation (evaluate.py): --eval-every N > 0 on a task (not a rollout file)
+        # held-out evaluation (trainer/evaluate.py): --eval-every N > 0 on a task (not a rollout file)
         self.evaluator = evaluate.for_run(config, explicit, self.data, self.model.config.vocab_size, self.mesh)
         if config.sft_steps and self.data.task is None and "sft_steps" in explicit:
             raise RunError(f"--sft-steps={config.sft_steps} needs task prompts: a --rollouts file has none (pass "
@@ -159,7 +157,7 @@ class Trainer:
                             models.save_hf(self.model, lora.merged(final), staging)
                     if config.export_peft:
                         with run_outdir.replaced_dir(config.export_peft, config.force, "--export-peft") as staging:
-                            lora.save_peft(self.model, final, staging)
+                            peft.save_peft(self.model, final, staging)
                     print(run_log.summary(records, history, wall, self))
         except KeyboardInterrupt:
             return self.interrupted()

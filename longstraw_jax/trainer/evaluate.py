@@ -1,0 +1,337 @@
+"""Held-out evaluation: greedy answers to K fixed prompts that training never draws.
+
+    evaluator = Evaluator(task, reward_fn, num_prompts=K, response_len=R, chunk_size=C, mesh=None)
+    metrics = evaluator(model, params)      # {"eval_accuracy", "eval_reward", "eval_entropy", ...}
+
+The K prompts are `held_out_task(...)`'s prompts 0..K-1: the task built with seed `held_out_seed(seed)` = seed with bit
+31 flipped. The trainer draws its prompts from the task built with `seed` (and the warm-up, trainer/warmup.py, from seed
+with bit 30 flipped): a task whose prompts are a function of (seed, index), as the built-in retrieval task's are
+(`np.random.default_rng([seed, index])`), gives the evaluation a stream of its own. (Flipping a bit keeps the seed's
+number of 32-bit words: an offset such as seed + 2**32 would not, and numpy's seeding reads [s + 2**32, j] as the words
+[s, 1, j], which it pads like [s, 1]: training prompt 1 would be held-out prompt 0.) Each prompt is answered by the
+trainer's sampler (`sampler.sample_groups`, on the mesh when there is one) with one greedy branch (temperature 0, from
+the captured prompt state), scored by the reward function, and by `task.is_correct` when the task has it. Besides
+accuracy and reward, the first response token's distribution gives `eval_entropy` and, against the distribution of a
+reference evaluation (the run's start), `eval_kl_to_start` = KL(policy || start policy).
+
+    python -m longstraw_jax.evaluate --init-from DIR | --hf DIR | --resume OUT [--resume-step N]
+        [--prompt-len P] [--depth D] [--eval-prompts K] [--mesh AxB] [--json FILE]
+
+scores a checkpoint on its own: with --resume, the latest (or N-th) checkpoint of a trainer run, with that run's
+task, model and sampling options unless given (e.g. `--prompt-len 1024` scores a policy trained on shorter prompts at
+a longer range); prints one line and with --json writes the metrics (and each prompt's answer) to FILE.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+HELD_OUT_BIT = 1 << 31  # held-out prompts: the task built with seed ^ HELD_OUT_BIT (training uses seed)
+REFERENCE_FILE = "eval_start.npy"  # in a run's --out: the start's first-token log-probs [K, V] (eval_kl_to_start)
+
+
+def held_out_seed(seed: int) -> int:
+    """The seed of the held-out prompt stream of a run with `seed` (>= 0): bit 31 flipped."""
+    return int(seed) ^ HELD_OUT_BIT
+
+
+def first_token_stats(logprobs: np.ndarray, reference: np.ndarray | None = None) -> dict:
+    """logprobs float [K, V] (log-probabilities of response token 0 per prompt; reference: the same of another
+    policy, or None) -> {"entropy": mean over prompts of H(p)} and with a reference also {"kl": mean over prompts
+    of KL(p || reference)}. Entries with p = 0 contribute 0 (0 log 0 = 0)."""
+    logprobs = np.asarray(logprobs, np.float64)
+    probs = np.exp(logprobs)
+    support = probs > 0
+    safe = np.where(support, logprobs, 0.0)  # no 0 * -inf
+    stats = {"entropy": float(np.mean(-(probs * safe).sum(-1)))}
+    if reference is not None:
+        reference = np.asarray(reference, np.float64)
+        if reference.shape != logprobs.shape:
+            raise ValueError(f"reference log-probs have shape {reference.shape}; need {logprobs.shape}")
+        stats["kl"] = float(np.mean((probs * (safe - np.where(support, reference, 0.0))).sum(-1)))
+    return stats
+
+
+def summarize(rewards: np.ndarray, correct: np.ndarray | None) -> dict:
+    """rewards float [K], correct bool [K] or None -> {"eval_reward": mean reward, "eval_accuracy": fraction
+    correct (only with `correct`)}."""
+    out = {"eval_reward": float(np.mean(rewards))}
+    if correct is not None:
+        out["eval_accuracy"] = float(np.mean(correct))
+    return out
+
+
+class Evaluator:
+    """K fixed held-out prompts of `task` (already the held-out task: `held_out_task`), answered greedily.
+
+    task: prompt(i) -> Prompt; reward_fn(prompt_tokens, response_tokens, info) -> float; num_prompts: K;
+    response_len: R; stop_token / pad_token as in sampling; chunk_size: the capture's chunk (round length on a
+    mesh); mesh: None or the ("data", "seq") mesh (K must then be a multiple of its data size).
+    """
+
+    def __init__(self, task, reward_fn, num_prompts: int, response_len: int, chunk_size: int,
+                 stop_token: int | None = None, pad_token: int = 0, mesh=None):
+        from longstraw_jax.sampling.branches import SamplingConfig
+
+        if num_prompts < 1:
+            raise ValueError(f"num_prompts={num_prompts} must be >= 1")
+        self.task, self.reward_fn, self.chunk_size, self.mesh = task, reward_fn, chunk_size, mesh
+        self.prompts = [task.prompt(i) for i in range(num_prompts)]
+        self.tokens = np.stack([p.tokens for p in self.prompts]).astype(np.int32)  # [K, P]
+        self.sampling = SamplingConfig(max_new_tokens=response_len, temperature=0.0, stop_token=stop_token,
+                                       pad_token=pad_token)
+        self.reference = None  # [K, V] log-probs of the first response token at the reference (start) evaluation
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
+
+    def answers(self, model, params) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Greedy answers -> (responses int32 [K, R], mask float32 [K, R], first-token log-probs float32 [K, V]),
+        the full values on every process (a collective with several processes: all must call it)."""
+        import jax
+
+        from longstraw_jax.sampling.groups import sample_groups
+        from longstraw_jax.trainer import distributed
+        from longstraw_jax.trainer.setup import place_key
+
+        keys = place_key(jax.random.split(jax.random.key(0), self.num_prompts), self.mesh)  # unused by greedy
+        rollouts = sample_groups(model, params, self.tokens, keys, 1, self.sampling, self.chunk_size, mesh=self.mesh,
+                                 keep_capture=False)
+        responses, mask, first = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.first_logprobs))
+        return responses[:, 0], mask[:, 0], first
+
+    def __call__(self, model, params, reference: bool = False) -> dict:
+        """Score the K prompts -> metrics: eval_accuracy (tasks with is_correct), eval_reward, eval_entropy (first
+        response token), eval_kl_to_start (when a reference is set), eval_prompts (K), eval_prompt_len (P),
+        eval_s (wall time). reference=True: these answers' first-token distribution becomes the reference."""
+        from longstraw_jax.trainer.setup import score_groups
+
+        start = time.perf_counter()
+        responses, mask, first = self.answers(model, params)
+        rewards, correct = score_groups(self.task, self.reward_fn, self.prompts, responses[:, None], mask[:, None],
+                                        self.mesh)  # K groups of one branch, each scored by its owner
+        rewards, correct = rewards[:, 0], None if correct is None else correct[:, 0] > 0
+        if reference:
+            self.reference = np.asarray(first, np.float32)
+        stats = first_token_stats(first, self.reference)
+        out = summarize(rewards, correct)
+        out["eval_entropy"] = stats["entropy"]
+        if "kl" in stats:
+            out["eval_kl_to_start"] = stats["kl"]
+        out.update(eval_prompts=self.num_prompts, eval_prompt_len=int(self.tokens.shape[1]),
+                   eval_s=time.perf_counter() - start)
+        self.last = {"responses": responses, "mask": mask, "rewards": rewards, "correct": correct}
+        return out
+
+
+def held_out_task(config, vocab_size: int):
+    """The held-out task of a RunConfig: its --task, --prompt-len and --depth with seed `held_out_seed(--seed)`."""
+    from longstraw_jax.tasks import make_task
+
+    return make_task(config.task, prompt_len=config.prompt_len, vocab_size=vocab_size,
+                     seed=held_out_seed(config.seed), **config.task_options())
+
+
+def for_config(config, vocab_size: int, mesh=None) -> Evaluator:
+    """The Evaluator of a RunConfig: --eval-prompts held-out prompts of its task, its reward (default the task's),
+    -R, stop token (default the task's) and chunk size."""
+    from longstraw_jax.tasks import load_callable
+
+    task = held_out_task(config, vocab_size)
+    reward_fn = load_callable(config.reward) if config.reward else task.reward
+    stop = config.stop_token if config.stop_token is not None else getattr(task, "stop_token", None)
+    return Evaluator(task, reward_fn, config.eval_prompts, config.response_len, config.chunk_size, stop_token=stop,
+                     pad_token=getattr(task, "pad_token", 0), mesh=mesh)
+
+
+def for_run(config, explicit, data, vocab_size: int, mesh=None) -> Evaluator | None:
+    """The trainer's Evaluator, or None: --eval-every 0, or a --rollouts run (no task to hold prompts out of; an
+    explicit --eval-every N > 0 there is a RunError)."""
+    from longstraw_jax.trainer.config import RunError
+
+    if config.eval_every == 0:
+        return None
+    if data.task is None:
+        if "eval_every" in explicit:
+            raise RunError(f"--eval-every={config.eval_every} needs a task to hold prompts out of; a --rollouts file "
+                           "has none (pass --eval-every 0)")
+        return None
+    return for_config(config, vocab_size, mesh)
+
+
+def load_reference(out: str, evaluator: Evaluator) -> np.ndarray | None:
+    """A resumed run's reference first-token log-probs (<out>/eval_start.npy), or None with a warning when the
+    file is missing or was written for other prompts (then eval_kl_to_start is not logged)."""
+    from longstraw_jax.trainer.outdir import warn
+
+    path = os.path.join(out, REFERENCE_FILE)
+    if not os.path.isfile(path):
+        warn(f"{path} is missing: eval_kl_to_start is not logged in this run")
+        return None
+    reference = np.load(path)
+    if reference.shape[0] != evaluator.num_prompts:
+        warn(f"{path} holds {reference.shape[0]} prompts, this run scores {evaluator.num_prompts}: eval_kl_to_start "
+             "is not logged")
+        return None
+    return reference
+
+
+def describe(metrics: dict, chance: float | None = None) -> str:
+    """One line: held-out accuracy / reward / entropy (/ KL) of an evaluation's metrics."""
+    parts = []
+    if "eval_accuracy" in metrics:
+        parts.append(f"accuracy {metrics['eval_accuracy']:.3f}" + (f" (chance {chance:.3f})" if chance else ""))
+    parts.append(f"reward {metrics['eval_reward']:.3f}")
+    parts.append(f"entropy {metrics['eval_entropy']:.3f}")
+    if metrics.get("eval_kl_to_start") is not None:
+        parts.append(f"KL to start {metrics['eval_kl_to_start']:.4f}")
+    return (f"held-out ({metrics['eval_prompts']} prompts of {metrics['eval_prompt_len']} tokens, greedy): "
+            + ", ".join(parts))
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+
+_OVERRIDES = ("task", "reward", "prompt_len", "depth", "seed", "eval_prompts", "response_len", "stop_token",
+              "chunk_size", "mesh", "dtype", "vocab_size", "model")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m longstraw_jax.evaluate",
+                                description="Score a policy on held-out prompts (greedy): a trainer run's checkpoint "
+                                            "(--resume OUT) or weights (--init-from / --hf).")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--resume", metavar="OUT", help="a trainer run's --out: its latest checkpoint and options")
+    source.add_argument("--init-from", metavar="DIR", help="an init directory (config.json + Orbax params/)")
+    source.add_argument("--hf", metavar="DIR", help="config.json + *.safetensors")
+    p.add_argument("--resume-step", type=int, metavar="N", help="with --resume: checkpoint N instead of the latest")
+    p.add_argument("--json", metavar="FILE", help="also write the metrics and every prompt's answer to FILE")
+    argparse_types = {"task": str, "reward": str, "prompt_len": int, "depth": float, "seed": int, "eval_prompts": int,
+                      "response_len": int, "stop_token": int, "chunk_size": int, "mesh": str, "dtype": str,
+                      "vocab_size": int, "model": str}
+    for name in _OVERRIDES:  # default: the run's option (--resume) or the trainer's default
+        p.add_argument("--" + name.replace("_", "-"), type=argparse_types[name], default=argparse.SUPPRESS,
+                       help="as the trainer's option (default: the resumed run's, else the trainer's default)")
+    return p
+
+
+def saved_mesh(out: str | None) -> str | None:
+    """The --mesh of the run in `out` (its config.json), or None."""
+    path = os.path.join(out, "config.json") if out else None
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        mesh = json.load(f).get("mesh")
+    return mesh if isinstance(mesh, str) else None
+
+
+def config_of(args: argparse.Namespace):
+    """The command line -> (RunConfig to evaluate with, the run directory or None). With --resume OUT the
+    checkpoint's options, with the ones given here replacing them."""
+    from longstraw_jax.io.checkpoints import BrokenCheckpoint, TrainCheckpoints
+    from longstraw_jax.trainer.config import RunConfig, RunError
+
+    given = {name: getattr(args, name) for name in _OVERRIDES if hasattr(args, name)}
+    if args.resume is None:
+        if args.resume_step is not None:
+            raise RunError("--resume-step needs --resume OUT")
+        return RunConfig(**given, init_from=args.init_from, hf=args.hf), None
+    if not os.path.isdir(os.path.join(args.resume, "checkpoints")):
+        raise RunError(f"--resume {args.resume}: no checkpoint directory (checkpoints/) there")
+    checkpoints = TrainCheckpoints(args.resume, create=False)
+    try:
+        step = args.resume_step if args.resume_step is not None else checkpoints.latest_step()
+        if step is None or step not in checkpoints.all_steps():
+            raise RunError(f"--resume {args.resume}: no checkpoint {'' if step is None else step} there "
+                           f"(have: {checkpoints.all_steps()})")
+        saved = checkpoints.read_meta(step)["config"]
+    except BrokenCheckpoint as e:
+        raise RunError(str(e)) from None
+    finally:
+        checkpoints.close()
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    config = RunConfig(**{k: v for k, v in saved.items() if k in known}, resume=True, resume_step=step)
+    return dataclasses.replace(config, **given), args.resume
+
+
+def main(argv=None) -> int:
+    """Evaluate as the command line says: one line on stdout (and --json FILE) -> 0; 2 with a one-line error."""
+    from longstraw_jax.trainer.config import RunError
+    from longstraw_jax.trainer.distributed import DistributedError
+
+    try:
+        args = build_parser().parse_args(argv)
+        from longstraw_jax.trainer.config import RunConfig
+        from longstraw_jax.trainer.distributed import start_jax
+
+        # before anything touches a JAX backend (reading the checkpoint does): the mesh's devices, or join the
+        # processes of a cluster job; the mesh is --mesh, else the run's (its config.json, read without JAX)
+        start_jax(RunConfig(mesh=getattr(args, "mesh", None) or saved_mesh(args.resume)))
+        config, out = config_of(args)
+        result = evaluate(config, out)
+    except (RunError, DistributedError, ValueError, OSError, NotImplementedError) as e:
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    from longstraw_jax.trainer import distributed
+
+    if distributed.is_primary():
+        print(result["line"])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({k: v for k, v in result.items() if k != "line"}, f, indent=1)
+    return 0
+
+
+def evaluate(config, out: str | None) -> dict:
+    """Load the policy (the run's checkpoint when `out` is given, else --init-from / --hf) and score it ->
+    {"metrics", "answers", "config", "checkpoint", "line"}."""
+    import jax
+
+    from longstraw_jax.io.checkpoints import BrokenCheckpoint, TrainCheckpoints
+    from longstraw_jax.trainer import setup as run_setup
+    from longstraw_jax.trainer.config import RunError
+
+    mesh = run_setup.mesh_for(config)
+    model, params = run_setup.load_model(config)
+    if mesh is not None:
+        model.sequence_parallel()
+    params = run_setup.place(params, mesh)
+    checkpoint = None
+    if out is not None:
+        optimizer = run_setup.optimizer(config.lr, config.weight_decay, config.max_grad_norm or None)
+        opt_like = run_setup.place(jax.jit(optimizer.init)(params), mesh, params)
+        checkpoints = TrainCheckpoints(out, create=False)
+        try:
+            params, _, _, meta = checkpoints.restore(params, opt_like, config.resume_step)
+        except BrokenCheckpoint as e:
+            raise RunError(str(e)) from None
+        finally:
+            checkpoints.close()
+        checkpoint = checkpoints.step_dir(meta["step"])
+    evaluator = for_config(config, model.config.vocab_size, mesh)
+    metrics = evaluator(model, params)
+    chance = getattr(evaluator.task, "chance_accuracy", None)
+    line = f"{checkpoint or config.init_from or config.hf}: " + describe(metrics, chance)
+    answers = [{"index": i, "response": r[m > 0].tolist(), "reward": float(w),
+                **({"correct": bool(c)} if c is not None else {}), "info": p.info}
+               for i, (p, r, m, w, c) in enumerate(zip(evaluator.prompts, evaluator.last["responses"],
+                                                       evaluator.last["mask"], evaluator.last["rewards"],
+                                                       evaluator.last["correct"]
+                                                       if evaluator.last["correct"] is not None
+                                                       else [None] * evaluator.num_prompts))]
+    return {"metrics": metrics, "chance_accuracy": chance, "checkpoint": checkpoint,
+            "config": {k: getattr(config, k) for k in _OVERRIDES}, "answers": answers, "line": line}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["Evaluator", "HELD_OUT_BIT", "describe", "first_token_stats", "for_config", "held_out_seed",
+           "held_out_task", "summarize"]
