@@ -1,4 +1,6 @@
-"""No import cycles inside the `longstraw_jax` package, and the cycle finder itself on tiny synthetic packages.
+"""The package's import structure: no import cycles, and the layers (`LAYERS`: each module imports only from its own
+floor or lower ones, plus the named rules the architecture states); the checkers themselves on tiny synthetic
+packages.
 
 Every module is parsed with `ast`; its imports anywhere in the file count (module level and function-local: a
 function-local import hides a cycle rather than removing it), except those under `if TYPE_CHECKING:`. An import
@@ -18,6 +20,8 @@ import ast
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 PACKAGE = "longstraw_jax"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
@@ -242,7 +246,7 @@ def cycles_of(package_dir: Path, package: str) -> list[list[str]]:
 
 def test_longstraw_jax_has_no_import_cycles():
     modules = load_package(PACKAGE_DIR, PACKAGE)
-    assert f"{PACKAGE}.sharding.grpo" in modules and f"{PACKAGE}.models.hf" in modules
+    assert f"{PACKAGE}.sharding.engine" in modules and f"{PACKAGE}.models.hf" in modules
     graph = import_graph(modules, PACKAGE)
     report = []
     for component in cyclic_components(graph):
@@ -250,6 +254,88 @@ def test_longstraw_jax_has_no_import_cycles():
         others = sorted(component - set(cycle))
         report.append(describe(graph, cycle) + (f"\n    (same cycle group: {', '.join(others)})" if others else ""))
     assert not report, "import cycles, as module (file:line of the import) -> ...:\n" + "\n".join(report)
+
+
+# ----- layers ------------------------------------------------------------------------------------------------------
+
+# Floors of the package, bottom to top (docs/architecture.md 3). A module belongs to the floor of the longest entry
+# that is its dotted name or a package above it ("" is the package's own __init__.py). A module may import from its
+# own floor and the floors below; an import of a higher floor points upward.
+LAYERS = (
+    ("ops", "validation"),               # kernels and host-side checks
+    ("trainable",),                      # the trainable / frozen split of a parameter tree
+    ("parallel", "layerwise"),           # mesh primitives; the block-by-block backward
+    ("models",),                         # the families, their HF I/O and their mesh adapters
+    ("grpo", "replay", "naive", "lora"),  # the objective, the branch scan, the full-graph oracle, adapters
+    ("sharding",),                       # the method on a mesh
+    ("engine",),                         # grpo_grads (one device, or the mesh)
+    ("sampling", "train"),               # sampling from a captured state; the optimizer step
+    ("tasks",),                          # prompts and rewards
+    ("plan",),                           # the capacity planner
+    ("io",),                             # conversion, checkpoints, PEFT export
+    ("trainer",),                        # the command-line application
+    ("", "run", "evaluate", "launch", "convert"),  # the package's __init__ and the `python -m` entry modules
+)
+# Named rules, each (importer prefix, forbidden imported prefix, why); implied by LAYERS, stated as the architecture
+# states them so that a change of LAYERS cannot silently drop one.
+FORBIDDEN = (
+    ("ops", "", "ops imports nothing of ours outside ops"),
+    ("models", "engine", "models never import the engine"),
+    ("models", "sharding", "models never import the engine on a mesh"),
+    ("models", "trainer", "models never import the trainer"),
+    ("models", "io", "models never import io"),
+    ("io", "trainer", "io never imports the trainer"),
+)
+LIBRARY_EXCEPTIONS = ("trainer", "", "run", "evaluate", "launch")  # may import trainer; the rest of the library not
+
+
+def _within(name: str, prefix: str, package: str) -> bool:
+    full = f"{package}.{prefix}" if prefix else package
+    return name == full or (name.startswith(full + ".") if prefix else True)
+
+
+def floor_of(name: str, package: str, layers=LAYERS) -> int:
+    """The floor of module `name` (dotted, starting with `package`): the longest matching entry wins."""
+    relative = name[len(package) + 1:] if name != package else ""
+    best, floor = -1, None
+    for level, entries in enumerate(layers):
+        for entry in entries:
+            hit = relative == entry or (entry and relative.startswith(entry + "."))
+            if hit and len(entry) > best:
+                best, floor = len(entry), level
+    if floor is None:
+        raise AssertionError(f"{name} is on no floor of LAYERS: add it")
+    return floor
+
+
+def layer_violations(graph: dict[str, dict[str, str]], package: str, layers=LAYERS, forbidden=FORBIDDEN,
+                     library_exceptions=LIBRARY_EXCEPTIONS) -> list[str]:
+    """Every import that points upward, breaks a named rule, or brings the trainer into the library, as lines
+    `importer -> imported (file:line): why`."""
+    problems = []
+    for importer, edges in sorted(graph.items()):
+        for imported, where in sorted(edges.items()):
+            up, down = floor_of(importer, package, layers), floor_of(imported, package, layers)
+            if down > up:
+                problems.append(f"{importer} -> {imported} ({where}): points upward (floor {up} imports floor {down})")
+            for src, dst, why in forbidden:
+                outside_own = not (src and _within(imported, src, package))
+                if _within(importer, src, package) and _within(imported, dst, package) and outside_own:
+                    problems.append(f"{importer} -> {imported} ({where}): {why}")
+            if (_within(imported, "trainer", package)
+                    and not any(_within(importer, e, package) if e else importer == package
+                                for e in library_exceptions)):
+                problems.append(f"{importer} -> {imported} ({where}): the library never imports the trainer")
+    return problems
+
+
+def test_longstraw_jax_layers():
+    modules = load_package(PACKAGE_DIR, PACKAGE)
+    graph = import_graph(modules, PACKAGE)
+    for name in modules:
+        floor_of(name, PACKAGE)  # every module is on a floor
+    problems = layer_violations(graph, PACKAGE)
+    assert not problems, "layering broken:\n" + "\n".join(problems)
 
 
 # ----- the cycle finder on synthetic packages -----------------------------------------------------------------------
@@ -316,3 +402,50 @@ def test_type_checking_imports_and_external_imports_are_not_edges(tmp_path):
     graph = import_graph(load_package(pkg, "pkg"), "pkg")
     assert graph["pkg.a"] == {} and graph["pkg.b"] == {"pkg.a": "pkg/b.py:1"}
     assert find_cycles(graph) == []
+
+
+# ----- the layer checker on a synthetic package ---------------------------------------------------------------------
+
+
+SYNTHETIC_LAYERS = (("ops", "validation"), ("models",), ("engine",), ("io",), ("trainer",), ("",))
+
+
+def test_layer_checker_accepts_a_package_that_keeps_its_floors(tmp_path):
+    pkg = write(tmp_path, {
+        "ops/kernel.py": "from pkg.ops import other\n", "ops/other.py": "import numpy\n",
+        "validation.py": "", "models/net.py": "from pkg.ops.kernel import f\nfrom pkg import validation\n",
+        "engine.py": "from pkg.models import net\n", "io/save.py": "from pkg.models.net import Net\n",
+        "trainer/cli.py": "from pkg import engine\nfrom pkg.io import save\n",
+        "__init__.py": "from pkg import engine\n",
+    })
+    graph = import_graph(load_package(pkg, "pkg"), "pkg")
+    assert layer_violations(graph, "pkg", SYNTHETIC_LAYERS) == []
+
+
+def test_layer_checker_flags_each_broken_rule(tmp_path):
+    pkg = write(tmp_path, {
+        "ops/kernel.py": "from pkg import validation\n",         # same floor, but ops imports nothing of ours
+        "validation.py": "",
+        "models/net.py": "def f():\n    from pkg.engine import step  # upward, function-local\n",
+        "engine.py": "from pkg.trainer import cli\n",            # the library imports the trainer
+        "io/save.py": "import pkg.trainer.cli\n",                # io imports the trainer
+        "trainer/cli.py": "",
+    })
+    graph = import_graph(load_package(pkg, "pkg"), "pkg")
+    problems = layer_violations(graph, "pkg", SYNTHETIC_LAYERS)
+    text = "\n".join(problems)
+    assert "pkg.ops.kernel -> pkg.validation (pkg/ops/kernel.py:1): ops imports nothing of ours outside ops" in text
+    assert "pkg.models.net -> pkg.engine (pkg/models/net.py:2): points upward (floor 1 imports floor 2)" in text
+    assert "pkg.models.net -> pkg.engine (pkg/models/net.py:2): models never import the engine" in text
+    assert "pkg.engine -> pkg.trainer.cli (pkg/engine.py:1): points upward" in text
+    assert "pkg.engine -> pkg.trainer.cli (pkg/engine.py:1): the library never imports the trainer" in text
+    assert "pkg.io.save -> pkg.trainer.cli (pkg/io/save.py:1): io never imports the trainer" in text
+    assert len([p for p in problems if "pkg.trainer (" in p or "-> pkg.trainer.cli" in p]) >= 4
+
+
+def test_a_module_on_no_floor_is_an_error(tmp_path):
+    pkg = write(tmp_path, {"stray.py": ""})
+    modules = load_package(pkg, "pkg")
+    with pytest.raises(AssertionError, match="pkg.stray is on no floor"):
+        floor_of("pkg.stray", "pkg", SYNTHETIC_LAYERS)
+    assert set(modules) == {"pkg", "pkg.stray"}

@@ -4,11 +4,12 @@ The vocabulary projection of T tokens is a [T, V] array (at T = 8k, V = 248k: 8 
 are visited in chunks (a `lax.scan`, plus one static tail chunk when chunk does not divide T), and each chunk is
 under `jax.checkpoint`, so neither the forward nor the backward pass ever holds more than a [chunk, V] block.
 """
+import operator
+
 import jax
 import jax.numpy as jnp
 
 from longstraw_jax.ops.dtypes import accum_dtype
-from longstraw_jax.validation import check_size
 
 
 def _chunk_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -28,7 +29,9 @@ def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk
     entropy[t] = -sum_y p log p. Differentiable w.r.t. hidden and head; peak memory O(chunk * V), not O(T * V).
     Targets must lie in [0, V) (gathers clamp silently; validate ids on the host).
     """
-    chunk = check_size(chunk, "chunk")
+    if isinstance(chunk, bool) or not hasattr(chunk, "__index__") or operator.index(chunk) < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    chunk = operator.index(chunk)
     if hidden.ndim != 2 or head.ndim != 2 or hidden.shape[1] != head.shape[1]:
         raise ValueError(f"need hidden [T, D] and head [V, D] with the same D, got {hidden.shape} and {head.shape}")
     if targets.shape != hidden.shape[:1]:
