@@ -44,9 +44,10 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
     and backpropagated in rounds of about chunk_size positions; B groups are split over `data`, B a multiple of its
     size).
 
-    captured: the sampler's capture of prompt[:-1] (`rollout.Captured` on one device, with boundaries in exact mode;
-    `sharding.sample`'s on a mesh), stacked over groups like the batch: the update then does not capture again
-    (one capture per step). It must come from the same params, prompt and chunk_size (round_len on a mesh).
+    captured: the sampler's capture of prompt[:-1] (`sampling.branches.Captured` on one device, with boundaries in exact
+    mode; `sampling.mesh.ShardedCaptured` on a mesh), stacked over groups like the batch: the update then does not
+    capture again (one capture per step). It must come from the same params, prompt and chunk_size (round_len on a
+    mesh).
 
     frozen: parameters that are not trained (`trainable.split`: params and frozen are two trees of the same
     structure with holes, None, where a leaf belongs to the other; the model runs on their merge). Gradients are

@@ -166,9 +166,9 @@ def test_planner_lora_sizes_adapters_and_expert_parallel_layers():
 
 def test_planner_sampling_matches_the_compiled_sampler():
     """The planner's sampling phase on one device (a 1x1 mesh, B = 1, less the optimizer the sampler does not hold)
-    against `memory_analysis()` of `rollout.sample_group` AOT-compiled at the same shapes (tiny Qwen3.6, float32,
-    P = 4096 so the state is a large part): within 0.9x-1.25x. The planner is meant to err high: its capture is the
-    sharded one, which embeds the whole prompt at once where the one-device sampler embeds chunk by chunk."""
+    against `memory_analysis()` of `sampling.branches.sample_group` AOT-compiled at the same shapes (tiny Qwen3.6,
+    float32, P = 4096 so the state is a large part): within 0.9x-1.25x. The planner is meant to err high: its capture is
+    the sharded one, which embeds the whole prompt at once where the one-device sampler embeds chunk by chunk."""
     from longstraw_jax.sampling import branches as rollout
 
     plan = _tool("plan_capacity")

@@ -1,4 +1,4 @@
-"""Checkpoint conversion (longstraw_jax/convert.py): HF -> Orbax -> HF round trips, the Orbax layout against
+"""Checkpoint conversion (longstraw_jax/io/convert.py): HF -> Orbax -> HF round trips, the Orbax layout against
 StandardCheckpointer's own, errors, streaming memory and dry runs on the real configs.
 
 Model types are parametrised over what exists: every layout in ROUND_TRIPS / DRY_RUNS whose model_type is in
@@ -305,7 +305,7 @@ def test_interrupted_conversion_leaves_nothing_complete_looking(tiny_hf, tmp_pat
 
 
 def test_mesh_aligns_chunks_with_fsdp_shards(tiny_hf, tmp_path, monkeypatch):
-    """--mesh 2x4: every leaf's zarr chunks tile each of the 8 devices' FSDP shards (sharding.rules.fsdp_dim) exactly,
+    """--mesh 2x4: every leaf's zarr chunks tile each of the 8 devices' FSDP shards (parallel.rules.fsdp_dim) exactly,
     with small chunks (shards of one chunk and of several occur), and the values restore unchanged."""
     from longstraw_jax.parallel import rules
 

@@ -171,7 +171,7 @@ def _total(analysis) -> int:
 
 
 def test_exact_mode_temporaries_do_not_grow_with_branches():
-    """The issue's bound: G = 2 vs G = 16 at fixed P, exact-mode temp bytes within 2 %."""
+    """The target: G = 2 vs G = 16 at fixed P, exact-mode temp bytes within 2 %."""
     model = models.build(models.Qwen36Config.tiny(gdn_chunk_size=16))
     prompt_len, response_len, chunk = 1025, 16, 256
     small = _memory(model, "exact", 2, prompt_len, response_len, chunk)
@@ -182,7 +182,7 @@ def test_exact_mode_temporaries_do_not_grow_with_branches():
 
 
 def test_exact_mode_needs_under_a_quarter_of_naive_at_8k():
-    """The issue's bound at P = 8K, G = 8 (R = 64, chunk 1024): compiled argument + output + temp bytes."""
+    """The target at P = 8K, G = 8 (R = 64, chunk 1024): compiled argument + output + temp bytes."""
     model = models.build(models.Qwen36Config.tiny())
     exact = _memory(model, "exact", 8, 8192, 64, 1024)
     naive = _memory(model, "naive", 8, 8192, 64, 1024)

@@ -1,4 +1,4 @@
-"""Fault injection on real tiny trainer runs (issue 14: nothing lost, nothing silent). Each case does something bad
+"""Fault injection on real tiny trainer runs (nothing lost, nothing silent). Each case does something bad
 to a run and checks the outcome AND that nothing already saved changed (sha256 of every file):
 
 - SIGKILL inside the first and a later checkpoint save (subprocess runs; `LONGSTRAW_TEST_FAULT`, io/fault_hooks.py,

@@ -192,7 +192,7 @@ def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys
         (["--kl-coef", "0.1"], "--kl-coef=0.1: sampled rollouts have no reference log-probs"),
         ([], "already holds checkpoints: pass --resume"),
         (["--lr", "0.5", "--resume"], r"--lr=0.5 differs from the run being resumed \(0.003\)"),
-        # issue 14: KL without reference log-probs, bad rewards and log-probs in a rollout file, broken --hf files
+        # KL without reference log-probs, bad rewards and log-probs in a rollout file, broken --hf files
         (["--kl-coef", "0.1", "--rollouts", write(tmp_path / "noref.jsonl", json.dumps(good_group))],
          r"noref.jsonl:1: 'ref_logprobs' is missing; --kl-coef=0.1 needs reference log-probs on every line$"),
         (["--rollouts", write(tmp_path / "true.jsonl", json.dumps(dict(good_group, rewards=[True])))],

@@ -135,7 +135,7 @@ def test_exact_grads_reading_around_the_ring_equal_one_device():
 
 
 def test_ragged_exchange_equals_one_device(tiny, monkeypatch):
-    """The GPU exchange (`sharding.experts.ragged`, with `ragged_all_to_all` emulated: XLA:CPU has none) in the model:
+    """The GPU exchange (`parallel.experts.ragged`, with `ragged_all_to_all` emulated: XLA:CPU has none) in the model:
     capture + decoding (tokens replicated over seq) on 2x4 and grpo_grads on 2x4 (inside `groups.over_data`: the
     exchange names the manual `data` axis) equal one device. The caches are cleared first, so that nothing compiled
     by the tests above (the all-gather exchange) is reused; each step traces the emulated collective."""

@@ -1,6 +1,6 @@
 """Checkpoints with Orbax: params-only init directories, and training checkpoints for `--resume`.
 
-(Named orbax_io, not checkpoint, so that it does not read as `jax.checkpoint` (rematerialisation).)
+(Named checkpoints, plural, so that it does not read as `jax.checkpoint` (rematerialisation).)
 
 Init directory (what `tools/convert_hf.py` writes and `--init-from DIR` reads):
 

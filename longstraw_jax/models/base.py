@@ -26,7 +26,7 @@ from longstraw_jax.validation import check_size, check_tokens
 @runtime_checkable
 class PromptState(Protocol):
     """What later tokens need from a prompt of `length` tokens: appended parts (KV caches, latent rows: position
-    axis listed in `sharding.rules.SEQ_AXES`) and carried parts (overwritten by each chunk: GDN conv tails and
+    axis listed in `parallel.rules.SEQ_AXES`) and carried parts (overwritten by each chunk: GDN conv tails and
     recurrent matrices). Families: `qwen36.Qwen36State`, `glm52.GlmState`."""
 
     length: int

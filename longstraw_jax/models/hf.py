@@ -8,7 +8,7 @@ config.json.
 
 Safetensors are read and written here at the format level (`read_rows`, `write_sharded_safetensors`), tensor by
 tensor in row blocks: the library's `safe_open` maps whole shards (their pages count towards resident memory) and
-`save_file` needs a shard's tensors in memory, which longstraw_jax/convert.py cannot afford at real size.
+`save_file` needs a shard's tensors in memory, which io/convert.py cannot afford at real size.
 """
 from __future__ import annotations
 

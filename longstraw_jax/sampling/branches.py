@@ -214,7 +214,7 @@ def sample_branches(step, state, first_logits, restore, key, num_branches: int, 
     """
     length = sampling.max_new_tokens
     stop = -1 if sampling.stop_token is None else sampling.stop_token
-    # Inside `sharding/groups.over_data` each data slice samples its own group, but a decode step's collectives (the
+    # Inside `parallel/groups.over_data` each data slice samples its own group, but a decode step's collectives (the
     # FSDP all-gather of a layer over ("data", "seq")) need every slice: the loops then run in lockstep, as long as
     # any slice's branch is still sampling, and a slice whose branch has stopped discards what it computes.
     lockstep = DATA in manual_axes()

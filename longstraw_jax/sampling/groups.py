@@ -3,14 +3,14 @@ captures kept for the update, so that a training step captures every prompt once
 
     rollouts, captured = sample_groups(model, params, prompts, keys, G, sampling, chunk_size, mesh=None)
     rollouts.responses [B, G, R] (likewise mask, logprobs, sample_logprobs; first_logprobs [B, V]); captured:
-    `rollout.Captured` (one device) or `sharding.sample.ShardedCaptured` (mesh), every leaf stacked [B, ...]: pass it
-    to `train.train_step(..., captured=captured)` / `engine.grpo_grads(..., captured=captured)`.
+    `sampling.branches.Captured` (one device) or `sampling.mesh.ShardedCaptured` (mesh), every leaf stacked [B, ...]:
+    pass it to `train.train_step(..., captured=captured)` / `engine.grpo_grads(..., captured=captured)`.
 
-One device: the groups one after another (`lax.map` over `rollout.sample_traced`). On a mesh: B is split over
+One device: the groups one after another (`lax.map` over `sampling.branches.sample_traced`). On a mesh: B is split over
 `data` (`parallel/groups.py`); each data slice samples its own groups, one after another, with the mesh sampler
-(`sharding.sample.sample_traced`: the prompt captured in rounds of about chunk_size positions into seq-sharded
-caches, decoded with a replicated tail). Group b uses keys[b]; its tokens are those `rollout.sample_group` draws
-with that key.
+(`sampling.mesh.sample_traced`: the prompt captured in rounds of about chunk_size positions into seq-sharded caches,
+decoded with a replicated tail). Group b uses keys[b]; its tokens are those `sampling.branches.sample_group` draws with
+that key.
 """
 from __future__ import annotations
 

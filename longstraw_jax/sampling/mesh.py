@@ -4,7 +4,7 @@ capture, so the update can reuse it) and decoding reads the seq-sharded cache in
     sstate, aux = capture(prompt[:-1]) on the mesh, in rounds          = what sharding/engine.py computes
     tail = init_tail(...)                       replicated: room for R decoded positions + the carried GDN state
     h, tail = decode(prompt[-1]) at position P - 1 -> first-token logits
-    for g in range(G): restore the tail saved after prompt[-1], then     rollout.sample_branches: the one-device
+    for g in range(G): restore the tail saved after prompt[-1], then     branches.sample_branches: the one-device
         while t < R and not stopped: sample, h, tail = decode(token) at P + t          sampler's branch loop
 
 One decode step runs the model's layer code on every shard through a reader (`models/qwen36_mesh.py:ReplayReader` with
@@ -12,7 +12,7 @@ decoding=True, `models/glm52_mesh.py:DecodeReader`): attention is the log-sum-ex
 (merged over `seq`) with the tail's positions before the token and the token itself; GLM's DSA top-k runs over
 prompt, tail and token, as on one device. Nothing of size P is replicated: the prompt cache stays seq-sharded,
 read-only, and the tail holds R positions. For the same key the tokens and log-probs are the one-device sampler's
-(`rollout.sample_group`), up to float round-off.
+(`sampling.branches.sample_group`), up to float round-off.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ class ShardedCaptured:
 
 def sample_group(model, params, prompt, num_branches: int, sampling: SamplingConfig, key: jax.Array, mesh,
                  round_len: int | None = None, attention: str = "ring", keep_capture: bool = False):
-    """`rollout.sample_group` on `mesh`: G branches after prompt (int [P], P >= 2), prompt[:-1] captured in rounds of
-    about `round_len` positions (None: one round) with `attention` ("ring" / "allgather", Qwen3.6's choice).
+    """`sampling.branches.sample_group` on `mesh`: G branches after prompt (int [P], P >= 2), prompt[:-1] captured in
+    rounds of about `round_len` positions (None: one round) with `attention` ("ring" / "allgather", Qwen3.6's choice).
 
     Host-side checks, then one jitted call (`sample_traced`). Returns the Rollout (replicated), or with keep_capture
     (Rollout, ShardedCaptured). params: ideally placed by `rules.param_specs` (FSDP)."""
@@ -56,7 +56,7 @@ def sample_group(model, params, prompt, num_branches: int, sampling: SamplingCon
 def sample_traced(model, params, prompt, key, num_branches: int, sampling: SamplingConfig, mesh, layout: RoundLayout,
                   attention: str = "ring", keep_capture: bool = False):
     """The mesh sampler without host checks (jittable; `jax.vmap(..., spmd_axis_name="data")`-able over a leading
-    group axis of prompt [N, P] and key [N]). layout: `sharding.api.round_layout(model, P - 1, seq, round_len)`.
+    group axis of prompt [N, P] and key [N]). layout: `sharding.prompt.round_layout(model, P - 1, seq, round_len)`.
     model, num_branches, sampling, mesh, layout, attention and keep_capture are static."""
     family = model.sequence_parallel()
     p = prompt.shape[0]

@@ -7,8 +7,8 @@ replay and prompt backward (`model.sequence_parallel()`: `models/qwen36_mesh.py`
               state cotangent (sharded like the state; only `model.differentiable_state`'s leaves). Both families
               block by block (`layerwise.branch_grads`, each block in its own shard_map; GLM-5.x one stage per
               segment), the cotangent added in place one block slice at a time
-    prompt    exact mode: rounds in reverse and blocks in reverse (sharding/qwen36.prompt_backward,
-              sharding/glm52.prompt_backward)
+    prompt    exact mode: rounds in reverse and blocks in reverse (models/qwen36_mesh.prompt_backward,
+              models/glm52_mesh.prompt_backward)
 
 Gradients flow through `shard_map` by JAX's transposes of the collectives: the layers' `all_gather` becomes a
 reduce-scatter (each device receives only its own shard of a layer's gradient), the log-sum-exp merge's `psum`

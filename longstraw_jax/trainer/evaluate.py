@@ -9,10 +9,10 @@ with bit 30 flipped): a task whose prompts are a function of (seed, index), as t
 (`np.random.default_rng([seed, index])`), gives the evaluation a stream of its own. (Flipping a bit keeps the seed's
 number of 32-bit words: an offset such as seed + 2**32 would not, and numpy's seeding reads [s + 2**32, j] as the words
 [s, 1, j], which it pads like [s, 1]: training prompt 1 would be held-out prompt 0.) Each prompt is answered by the
-trainer's sampler (`sampler.sample_groups`, on the mesh when there is one) with one greedy branch (temperature 0, from
-the captured prompt state), scored by the reward function, and by `task.is_correct` when the task has it. Besides
-accuracy and reward, the first response token's distribution gives `eval_entropy` and, against the distribution of a
-reference evaluation (the run's start), `eval_kl_to_start` = KL(policy || start policy).
+trainer's sampler (`sampling.groups.sample_groups`, on the mesh when there is one) with one greedy branch (temperature
+0, from the captured prompt state), scored by the reward function, and by `task.is_correct` when the task has it.
+Besides accuracy and reward, the first response token's distribution gives `eval_entropy` and, against the distribution
+of a reference evaluation (the run's start), `eval_kl_to_start` = KL(policy || start policy).
 
     python -m longstraw_jax.evaluate --init-from DIR | --hf DIR | --resume OUT [--resume-step N]
         [--prompt-len P] [--depth D] [--eval-prompts K] [--mesh AxB] [--json FILE]

@@ -1,11 +1,11 @@
 """Training metrics: one JSON object per step in `<out>/metrics.jsonl`, a PNG plot at the end, peak memory.
 
-Each JSONL line is a flat object of numbers (see `run_log.step_record` for the fields). Each line is appended with one
-write and fsync'd before the step is reported, so a crash can damage at most the line being written, never an earlier
-one; on resume `keep_until` drops such a partial last line (and the steps after the checkpoint) with a message. Held-out
-evaluations (trainer/evaluate.py) and warm-up steps (trainer/warmup.py) are lines of their own ("kind": "eval" / "sft";
-`split_records`). `plot_metrics` draws reward, held-out accuracy, entropy, KL, grad norm and clip fraction against step
-with matplotlib's non-interactive Agg backend (no display needed).
+Each JSONL line is a flat object of numbers (see `trainer/log.py:step_record` for the fields). Each line is appended
+with one write and fsync'd before the step is reported, so a crash can damage at most the line being written, never an
+earlier one; on resume `keep_until` drops such a partial last line (and the steps after the checkpoint) with a message.
+Held-out evaluations (trainer/evaluate.py) and warm-up steps (trainer/warmup.py) are lines of their own ("kind": "eval"
+/ "sft"; `split_records`). `plot_metrics` draws reward, held-out accuracy, entropy, KL, grad norm and clip fraction
+against step with matplotlib's non-interactive Agg backend (no display needed).
 """
 from __future__ import annotations
 

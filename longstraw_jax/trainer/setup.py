@@ -57,7 +57,7 @@ def load_model(config: RunConfig):
 
 def place(tree, mesh, params=None):
     """Params or optimizer state -> committed to the first device, or on a mesh sharded by the FSDP rules
-    (`sharding.rules.param_specs` of `params`, default `tree` itself; optimizer moments like the params, step
+    (`parallel.rules.param_specs` of `params`, default `tree` itself; optimizer moments like the params, step
     counts replicated). Committed whatever the source (init, safetensors, Orbax), so the jitted sampler and step
     see the same argument placement on every call and compile once."""
     if mesh is None:
@@ -135,8 +135,8 @@ def score_groups(task, reward_fn, prompts, responses: np.ndarray, mask: np.ndarr
 
 
 class TaskSampler:
-    """B groups per step: group b of step position p is the task's prompt number p * B + b, with G branches sampled
-    from the policy (key = fold_in(fold_in(run key, step), b)) by `sampler.sample_groups` (on the mesh when there is
+    """B groups per step: group b of step position p is the task's prompt number p * B + b, with G branches sampled from
+    the policy (key = fold_in(fold_in(run key, step), b)) by `sampling.groups.sample_groups` (on the mesh when there is
     one) and scored by the reward function; extra metric "accuracy" (over all B * G branches) when the task has
     `is_correct`. The sampler's captures go to the update: each prompt is captured once per step."""
 

@@ -101,7 +101,7 @@ def warm_up(model, params, task, steps: int, batch: int, learning_rate: float, p
     {"step": 0, "kind": "sft", "sft_step", "sft_loss", "sft_accuracy", "sft_grad_norm", "sft_s"} (its loss and
     accuracy on that step's batch, before the update). params placed on a mesh keep their shardings. say: a print
     function for progress lines (every ~10% of the steps), or None. place(opt_state) -> the optimizer state placed
-    like the params (the trainer's `run_setup.place`; default: on the params' first device), so that the step
+    like the params (the trainer's `setup.place`; default: on the params' first device), so that the step
     compiles once."""
     optimizer = warm_up_optimizer(float(learning_rate))
     shardings = jax.tree.map(lambda x: x.sharding, params)
