@@ -75,7 +75,7 @@ def grpo_grads_unvalidated(model, params, batch: GroupBatch, cfg: GRPOConfig, mo
                                   frozen=frozen)
     if captured is not None:
         check_captured(captured, batch, mode)
-    return _grpo_grads(model, params, batch, cfg, mode, chunk_size, captured, frozen)
+    return jitted_grpo_grads(model, params, batch, cfg, mode, chunk_size, captured, frozen)
 
 
 def check_captured(captured, batch: GroupBatch, mode: str) -> None:
@@ -91,8 +91,10 @@ def check_captured(captured, batch: GroupBatch, mode: str) -> None:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
-def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, chunk_size: int, captured=None,
-                frozen=None):
+def jitted_grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, chunk_size: int, captured=None,
+                      frozen=None):
+    """The one-device `grpo_grads` as one jitted program (model, cfg, mode and chunk_size static), without the host
+    checks: what ahead-of-time tools lower (tools/bench_step.py, tools/bench_glm_backward.py)."""
     trainable, params = params, merge(params, frozen)  # the accumulator is shaped like the trainable part
     grouped = batch.as_groups()
     if captured is not None and batch.num_groups is None:

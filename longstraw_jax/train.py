@@ -11,6 +11,10 @@ metrics["skipped"] is 1.0, so one bad group never writes NaN into the weights or
 
 `train_step` is itself traceable, so an outer `jax.jit(train_step, static_argnums=(0, 4, 5, 6, 7))` works too (then
 only shapes are validated; validate concrete batches with `grpo.validate_batch` first).
+
+The jitted program behind it, for ahead-of-time tools that lower it from abstract arrays (`longstraw_jax.capacity`,
+tools/bench_step.py): `jitted_train_step` and `jitted_train_step_donated` (`DONATE_ARGNUMS`, as the trainer runs
+it), both `jax.jit(train_step_unvalidated, static_argnums=STATIC_ARGNUMS)`; they skip `train_step`'s host checks.
 """
 from __future__ import annotations
 
@@ -65,10 +69,10 @@ def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.Gra
     """One GRPO update on one group or on B groups side by side (a batch with a group axis): (params, opt_state,
     metrics). captured: the sampler's capture of the prompt(s) (`engine.grpo_grads`): the step does not capture
     again. donate: the step may reuse the buffers of `params` and `opt_state` for its results (they are deleted:
-    use the returned ones), so that the update does not hold them twice (the trainer does; `tools/plan_capacity.py`
-    assumes it). frozen: parameters that are not trained (`trainable.split`; LoRA's base matrices): params and
-    opt_state are then the trainable part only (grads, AdamW moments and the update exist for it alone); frozen is
-    read, never donated or changed.
+    use the returned ones), so that the update does not hold them twice (the trainer does; the capacity planner,
+    `longstraw_jax.capacity`, assumes it). frozen: parameters that are not trained (`trainable.split`; LoRA's base
+    matrices): params and opt_state are then the trainable part only (grads, AdamW moments and the update exist for
+    it alone); frozen is read, never donated or changed.
 
     metrics: the engine's metrics (reward_mean, clip_frac, kl, entropy, ...) plus "loss" (before the update),
     "grad_norm" (global norm of the raw, unclipped gradient) and "skipped" (1.0 when the loss or a gradient was
@@ -86,12 +90,14 @@ def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.Gra
         check_groups(batch.num_groups, mesh)
     if mesh is None and captured is not None:
         check_captured(captured, batch, mode)
-    step = _train_step_donated if donate else _train_step
+    step = jitted_train_step_donated if donate else jitted_train_step
     return step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh, captured, frozen)
 
 
-def _step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh=None, captured=None, frozen=None):
-    # train_step has checked mode and validated the batch (here it is traced: only its shapes could be checked)
+def train_step_unvalidated(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mesh=None,
+                           captured=None, frozen=None):
+    """`train_step`'s traceable core, for a caller that has checked `mode`, `chunk_size` and the batch itself (under
+    a trace only shapes could be checked): (params, opt_state, metrics). Static: `STATIC_ARGNUMS`."""
     extra = {name: value for name, value in (("mesh", mesh), ("captured", captured), ("frozen", frozen))
              if value is not None}
     loss, grads, metrics = grpo_grads_unvalidated(model, params, batch, cfg, mode, chunk_size, **extra)
@@ -113,6 +119,8 @@ def _step(model, params, opt_state, batch, optimizer, cfg, mode, chunk_size, mes
     return params, opt_state, metrics
 
 
-_STATIC = (0, 4, 5, 6, 7, 8)
-_train_step = jax.jit(_step, static_argnums=_STATIC)
-_train_step_donated = jax.jit(_step, static_argnums=_STATIC, donate_argnums=(1, 2))
+STATIC_ARGNUMS = (0, 4, 5, 6, 7, 8)  # model, optimizer, cfg, mode, chunk_size, mesh
+DONATE_ARGNUMS = (1, 2)  # params, opt_state
+jitted_train_step = jax.jit(train_step_unvalidated, static_argnums=STATIC_ARGNUMS)
+jitted_train_step_donated = jax.jit(train_step_unvalidated, static_argnums=STATIC_ARGNUMS,
+                                    donate_argnums=DONATE_ARGNUMS)

@@ -1,6 +1,17 @@
-"""Host-side input checks. JAX clamps out-of-range gather indices silently, so bad ids must be caught here."""
+"""Host-side input checks. JAX clamps out-of-range gather indices silently, so bad ids must be caught here.
+
+Also the one parser of the command lines' sizes (`parse_size`: prompt, round and response lengths such as 64K or
+2.1M), with its argparse types `size_arg` / `sizes_arg` and the rule in words, `SIZE_RULE`, for `--help` texts."""
+import argparse
+import math
+import re
+from fractions import Fraction
+
 import jax
 import numpy as np
+
+SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20}
+SIZE_RULE = "K = 1024, M = 2^20; a fraction rounds to the nearest integer, halves up: 2.1M = 2,202,010"
 
 
 def is_int(value) -> bool:
@@ -20,6 +31,31 @@ def check_size(value, name: str, minimum: int = 1) -> int:
         bound = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{name} must be {bound}, got {value!r}")
     return int(value)
+
+
+def parse_size(text: str) -> int:
+    """A count of positions or tokens: digits with an optional fraction and an optional binary suffix, K (or k) =
+    1024, M (or m) = 2^20 (prompt and round lengths are powers of two: 64K = 65,536, 1M = 1,048,576). A fraction
+    rounds to the nearest integer, halves up, computed exactly: 2.1M = 2,202,009.6 -> 2,202,010; 0.5K = 512.
+    '8192' -> 8192. Anything else (signs, exponents, other suffixes, commas) raises ValueError."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
+    if not match:
+        raise ValueError(f"{text!r} is not a size: expected digits with an optional K or M, like 8192, 64K or 2.1M "
+                         f"({SIZE_RULE})")
+    return math.floor(Fraction(match[1]) * SIZE_UNITS[match[2].lower()] + Fraction(1, 2))
+
+
+def size_arg(text: str) -> int:
+    """`parse_size` as an argparse type: a bad string is an argparse error that quotes it and states the rule."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def sizes_arg(text: str) -> list[int]:
+    """A comma list of sizes (`size_arg` each): '2.1M,4M' -> [2202010, 4194304]."""
+    return [size_arg(part) for part in text.split(",")]
 
 
 def is_concrete(x) -> bool:

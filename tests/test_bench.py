@@ -1,6 +1,6 @@
-"""The benchmark and planning tools: tools/bench_step.py (smoke), tools/plan_capacity.py (the whole trainer step's
-phases, per device: from the CLI, in-process against its own parts, and its sampling phase against the compiled
-one-device sampler), tools/bench_device.py (--tiny, on CPU)."""
+"""The benchmark and planning tools: tools/bench_step.py (smoke), the capacity planner (`longstraw_jax.capacity`: the
+whole trainer step's phases, per device: from the CLI, tools/plan_capacity.py, in-process against its own parts, and
+its sampling phase against the compiled one-device sampler), tools/bench_device.py (--tiny, on CPU)."""
 import importlib.util
 import json
 import os
@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from longstraw_jax import capacity
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -53,9 +55,10 @@ def _rows(stdout: str, title: str, mode: str) -> list[list[str]]:
 
 
 def test_plan_capacity_prints_per_device_components(tmp_path):
-    """tools/plan_capacity.py: one AOT compile of the sharded train step and one of the sharded capture on a
-    simulated 2x4 mesh (tiny Qwen3.6, float32, detached, B = 4 groups: 2 per data slice) and on 1x8 (tiny GLM-5.2,
-    exact): the per-device components of both phases, the step's peak and --json."""
+    """tools/plan_capacity.py (the shim of `python -m longstraw_jax.plan`): one AOT compile of the sharded train step
+    and one of the sharded capture on a simulated 2x4 mesh (tiny Qwen3.6, float32, detached, B = 4 groups: 2 per
+    data slice) and on 1x8 (tiny GLM-5.2, exact): the per-device components of both phases, the step's peak and
+    --json."""
     result = _plan("--config", "configs/qwen3.6-tiny.json", "--mesh", "2x4", "-P", "200", "-G", "2", "-R", "8",
                    "--modes", "detached", "--dtype", "float32", "--chunk", "64", "--device-gb", "0.001",
                    "--unit", "MiB", "--groups-per-step", "4", "--json", str(tmp_path / "plan.json"))
@@ -102,11 +105,10 @@ def test_planner_phases():
     """In-process, tiny Qwen3.6 on a 2x1 mesh (data 2): the sampling phase grows with R (exactly by the tail's KV
     rows) and with B / data (states, tails, capture transients); the update phase is unchanged by R beyond the
     [G, R] response tensors and grows with B / data by the other groups' states; the peak is the larger phase."""
-    plan = _tool("plan_capacity")
     with pytest.raises(ValueError, match="--groups-per-step 3 .* data size 2"):
-        plan.local_groups(3, 2)
+        capacity.local_groups(3, 2)
     cfg_path = os.path.join(ROOT, "configs", "qwen3.6-tiny.json")
-    planner = plan.Planner(cfg_path, "2x1", "float32", 8, 64, devices=jax.devices()[:2])
+    planner = capacity.Planner(cfg_path, "2x1", "float32", 8, 64, devices=jax.devices()[:2])
     c = planner.model.config
     prompt_len, group = 256, 2
     b2 = planner.plan(prompt_len, group, "detached", 2, limit=1e12)
@@ -145,23 +147,22 @@ def test_planner_phases():
 def test_planner_lora_sizes_adapters_and_expert_parallel_layers():
     """No compile: --train lora (tiny GLM-5.2, 1x8) holds base + adapters but float32 grads and AdamW moments for
     the adapters only; with 8 experts on 8 devices the decode's gathered layer keeps each device's expert local."""
-    plan = _tool("plan_capacity")
     cfg, devices = os.path.join(ROOT, "configs", "glm-5.2-tiny.json"), jax.devices()[:8]
-    full = plan.Planner(cfg, "1x8", "float32", 4, 64, devices=devices)
-    lora = plan.Planner(cfg, "1x8", "float32", 4, 64, devices=devices, train_mode="lora", lora_rank=4)
+    full = capacity.Planner(cfg, "1x8", "float32", 4, 64, devices=devices)
+    lora = capacity.Planner(cfg, "1x8", "float32", 4, 64, devices=devices, train_mode="lora", lora_rank=4)
     f, a = full.components(200, "exact"), lora.components(200, "exact")
     assert lora.num_trainable == lora.num_params - full.num_params > 0 and full.num_trainable == full.num_params
     assert a["params"] > f["params"] and 0 < a["grads"] < f["grads"] / 2 and a["state"] == f["state"]
     assert abs(a["optimizer"] - 2 * a["grads"]) <= 64  # two float32 moments (+ step counts)
     whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), full.params)
-    assert full.layer_bytes < plan.largest_layer_bytes(whole)
+    assert full.layer_bytes < capacity.largest_layer_bytes(whole)
     # GPUs' ragged expert exchange, added analytically: 2 n T (min(k, E / n) - 1) D elements for T tokens per device
     assert full.ragged_extra("exact") == dict(sampling=0, update=0)  # 8 experts on 8 devices: one each, as gathered
-    extra = lambda **kw: plan.ragged_exchange_bytes(**dict(dict(devices=8, experts=32, top_k=2, hidden=4, itemsize=2,
-                                                                tokens=3), **kw))
+    extra = lambda **kw: capacity.ragged_exchange_bytes(**dict(dict(devices=8, experts=32, top_k=2, hidden=4,
+                                                                    itemsize=2, tokens=3), **kw))
     assert extra() == 2 * 8 * 3 * (2 - 1) * 4 * 2 and extra(top_k=8) == 2 * 8 * 3 * (4 - 1) * 4 * 2
     assert extra(experts=12) == 0 and extra(experts=0, top_k=1) == 0
-    assert plan.ragged_exchange_bytes(devices=8, experts=0, top_k=1, hidden=4, itemsize=2, tokens=3) == 0
+    assert capacity.ragged_exchange_bytes(devices=8, experts=0, top_k=1, hidden=4, itemsize=2, tokens=3) == 0
 
 
 def test_planner_sampling_matches_the_compiled_sampler():
@@ -171,9 +172,8 @@ def test_planner_sampling_matches_the_compiled_sampler():
     the sharded one, which embeds the whole prompt at once where the one-device sampler embeds chunk by chunk."""
     from longstraw_jax.sampling import branches as rollout
 
-    plan = _tool("plan_capacity")
     prompt_len, group, response_len, chunk = 4096, 2, 16, 256
-    planner = plan.Planner(os.path.join(ROOT, "configs", "qwen3.6-tiny.json"), "1x1", "float32", response_len,
+    planner = capacity.Planner(os.path.join(ROOT, "configs", "qwen3.6-tiny.json"), "1x1", "float32", response_len,
                            chunk, devices=jax.devices()[:1])
     estimate = planner.sampling(prompt_len, group, "detached", 1)
     estimate = estimate["total"] - estimate["optimizer"]
@@ -181,7 +181,7 @@ def test_planner_sampling_matches_the_compiled_sampler():
     compiled = rollout._sample_group.lower(
         planner.model, params, jax.ShapeDtypeStruct((prompt_len,), jnp.int32), jax.eval_shape(jax.random.key, 0),
         group, rollout.SamplingConfig(max_new_tokens=response_len), chunk).compile()
-    measured = plan._memory_total(compiled)["total"]
+    measured = capacity.memory_total(compiled)["total"]
     assert 0.9 <= estimate / measured <= 1.25, (estimate, measured)
     assert np.isfinite(estimate / measured)
 

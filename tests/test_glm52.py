@@ -386,7 +386,7 @@ def test_state_cotangent_has_no_indexer_key_buffer():
     state = jax.eval_shape(lambda: models.build(cfg).init_state(37, jnp.bfloat16))
     assert models.build(cfg).differentiable_state(state).index_keys is None
     index_keys = (cfg.num_full_layers, 37, cfg.index_head_dim)
-    trace = lambda model: jax.make_jaxpr(engine._grpo_grads, static_argnums=(0, 3, 4, 5))(
+    trace = lambda model: jax.make_jaxpr(engine.jitted_grpo_grads, static_argnums=(0, 3, 4, 5))(
         model, params, batch, GRPOConfig(), "exact", 16).jaxpr
     assert index_keys not in _float32_shapes(trace(models.build(cfg)))
     assert index_keys in _float32_shapes(trace(AutodiffGlm(cfg)))

@@ -414,7 +414,7 @@ def test_numpy_integer_sizes_reach_the_jitted_functions_as_python_ints(monkeypat
     seen = []
     record = lambda *args: seen.append([a for a in args if isinstance(a, (int, np.integer))])
     monkeypatch.setattr(engine, "grpo_grads_unvalidated", lambda *a: record(*a))
-    monkeypatch.setattr(train, "_train_step", lambda *a: record(*a))
+    monkeypatch.setattr(train, "jitted_train_step", lambda *a: record(*a))
     monkeypatch.setattr(rollout, "_sample_group", lambda *a: record(*a))
     model = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=V))
     batch = valid_batch()

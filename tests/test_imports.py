@@ -271,7 +271,7 @@ LAYERS = (
     ("engine",),                         # grpo_grads (one device, or the mesh)
     ("sampling", "train"),               # sampling from a captured state; the optimizer step
     ("tasks",),                          # prompts and rewards
-    ("plan",),                           # the capacity planner
+    ("capacity", "plan"),                # the capacity planner (plan: its `python -m` entry)
     ("io",),                             # conversion, checkpoints, PEFT export
     ("trainer",),                        # the command-line application
     ("", "run", "evaluate", "launch", "convert"),  # the package's __init__ and the `python -m` entry modules

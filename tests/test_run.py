@@ -65,10 +65,10 @@ def restore(out, step=None):
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("run") / "a")
-    train._train_step_donated.clear_cache()
+    train.jitted_train_step_donated.clear_cache()
     assert run.main(SMALL + ["--steps", "3", "--out", out, "--export-hf", os.path.join(out, "hf")]) == 0
     # one compile of the step for the whole run (argument placement must not change after step 1)
-    assert train._train_step_donated._cache_size() == 1
+    assert train.jitted_train_step_donated._cache_size() == 1
     return out
 
 
@@ -284,6 +284,6 @@ def test_step_validates_its_batch_once(full_run, tmp_path, monkeypatch):
 
     monkeypatch.setattr(train, "validate_batch", counting)
     monkeypatch.setattr(engine, "validate_batch", counting)
-    train._train_step_donated.clear_cache()
+    train.jitted_train_step_donated.clear_cache()
     assert run.main(SMALL + ["--steps", "2", "--out", str(tmp_path / "once")]) == 0
     assert calls == [True, True]

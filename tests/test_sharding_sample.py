@@ -6,7 +6,7 @@ CPU devices, tiny models at O(1) scale.
   (index_topk 16 < the prompt: the sharded top-k over prompt + tail + token must select what one device selects);
   prompts captured in rounds, P - 1 divisible by no layout;
 - keep_capture: the (sstate, capture_aux) handed back equals the family's sharded capture of prompt[:-1]
-  (`sharding.prompt._capture`, what sharding/engine.py computes);
+  (`sharding.prompt.jitted_capture`, what sharding/engine.py computes);
 - memory: per-device bytes (arguments + temporaries, AOT `memory_analysis()`) on 1x8 are well under a third of the
   one-device sampler's at a prompt whose cache dominates: nothing of size P is replicated.
 """
@@ -19,7 +19,7 @@ from longstraw_jax import models, sharding
 from longstraw_jax.parallel import rules
 from longstraw_jax.sampling import branches as rollout, mesh as sample
 from longstraw_jax.sampling.branches import SamplingConfig
-from longstraw_jax.sharding.prompt import _capture, round_layout
+from longstraw_jax.sharding.prompt import jitted_capture, round_layout
 from tests.helpers import o1_params
 
 P, R, G, ROUND = 30, 5, 3, 8  # prompt[:-1] = 29 positions: a full round (whole segments) and a padded last round
@@ -66,7 +66,7 @@ def test_mesh_sampler_equals_one_device_and_keeps_the_sharded_capture(family, sp
 
     layout = round_layout(model, P - 1, mesh.shape["seq"], ROUND)
     assert captured.sstate.layout == layout and layout.full >= 1 and captured.sstate.length == P - 1
-    sstate, aux = _capture(model, placed, layout.to_stored(jnp.asarray(prompt[:-1])), mesh, layout, "ring")
+    sstate, aux = jitted_capture(model, placed, layout.to_stored(jnp.asarray(prompt[:-1])), mesh, layout, "ring")
     for got_leaf, want_leaf in zip(jax.tree.leaves((captured.sstate, captured.capture_aux)),
                                    jax.tree.leaves((sstate, aux)), strict=True):
         assert got_leaf.sharding.is_equivalent_to(want_leaf.sharding, got_leaf.ndim)

@@ -119,14 +119,14 @@ def test_row_blocks_change_nothing(tiny, monkeypatch):
     np.testing.assert_array_equal(out["s"], x * 2 + (x + 1)[:, :1])
     model, params, tokens, reference, logits = tiny
     monkeypatch.setattr(sharded_qwen36, "ROWS", 7)
-    for fn in (api._capture, api._extend_hidden):
+    for fn in (api.jitted_capture, api._extend_hidden):
         fn.clear_cache()
     mesh = sharding.make_mesh("2x4")
     sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, round_len=16)  # 2 rounds: 24 gathered queries
     for name in ("conv", "recurrent", "keys", "values"):
         np.testing.assert_allclose(getattr(sstate.natural(), name), getattr(reference, name), atol=1e-4, err_msg=name)
     np.testing.assert_allclose(sharding.extend(model, params, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
-    for fn in (api._capture, api._extend_hidden):
+    for fn in (api.jitted_capture, api._extend_hidden):
         fn.clear_cache()
 
 

@@ -116,7 +116,7 @@ def test_bad_batch_raises_before_any_computation(setup, monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("train_step computed on an invalid batch")
 
-    monkeypatch.setattr(train, "_train_step", must_not_run)
+    monkeypatch.setattr(train, "jitted_train_step", must_not_run)
     rewards = batch.rewards.copy()
     rewards[0] = np.nan
     with pytest.raises(ValueError, match="rewards must be finite"):

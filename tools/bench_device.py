@@ -15,7 +15,7 @@ On one device, with the public API, it measures
   it) on one group of G branches of R tokens after a prompt of --step-len tokens: median seconds and tokens/s;
 - **memory**: the device's `memory_stats()["peak_bytes_in_use"]` (each measurement runs in its own child process,
   so the peak is its own; CPU: "n/a"), the compiled `memory_analysis()` of the executable that ran, and the
-  planner's estimate for the same shapes (`tools/plan_capacity.py`'s `Planner` on a 1x1 mesh: `Planner.capture` for
+  planner's estimate for the same shapes (`longstraw_jax.capacity.Planner` on a 1x1 mesh: `Planner.capture` for
   the capture, `Planner.compile` for a step; with --mesh the bench runs that mesh's sharded path, the planner the
   same program).
 
@@ -34,15 +34,18 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's package first (no JAX backend starts on import)
+
+from longstraw_jax.validation import SIZE_RULE, size_arg  # noqa: E402
+
 GIB = 2**30
 PREFIX = "BENCH_JSON "
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Peak dense bf16 FLOP/s per device (vendor datasheets, without sparsity). Matched by substring of
 # `device.device_kind`, first match wins: longer names come before their prefixes (H200 before H20).
 PEAK_BF16 = (("GB200", 2500e12), ("B200", 2250e12), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12),
@@ -125,12 +128,9 @@ class _Child:
     def __init__(self, opts: dict):
         import jax
 
-        sys.path.insert(0, os.path.join(ROOT, "tools"))
-        import plan_capacity
-
         from longstraw_jax import models, sharding
 
-        self.jax, self.opts, self.plan_capacity = jax, opts, plan_capacity
+        self.jax, self.opts = jax, opts
         self.cfg = bench_config(opts["config"], opts["blocks"])
         self.model = models.build(self.cfg)
         self.device = jax.devices()[0]
@@ -150,9 +150,10 @@ class _Child:
         return jax.block_until_ready(init(jax.random.key(0)))
 
     def planner(self, response_len: int):
-        return self.plan_capacity.Planner(self.cfg, self.opts["mesh"] or "1x1", self.opts["dtype"], response_len,
-                                          self.opts["chunk"], devices=self.jax.devices()[:1] if not self.opts["mesh"]
-                                          else None)
+        from longstraw_jax.capacity import Planner
+
+        return Planner(self.cfg, self.opts["mesh"] or "1x1", self.opts["dtype"], response_len, self.opts["chunk"],
+                       devices=self.jax.devices()[:1] if not self.opts["mesh"] else None)
 
     def tokens(self, n: int, seed: int = 0):
         import numpy as np
@@ -172,6 +173,8 @@ class _Child:
     def capture(self) -> dict:
         """Capture N tokens for N doubling from capture_start (or N = capture_len), while it fits and the time budget
         allows; the longest N's row (and every N tried in "search")."""
+        from longstraw_jax import capacity
+
         o, start_time = self.opts, time.perf_counter()
         fn, limit = self.capture_fn(), _device_memory(self.device)["limit"]
         n, search, last = o["capture_len"] or o["capture_start"], [], None
@@ -180,7 +183,7 @@ class _Child:
             t0 = time.perf_counter()
             compiled = fn.lower(self.params, tokens).compile()
             compile_s = time.perf_counter() - t0
-            memory = self.plan_capacity._memory_total(compiled)
+            memory = capacity.memory_total(compiled)
             if limit and memory["total"] > 0.9 * limit:
                 if last is None:
                     raise RuntimeError(f"capturing {n:,} tokens needs {memory['total'] / GIB:.1f} GiB > 90% of the "
@@ -211,7 +214,7 @@ class _Child:
         import jax.numpy as jnp
         import numpy as np
 
-        from longstraw_jax import GroupBatch, GRPOConfig, train
+        from longstraw_jax import GroupBatch, GRPOConfig, capacity, train
         from longstraw_jax.parallel import rules
 
         o = self.opts
@@ -232,7 +235,7 @@ class _Child:
         compiled = step.lower(self.model, self.params, opt_state, batch, optimizer, GRPOConfig(), mode, o["chunk"],
                               self.mesh).compile()
         compile_s = time.perf_counter() - t0
-        memory = self.plan_capacity._memory_total(compiled)
+        memory = capacity.memory_total(compiled)
         state = [self.params, opt_state]
 
         def run():
@@ -262,14 +265,6 @@ def _child(opts: dict) -> int:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Parent side: run each measurement in a child, print the table, write JSON.
-
-
-def _count(text: str) -> int:
-    """'2.1M' -> 2100000, '64K' -> 65536 (binary K/M here: prompt lengths are powers of two), '8192' -> 8192."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a count like 8192, 64K or 1M")
-    return int(round(float(match[1]) * {"": 1, "k": 2**10, "m": 2**20}[match[2].lower()]))
 
 
 def _run_child(opts: dict, timeout: float) -> dict:
@@ -313,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--one"]:
         return _child(json.loads(argv[1]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog=f"sizes (--capture-*, --step-len, -R, --chunk): {SIZE_RULE}",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", default=None,
                     help="tiny config and sizes (the default when no accelerator is present)")
@@ -321,13 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=1, help="blocks of the config's layer pattern to keep (1)")
     ap.add_argument("--dtype", help="parameter dtype (bfloat16; --tiny: float32)")
     ap.add_argument("--mesh", default=None, help="AxB: bench the sharded path on that mesh (default: one device)")
-    ap.add_argument("--capture-len", type=_count, default=0, help="capture exactly this many tokens (no search)")
-    ap.add_argument("--capture-start", type=_count, help="first capture length of the doubling search")
-    ap.add_argument("--capture-max", type=_count, help="longest capture the search tries")
-    ap.add_argument("--step-len", type=_count, help="prompt length of the train_step measurements")
+    ap.add_argument("--capture-len", type=size_arg, default=0, help="capture exactly this many tokens (no search)")
+    ap.add_argument("--capture-start", type=size_arg, help="first capture length of the doubling search")
+    ap.add_argument("--capture-max", type=size_arg, help="longest capture the search tries")
+    ap.add_argument("--step-len", type=size_arg, help="prompt length of the train_step measurements")
     ap.add_argument("-G", "--group", type=int)
-    ap.add_argument("-R", "--response-len", type=_count)
-    ap.add_argument("--chunk", type=_count, help="capture chunk / round length")
+    ap.add_argument("-R", "--response-len", type=size_arg)
+    ap.add_argument("--chunk", type=size_arg, help="capture chunk / round length")
     ap.add_argument("--reps", type=int, help="timed calls per measurement (after one warm-up)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget of the whole run (420 s)")
     ap.add_argument("--modes", default="detached,exact", help="train_step modes to time (detached,exact)")
@@ -375,5 +371,4 @@ def _has_accelerator() -> bool:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     sys.exit(main())

@@ -5,7 +5,7 @@
     .venv/bin/python tools/bench_glm_backward.py --prompt 4096 --quick   # smoke run
     .venv/bin/python tools/bench_glm_backward.py --mesh 1x8 --chunk 4096 --prompt 32768 131072   # per device
 
-AOT only: `jax.jit(engine._grpo_grads).lower(abstract args).compile().memory_analysis()`, nothing is executed. The
+AOT only: `engine.jitted_grpo_grads.lower(abstract args).compile().memory_analysis()`, nothing is executed. The
 model is GLM-5.2's layer layout cut to 22 layers (3 full_dense, (shared_sparse x 3, full_sparse) x 4, shared_sparse x
 3: three segments, 7 full layers; `--depth 78`: the whole layout, (...) x 18) at small widths, in bfloat16, so that
 at these prompt lengths the prompt state (MLA latent rows + indexer keys) dominates the parameters. "fallback" is
@@ -93,8 +93,8 @@ def main() -> None:
 
         def compile_step(model, batch, prompt):
             layout = round_layout(model, prompt - 1, mesh.shape["seq"], args.chunk)
-            return sharded_grpo._grpo_grads.lower(model, params, batch, cfg_grpo, "exact", mesh, layout, "ring",
-                                                  None).compile()
+            return sharded_grpo.jitted_grpo_grads.lower(model, params, batch, cfg_grpo, "exact", mesh, layout,
+                                                        "ring", None).compile()
     else:
         @dataclasses.dataclass(frozen=True)
         class AutodiffGlm(Glm52):
@@ -106,8 +106,7 @@ def main() -> None:
         methods = (("fallback", AutodiffGlm(cfg)), ("blocks", models.build(cfg)))
 
         def compile_step(model, batch, prompt):
-            return jax.jit(engine._grpo_grads, static_argnums=(0, 3, 4, 5)).lower(
-                model, params, batch, cfg_grpo, "exact", args.chunk).compile()
+            return engine.jitted_grpo_grads.lower(model, params, batch, cfg_grpo, "exact", args.chunk).compile()
 
     devices = 1 if not args.mesh else data * seq
     rows = []

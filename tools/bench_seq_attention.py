@@ -47,7 +47,7 @@ def main():
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"{'method':10s} {'median s':>9s} {'min s':>7s} {'temp MiB/device':>16s}")
     for method in sequence.ATTENTION_METHODS:
-        compiled = api._capture.lower(model, params, stored, mesh, layout, method).compile()
+        compiled = api.jitted_capture.lower(model, params, stored, mesh, layout, method).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
         jax.block_until_ready(compiled(params, stored))
         times = []

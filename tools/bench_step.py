@@ -7,10 +7,10 @@
     .venv/bin/python tools/bench_step.py --config tiny-glm --quick     # the tiny GLM-5.x (MLA + DSA + MoE)
     .venv/bin/python tools/bench_step.py --config tiny-glm --train lora --modes detached,exact   # LoRA vs full
 
-`--train lora` makes Table 1 the trainer's whole update (`train._step`: grads + clipping + AdamW, trainable params
-and optimizer state donated) for full-parameter training and for LoRA (`--lora-rank`, `--lora-alpha`,
-`--lora-targets`, adapters on a frozen base as `--train lora` trains them), per engine mode, each in its own child,
-with ratios LoRA / full of compiled memory and median step time.
+`--train lora` makes Table 1 the trainer's whole update (`train.jitted_train_step_donated`: grads + clipping + AdamW,
+trainable params and optimizer state donated) for full-parameter training and for LoRA (`--lora-rank`,
+`--lora-alpha`, `--lora-targets`, adapters on a frozen base as `--train lora` trains them), per engine mode, each in
+its own child, with ratios LoRA / full of compiled memory and median step time.
 
 Table 1 ("modes") runs each mode in its own child process (this script with a hidden `--one` flag, one JSON line
 per result) so that the peak RSS (getrusage ru_maxrss) belongs to that mode alone. Compiled memory is
@@ -123,13 +123,13 @@ def _lowerable(mode: str):
     import jax
 
     from longstraw_jax import naive_grpo_grads
-    from longstraw_jax.engine import _grpo_grads
+    from longstraw_jax.engine import jitted_grpo_grads
 
     if mode == "naive":
         return lambda model, params, batch, cfg, chunk: jax.jit(naive_grpo_grads, static_argnums=(0, 3)).lower(
             model, params, batch, cfg)
-    # _grpo_grads is jax.jit(static_argnums=(0, 3, 4, 5)); grpo_grads is the same call after host-side checks.
-    return lambda model, params, batch, cfg, chunk: _grpo_grads.lower(model, params, batch, cfg, mode, chunk)
+    # jitted_grpo_grads is jax.jit(static_argnums=(0, 3, 4, 5)); grpo_grads is the same call after host-side checks.
+    return lambda model, params, batch, cfg, chunk: jitted_grpo_grads.lower(model, params, batch, cfg, mode, chunk)
 
 
 def child_main(spec_json: str) -> None:
@@ -216,9 +216,9 @@ def child_main(spec_json: str) -> None:
 
 
 def _train_cell(job, model, dtype, key, batch_np, batch_abs, grpo_cfg) -> dict:
-    """One whole trainer update (`train._step`: grpo_grads + clipping + AdamW, trainable params and optimizer state
-    donated, as the trainer runs it) for job["train"]: "full" (every parameter trains) or "lora" (adapters of
-    job["lora"] = {rank, alpha, targets} on a frozen base: `lora.add_adapters` + `trainable.split`, as
+    """One whole trainer update (`train.jitted_train_step_donated`: grpo_grads + clipping + AdamW, trainable params
+    and optimizer state donated, as the trainer runs it) for job["train"]: "full" (every parameter trains) or "lora"
+    (adapters of job["lora"] = {rank, alpha, targets} on a frozen base: `lora.add_adapters` + `trainable.split`, as
     `trainer/setup.py:prepare_training` and `trainer/loop.py:Trainer` do). Compiled memory, and unless job["run"] is
     false the median time."""
     import jax
@@ -237,7 +237,7 @@ def _train_cell(job, model, dtype, key, batch_np, batch_abs, grpo_cfg) -> dict:
     optimizer = train.make_optimizer(1e-4)
     opt_state = optimizer.init(part)
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-    step = jax.jit(train._step, static_argnums=train._STATIC, donate_argnums=(1, 2))
+    step = train.jitted_train_step_donated
     count = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
     t0 = time.perf_counter()
     lowered = step.lower(model, abstract(part), abstract(opt_state), batch_abs, optimizer, grpo_cfg, job["mode"],

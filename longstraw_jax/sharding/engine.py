@@ -46,12 +46,14 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mes
     if batch.num_groups is not None:
         groups_lib.check_groups(batch.num_groups, mesh)
     layout = round_layout(model, batch.prompt.shape[-1] - 1, mesh.shape["seq"], round_len)
-    return _grpo_grads(model, params, batch, cfg, mode, mesh, layout, attention, captured, frozen)
+    return jitted_grpo_grads(model, params, batch, cfg, mode, mesh, layout, attention, captured, frozen)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6, 7))
-def _grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, layout: RoundLayout,
-                attention: str, captured, frozen=None):
+def jitted_grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, layout: RoundLayout,
+                      attention: str, captured, frozen=None):
+    """`grpo_grads` on the mesh as one jitted program (model, cfg, mode, mesh, layout and attention static), without
+    its checks: what ahead-of-time tools lower (tools/bench_glm_backward.py)."""
     trainable, params = params, merge(params, frozen)
     # the gradients' structure (the trainable part, holes allowed) and global shapes
     template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), trainable)

@@ -31,13 +31,15 @@ def capture(model, params: dict, tokens, mesh, attention: str = "ring", pad_id: 
     if attention not in sequence.ATTENTION_METHODS:
         raise ValueError(f"attention={attention!r}; allowed: {sequence.ATTENTION_METHODS}")
     layout = round_layout(model, tokens.shape[0], mesh.shape[sequence.SEQ], round_len)
-    return _capture(model, params, layout.to_stored(tokens, pad_id), mesh, layout, attention)[0]
+    return jitted_capture(model, params, layout.to_stored(tokens, pad_id), mesh, layout, attention)[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
-def _capture(model, params, stored_tokens, mesh, layout: RoundLayout, attention: str):
-    """-> (ShardedPromptState, what the family's exact backward needs from the capture: e.g. Qwen3.6's GDN states
-    carried into each round)."""
+def jitted_capture(model, params, stored_tokens, mesh, layout: RoundLayout, attention: str):
+    """`capture`'s jitted program (model, mesh, layout and attention static), without its host checks: stored_tokens
+    are the prompt in `layout`'s stored order (`layout.to_stored`, valid ids) -> (ShardedPromptState, what the family's
+    exact backward needs from the capture: e.g. Qwen3.6's GDN states carried into each round). What ahead-of-time
+    tools lower (the capacity planner, tools/bench_seq_attention.py)."""
     return model.sequence_parallel().capture(params, stored_tokens, mesh, layout, attention)
 
 

@@ -1,0 +1,220 @@
+"""`Planner`: the per-device bytes of one trainer step for a model config on a simulated mesh, from shapes only.
+The update is the trainer's step AOT-compiled (`train.jitted_train_step_donated`), the capture is
+`sharding.prompt.jitted_capture` AOT-compiled, the rest is analytic (the model is in this package's docstring)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longstraw_jax import lora, models, sharding, train, trainable
+from longstraw_jax.capacity.footprint import largest_layer_bytes, local_bytes, memory_total, tree_bytes
+from longstraw_jax.capacity.phases import local_groups, ragged_exchange_bytes, sampling_phase, step_peak, update_phase
+from longstraw_jax.grpo import GroupBatch, GRPOConfig
+from longstraw_jax.parallel import rules
+from longstraw_jax.parallel.rules import SEQ_AXES
+from longstraw_jax.sharding import prompt as sharded_prompt
+
+GIB = 2**30
+
+
+class Planner:
+    """One model config on one simulated mesh: `plan` sizes a row of the step (mode, G, P, B), `search` the longest
+    prompt that fits; compiled programs are cached per shape."""
+
+    def __init__(self, config, mesh_spec: str, dtype: str, response_len: int, chunk: int, devices=None,
+                 train_mode: str = "full", lora_rank: int = 64, lora_alpha: float | None = None,
+                 lora_targets: str = "all"):
+        """`config`: an HF config.json path or a model config object; `devices`: the mesh's devices (default all of
+        jax.devices(); a process with more passes a subset). train_mode "lora": LoRA adapters of `lora_rank` on
+        `lora_targets` (`lora.resolve_targets`), built abstractly, and the trainer's split (`trainable.split` by
+        `trainable.adapter_leaf`): the update compiles `train_step(..., frozen=base)`, so gradients and AdamW state
+        exist for the adapters only, while params (and the sampling phase) hold base + adapters."""
+        self.model = models.build(models.config_from_hf(config) if isinstance(config, (str, os.PathLike)) else config)
+        self.model.sequence_parallel()  # a family without a sharded path says so here
+        self.mesh = sharding.make_mesh(mesh_spec, devices)
+        self.dtype = jnp.dtype(dtype)
+        self.response_len, self.chunk = response_len, chunk
+        if train_mode not in ("full", "lora"):
+            raise ValueError(f"--train {train_mode!r}: expected full or lora")
+        self.train_mode = train_mode
+        params = jax.eval_shape(lambda key: self.model.init(key, self.dtype), jax.random.key(0))
+        self.lora = None
+        if train_mode == "lora":  # as lora.prepare_run does, on abstract arrays (adapters in the params' dtype)
+            paths = lora.resolve_targets(params, lora_targets)
+            lora.check_rank(params, paths, lora_rank)
+            alpha = 2.0 * lora_rank if lora_alpha is None else float(lora_alpha)
+            params = jax.eval_shape(lambda p, key: lora.add_adapters(p, paths, lora_rank, alpha, key), params,
+                                    jax.random.key(0))
+            self.lora = dict(rank=lora_rank, alpha=alpha, targets=lora_targets, matrices=len(paths))
+        self.param_shardings = rules.named(rules.param_specs(params, self.mesh), self.mesh)
+        self.params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
+                                   self.param_shardings)
+        # the trainer's split (trainer.loop.Trainer.split): the trainable part with holes, and the frozen rest or None
+        if train_mode == "lora":
+            self.trainable, self.frozen = trainable.split(self.params, trainable.adapter_leaf)
+        else:
+            self.trainable, self.frozen = self.params, None
+        part = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), self.trainable)
+        self.optimizer = train.make_optimizer(1e-6)
+        opt = jax.eval_shape(self.optimizer.init, part)  # AdamW state for the trainable part only
+        opt_specs = rules.like_params_specs(opt, part, rules.param_specs(part, self.mesh))
+        self.opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt,
+                                      rules.named(opt_specs, self.mesh))
+        self.num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
+        self.num_trainable = sum(math.prod(p.shape) for p in jax.tree.leaves(self.trainable))
+        self.layer_bytes = largest_layer_bytes(self.params)
+        self.embed_bytes = tree_bytes(params["embed"])
+        # the trainer's donated step: trainable params and their AdamW state donated, the frozen part read only
+        self.step = train.jitted_train_step_donated
+        self._captures: dict[int, dict] = {}
+        self._updates: dict[tuple, dict] = {}
+
+    @property
+    def data(self) -> int:
+        return self.mesh.shape["data"]
+
+    def components(self, prompt_len: int, mode: str) -> dict[str, int]:
+        """Analytic per-device bytes of what the update must hold (see the package docstring)."""
+        out = {"params": local_bytes(self.params), "optimizer": local_bytes(self.opt_state),
+               "grads": local_bytes(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32,
+                                                                                sharding=p.sharding),
+                                                 self.trainable))}
+        state, cotangent = self._state_bytes(prompt_len - 1)
+        out["state"] = state
+        out["cotangent"] = 0 if mode == "detached" else cotangent
+        return out
+
+    def _state_bytes(self, prompt_positions: int) -> tuple[int, int]:
+        """Per-device bytes of the prompt state at self.dtype and of its float32 cotangent: position-indexed fields
+        (`rules.SEQ_AXES`, in the engine's padded round layout) split along `seq`, carried ones whole."""
+        seq = self.mesh.shape["seq"]
+        padded = sharded_prompt.round_layout(self.model, prompt_positions, seq, self.chunk).padded
+        state = jax.eval_shape(lambda: self.model.init_state(padded, self.dtype))
+        total = cotangent = 0
+        for field in dataclasses.fields(state):
+            leaf = getattr(state, field.name)
+            if not isinstance(leaf, jax.ShapeDtypeStruct):
+                continue
+            count = int(np.prod(leaf.shape)) // (seq if field.name in SEQ_AXES else 1)
+            total, cotangent = total + count * leaf.dtype.itemsize, cotangent + count * 4
+        return total, cotangent
+
+    def tail_bytes(self, response_len: int) -> int:
+        """Replicated bytes of one group's decode tail: `init_state(R)` whole (the R response positions' cache
+        entries plus the carried GDN state being advanced) and the carried part saved after prompt[-1]."""
+        tail = jax.eval_shape(lambda: self.model.init_state(response_len, self.dtype))
+        return tree_bytes(tail) + tree_bytes(self.model.carried(tail))
+
+    def decode_bytes(self) -> tuple[int, int]:
+        """One decode step's transient: (shared by the slice's groups: the largest layer and the embedding table,
+        all-gathered whole; per group: 4 float32 [vocab] rows)."""
+        return self.layer_bytes + self.embed_bytes, 4 * 4 * self.model.config.vocab_size
+
+    def capture(self, prompt_len: int) -> dict:
+        """The sharded capture of prompt[:-1] (`sharding.prompt.jitted_capture`, rounds of self.chunk), AOT-compiled
+        once per prompt length: {"temp": its temporaries, "aux": its output minus the state (Qwen3.6's round
+        boundaries), "total", "compile_s"} in per-device bytes."""
+        if prompt_len not in self._captures:
+            layout = sharded_prompt.round_layout(self.model, prompt_len - 1, self.mesh.shape["seq"], self.chunk)
+            replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            tokens = jax.ShapeDtypeStruct((layout.padded,), jnp.int32, sharding=replicated)
+            start = time.perf_counter()
+            compiled = sharded_prompt.jitted_capture.lower(self.model, self.params, tokens, self.mesh, layout,
+                                                           "ring").compile()
+            memory = memory_total(compiled)
+            state = self._state_bytes(prompt_len - 1)[0]
+            self._captures[prompt_len] = dict(temp=memory["temp"], aux=max(0, memory["outputs"] - state),
+                                              total=memory["total"], compile_s=time.perf_counter() - start)
+        return self._captures[prompt_len]
+
+    def sampling(self, prompt_len: int, group: int, mode: str, groups: int) -> dict[str, int]:
+        """The sampling phase's per-device bytes (package docstring) for `groups` groups per data slice."""
+        del group  # the branches are decoded one after another: G changes the sequential length, not the memory
+        parts = self.components(prompt_len, mode)
+        capture = self.capture(prompt_len)
+        shared, per_group = self.decode_bytes()
+        return sampling_phase(params=parts["params"], optimizer=parts["optimizer"], state=parts["state"],
+                              boundaries=capture["aux"] if mode == "exact" else 0,
+                              tail=self.tail_bytes(self.response_len), decode_shared=shared,
+                              decode_per_group=per_group, capture_temp=capture["temp"], groups=groups)
+
+    def compile(self, prompt_len: int, group: int, mode: str) -> dict:
+        """The update of one group, AOT-compiled (once per prompt length, G, mode and R): its components (package
+        docstring), "total" and "temp" in per-device bytes, and "compile_s"."""
+        key = (prompt_len, group, mode, self.response_len)
+        if key not in self._updates:
+            self._updates[key] = self._compile(prompt_len, group, mode)
+        return self._updates[key]
+
+    def _compile(self, prompt_len: int, group: int, mode: str) -> dict:
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        arr = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+        g, r = group, self.response_len
+        batch = GroupBatch(prompt=arr((prompt_len,), jnp.int32), responses=arr((g, r), jnp.int32),
+                           mask=arr((g, r), jnp.float32), rewards=arr((g,), jnp.float32),
+                           old_logprobs=arr((g, r), jnp.float32), ref_logprobs=None)
+        start = time.perf_counter()
+        compiled = self.step.lower(self.model, self.trainable, self.opt_state, batch, self.optimizer, GRPOConfig(),
+                                   mode, self.chunk, self.mesh, None, self.frozen).compile()
+        seconds = time.perf_counter() - start
+        memory = memory_total(compiled)
+        parts = self.components(prompt_len, mode)
+        parts["rest"] = memory["total"] - sum(parts.values())
+        return dict(P=prompt_len, G=group, mode=mode, total=memory["total"], temp=memory["temp"],
+                    arguments=memory["arguments"], compile_s=seconds, **parts)
+
+    def plan(self, prompt_len: int, group: int, mode: str, groups_per_step: int, limit: float) -> dict:
+        """One row of the whole step: {"mode", "G", "P", "B", "decode_steps" (G*R, the sampling phase's sequential
+        length), "sampling": {...}, "update": {...} (per-device bytes, each with its "total"), "peak", "peak_phase",
+        "fits" (peak <= limit bytes), "compile_s"}."""
+        groups = local_groups(groups_per_step, self.data)
+        compiled = self.compile(prompt_len, group, mode)
+        sampling = self.sampling(prompt_len, group, mode, groups)
+        capture = self.capture(prompt_len)
+        update = update_phase(compiled, state=compiled["state"], boundaries=capture["aux"], groups=groups, mode=mode)
+        peak, phase = step_peak(sampling, update)
+        ragged = self.ragged_extra(mode)
+        peak_gpu = max(sampling["total"] + ragged["sampling"], update["total"] + ragged["update"])
+        return dict(train=self.train_mode, mode=mode, G=group, P=prompt_len, B=groups_per_step,
+                    decode_steps=group * self.response_len,
+                    sampling=sampling, update=update, peak=peak, peak_phase=phase, fits=bool(peak <= limit),
+                    ragged_extra=ragged, peak_ragged=peak_gpu, fits_ragged=bool(peak_gpu <= limit),
+                    compile_s=compiled["compile_s"] + capture["compile_s"])
+
+    def ragged_extra(self, mode: str) -> dict[str, int]:
+        """`ragged_exchange_bytes` per phase: sampling = a capture round's tokens per device (chunk / seq); update =
+        the replay's (R / seq: replicated tokens are sent once per seq shard), and in exact mode the prompt
+        backward's recomputed round, whose exchange also holds the rows' cotangents (twice the capture's)."""
+        c = self.model.config
+        seq = self.mesh.shape["seq"]
+        extra = lambda tokens: ragged_exchange_bytes(
+            devices=self.mesh.size, experts=getattr(c, "n_routed_experts", 0),
+            top_k=getattr(c, "num_experts_per_tok", 1), hidden=c.hidden_size, itemsize=self.dtype.itemsize,
+            tokens=tokens)
+        capture = extra(-(-self.chunk // seq))
+        replay = extra(-(-self.response_len // seq))
+        return dict(sampling=capture, update=max(replay, 2 * capture if mode == "exact" else 0))
+
+    def search(self, group: int, mode: str, groups_per_step: int, limit: int, step: int, log) \
+            -> tuple[int, dict | None]:
+        """Longest prompt (a multiple of `step`) whose step peak is <= limit bytes: doubling, then bisection."""
+        best, lo, hi = None, 0, step
+        while True:
+            row = self.plan(hi, group, mode, groups_per_step, limit)
+            print(f"  search {mode} G={group} P={hi:,}: {row['peak'] / GIB:.2f} GiB", file=log, flush=True)
+            if not row["fits"]:
+                break
+            lo, best, hi = hi, row, hi * 2
+        while hi - lo > step:
+            mid = (lo + hi) // 2 // step * step
+            row = self.plan(mid, group, mode, groups_per_step, limit)
+            print(f"  search {mode} G={group} P={mid:,}: {row['peak'] / GIB:.2f} GiB", file=log, flush=True)
+            lo, best, hi = (mid, row, hi) if row["fits"] else (lo, best, mid)
+        return lo, best
+

@@ -1,0 +1,51 @@
+"""The planner's output: three tables (the step, then each phase's components) and the `--json` file."""
+from __future__ import annotations
+
+import json
+
+from longstraw_jax.capacity.phases import SAMPLING_COLUMNS, UPDATE_COLUMNS
+
+MIB, GIB = 2**20, 2**30
+
+
+def _table(head: list[str], lines: list[list[str]], markdown: bool, left: int) -> str:
+    if markdown:
+        out = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * left + ["---:"] * (len(head) - left)) + " |"]
+        return "\n".join(out + ["| " + " | ".join(line) + " |" for line in lines])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+    return "\n".join([fmt(head)] + [fmt(line) for line in lines])
+
+
+def format_rows(rows: list[dict], device_gb: float, markdown: bool, unit: str = "GiB") -> str:
+    """Three tables: the step (each phase's total, the peak, "fits"), then each phase's components."""
+    scale = {"GiB": GIB, "MiB": MIB}[unit]
+    key = lambda row: [row.get("train", "full"), row["mode"], str(row["G"]), f"{row['P']:,}", str(row["B"])]
+    num = lambda x: f"{x / scale:.2f}"
+    yes = lambda flag: "yes" if flag else "no"
+    step = _table(["train", "mode", "G", "P", "B", f"sampling {unit}", f"update {unit}", f"peak {unit}", "peak phase",
+                   "decode steps", f"fits {device_gb:g} GB", f"peak ragged {unit}", "fits (ragged)"],
+                  [key(r) + [num(r["sampling"]["total"]), num(r["update"]["total"]), num(r["peak"]), r["peak_phase"],
+                             f"{r['decode_steps']:,}", yes(r["fits"]), num(r["peak_ragged"]), yes(r["fits_ragged"])]
+                   for r in rows], markdown, 5)
+    sampling = _table(["train", "mode", "G", "P", "B"] + [f"{c} {unit}" for c in SAMPLING_COLUMNS],
+                      [key(r) + [num(r["sampling"][c]) for c in SAMPLING_COLUMNS] for r in rows], markdown, 5)
+    update = _table(["train", "mode", "G", "P", "B"] + [f"{c} {unit}" for c in UPDATE_COLUMNS],
+                    [key(r) + [num(r["update"][c]) for c in UPDATE_COLUMNS] for r in rows], markdown, 5)
+    return f"Step (per device)\n{step}\n\nSampling phase\n{sampling}\n\nUpdate phase\n{update}"
+
+
+def write_json(path: str, rows: list[dict], args, planner) -> None:
+    """{"setup": the run's options (train mode, LoRA rank / alpha / targets, parameter counts), "rows": one object
+    per row (`Planner.plan`): train, mode, G, P, B, decode_steps, the
+    "sampling" and "update" phases' components and "total" in bytes per device, "peak", "peak_phase", and "fits"
+    (peak <= device_gb * 1e9)}."""
+    setup = dict(config=args.config, mesh=args.mesh, dtype=args.dtype, response_len=args.response_len,
+                 chunk=args.chunk, device_gb=args.device_gb, groups_per_step=args.groups_per_step,
+                 params=planner.num_params, train=planner.train_mode, trainable_params=planner.num_trainable,
+                 lora=planner.lora, largest_layer_bytes=planner.layer_bytes)
+    with open(path, "w") as f:
+        json.dump(dict(setup=setup, rows=rows), f, indent=1)
+        f.write("\n")
+
+
