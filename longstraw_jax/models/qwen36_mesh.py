@@ -16,8 +16,10 @@ Rounds (`RoundLayout`): only one round's activations are live; the GDN state and
 position-wise work runs in blocks of ROWS rows (`rowwise`).
 Replay (`ReplayReader`): the branch runs on every shard; the GDN state is replicated and read as on one device;
 attention over the seq-sharded prompt cache is merged across shards by log-sum-exp (`sequence.psum_merge`).
-Exact backward (`prompt_backward`): rounds in reverse, blocks in reverse, each block recomputed under `jax.vjp` of its
-own `shard_map`; JAX transposes the collectives (all-gathers become reduce-scatters, the ring runs backwards).
+Replay backward and exact backward go block by block through `layerwise` (`branch_grads` over `_ReplayOnMesh`;
+`prompt_backward`: rounds in reverse, `chunk_grads` over `_RoundOnMesh`, the GDN state carried into the round as its
+carried part), each block recomputed under `jax.vjp` of its own `shard_map`; JAX transposes the collectives
+(all-gathers become reduce-scatters, the ring runs backwards).
 
 This module depends on the model only through its methods (no import of `models/qwen36.py`, which imports this).
 """
