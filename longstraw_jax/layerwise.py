@@ -21,6 +21,9 @@ And the state cotangent accumulator `acc` may lack leaves of the state (None the
 those leaves are closed over as constants, never vjp inputs, so no cotangent of them is ever allocated (GLM-5.x: the
 indexer keys, read only by the non-differentiable top-k selection). Qwen3.6 uses none of this: one stage, an array
 carry, a full accumulator, and the same computation as before.
+A model may also add the embedding's gradient itself (`add_embed_grads(grads, tokens, dh)`, e.g. a row scatter-add
+into the accumulator, in place); otherwise it comes from a vjp of `embed`, a params-shaped temporary added into grads
+(Qwen3.6 on a mesh: `models/qwen36_mesh.py`).
 
 A family may also keep `CausalLM`'s defaults, `branch_grads_autodiff` / `chunk_grads_autodiff`: the same results
 from plain autodiff of its whole layer stack, with a full-size state cotangent per branch/chunk.
@@ -198,8 +201,16 @@ def _backward(model, stages, params, state, tokens, start, cache_length, inputs,
     for stage, stage_inputs in zip(reversed(stages), reversed(inputs)):
         dh, grads, acc = _backward_stage(model, stage, params, state, positions, cache_length, stage_inputs,
                                          entries_cot, dh, grads, acc, chunk_entries)
+    return _embed_grads(model, params, tokens, dh, grads), acc
+
+
+def _embed_grads(model, params, tokens, dh, grads):
+    """grads + the gradient of `model.embed(params, tokens)` given dh, its output's cotangent (floating leaves): the
+    model's `add_embed_grads` where it has one, else by vjp."""
+    if hasattr(model, "add_embed_grads"):
+        return model.add_embed_grads(grads, tokens, dh)
     _, vjp = trainable.vjp(lambda p: _floats(model.embed(p, tokens)), params, grads)
-    return _add(grads, vjp(dh)[0]), acc
+    return _add(grads, vjp(dh)[0])
 
 
 def branch_grads(model, params, state, tokens, head, grads, acc, stages=None):

@@ -380,6 +380,13 @@ class _OnMesh:
     def final_norm(self, params, h):
         return self.model.final_norm(params, h)
 
+    def add_embed_grads(self, grads, tokens, dh):
+        """grads + the embedding's gradient given dh [T, D], the cotangent of `embed`'s rows: added at the tokens' rows
+        of the accumulator in place (no table-sized temporary; none at all for a frozen embedding)."""
+        if grads["embed"] is None:
+            return grads
+        return dict(grads, embed=grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)))
+
     def carried(self, state):
         return self.model.carried(state)
 
