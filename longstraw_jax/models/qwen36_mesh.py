@@ -357,6 +357,15 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
     return model.final_norm(params, h), model.write_entries(tail, entries, slot)
 
 
+def _embed_grads(grads, tokens, dh):
+    """grads + the embedding's gradient given dh [T, D], the cotangent of the embedded rows (`layerwise`'s
+    embed_grads): added at the tokens' rows of the accumulator, in place (no table-sized temporary; nothing for a
+    frozen embedding)."""
+    if grads["embed"] is None:
+        return grads
+    return dict(grads, embed=grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)))
+
+
 class _OnMesh:
     """The model's block protocol (`models.base.BlockModel`, with `carried` / `with_carried`) whose `block` a subclass
     runs in its own `shard_map`, so that `layerwise` backpropagates one block at a time on the mesh and adds each
@@ -379,13 +388,6 @@ class _OnMesh:
 
     def final_norm(self, params, h):
         return self.model.final_norm(params, h)
-
-    def add_embed_grads(self, grads, tokens, dh):
-        """grads + the embedding's gradient given dh [T, D], the cotangent of `embed`'s rows: added at the tokens' rows
-        of the accumulator in place (no table-sized temporary; none at all for a frozen embedding)."""
-        if grads["embed"] is None:
-            return grads
-        return dict(grads, embed=grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)))
 
     def carried(self, state):
         return self.model.carried(state)
@@ -472,7 +474,8 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
         tokens = round_slots(mesh, rounds, stored_tokens, index, layout.per_shard, 0)
         boundary = _shard_map(mesh, lambda b, r: read_boundary(b, r, per), (P(SEQ), P()), P())(boundaries, index)
         blocks = _RoundOnMesh(model, mesh, rounds, layout, index, block_specs, attention)
-        grads, acc = layerwise.chunk_grads(blocks, params, model.with_carried(state, boundary), tokens, 0, grads, acc)
+        grads, acc = layerwise.chunk_grads(blocks, params, model.with_carried(state, boundary), tokens, 0, grads, acc,
+                                           embed_grads=_embed_grads)
         return rules.constrain(grads, grad_specs, mesh), rules.constrain(acc, prompt_state_specs(acc), mesh)
 
     acc = jax.tree.map(at_least_f32, state_cot)  # float32 (float64 for a float64 model)
@@ -501,7 +504,7 @@ class Qwen36OnMesh:
 
     def branch_grads(self, mesh, rounds: RoundLayout, specs):
         on_mesh = _ReplayOnMesh(self.model, mesh, rounds, specs["blocks"])
-        return functools.partial(layerwise.branch_grads, on_mesh)
+        return functools.partial(layerwise.branch_grads, on_mesh, embed_grads=_embed_grads)
 
     def prompt_backward(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, sstate,
                         capture_aux, state_cot, grads):
