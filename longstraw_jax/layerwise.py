@@ -21,6 +21,9 @@ And the state cotangent accumulator `acc` may lack leaves of the state (None the
 those leaves are closed over as constants, never vjp inputs, so no cotangent of them is ever allocated (GLM-5.x: the
 indexer keys, read only by the non-differentiable top-k selection). Qwen3.6 uses none of this: one stage, an array
 carry, a full accumulator, and the same computation as before.
+A caller may also pass `embed_grads(grads, tokens, dh)`, which adds the embedding's gradient itself (e.g. a row
+scatter-add into the accumulator, in place); by default it comes from a vjp of `embed`, a params-shaped temporary
+added into grads (Qwen3.6 on a mesh passes one: `models/qwen36_mesh.py`).
 
 A family may also keep `CausalLM`'s defaults, `branch_grads_autodiff` / `chunk_grads_autodiff`: the same results
 from plain autodiff of its whole layer stack, with a full-size state cotangent per branch/chunk.
@@ -182,12 +185,13 @@ def _backward_stage(model, stage, params, state, positions, cache_length, inputs
 
 
 def _backward(model, stages, params, state, tokens, start, cache_length, inputs, dh, grads, acc,
-              chunk_entries: bool):
+              chunk_entries: bool, embed_grads=None):
     """Reverse scans over the stages' blocks, last stage first. dh: cotangent of the last block's output carry
     (floating leaves). grads: float32 params-shaped gradient accumulator. acc: float32 state cotangent (or None: no
     gradient into the state). With `chunk_entries`, each block's new entries also receive their cotangent, read
     from acc at positions start.. (keys/values) and from acc's carried part, which is then replaced by the cotangent
-    of the carried state the block read (the chunk before owns it); cache reads are added into acc.
+    of the carried state the block read (the chunk before owns it); cache reads are added into acc. embed_grads:
+    see `branch_grads`.
 
     Returns (grads + the gradient of params through the blocks and the embedding, acc).
     """
@@ -198,19 +202,22 @@ def _backward(model, stages, params, state, tokens, start, cache_length, inputs,
     for stage, stage_inputs in zip(reversed(stages), reversed(inputs)):
         dh, grads, acc = _backward_stage(model, stage, params, state, positions, cache_length, stage_inputs,
                                          entries_cot, dh, grads, acc, chunk_entries)
+    if embed_grads is not None:
+        return embed_grads(grads, tokens, dh), acc
     _, vjp = trainable.vjp(lambda p: _floats(model.embed(p, tokens)), params, grads)
     return _add(grads, vjp(dh)[0]), acc
 
 
-def branch_grads(model, params, state, tokens, head, grads, acc, stages=None):
+def branch_grads(model, params, state, tokens, head, grads, acc, stages=None, embed_grads=None):
     """One branch replayed after `state`: tokens [R] at positions state.length.. attend over the state's positions
     < state.length (a state with spare capacity keeps whatever it holds beyond its length out of sight).
 
     head(params, hidden [R, D] final-normed) -> (loss, aux). grads: the float32 gradient accumulator (params-shaped).
     acc: the float32 state cotangent accumulator (None: detached, no state gradient); a None leaf in it (a state
     leaf that receives no gradient) is never differentiated. stages: the kinds of blocks (`Stage`s) in order; None:
-    the model's own blocks (`BlockModel`). Returns (loss, aux, grads + this branch's parameter gradient, acc + the
-    state cotangent of this branch).
+    the model's own blocks (`BlockModel`). embed_grads(grads, tokens, dh) -> grads + the embedding's gradient given
+    dh, the cotangent of `embed`'s output (floating leaves); None: by vjp of `model.embed`. Returns (loss, aux,
+    grads + this branch's parameter gradient, acc + the state cotangent of this branch).
     """
     stages = (_Uniform(model),) if stages is None else stages
     h, inputs = _forward(model, stages, params, state, tokens, state.length, state.length)
@@ -218,20 +225,20 @@ def branch_grads(model, params, state, tokens, head, grads, acc, stages=None):
                                    _floats(h), has_aux=True)
     d_head, dh = vjp(jnp.ones_like(loss))
     grads, acc = _backward(model, stages, params, state, tokens, state.length, state.length, inputs, dh,
-                           _add(grads, d_head), acc, chunk_entries=False)
+                           _add(grads, d_head), acc, chunk_entries=False, embed_grads=embed_grads)
     return loss, aux, grads, acc
 
 
-def chunk_grads(model, params, state, tokens, start, grads, acc, stages=None):
+def chunk_grads(model, params, state, tokens, start, grads, acc, stages=None, embed_grads=None):
     """The prompt chunk tokens [C] at positions start.., recomputed from `state` (the final cache, with the carried
     part as it was before this chunk). acc holds the cotangent of everything the chunk wrote (its keys/values at
     start.., the carried state after it). Returns (grads + the chunk's parameter gradient, acc with the chunk's cache
-    reads added and its carried part now the cotangent of the carried state before the chunk). stages: as in
-    `branch_grads`."""
+    reads added and its carried part now the cotangent of the carried state before the chunk). stages,
+    embed_grads: as in `branch_grads`."""
     stages = (_Uniform(model),) if stages is None else stages
     h, inputs = _forward(model, stages, params, state, tokens, start, start)
     return _backward(model, stages, params, state, tokens, start, start, inputs,
-                     jax.tree.map(jnp.zeros_like, _floats(h)), grads, acc, chunk_entries=True)
+                     jax.tree.map(jnp.zeros_like, _floats(h)), grads, acc, chunk_entries=True, embed_grads=embed_grads)
 
 
 # ----- models without the block protocol: autodiff of the whole layer stack -----

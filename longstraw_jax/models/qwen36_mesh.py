@@ -16,8 +16,10 @@ Rounds (`RoundLayout`): only one round's activations are live; the GDN state and
 position-wise work runs in blocks of ROWS rows (`rowwise`).
 Replay (`ReplayReader`): the branch runs on every shard; the GDN state is replicated and read as on one device;
 attention over the seq-sharded prompt cache is merged across shards by log-sum-exp (`sequence.psum_merge`).
-Exact backward (`prompt_backward`): rounds in reverse, blocks in reverse, each block recomputed under `jax.vjp` of its
-own `shard_map`; JAX transposes the collectives (all-gathers become reduce-scatters, the ring runs backwards).
+Replay backward and exact backward go block by block through `layerwise` (`branch_grads` over `_ReplayOnMesh`;
+`prompt_backward`: rounds in reverse, `chunk_grads` over `_RoundOnMesh`, the GDN state carried into the round as its
+carried part), each block recomputed under `jax.vjp` of its own `shard_map`; JAX transposes the collectives
+(all-gathers become reduce-scatters, the ring runs backwards).
 
 This module depends on the model only through its methods (no import of `models/qwen36.py`, which imports this).
 """
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 from einops import rearrange
 from jax.sharding import PartitionSpec as P
 
-from longstraw_jax import layerwise, trainable
+from longstraw_jax import layerwise
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
@@ -355,24 +357,96 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
     return model.final_norm(params, h), model.write_entries(tail, entries, slot)
 
 
-class _BlocksOnMesh:
-    """The block protocol of `layerwise` for the sharded replay: `block` runs one block in its own `shard_map` over
-    the seq-sharded state slice, so `layerwise.branch_grads` backpropagates block by block and adds each block's
-    slice of the state cotangent into the accumulator in place (no full-size cotangent per branch). Everything else
-    is the model's."""
+def _embed_grads(grads, tokens, dh):
+    """grads + the embedding's gradient given dh [T, D], the cotangent of the embedded rows (`layerwise`'s
+    embed_grads): added at the tokens' rows of the accumulator, in place (no table-sized temporary; nothing for a
+    frozen embedding)."""
+    if grads["embed"] is None:
+        return grads
+    return dict(grads, embed=grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)))
 
-    def __init__(self, model, mesh, rounds: RoundLayout, block_specs):
-        self.model, self.mesh, self.rounds, self.block_specs = model, mesh, rounds, block_specs
-        self.slice_specs = block_slice_specs(block_specs)
-        self.num_blocks = model.num_blocks
-        self.embed, self.final_norm = model.embed, model.final_norm
-        self.block_params, self.with_block_params = model.block_params, model.with_block_params
+
+class _OnMesh:
+    """The model's block protocol (`models.base.BlockModel`, with `carried` / `with_carried`) whose `block` a subclass
+    runs in its own `shard_map`, so that `layerwise` backpropagates one block at a time on the mesh and adds each
+    block's slice of the seq-sharded state cotangent into the accumulator in place. Everything else is the model's."""
+
+    model: Any
+
+    @property
+    def num_blocks(self) -> int:
+        return self.model.num_blocks
+
+    def embed(self, params, tokens):
+        return self.model.embed(params, tokens)
+
+    def block_params(self, params):
+        return self.model.block_params(params)
+
+    def with_block_params(self, params, blocks):
+        return self.model.with_block_params(params, blocks)
+
+    def final_norm(self, params, h):
+        return self.model.final_norm(params, h)
+
+    def carried(self, state):
+        return self.model.carried(state)
+
+    def with_carried(self, state, carried):
+        return self.model.with_carried(state, carried)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReplayOnMesh(_OnMesh):
+    """The sharded replay's blocks (`layerwise.branch_grads`): a branch's tokens (replicated) over the seq-sharded
+    prompt state, no full-size state cotangent per branch."""
+
+    model: Any
+    mesh: Any
+    rounds: RoundLayout
+    block_specs: dict  # param_specs(params)["blocks"]
 
     def block(self, bp, h, state_block, positions, cache_length):
         """One block over tokens h [T, D] (replicated); state_block: a ShardedPromptState sliced at one block."""
         state = jax.tree.map(lambda a: a[None], state_block.state)  # leading block axis of 1: indexed by b = 0
         local = lambda bp, h, state: replay_block(self.model, self.block_specs, self.rounds, bp, h, state, 0)
-        return _shard_map(self.mesh, local, (self.slice_specs, P(), prompt_state_specs(state)), P())(bp, h, state), None
+        return _shard_map(self.mesh, local, (block_slice_specs(self.block_specs), P(), prompt_state_specs(state)),
+                          P())(bp, h, state), None
+
+
+@dataclasses.dataclass(frozen=True)
+class _RoundOnMesh(_OnMesh):
+    """Capture round `index` (laid out by `layout`) as `layerwise.chunk_grads` sees a chunk: tokens [n * 2L] in
+    stored order, embedded seq-sharded; `block` is `round_block` in its own `shard_map` over one block's slice of a
+    Qwen36State (KV cache seq-sharded, carried GDN state replicated), returning the block's entries (tails, states:
+    replicated; keys, values [nf, n * 2L, Hkv, hd]: seq-sharded, stored order); `read_entries` reads the round's
+    slots (`start` is not used: the round knows its slots) and the carried part of a cotangent."""
+
+    model: Any
+    mesh: Any
+    rounds: RoundLayout
+    layout: SeqLayout
+    index: jax.Array
+    block_specs: dict  # param_specs(params)["blocks"]
+    attention: str  # RoundReader.method
+
+    def embed(self, params, tokens):
+        return rules.constrain(self.model.embed(params, tokens), P(SEQ), self.mesh)
+
+    def read_entries(self, acc, start, size: int) -> dict:
+        read = lambda cache: round_slots(self.mesh, self.rounds, cache, self.index, self.layout.per_shard, 2)
+        return {"linear": self.carried(acc), "full": (read(acc.keys), read(acc.values))}
+
+    def block(self, bp, h, state_block, positions, cache_length):
+        def local(bp, h, state, index):
+            carry = (state.conv, state.recurrent, state.keys, state.values)
+            return round_block(self.model, self.block_specs, self.attention, self.rounds, self.layout, index, bp, h,
+                               carry, 0)
+
+        state = jax.tree.map(lambda a: a[None], state_block)  # leading block axis of 1: indexed by b = 0
+        out_specs = (P(SEQ), {"linear": (P(), P()), "full": (P(None, SEQ), P(None, SEQ))})
+        return _shard_map(self.mesh, local, (block_slice_specs(self.block_specs), P(SEQ), prompt_state_specs(state),
+                                             P()), out_specs)(bp, h, state, self.index)
 
 
 # ----- exact mode: the prompt's backward -----------------------------------------------------------------------
@@ -384,80 +458,28 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
     order) given `state_cot`, the float32 cotangent of the captured state (KV cache seq-sharded, GDN carried state
     replicated). grads: a float32 params-shaped tree, FSDP-sharded (the replay's gradient: added to in place).
 
-    Each round is recomputed from the GDN state carried into it (`boundaries`) and the final cache (its earlier
-    slots are exactly what the round read during capture; later slots are never read): a forward over blocks keeps
-    each block's input h, then a reverse scan over blocks takes the vjp of one block (`round_block` in its own
-    `shard_map`) with the cotangent of its new keys/values (the running cotangent at the round's slots) and of its
-    outgoing GDN state (the carried cotangent); it adds the block's parameter gradient, adds the cotangent of the
-    cache reads into the running KV cotangent at block b (in place), and replaces the carried cotangent by that of
-    the state the round started from. Memory: the state, its cotangent, the round boundaries, one round's block
-    inputs and one block's recomputation.
-    """
-    specs = param_specs(params, mesh)
-    block_specs = specs["blocks"]
-    slice_specs = block_slice_specs(block_specs)
-    blocks = model.block_params(params)
-    per = boundaries_per_shard(rounds)
+    Rounds in reverse, each one `layerwise.chunk_grads` over `_RoundOnMesh` (blocks in reverse, each recomputed under
+    `jax.vjp` of its `shard_map`) from the final cache (its earlier slots are exactly what the round read; later
+    slots are never read) with the GDN state carried into the round (`read_boundary`) as the carried part: its new
+    keys/values get their cotangent from the round's slots of the running cotangent, its outgoing GDN state from the
+    carried cotangent, which then becomes the cotangent of the state the round started from; its cache reads' are
+    added into the running KV cotangent at the block, in place. Memory: the state, its cotangent, the round
+    boundaries, one round's block inputs and one block's recomputation."""
+    block_specs = param_specs(params, mesh)["blocks"]
     grad_specs = param_specs(grads, mesh)  # the trainable part's (grads has its structure: trainable.py)
+    per = boundaries_per_shard(rounds)
 
-    place = lambda tree, spec_tree: rules.constrain(tree, spec_tree, mesh)
+    def one_round(carry, layout, index):
+        grads, acc = carry
+        tokens = round_slots(mesh, rounds, stored_tokens, index, layout.per_shard, 0)
+        boundary = _shard_map(mesh, lambda b, r: read_boundary(b, r, per), (P(SEQ), P()), P())(boundaries, index)
+        blocks = _RoundOnMesh(model, mesh, rounds, layout, index, block_specs, attention)
+        grads, acc = layerwise.chunk_grads(blocks, params, model.with_carried(state, boundary), tokens, 0, grads, acc,
+                                           embed_grads=_embed_grads)
+        return rules.constrain(grads, grad_specs, mesh), rules.constrain(acc, prompt_state_specs(acc), mesh)
 
-    def block(layout, index, bp, h, conv, recurrent, keys, values):
-        """Block of round `index` on the mesh: h [n * 2L, D] (stored order) -> (h, tail, final, keys, values)."""
-        def local(bp, h, conv, recurrent, keys, values, index):
-            h, entries = round_block(model, block_specs, attention, rounds, layout, index, bp, h,
-                                     (conv, recurrent, keys, values), 0)
-            return h, *entries["linear"], *entries["full"]
-
-        return _shard_map(mesh, local, (slice_specs, P(SEQ), P(), P(), _KV, _KV, P()),
-                          (P(SEQ), P(), P(), P(None, SEQ), P(None, SEQ)))(bp, h, conv, recurrent, keys, values, index)
-
-    read_round = functools.partial(round_slots, mesh, rounds)
-
-    def round_backward(carry, layout, index):
-        grads, keys_cot, values_cot, conv_cot, rec_cot = carry
-        size = layout.per_shard
-        tokens = read_round(stored_tokens, index, size, 0)
-        conv_in, rec_in = _shard_map(mesh, lambda b, r: read_boundary(b, r, per), (P(SEQ), P()), P())(boundaries,
-                                                                                                    index)
-        at = lambda tree, b: jax.tree.map(lambda a: a[b], tree)
-        state_of = lambda b: (conv_in[b][None], rec_in[b][None], state.keys[b][None], state.values[b][None])
-        h0 = rules.constrain(model.embed(params, tokens), P(SEQ), mesh)
-
-        def forward(h, b):
-            return block(layout, index, at(blocks, b), h, *state_of(b))[0], h
-
-        _, inputs = jax.lax.scan(forward, h0, jnp.arange(model.num_blocks))
-
-        def backward(carry, b):
-            dh, grads_blocks, keys_cot, values_cot, conv_cot, rec_cot = carry
-            # with respect to the block's trainable leaves only (the structure of grads_blocks)
-            outputs, vjp = trainable.vjp(functools.partial(block, layout, index), at(blocks, b), grads_blocks,
-                                         inputs[b], *state_of(b))
-            entries_cot = (conv_cot[b], rec_cot[b], read_round(keys_cot[b], index, size, 1),
-                           read_round(values_cot[b], index, size, 1))
-            cot = (dh,) + tuple(c.astype(o.dtype) for c, o in zip(entries_cot, outputs[1:]))
-            d_bp, dh, d_conv, d_rec, d_keys, d_values = vjp(cot)
-            # the constraints keep the carried accumulators sharded (FSDP / seq) through the scan
-            grads_blocks = place(jax.tree.map(lambda g, d: g.at[b].add(d.astype(g.dtype)), grads_blocks, d_bp),
-                                 model.block_params(grad_specs))
-            keys_cot = place(keys_cot.at[b].add(d_keys[0].astype(keys_cot.dtype)), _KV)
-            values_cot = place(values_cot.at[b].add(d_values[0].astype(values_cot.dtype)), _KV)
-            conv_cot = conv_cot.at[b].set(d_conv[0].astype(conv_cot.dtype))
-            rec_cot = rec_cot.at[b].set(d_rec[0].astype(rec_cot.dtype))
-            return (dh, grads_blocks, keys_cot, values_cot, conv_cot, rec_cot), None
-
-        carry = (jnp.zeros_like(h0), model.block_params(grads), keys_cot, values_cot, conv_cot, rec_cot)
-        (dh, grads_blocks, *cots), _ = jax.lax.scan(backward, carry, jnp.arange(model.num_blocks), reverse=True)
-        grads = model.with_block_params(grads, grads_blocks)
-        if grads["embed"] is not None:  # a trained embedding
-            grads = dict(grads, embed=place(grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)),
-                                            specs["embed"]))
-        return (grads, *cots)
-
-    f32 = at_least_f32  # float32 (float64 for a float64 model)
-    carry = (grads, f32(state_cot.keys), f32(state_cot.values), f32(state_cot.conv), f32(state_cot.recurrent))
-    return each_round(rounds, carry, round_backward, reverse=True)[0]
+    acc = jax.tree.map(at_least_f32, state_cot)  # float32 (float64 for a float64 model)
+    return each_round(rounds, (grads, acc), one_round, reverse=True)[0]
 
 
 # ----- the adapter the engine asks the model for ---------------------------------------------------------------
@@ -481,8 +503,8 @@ class Qwen36OnMesh:
         return extend_hidden(self.model, params, sstate, tokens, mesh)
 
     def branch_grads(self, mesh, rounds: RoundLayout, specs):
-        on_mesh = _BlocksOnMesh(self.model, mesh, rounds, specs["blocks"])
-        return functools.partial(layerwise.branch_grads, on_mesh)
+        on_mesh = _ReplayOnMesh(self.model, mesh, rounds, specs["blocks"])
+        return functools.partial(layerwise.branch_grads, on_mesh, embed_grads=_embed_grads)
 
     def prompt_backward(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, sstate,
                         capture_aux, state_cot, grads):
