@@ -174,7 +174,10 @@ class _AfterPrompt(_ShardReader):
     the prompt state (kv [layers, S, Dk], index_keys [F, S, Di]): the indexer's top-k merges the prompt's candidates
     (every shard's: `prompt_candidates`) with those among the keys after the prompt (`own_candidates`), attention
     merges the prompt's partial (over shards: `prompt_partial`) with the partial over the rows after the prompt
-    (`own_partial`). Subclasses have the fields kv, index_keys, positions, rounds, params and the two `own_` methods."""
+    (`own_partial`). Subclasses have the fields kv, index_keys, positions, rounds, params and the two `own_` methods:
+    own_candidates(q, w, keys, full, common) -> (scores, positions) [T, k], the top-k among the keys after the
+    prompt (natural positions); own_partial(q_abs, rows, layer, index, common) -> `attn_ops.Attended` over the rows
+    after the prompt, index [T, k] = selected - P (-1: a prompt position or an unused slot)."""
 
     replicated_over_seq = True
 
