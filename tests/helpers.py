@@ -6,6 +6,7 @@ none; checked in tests/test_experts.py).
 
 The transformers oracles live apart, in tests/hf_reference.py and tests/glm_reference.py: they import torch.
 """
+import functools
 import json
 import os
 import subprocess
@@ -45,10 +46,12 @@ def glm_o1_params(model, key):
 TINY_T = 75  # tokens of `tiny_model`: > GLM's index_topk = 16, so the indexer really selects
 
 
+@functools.cache
 def tiny_model(family: str):
     """The tiny model of `family` ("qwen36" or "glm52") at O(1) scale -> (model, params, tokens int32 [TINY_T]).
     GLM with small blocks (query and indexer key blocks of 8): several query blocks, several indexer key blocks and a
-    tail block in every call."""
+    tail block in every call. Built once per process (arrays are immutable; the test modules that use it share it,
+    and conftest.py's per-module cache clearing drops compiled programs, not these arrays)."""
     if family == "qwen36":
         model = models.build(models.Qwen36Config.tiny())
         params = o1_params(model.init(jax.random.key(0)), jax.random.key(1))
@@ -59,6 +62,14 @@ def tiny_model(family: str):
         raise ValueError(f"unknown family {family!r}")
     tokens = jax.random.randint(jax.random.key(2), (TINY_T,), 0, model.config.vocab_size, dtype=jnp.int32)
     return model, params, tokens
+
+
+@functools.cache
+def tiny_forward(family: str):
+    """`tiny_model(family)` and its forward logits [TINY_T, vocab] -> (model, params, tokens, logits), once per
+    process."""
+    model, params, tokens = tiny_model(family)
+    return model, params, tokens, model.forward(params, tokens)
 
 
 def rel_err(got, want):

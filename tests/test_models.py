@@ -1,8 +1,8 @@
 """What every model family must do, checked on each (Qwen3.6 and GLM-5.x): extend after a capture == forward (and
 the captured state is the one docs/models.md lists), token-by-token decoding (`advance`) == forward, capture memory
 O(chunk) not O(prompt), the tiny preset files, the real configs' parameter counts, and the errors for bad tokens and
-configs. What only one family has is checked in tests/test_qwen36.py and tests/test_glm52.py."""
-import functools
+configs. What only one family has is checked in tests/test_qwen36.py and tests/test_glm52.py. The tiny models are
+built and run forward once per process (`tests.helpers.tiny_forward`), shared with those two modules."""
 import os
 
 import jax
@@ -12,7 +12,7 @@ import pytest
 
 from longstraw_jax import models
 from longstraw_jax.models.base import capture_chunks
-from tests.helpers import TINY_T, tiny_model
+from tests.helpers import TINY_T, tiny_forward
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 FAMILIES = ("qwen36", "glm52")
@@ -20,19 +20,6 @@ CONFIG = {"qwen36": models.Qwen36Config, "glm52": models.Glm52Config}
 # (split, chunk) of extend-after-capture: for Qwen3.6 chunks of 1, 3, 7, 16, 64 including C > split; fewer for GLM
 # (each is a compile), both with a ragged last chunk and with one chunk larger than the prompt
 SPLITS = {"qwen36": [(40, 7), (40, 1), (33, 64), (64, 16), (1, 3)], "glm52": [(40, 7), (33, 64)]}
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    """family -> (model, params, tokens [TINY_T], forward logits [TINY_T, vocab]) of `tiny_model`, each family built
-    and run forward once per module."""
-
-    @functools.cache
-    def build(family):
-        model, params, tokens = tiny_model(family)
-        return model, params, tokens, model.forward(params, tokens)
-
-    return build
 
 
 def assert_state_is_what_models_md_lists(family, model, state, length):
@@ -51,8 +38,8 @@ def assert_state_is_what_models_md_lists(family, model, state, length):
 
 
 @pytest.mark.parametrize("family,split,chunk", [(f, *case) for f in FAMILIES for case in SPLITS[f]])
-def test_extend_after_capture_equals_forward(tiny, family, split, chunk):
-    model, params, tokens, full = tiny(family)
+def test_extend_after_capture_equals_forward(family, split, chunk):
+    model, params, tokens, full = tiny_forward(family)
     assert float(jnp.std(full)) > 0.3
     state = model.capture(params, tokens[:split], chunk_size=chunk)
     assert_state_is_what_models_md_lists(family, model, state, split)
@@ -60,9 +47,9 @@ def test_extend_after_capture_equals_forward(tiny, family, split, chunk):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_advance_decodes_token_by_token_after_a_capture_with_room(tiny, family):
+def test_advance_decodes_token_by_token_after_a_capture_with_room(family):
     """Decoding: capture into a state with spare capacity, then `advance` one token at a time == forward."""
-    model, params, tokens, full = tiny(family)
+    model, params, tokens, full = tiny_forward(family)
     state = capture_chunks(model, params, tokens[:60], 16, jnp.float32, capacity=TINY_T)
     step = jax.jit(model.advance)
     rows = []
@@ -123,8 +110,8 @@ def test_tiny_preset_file_matches_tiny(family, name):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_token_errors_name_the_bound(tiny, family):
-    model, params, tokens, _ = tiny(family)
+def test_token_errors_name_the_bound(family):
+    model, params, tokens, _ = tiny_forward(family)
     bad = np.asarray(tokens).copy()
     bad[5] = model.config.vocab_size
     with pytest.raises(ValueError, match=r"tokens\[5\] = 512 .*vocab_size=512"):

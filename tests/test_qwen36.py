@@ -10,15 +10,14 @@ import pytest
 
 from longstraw_jax import models
 from longstraw_jax.models.qwen36 import Qwen36Config
-from tests.helpers import tiny_model
+from tests.helpers import tiny_forward
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    model, params, tokens = tiny_model("qwen36")
-    return model, params, tokens, model.forward(params, tokens)
+    return tiny_forward("qwen36")
 
 
 def test_extend_does_not_depend_on_chunk_size_or_gdn_implementation(tiny):
