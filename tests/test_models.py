@@ -23,6 +23,7 @@ SPLITS = {"qwen36": [(40, 7), (40, 1), (33, 64), (64, 16), (1, 3)], "glm52": [(4
 
 
 def assert_state_is_what_models_md_lists(family, model, state, length):
+    """The captured state of `length` positions has the family's fields, shapes and dtypes (docs/models.md)."""
     c = model.config
     assert state.length == length
     if family == "qwen36":  # per block: 3 GDN layers' conv and recurrent state, 1 full-attention layer's keys / values
