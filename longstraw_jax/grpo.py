@@ -130,22 +130,37 @@ class GroupBatch:
 def validate_batch(batch: GroupBatch, vocab_size: int, cfg: GRPOConfig | None = None) -> GroupBatch:
     """Host-side checks with errors that name the field and the bound; returns the batch unchanged.
 
-    Shapes, ranks and dtypes are always checked; values only for concrete arrays (skipped for tracers, so call
-    this before `jit`). JAX clamps out-of-range gather indices silently, so bad token ids must be caught here.
-    With `cfg`, also what the objective needs: ref_logprobs when kl_coef > 0, and (adv_norm="none") rewards whose
-    advantages r - mean fit in float32.
+    Shapes, ranks and dtypes are always checked (`_check_shapes`); values only for concrete arrays (`_check_values`,
+    skipped for tracers, so call this before `jit`). JAX clamps out-of-range gather indices silently, so bad token
+    ids must be caught here. With `cfg`, also what the objective needs: ref_logprobs when kl_coef > 0, and
+    (adv_norm="none") rewards whose advantages r - mean fit in float32.
     """
-    def shape(name):
-        return tuple(np.shape(getattr(batch, name)))
+    _check_shapes(batch, cfg)
+    _check_values(batch, vocab_size, cfg)
+    return batch
 
-    def dtype(name):
-        value = getattr(batch, name)
-        return np.dtype(value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype)
 
-    def host(name):  # concrete values as numpy, or None under tracing
-        value = getattr(batch, name)
-        return np.asarray(value) if is_concrete(value) else None
+def _shape(batch: GroupBatch, name: str) -> tuple:
+    return tuple(np.shape(getattr(batch, name)))
 
+
+def _dtype(batch: GroupBatch, name: str) -> np.dtype:
+    value = getattr(batch, name)
+    return np.dtype(value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype)
+
+
+def _host(batch: GroupBatch, name: str) -> np.ndarray | None:
+    """The field's concrete values as numpy, or None under tracing (or when the field is None)."""
+    value = getattr(batch, name)
+    return np.asarray(value) if value is not None and is_concrete(value) else None
+
+
+def _check_shapes(batch: GroupBatch, cfg: GRPOConfig | None) -> None:
+    """What tracing can see: ranks (one group: prompt [P], responses / mask [G, R], rewards [G]; B groups: a leading
+    [B, ...] on each, the same B), shapes that agree with responses (mask, rewards, old / ref log-probs), B >= 1,
+    P >= 2, G >= 1, R >= 1; dtypes (integer token ids, real rewards, float log-probs); ref_logprobs present when
+    cfg.kl_coef > 0. ValueError / TypeError naming the field, its shape or dtype and the bound."""
+    shape, dtype = functools.partial(_shape, batch), functools.partial(_dtype, batch)
     grouped = len(shape("prompt")) == 2
     lead = shape("prompt")[:1] if grouped else ()
     for name, rank, what in (("prompt", 1, "[P]"), ("responses", 2, "[G, R]"), ("mask", 2, "[G, R]"),
@@ -179,7 +194,20 @@ def validate_batch(batch: GroupBatch, vocab_size: int, cfg: GRPOConfig | None = 
     for name in ("old_logprobs", "ref_logprobs"):
         if getattr(batch, name) is not None and shape(name) != lead + (g, r):
             raise ValueError(f"GroupBatch.{name} has shape {shape(name)}; expected {lead + (g, r)} like responses")
+    if not (np.issubdtype(dtype("rewards"), np.floating) or np.issubdtype(dtype("rewards"), np.integer)):
+        raise TypeError(f"GroupBatch.rewards must be a float array (float32), got dtype {dtype('rewards')}")
+    for name in ("old_logprobs", "ref_logprobs"):
+        if getattr(batch, name) is not None and not np.issubdtype(dtype(name), np.floating):
+            raise TypeError(f"GroupBatch.{name} must be a float array (float32), got dtype {dtype(name)}")
 
+
+def _check_values(batch: GroupBatch, vocab_size: int, cfg: GRPOConfig | None) -> None:
+    """What only concrete arrays show (each check skipped for a traced field), on a batch `_check_shapes` passed:
+    token ids in [0, vocab_size); mask values 0 or 1 with at least one 1 per branch; rewards finite and within
+    float32 range (and, with cfg.adv_norm "none", r - mean too); old / ref log-probs finite and <= 0 where
+    mask = 1. ValueError naming the field, the first offending index and value, and the bound."""
+    host = functools.partial(_host, batch)
+    grouped = len(_shape(batch, "prompt")) == 2
     for name in ("prompt", "responses"):
         ids = host(name)
         if ids is not None:
@@ -198,8 +226,6 @@ def validate_batch(batch: GroupBatch, vocab_size: int, cfg: GRPOConfig | None = 
             which = [tuple(int(i) for i in e) if grouped else int(e[0]) for e in empty]
             raise ValueError(f"GroupBatch.mask is all zero for {'(group, branch)' if grouped else 'branch(es)'} "
                              f"{which}: every response needs at least one real token")
-    if not (np.issubdtype(dtype("rewards"), np.floating) or np.issubdtype(dtype("rewards"), np.integer)):
-        raise TypeError(f"GroupBatch.rewards must be a float array (float32), got dtype {dtype('rewards')}")
     rewards = host("rewards")
     if rewards is not None:
         rewards = rewards.astype(np.float64)
@@ -215,9 +241,7 @@ def validate_batch(batch: GroupBatch, vocab_size: int, cfg: GRPOConfig | None = 
             raise ValueError(f"GroupBatch.rewards {rewards.tolist()}: with adv_norm='none' the advantages r - mean "
                              "overflow float32; scale the rewards down or use adv_norm='std'")
     for name in ("old_logprobs", "ref_logprobs"):
-        if getattr(batch, name) is not None and not np.issubdtype(dtype(name), np.floating):
-            raise TypeError(f"GroupBatch.{name} must be a float array (float32), got dtype {dtype(name)}")
-        values = host(name) if getattr(batch, name) is not None else None
+        values = host(name)
         if values is not None and mask is not None:
             for bad, rule in ((~np.isfinite(values) & (mask == 1), "log-probs of real tokens must be finite"),
                               ((values > 0) & (mask == 1), "log-probs must be <= 0")):
@@ -225,7 +249,6 @@ def validate_batch(batch: GroupBatch, vocab_size: int, cfg: GRPOConfig | None = 
                     where = tuple(int(i) for i in np.argwhere(bad)[0])
                     raise ValueError(f"GroupBatch.{name}[{', '.join(map(str, where))}] = {values[where]} where "
                                      f"mask = 1; {rule}")
-    return batch
 
 
 def group_advantages(rewards: jax.Array, cfg: GRPOConfig) -> jax.Array:

@@ -1,10 +1,12 @@
-"""What several test modules share (no test module imports another): O(1)-scale random parameters, the pytree
-relative error, the engine's test cases and oracles (tests/test_engine.py, reused on GLM by tests/test_glm52.py),
-the sharded-vs-one-device gradient check, the 32-device subprocess runner, and an all-gather emulation of
-`jax.lax.ragged_all_to_all` (XLA:CPU has none; checked in tests/test_experts.py).
+"""What several test modules share (no test module imports another): O(1)-scale random parameters, the tiny model
+of each family (tests/test_models.py, test_qwen36.py, test_glm52.py), the pytree relative error, the engine's test
+cases and oracles (tests/test_engine.py, reused on GLM by tests/test_glm52.py), the sharded-vs-one-device gradient
+check, the 32-device subprocess runner, and an all-gather emulation of `jax.lax.ragged_all_to_all` (XLA:CPU has
+none; checked in tests/test_experts.py).
 
 The transformers oracles live apart, in tests/hf_reference.py and tests/glm_reference.py: they import torch.
 """
+import functools
 import json
 import os
 import subprocess
@@ -13,8 +15,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
-from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, sharding
+from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, sharding
 from longstraw_jax.grpo import grpo_loss
 from longstraw_jax.parallel import rules
 
@@ -31,6 +34,42 @@ def o1_params(params, key):
            * (x.shape[-1] ** -0.5 if x.ndim >= 2 and x.shape[-1] > 4 else 0.3)
            for k, x in zip(keys, leaves)]
     return jax.tree.unflatten(tree, out)
+
+
+def glm_o1_params(model, key):
+    """O(1) random parameters; GLM norms multiply by a plain w, so their weights are 1 + N(0, 0.3^2)."""
+    flat = traverse_util.flatten_dict(o1_params(model.init(jax.random.key(0)), key), sep="/")
+    is_norm = lambda path: path.endswith("norm") and not path.endswith("bias")
+    return traverse_util.unflatten_dict({k: 1.0 + v if is_norm(k) else v for k, v in flat.items()}, sep="/")
+
+
+TINY_T = 75  # tokens of `tiny_model`: > GLM's index_topk = 16, so the indexer really selects
+
+
+@functools.cache
+def tiny_model(family: str):
+    """The tiny model of `family` ("qwen36" or "glm52") at O(1) scale -> (model, params, tokens int32 [TINY_T]).
+    GLM with small blocks (query and indexer key blocks of 8): several query blocks, several indexer key blocks and a
+    tail block in every call. Built once per process (arrays are immutable; the test modules that use it share it,
+    and conftest.py's per-module cache clearing drops compiled programs, not these arrays)."""
+    if family == "qwen36":
+        model = models.build(models.Qwen36Config.tiny())
+        params = o1_params(model.init(jax.random.key(0)), jax.random.key(1))
+    elif family == "glm52":
+        model = models.build(models.Glm52Config.tiny(query_block_size=8, index_key_block_size=8))
+        params = glm_o1_params(model, jax.random.key(1))
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    tokens = jax.random.randint(jax.random.key(2), (TINY_T,), 0, model.config.vocab_size, dtype=jnp.int32)
+    return model, params, tokens
+
+
+@functools.cache
+def tiny_forward(family: str):
+    """`tiny_model(family)` and its forward logits [TINY_T, vocab] -> (model, params, tokens, logits), once per
+    process."""
+    model, params, tokens = tiny_model(family)
+    return model, params, tokens, model.forward(params, tokens)
 
 
 def rel_err(got, want):

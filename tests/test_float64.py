@@ -45,7 +45,7 @@ def build(family: str, dtype):
     else:  # small blocks: several query blocks and indexer key blocks in every call
         model = models.build(Glm52Config.tiny(query_block_size=8, index_key_block_size=8))
     params = o1_params(model.init(jax.random.key(0), dtype=dtype), jax.random.key(1))
-    if family == "glm52":  # GLM norms multiply by a plain w: 1 + N(0, 0.3^2) (tests/test_glm52.py glm_o1_params)
+    if family == "glm52":  # GLM norms multiply by a plain w: 1 + N(0, 0.3^2) (tests/helpers.py glm_o1_params)
         flat = traverse_util.flatten_dict(params, sep="/")
         params = traverse_util.unflatten_dict(
             {k: 1.0 + v if k.endswith("norm") and not k.endswith("bias") else v for k, v in flat.items()}, sep="/")

@@ -1,6 +1,8 @@
-"""GLM-5.x model: capture/extend/advance == forward with sparsity active, the ops against dense references (values
-and gradients), real-size parameter count and state size, capture memory, bad input; and the engine on GLM:
-exact == naive (no gradient into the indexer), detached == stop_gradient autograd (as tests/test_engine.py)."""
+"""GLM-5.x model: sparsity active across the capture boundary, the ops against dense references (values and
+gradients), the real config and state size, config errors; and the engine on GLM: exact == naive (no gradient into
+the indexer), detached == stop_gradient autograd (as tests/test_engine.py), block by block == autodiff. The checks
+every family passes (capture/extend/advance == forward, capture memory, parameter count, token errors) are in
+tests/test_models.py."""
 import dataclasses
 import json
 import os
@@ -19,69 +21,37 @@ from longstraw_jax.ops.mla import sparse_latent_attention
 from longstraw_jax.ops.moe import grouped_swiglu, route
 from tests.helpers import (
     CASES,
+    TINY_T,
     assert_metrics_equal,
     detached_reference,
+    glm_o1_params,
     make_batch,
-    o1_params,
     prompt_only_tokens,
     rel_err,
+    tiny_model,
 )
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
-T = 75  # > index_topk = 16: the indexer really selects
-
-
-def glm_o1_params(model, key):
-    """O(1) random parameters; GLM norms multiply by a plain w, so their weights are 1 + N(0, 0.3^2)."""
-    flat = traverse_util.flatten_dict(o1_params(model.init(jax.random.key(0)), key), sep="/")
-    is_norm = lambda path: path.endswith("norm") and not path.endswith("bias")
-    return traverse_util.unflatten_dict({k: 1.0 + v if is_norm(k) else v for k, v in flat.items()}, sep="/")
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    # small blocks: several query blocks, several indexer key blocks and a tail block in every call
-    model = models.build(Glm52Config.tiny(query_block_size=8, index_key_block_size=8))
-    params = glm_o1_params(model, jax.random.key(1))
-    tokens = jax.random.randint(jax.random.key(2), (T,), 0, model.config.vocab_size, dtype=jnp.int32)
-    return model, params, tokens, model.forward(params, tokens)
-
-
-@pytest.mark.parametrize("split,chunk", [(40, 7), (33, 64)])
-def test_extend_after_capture_equals_forward(tiny, split, chunk):
-    model, params, tokens, full = tiny
-    c = model.config
-    assert float(jnp.std(full)) > 0.3
-    state = model.capture(params, tokens[:split], chunk_size=chunk)
-    assert state.length == split and model.carried(state) == ()
-    assert state.kv.shape == (4, split, c.kv_lora_rank + c.qk_rope_head_dim)  # latent + rope key, every layer
-    assert state.index_keys.shape == (2, split, c.index_head_dim)  # F S F S: full layers only
-    np.testing.assert_allclose(model.extend(params, state, tokens[split:]), full[split:], atol=1e-4)
+    """(model, params, tokens [TINY_T]): `tiny_model("glm52")`, index_topk = 16 < TINY_T (the indexer selects)."""
+    return tiny_model("glm52")
 
 
 def test_branch_selection_crosses_the_capture_boundary(tiny):
     """After a capture of 40 tokens, the branch tokens' selections mix prompt and branch positions and leave most
-    visible positions out (sparsity is active across the boundary); extend == forward is checked above."""
-    model, params, tokens, _ = tiny
+    visible positions out (sparsity is active across the boundary); extend == forward: tests/test_models.py."""
+    model, params, tokens = tiny
     selection = np.asarray(model.index_selection(params, tokens))  # [F, T, k]
-    assert selection.shape == (model.config.num_full_layers, T, 16)
+    assert selection.shape == (model.config.num_full_layers, TINY_T, 16)
     branch = selection[:, 40:]
     assert (branch >= 0).all()  # every branch query sees > 16 positions: all 16 slots used
     assert ((branch < 40).any(-1) & (branch >= 40).any(-1)).any()
     assert (branch < 40).mean() > 0.3
     early = selection[:, 5]  # query 5 sees 6 positions: all selected, the rest of the slots unused
     assert all(sorted(row[row >= 0]) == list(range(6)) for row in early)
-
-
-def test_advance_decodes_token_by_token_after_a_capture_with_room(tiny):
-    model, params, tokens, full = tiny
-    state = capture_chunks(model, params, tokens[:60], 16, jnp.float32, capacity=T)
-    step = jax.jit(model.advance)
-    rows = []
-    for t in range(60, T):
-        hidden, state = step(params, state, tokens[t : t + 1], t)
-        rows.append(model.logits(params, hidden))
-    np.testing.assert_allclose(jnp.concatenate(rows), full[60:], atol=1e-4)
 
 
 # ----- the ops against dense references, values and gradients ---------------------------------------------------
@@ -170,30 +140,11 @@ def test_grouped_experts_and_router_match_a_per_expert_loop(grouped, monkeypatch
                                jnp.stack([ours(x, *args[1:]), ours(probe, *args[1:])]), atol=1e-5)
 
 
-# ----- memory, real size ------------------------------------------------------------------------------------------
+# ----- real size ------------------------------------------------------------------------------------------------
 
 
-def _capture_memory(model, params, prompt, chunk):
-    tokens = jax.ShapeDtypeStruct((prompt,), jnp.int32)
-    mem = jax.jit(model._capture, static_argnums=2).lower(params, tokens, chunk).compile().memory_analysis()
-    return mem, jax.eval_shape(lambda p, t: model._capture(p, t, chunk), params, tokens).nbytes()
-
-
-def test_capture_memory_is_per_chunk_not_per_prompt():
-    """AOT-compile capture of a 64K-token prompt (index_topk 16 << P): temporaries are O(chunk) and do not grow
-    with the prompt, so no [T, P] score or mask array exists (the indexer streams its top-k over key blocks)."""
-    model = models.build(Glm52Config.tiny(index_key_block_size=256))
-    params = jax.eval_shape(model.init, jax.random.key(0))
-    mem, state_bytes = _capture_memory(model, params, 65536, 512)
-    small, _ = _capture_memory(model, params, 16384, 512)
-    print(f"GLM capture P=65536 C=512: state {state_bytes / 2**20:.1f} MiB, temp {mem.temp_size_in_bytes / 2**20:.2f} "
-          f"MiB (P=16384: {small.temp_size_in_bytes / 2**20:.2f} MiB)")
-    assert mem.output_size_in_bytes == pytest.approx(state_bytes, rel=0.01)
-    assert mem.temp_size_in_bytes < state_bytes / 4
-    assert mem.temp_size_in_bytes < 1.05 * small.temp_size_in_bytes  # 4x the prompt, same temporaries
-
-
-def test_real_config_parameter_count_and_state_size():
+def test_real_config_and_state_size():
+    """The fields of configs/glm-5.2.json and the state per token (its parameter count: tests/test_models.py)."""
     cfg = Glm52Config.from_hf(os.path.join(CONFIGS, "glm-5.2.json"), strict=True)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, cfg.rope_theta) == (78, 6144, 154880, 8e6)
     pattern = "".join("F" if t == "full" else "S" for t in cfg.indexer_types)
@@ -201,9 +152,6 @@ def test_real_config_parameter_count_and_state_size():
     assert cfg.mlp_layer_types == ("dense",) * 3 + ("sparse",) * 75
     assert [(len(s.pattern), s.repeats) for s in cfg.segments] == [(1, 3), (4, 18), (1, 3)]
     model = models.build(cfg)
-    shapes = jax.eval_shape(model.init, jax.random.key(0))
-    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
-    assert abs(count - 743.4e9) <= 0.1e9, count  # docs/models.md 2.2: 743.4 B without the MTP layer
     assert model.hf_skipped_prefixes == ("model.layers.78.",)
     per_token = jax.eval_shape(lambda: model.init_state(1, jnp.bfloat16)).nbytes()
     assert per_token == (78 * 576 + 21 * 128) * 2  # docs/architecture.md 6: ~95 KB per token in bf16
@@ -215,24 +163,11 @@ def test_real_config_parameter_count_and_state_size():
     assert Glm52Config.from_hf({**derived, "index_topk_freq": 1}).num_full_layers == 78  # GLM-5 / 5.1
 
 
-def test_tiny_preset_file_matches_tiny():
-    assert Glm52Config.from_hf(os.path.join(CONFIGS, "glm-5.2-tiny.json"), strict=True) == Glm52Config.tiny()
+# ----- bad input (the errors every family gives: tests/test_models.py) ------------------------------------------
 
 
-# ----- bad input --------------------------------------------------------------------------------------------------
-
-
-def test_token_and_config_errors(tiny):
-    model, params, tokens, _ = tiny
-    bad = np.asarray(tokens).copy()
-    bad[5] = model.config.vocab_size
-    with pytest.raises(ValueError, match=r"tokens\[5\] = 512 .*vocab_size=512"):
-        model.forward(params, bad)
-    with pytest.raises(ValueError, match="chunk_size"):
-        model.capture(params, tokens, chunk_size=0)
+def test_config_errors():
     good = Glm52Config.tiny().to_hf()
-    with pytest.raises(ValueError, match="model_type='qwen3_5_text'"):
-        Glm52Config.from_hf({**good, "model_type": "qwen3_5_text"})
     with pytest.raises(ValueError, match=r"indexer_types\[0\] must be 'full'"):
         Glm52Config.from_hf({**good, "indexer_types": ["shared"] + good["indexer_types"][1:]})
     with pytest.raises(ValueError, match="indexer_types has 3 entries but num_hidden_layers=4"):
@@ -243,8 +178,6 @@ def test_token_and_config_errors(tiny):
         Glm52Config.from_hf({**good, "n_group": 3})
     with pytest.raises(ValueError, match="rope_type='yarn'"):
         Glm52Config.from_hf({**good, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
-    with pytest.raises(ValueError, match="frobnicate"):
-        Glm52Config.from_hf({**good, "frobnicate": 1}, strict=True)
     assert Glm52Config.from_hf({**good, "head_dim": 192}) == Glm52Config.tiny()  # overwritten, as transformers
 
 
@@ -268,7 +201,7 @@ naive_fn = jax.jit(naive_grpo_grads, static_argnums=(0, 3))
 def engine_case(tiny):
     """Case A of test_engine (G = 3, ragged masks, chunk 7 over P - 1 = 24, KL on, old logprobs): prompt + response
     is 33 tokens > index_topk, so the selections during capture and replay are sparse."""
-    model, params, _, _ = tiny
+    model, params, _ = tiny
     case = CASES["A"]
     batch = make_batch(model, params, case["lengths"], case["rewards"], case["old"], case["ref"], seed=0)
     exact = grads_fn(model, params, batch, case["cfg"], "exact", case["chunk"])
@@ -276,7 +209,7 @@ def engine_case(tiny):
 
 
 def test_exact_equals_naive(tiny, engine_case):
-    _, params, _, _ = tiny
+    _, params, _ = tiny
     batch, (loss, grads, metrics), (naive_loss, naive_grads, naive_metrics) = engine_case
     chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)  # and the same tree structure
     prompt_only = prompt_only_tokens(batch)
@@ -291,7 +224,7 @@ def test_exact_equals_naive(tiny, engine_case):
 
 
 def test_detached_equals_stop_gradient_autograd_and_differs_from_exact(tiny, engine_case):
-    model, params, _, _ = tiny
+    model, params, _ = tiny
     case = CASES["A"]
     batch, (exact_loss, exact_grads, exact_metrics), _ = engine_case
     loss, grads, metrics = grads_fn(model, params, batch, case["cfg"], "detached", case["chunk"])

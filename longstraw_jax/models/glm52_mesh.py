@@ -88,8 +88,22 @@ class _Layers(NamedTuple):
         return routed_swiglu(x, experts, weights, *weights_of, replicated_over_seq=replicated_over_seq)
 
 
+class _ShardReader:
+    """What every reader on the mesh (`RoundReader`, `ReplayReader`, `DecodeReader`) does the same way: layer
+    parameters and routed experts through its `params` (`_Layers`). replicated_over_seq: whether the layer's tokens
+    are the same on every seq shard (after the prompt) or this shard's own (a capture round)."""
 
-class RoundReader(NamedTuple):
+    replicated_over_seq = False
+
+    def layer_params(self, lp, segment, group):
+        return self.params.layer_params(lp, segment, group)
+
+    def routed_experts(self, x, experts, weights, p):
+        return self.params.routed_experts(x, experts, weights, p, replicated_over_seq=self.replicated_over_seq)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundReader(_ShardReader):
     """Inside `shard_map`: a layer of capture round `index` (laid out by `layout`) on this shard. kv [layers, S, Dk] and
     index_keys [F, S, Di]: this shard's cache slots (`rounds`' stored order), of which the first index *
     round_slots hold the earlier rounds; positions [2L]: the natural positions of this shard's tokens; method:
@@ -103,12 +117,6 @@ class RoundReader(NamedTuple):
     layout: SeqLayout
     params: _Layers
     method: str  # how earlier rounds' rows are read: "ring" or "allgather" (`attend`)
-
-    def layer_params(self, lp, segment, group):
-        return self.params.layer_params(lp, segment, group)
-
-    def routed_experts(self, x, experts, weights, p):
-        return self.params.routed_experts(x, experts, weights, p)
 
     @property
     def offset(self):
@@ -161,9 +169,36 @@ def reads_around_ring(method: str, rows_wanted: int, rounds: RoundLayout) -> boo
     return method == "ring" and rows_wanted < rounds.padded
 
 
-class ReplayReader(NamedTuple):
+class _AfterPrompt(_ShardReader):
+    """A reader of tokens after the prompt, at positions [T] (the same on every shard), over this shard's slice of
+    the prompt state (kv [layers, S, Dk], index_keys [F, S, Di]): the indexer's top-k merges the prompt's candidates
+    (every shard's: `prompt_candidates`) with those among the keys after the prompt (`own_candidates`), attention
+    merges the prompt's partial (over shards: `prompt_partial`) with the partial over the rows after the prompt
+    (`own_partial`). Subclasses have the fields kv, index_keys, positions, rounds, params and the two `own_` methods:
+    own_candidates(q, w, keys, full, common) -> (scores, positions) [T, k], the top-k among the keys after the
+    prompt (natural positions); own_partial(q_abs, rows, layer, index, common) -> `attn_ops.Attended` over the rows
+    after the prompt, index [T, k] = selected - P (-1: a prompt position or an unused slot)."""
+
+    replicated_over_seq = True
+
+    def select(self, c, q, w, keys, full, k):
+        common = _topk_common(c, k)
+        prompt = prompt_candidates(q, w, self.index_keys, self.rounds, self.positions, full, common)
+        own = self.own_candidates(q, w, keys, full, common)
+        return merge_candidates(*(jnp.concatenate(x, axis=-1) for x in zip(prompt, own)), k)[1]
+
+    def attend(self, c, q_abs, rows, layer, selected):
+        length, common = self.rounds.length, _attend_common(c)
+        prompt = prompt_partial(q_abs, self.kv, rows, layer, selected, self.rounds, common)
+        own = self.own_partial(q_abs, rows, layer, jnp.where(selected >= length, selected - length, -1), common)
+        return attn_ops.merge(prompt, own).out
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayReader(_AfterPrompt):
     """Inside `shard_map`: a layer of the replay of tokens at positions [T] = P.. (the same on every shard) over
-    this shard's slice of the prompt state (kv [layers, S, Dk], index_keys [F, S, Di])."""
+    this shard's slice of the prompt state (kv [layers, S, Dk], index_keys [F, S, Di]). After the prompt: the
+    tokens' own keys and rows (causal)."""
 
     kv: jax.Array
     index_keys: jax.Array
@@ -171,27 +206,14 @@ class ReplayReader(NamedTuple):
     rounds: RoundLayout
     params: _Layers
 
-    def layer_params(self, lp, segment, group):
-        return self.params.layer_params(lp, segment, group)
-
-    def routed_experts(self, x, experts, weights, p):
-        return self.params.routed_experts(x, experts, weights, p, replicated_over_seq=True)
-
-    def select(self, c, q, w, keys, full, k):
-        common = _topk_common(c, k)
-        prompt = prompt_candidates(q, w, self.index_keys, self.rounds, self.positions, full, common)
+    def own_candidates(self, q, w, keys, full, common):
         start = self.rounds.length
-        new = topk_over_keys(q, w, keys, self.positions, self.positions,
-                             visible_prefix=lambda pb: jnp.max(pb) - start + 1, **common)
-        return merge_candidates(*(jnp.concatenate(x, axis=-1) for x in zip(prompt, new)), k)[1]
+        return topk_over_keys(q, w, keys, self.positions, self.positions,
+                              visible_prefix=lambda pb: jnp.max(pb) - start + 1, **common)
 
-    def attend(self, c, q_abs, rows, layer, selected):
-        length, common = self.rounds.length, _attend_common(c)
-        prompt = prompt_partial(q_abs, self.kv, rows, layer, selected, self.rounds, common)
+    def own_partial(self, q_abs, rows, layer, index, common):
         empty = jnp.zeros((1, 0, rows.shape[-1]), rows.dtype)
-        new = sparse_latent_attention_partial(q_abs, empty, 0, rows, jnp.where(selected >= length, selected - length,
-                                                                                -1), 0, **common)
-        return attn_ops.merge(prompt, new).out
+        return sparse_latent_attention_partial(q_abs, empty, 0, rows, index, 0, **common)
 
 
 def prompt_candidates(q, w, index_keys, rounds: RoundLayout, positions, full, common: dict):
@@ -216,7 +238,8 @@ def prompt_partial(q_abs, kv, rows, layer, selected, rounds: RoundLayout, common
     return sequence.psum_merge(part)
 
 
-class DecodeReader(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class DecodeReader(_AfterPrompt):
     """Inside `shard_map`: a layer decoding one token at positions [1] (the same on every shard) after this shard's
     slice of the prompt state (kv [layers, S, Dk], index_keys [F, S, Di]) and the replicated tail (`init_tail`: a
     GlmState whose rows hold the decoded positions P.., `slot` of them before the token). The indexer's top-k runs
@@ -232,30 +255,16 @@ class DecodeReader(NamedTuple):
     rounds: RoundLayout
     params: _Layers
 
-    def layer_params(self, lp, segment, group):
-        return self.params.layer_params(lp, segment, group)
-
-    def routed_experts(self, x, experts, weights, p):
-        return self.params.routed_experts(x, experts, weights, p, replicated_over_seq=True)
-
-    def select(self, c, q, w, keys, full, k):
-        common = _topk_common(c, k)
-        prompt = prompt_candidates(q, w, self.index_keys, self.rounds, self.positions, full, common)
+    def own_candidates(self, q, w, keys, full, common):
         # the tail's keys of this layer with the token's own key at its slot: every slot <= self.slot is visible
         tail = jax.lax.dynamic_update_slice_in_dim(self.tail.index_keys[full], keys.astype(self.tail.index_keys.dtype),
                                                    self.slot, 0)
         tail_positions = self.rounds.length + jnp.arange(tail.shape[0], dtype=jnp.int32)
-        mine = topk_over_keys(q, w, tail, tail_positions, self.positions, visible_prefix=self.slot + 1, **common)
-        return merge_candidates(*(jnp.concatenate(x, axis=-1) for x in zip(prompt, mine)), k)[1]
+        return topk_over_keys(q, w, tail, tail_positions, self.positions, visible_prefix=self.slot + 1, **common)
 
-    def attend(self, c, q_abs, rows, layer, selected):
-        length, common = self.rounds.length, _attend_common(c)
-        prompt = prompt_partial(q_abs, self.kv, rows, layer, selected, self.rounds, common)
+    def own_partial(self, q_abs, rows, layer, index, common):
         # tail rows (slots < self.slot) from the tail cache, the token's own (slot == self.slot) from rows
-        mine = sparse_latent_attention_partial(q_abs, self.tail.kv, layer, rows,
-                                               jnp.where(selected >= length, selected - length, -1), self.slot,
-                                               **common)
-        return attn_ops.merge(prompt, mine).out
+        return sparse_latent_attention_partial(q_abs, self.tail.kv, layer, rows, index, self.slot, **common)
 
 
 # ----- capture -------------------------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", 
     policy's entropy (training tokens) and the held-out KL to the start policy; (3) the update: grad norm (raw,
     before clipping) and clip fraction. levels: {label: accuracy} drawn as more horizontal lines in (1), e.g. the
     accuracy of copying a random fact's value. With warm-up records (kind "sft"), a first panel of its loss and batch
-    accuracy per warm-up step."""
+    accuracy per warm-up step. One helper per quantity below; this lays out the panels."""
     # here, not at module level: matplotlib costs ~0.5 s to import and only the end of a run plots; the Agg backend
     # must be chosen before pyplot is imported (headless machines)
     import matplotlib
@@ -129,93 +129,23 @@ def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps_records, evals, warm = split_records(records)
-    if evals:  # the run's own length (a warm-up at another length is evaluated at its length too, at step 0),
-        # after the warm-up (the policy before it is evaluated too)
-        other = [r for r in evals if r["eval_prompt_len"] != evals[-1]["eval_prompt_len"]]
-        before = [r for r in evals if r.get("before_warm_up")]
-        evals = [r for r in evals if r["eval_prompt_len"] == evals[-1]["eval_prompt_len"]
-                 and not r.get("before_warm_up")]
-    value = lambda r, k: r.get(k) if r.get(k) is not None else math.nan
+    steps, evals, warm = split_records(records)
+    evals, other, before = _held_out_kinds(evals)
     panels = 3 + bool(warm)
     fig, axes = plt.subplots(panels, 1, figsize=(8, 2.6 * panels))
     if warm:
-        ax = axes[0]
-        ax.plot([r["sft_step"] for r in warm], [value(r, "sft_loss") for r in warm], "-", label="warm-up loss")
-        ax.set_ylabel("cross-entropy")
-        twin = ax.twinx()
-        acc = [value(r, "sft_accuracy") for r in warm]
-        window = max(1, min(smooth, len(acc)))
-        twin.plot([r["sft_step"] for r in warm][window - 1 :], moving_mean(acc, window), "-", color="C2",
-                  label=f"batch accuracy ({window}-step mean)")
-        twin.set_ylim(-0.02, 1.02)
-        twin.set_ylabel("accuracy")
-        ax.set_xlabel("warm-up step (supervised, before GRPO)")
-        ax.grid(alpha=0.3)
-        lines = ax.get_legend_handles_labels(), twin.get_legend_handles_labels()
-        ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], loc="best", fontsize=8)
+        _warm_up(axes[0], warm, smooth)
         axes = axes[1:]
     top, middle, bottom = axes
-    steps = [r["step"] for r in steps_records]
-    reward = [value(r, "reward_mean") for r in steps_records]
-    top.plot(steps, reward, ".", alpha=0.3, color="C0", label="training reward (group mean)")
-    if len(reward) >= smooth:
-        top.plot(steps[smooth - 1 :], moving_mean(reward, smooth), "-", color="C0",
-                 label=f"training reward ({smooth}-step mean)")
-    accuracy = [value(r, "accuracy") for r in steps_records]
-    if steps_records and "accuracy" in steps_records[-1] and len(accuracy) >= smooth:
-        top.plot(steps[smooth - 1 :], moving_mean(accuracy, smooth), "-", color="C1", alpha=0.7,
-                 label=f"training accuracy ({smooth}-step mean)")
-    if evals:
-        eval_steps = [r["step"] for r in evals]
-        if "eval_accuracy" in evals[-1]:
-            top.plot(eval_steps, [value(r, "eval_accuracy") for r in evals], "o-", color="C3",
-                     label=f"held-out accuracy (greedy, {evals[-1]['eval_prompts']} prompts)")
-        top.plot(eval_steps, [value(r, "eval_reward") for r in evals], "s--", color="C4", alpha=0.7, markersize=4,
-                 label="held-out reward (greedy)")
-        for r in other:
-            top.plot([r["step"]], [value(r, "eval_accuracy")], "*", color="C5", markersize=10,
-                     label=f"held-out accuracy at the warm-up's {r['eval_prompt_len']} tokens")
-        for r in before:
-            top.plot([r["step"]], [value(r, "eval_accuracy")], "x", color="C3", markersize=9,
-                     label="held-out accuracy before the warm-up")
-    if chance is not None:
-        top.axhline(chance, color="gray", linestyle=":", label=f"chance accuracy {chance:.2f}")
-    for i, (label, level) in enumerate((levels or {}).items()):
-        top.axhline(level, color="gray", linestyle=("--", "-.")[i % 2], alpha=0.6, label=f"{label} {level:.2f}")
+    _training_reward(top, steps, smooth)
+    _held_out(top, evals, other, before)
+    _reference_levels(top, chance, levels)
     top.set_ylabel("reward / accuracy")
     top.legend(loc="best", fontsize=7, ncol=2)
-
-    entropy = [value(r, "entropy") for r in steps_records]
-    middle.plot(steps, entropy, "-", color="C0", alpha=0.3, linewidth=0.8)
-    middle.plot(steps[smooth - 1 :], moving_mean(entropy, smooth), "-", color="C0",
-                label=f"entropy (training tokens, nats; {smooth}-step mean)")
-    middle.set_ylabel("entropy")
-    handles = middle.get_legend_handles_labels()
-    kl = [(r["step"], r["eval_kl_to_start"]) for r in evals if r.get("eval_kl_to_start") is not None]
-    if kl:
-        twin = middle.twinx()
-        twin.plot([s for s, _ in kl], [k for _, k in kl], "o-", color="C3",
-                  label="held-out KL(policy || start), first token")
-        twin.set_ylabel("KL (nats)")
-        more = twin.get_legend_handles_labels()
-        handles = (handles[0] + more[0], handles[1] + more[1])
-    middle.legend(*handles, loc="best", fontsize=8)
-
-    grad_norm = [value(r, "grad_norm") for r in steps_records]
-    bottom.plot(steps, grad_norm, "-", color="C0", alpha=0.3, linewidth=0.8)
-    bottom.plot(steps[smooth - 1 :], moving_mean(grad_norm, smooth), "-", color="C0",
-                label=f"grad norm (before clipping; {smooth}-step mean)")
-    bottom.set_ylabel("grad norm")
-    clip = [value(r, "clip_frac") for r in steps_records]
-    twin = bottom.twinx()
-    twin.plot(steps, clip, "-", color="C1", alpha=0.8,
-              label="clip fraction" + (" (0: one on-policy update per batch)"
-                                       if all(c == 0 for c in clip if not math.isnan(c)) else ""))
-    twin.set_ylim(-0.02, max(0.2, max((c for c in clip if not math.isnan(c)), default=0) * 1.1))
-    twin.set_ylabel("clip fraction")
-    handles = bottom.get_legend_handles_labels(), twin.get_legend_handles_labels()
-    bottom.legend(handles[0][0] + handles[1][0], handles[0][1] + handles[1][1], loc="best", fontsize=8)
+    _entropy(middle, steps, smooth)
+    _legend_with_twin(middle, _held_out_kl(middle, evals), loc="best", fontsize=8)
+    _grad_norm(bottom, steps, smooth)
+    _legend_with_twin(bottom, _clip_fraction(bottom, steps), loc="best", fontsize=8)
     bottom.set_xlabel("GRPO step (evaluations at step 0 score the starting policy)")
     for axis in (top, middle):
         axis.sharex(bottom)
@@ -226,3 +156,131 @@ def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", 
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _value(record: dict, key: str) -> float:
+    """record[key], NaN where it is missing or None (a gap in the line)."""
+    return record.get(key) if record.get(key) is not None else math.nan
+
+
+def _legend_with_twin(ax, twin, **kwargs) -> None:
+    """One legend on `ax` for its lines and those of its twin (the right-hand axis; None: none)."""
+    handles, labels = ax.get_legend_handles_labels()
+    if twin is not None:
+        more = twin.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, **kwargs)
+
+
+def _held_out_kinds(evals: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """Evaluation records -> (the curve: at the run's own prompt length (the last record's) after the warm-up; at
+    another length (a warm-up at another length is evaluated at its length too, at step 0); before the warm-up)."""
+    if not evals:
+        return evals, [], []
+    length = evals[-1]["eval_prompt_len"]
+    other = [r for r in evals if r["eval_prompt_len"] != length]
+    before = [r for r in evals if r.get("before_warm_up")]
+    return [r for r in evals if r["eval_prompt_len"] == length and not r.get("before_warm_up")], other, before
+
+
+def _warm_up(ax, warm: list[dict], smooth: int) -> None:
+    """Warm-up panel: loss per warm-up step and, on a twin axis, batch accuracy (`smooth`-step mean, or fewer)."""
+    ax.plot([r["sft_step"] for r in warm], [_value(r, "sft_loss") for r in warm], "-", label="warm-up loss")
+    ax.set_ylabel("cross-entropy")
+    twin = ax.twinx()
+    acc = [_value(r, "sft_accuracy") for r in warm]
+    window = max(1, min(smooth, len(acc)))
+    twin.plot([r["sft_step"] for r in warm][window - 1 :], moving_mean(acc, window), "-", color="C2",
+              label=f"batch accuracy ({window}-step mean)")
+    twin.set_ylim(-0.02, 1.02)
+    twin.set_ylabel("accuracy")
+    ax.set_xlabel("warm-up step (supervised, before GRPO)")
+    ax.grid(alpha=0.3)
+    _legend_with_twin(ax, twin, loc="best", fontsize=8)
+
+
+def _training_reward(ax, steps: list[dict], smooth: int) -> None:
+    """Training reward per step (group mean: points, and a `smooth`-step mean) and training accuracy (`smooth`-step
+    mean, when the records have it)."""
+    x = [r["step"] for r in steps]
+    reward = [_value(r, "reward_mean") for r in steps]
+    ax.plot(x, reward, ".", alpha=0.3, color="C0", label="training reward (group mean)")
+    if len(reward) >= smooth:
+        ax.plot(x[smooth - 1 :], moving_mean(reward, smooth), "-", color="C0",
+                label=f"training reward ({smooth}-step mean)")
+    accuracy = [_value(r, "accuracy") for r in steps]
+    if steps and "accuracy" in steps[-1] and len(accuracy) >= smooth:
+        ax.plot(x[smooth - 1 :], moving_mean(accuracy, smooth), "-", color="C1", alpha=0.7,
+                label=f"training accuracy ({smooth}-step mean)")
+
+
+def _held_out(ax, evals: list[dict], other: list[dict], before: list[dict]) -> None:
+    """Held-out accuracy and reward (greedy) per evaluation (`_held_out_kinds`), and single markers for the
+    evaluations at another prompt length and before the warm-up."""
+    if not evals:
+        return
+    x = [r["step"] for r in evals]
+    if "eval_accuracy" in evals[-1]:
+        ax.plot(x, [_value(r, "eval_accuracy") for r in evals], "o-", color="C3",
+                label=f"held-out accuracy (greedy, {evals[-1]['eval_prompts']} prompts)")
+    ax.plot(x, [_value(r, "eval_reward") for r in evals], "s--", color="C4", alpha=0.7, markersize=4,
+            label="held-out reward (greedy)")
+    for r in other:
+        ax.plot([r["step"]], [_value(r, "eval_accuracy")], "*", color="C5", markersize=10,
+                label=f"held-out accuracy at the warm-up's {r['eval_prompt_len']} tokens")
+    for r in before:
+        ax.plot([r["step"]], [_value(r, "eval_accuracy")], "x", color="C3", markersize=9,
+                label="held-out accuracy before the warm-up")
+
+
+def _reference_levels(ax, chance: float | None, levels: dict | None) -> None:
+    """Horizontal lines: chance accuracy, and each of `levels` ({label: accuracy})."""
+    if chance is not None:
+        ax.axhline(chance, color="gray", linestyle=":", label=f"chance accuracy {chance:.2f}")
+    for i, (label, level) in enumerate((levels or {}).items()):
+        ax.axhline(level, color="gray", linestyle=("--", "-.")[i % 2], alpha=0.6, label=f"{label} {level:.2f}")
+
+
+def _entropy(ax, steps: list[dict], smooth: int) -> None:
+    """The policy's entropy on the training tokens per step (faint) and its `smooth`-step mean."""
+    x = [r["step"] for r in steps]
+    entropy = [_value(r, "entropy") for r in steps]
+    ax.plot(x, entropy, "-", color="C0", alpha=0.3, linewidth=0.8)
+    ax.plot(x[smooth - 1 :], moving_mean(entropy, smooth), "-", color="C0",
+            label=f"entropy (training tokens, nats; {smooth}-step mean)")
+    ax.set_ylabel("entropy")
+
+
+def _held_out_kl(ax, evals: list[dict]):
+    """The held-out KL to the start policy per evaluation, on a twin axis of `ax` -> the twin, or None when no
+    evaluation has it."""
+    kl = [(r["step"], r["eval_kl_to_start"]) for r in evals if r.get("eval_kl_to_start") is not None]
+    if not kl:
+        return None
+    twin = ax.twinx()
+    twin.plot([s for s, _ in kl], [k for _, k in kl], "o-", color="C3",
+              label="held-out KL(policy || start), first token")
+    twin.set_ylabel("KL (nats)")
+    return twin
+
+
+def _grad_norm(ax, steps: list[dict], smooth: int) -> None:
+    """The raw gradient norm (before clipping) per step (faint) and its `smooth`-step mean."""
+    x = [r["step"] for r in steps]
+    grad_norm = [_value(r, "grad_norm") for r in steps]
+    ax.plot(x, grad_norm, "-", color="C0", alpha=0.3, linewidth=0.8)
+    ax.plot(x[smooth - 1 :], moving_mean(grad_norm, smooth), "-", color="C0",
+            label=f"grad norm (before clipping; {smooth}-step mean)")
+    ax.set_ylabel("grad norm")
+
+
+def _clip_fraction(ax, steps: list[dict]):
+    """The PPO clip fraction per step on a twin axis of `ax` (y from 0 to at least 0.2) -> the twin."""
+    clip = [_value(r, "clip_frac") for r in steps]
+    twin = ax.twinx()
+    twin.plot([r["step"] for r in steps], clip, "-", color="C1", alpha=0.8,
+              label="clip fraction" + (" (0: one on-policy update per batch)"
+                                       if all(c == 0 for c in clip if not math.isnan(c)) else ""))
+    twin.set_ylim(-0.02, max(0.2, max((c for c in clip if not math.isnan(c)), default=0) * 1.1))
+    twin.set_ylabel("clip fraction")
+    return twin
