@@ -21,7 +21,7 @@ import numpy as np
 
 from longstraw_jax.models.base import chunk_layout
 from longstraw_jax.parallel.groups import check_groups, over_data
-from longstraw_jax.sampling import branches as rollout, mesh as mesh_sample
+from longstraw_jax.sampling import branches as rollout, mesh as mesh_sampling
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sharding.prompt import round_layout
 from longstraw_jax.validation import check_size
@@ -59,7 +59,7 @@ def _one_device(model, params, prompts, keys, num_branches, sampling, chunk_size
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
 def _on_mesh(model, params, prompts, keys, num_branches, sampling, mesh, layout, keep_capture):
     def slice_groups(params, local):
-        one = lambda x: mesh_sample.sample_traced(model, params, x[0], x[1], num_branches, sampling, mesh, layout,
+        one = lambda x: mesh_sampling.sample_traced(model, params, x[0], x[1], num_branches, sampling, mesh, layout,
                                                   keep_capture=keep_capture)
         return jax.lax.map(one, local)
 

@@ -31,7 +31,7 @@ from longstraw_jax.trainer import (
     metrics,
     outdir as run_outdir,
     setup as run_setup,
-    warmup as sft,
+    warmup,
 )
 from longstraw_jax.trainer.config import RunConfig, RunError
 
@@ -176,10 +176,10 @@ class Trainer:
         if config.sft_steps and self.data.task is not None and not self.freezes:
             if self.evaluator is not None:  # the policy before the warm-up (a random init: what the warm-up adds)
                 self.pending.append(dict(self.evaluate(say, label="before the warm-up"), before_warm_up=True))
-            task = sft.warm_up_task(config, self.model.config.vocab_size)
+            task = warmup.warm_up_task(config, self.model.config.vocab_size)
             say(f"warm-up: {config.sft_steps} supervised steps x {config.sft_batch} prompts of "
                 f"{config.sft_prompt_len or config.prompt_len} tokens, lr {config.sft_lr}", flush=True)
-            self.params, records = sft.warm_up(self.model, self.params, task, config.sft_steps, config.sft_batch,
+            self.params, records = warmup.warm_up(self.model, self.params, task, config.sft_steps, config.sft_batch,
                                                config.sft_lr, getattr(task, "pad_token", 0), say=say,
                                                place=lambda tree: run_setup.place(tree, self.mesh, self.params))
             self.pending.extend(records)

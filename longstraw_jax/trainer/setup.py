@@ -16,7 +16,7 @@ import numpy as np
 
 from longstraw_jax import lora, models, trainable
 from longstraw_jax.grpo import GroupBatch
-from longstraw_jax.io import checkpoints as orbax_io, peft
+from longstraw_jax.io import checkpoints, peft
 from longstraw_jax.parallel import rules
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sampling.groups import sample_groups
@@ -42,7 +42,7 @@ def load_model(config: RunConfig):
             if config.hf:
                 return models.load_hf(config.hf, dtype=dtype)
             if config.init_from:
-                return orbax_io.load_init_dir(config.init_from, dtype=dtype)
+                return checkpoints.load_init_dir(config.init_from, dtype=dtype)
             if config.model == "tiny":
                 model_config = models.Qwen36Config.tiny(vocab_size=config.vocab_size)
             else:
