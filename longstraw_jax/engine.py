@@ -46,7 +46,7 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
 
     captured: the sampler's capture of prompt[:-1] (`sampling.branches.Captured` on one device, with boundaries in exact
     mode; `sampling.mesh.ShardedCaptured` on a mesh), stacked over groups like the batch: the update then does not
-    capture again (one capture per step). It must come from the same params, prompt and chunk_size (round_len on a
+    capture again (one capture per step). It must come from the same params, prompt and chunk_size (chunk_size on a
     mesh).
 
     frozen: parameters that are not trained (`trainable.split`: params and frozen are two trees of the same
@@ -71,7 +71,7 @@ def grpo_grads_unvalidated(model, params, batch: GroupBatch, cfg: GRPOConfig, mo
     a training step validates its batch once)."""
     chunk_layout(batch.prompt.shape[-1] - 1, chunk_size)
     if mesh is not None:
-        return sharded.grpo_grads(model, params, batch, cfg, mode, mesh, round_len=chunk_size, captured=captured,
+        return sharded.grpo_grads(model, params, batch, cfg, mode, mesh, chunk_size=chunk_size, captured=captured,
                                   frozen=frozen)
     if captured is not None:
         check_captured(captured, batch, mode)
@@ -97,7 +97,7 @@ def jitted_grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: s
     checks: what ahead-of-time tools lower (tools/bench_step.py, tools/bench_glm_backward.py)."""
     trainable, params = params, merge(params, frozen)  # the accumulator is shaped like the trainable part
     grouped = batch.as_groups()
-    if captured is not None and batch.num_groups is None:
+    if captured is not None and batch.groups_per_step is None:
         captured = jax.tree.map(lambda x: x[None], captured)
     groups = (grouped, token_weights(grouped.mask, cfg), batch_advantages(grouped.rewards, cfg), captured)
 

@@ -104,12 +104,12 @@ class GroupBatch:
     ref_logprobs: jax.Array | None = None
 
     @property
-    def num_groups(self) -> int | None:
+    def groups_per_step(self) -> int | None:
         """B for a batch of groups (leading group axis), None for one group."""
         return self.prompt.shape[0] if np.ndim(self.prompt) == 2 else None
 
     @property
-    def num_branches(self) -> int:
+    def group_size(self) -> int:
         return self.responses.shape[-2]
 
     @property
@@ -118,7 +118,7 @@ class GroupBatch:
 
     def as_groups(self) -> "GroupBatch":
         """The batch with a leading group axis (one group -> B = 1; a batch of groups unchanged)."""
-        if self.num_groups is not None:
+        if self.groups_per_step is not None:
             return self
         return jax.tree.map(lambda x: x[None], self)
 

@@ -44,7 +44,7 @@ def naive_grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig,
 
     def loss_fn(params):
         params = merge(params, frozen)
-        if batch.num_groups is None:
+        if batch.groups_per_step is None:
             logp, entropy = response_logprobs(model, params, prompt, responses, remat)
         else:
             logp, entropy = jax.vmap(lambda p, r: response_logprobs(model, params, p, r, remat))(prompt, responses)

@@ -41,8 +41,8 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
     """
     branch_grads = model.branch_grads if branch_grads is None else branch_grads
     responses = batch.responses.astype(jnp.int32)
-    num_branches, length = responses.shape
-    inputs = jnp.concatenate([jnp.full((num_branches, 1), batch.prompt[-1], jnp.int32), responses[:, :-1]], axis=1)
+    group_size, length = responses.shape
+    inputs = jnp.concatenate([jnp.full((group_size, 1), batch.prompt[-1], jnp.int32), responses[:, :-1]], axis=1)
     xs = dict(inputs=inputs, targets=responses, mask=batch.mask.astype(jnp.float32),
               weights=token_weights(batch.mask, cfg) if weights is None else weights,
               advantage=group_advantages(batch.rewards, cfg) if advantages is None else advantages,

@@ -86,8 +86,8 @@ def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.Gra
     validate_batch(batch, model.config.vocab_size, cfg)
     chunk_size = check_size(chunk_size, "chunk_size")
     chunk_layout(batch.prompt.shape[-1] - 1, chunk_size)
-    if mesh is not None and batch.num_groups is not None:
-        check_groups(batch.num_groups, mesh)
+    if mesh is not None and batch.groups_per_step is not None:
+        check_groups(batch.groups_per_step, mesh)
     if mesh is None and captured is not None:
         check_captured(captured, batch, mode)
     step = jitted_train_step_donated if donate else jitted_train_step

@@ -60,7 +60,7 @@ def test_plan_capacity_prints_per_device_components(tmp_path):
     data slice) and on 1x8 (tiny GLM-5.2, exact): the per-device components of both phases, the step's peak and
     --json."""
     result = _plan("--config", "configs/qwen3.6-tiny.json", "--mesh", "2x4", "-P", "200", "-G", "2", "-R", "8",
-                   "--modes", "detached", "--dtype", "float32", "--chunk", "64", "--device-gb", "0.001",
+                   "--modes", "detached", "--dtype", "float32", "--chunk-size", "64", "--device-gb", "0.001",
                    "--unit", "MiB", "--groups-per-step", "4", "--json", str(tmp_path / "plan.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     (update,) = _rows(result.stdout, "Update phase", "detached")
@@ -84,7 +84,7 @@ def test_plan_capacity_prints_per_device_components(tmp_path):
     assert step[0] == "full" and cell["train"] == "full" and plan["setup"]["train"] == "full"
     assert step[-1] == "no" and step[8] == cell["peak_phase"] and abs(float(step[7]) - cell["peak"] / 2**20) <= 0.005
     glm = _plan("--config", "configs/glm-5.2-tiny.json", "--mesh", "1x8", "-P", "200", "-G", "2", "-R", "4",
-                "--modes", "exact", "--dtype", "float32", "--chunk", "64", "--unit", "MiB")
+                "--modes", "exact", "--dtype", "float32", "--chunk-size", "64", "--unit", "MiB")
     assert glm.returncode == 0, glm.stderr[-3000:]
     (update,) = _rows(glm.stdout, "Update phase", "exact")
     params, optimizer, grads, state, cotangent, rest, others, total = map(float, update[5:13])
@@ -180,7 +180,7 @@ def test_planner_sampling_matches_the_compiled_sampler():
     params = jax.eval_shape(lambda key: planner.model.init(key, jnp.float32), jax.random.key(0))
     compiled = rollout._sample_group.lower(
         planner.model, params, jax.ShapeDtypeStruct((prompt_len,), jnp.int32), jax.eval_shape(jax.random.key, 0),
-        group, rollout.SamplingConfig(max_new_tokens=response_len), chunk).compile()
+        group, rollout.SamplingConfig(response_len=response_len), chunk).compile()
     measured = capacity.memory_total(compiled)["total"]
     assert 0.9 <= estimate / measured <= 1.25, (estimate, measured)
     assert np.isfinite(estimate / measured)

@@ -11,7 +11,7 @@ from longstraw_jax.layerwise import Stage
 from longstraw_jax.models.base import BlockModel, CausalLM, Model, PromptState, SequenceParallel
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "longstraw_jax"
-FAMILY_CLASSES = {"Qwen36", "Qwen36Config", "Qwen36State", "Glm52", "Glm52Config", "GlmState"}
+FAMILY_CLASSES = {"Qwen36", "Qwen36Config", "Qwen36State", "Glm52", "Glm52Config", "Glm52State"}
 # a family's own files (the model and its sharding adapter), and the registry that maps model_type to the classes
 FAMILY_FILES = {"models/qwen36.py", "models/glm52.py", "models/qwen36_mesh.py", "models/glm52_mesh.py",
                 "models/registry.py"}

@@ -149,11 +149,11 @@ def test_errors_before_any_computation(model_params, cases, monkeypatch):
 # ----- memory: AOT compile only ------------------------------------------------------------------------------------
 
 
-def _memory(model, mode, num_branches, prompt_len, response_len, chunk):
+def _memory(model, mode, group_size, prompt_len, response_len, chunk):
     """AOT memory_analysis() of one grpo_grads step ("naive" for naive_grpo_grads) from abstract shapes only."""
     params = jax.eval_shape(model.init, jax.random.key(0))
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    g, r = num_branches, response_len
+    g, r = group_size, response_len
     batch = GroupBatch(prompt=jax.ShapeDtypeStruct((prompt_len,), jnp.int32),
                        responses=jax.ShapeDtypeStruct((g, r), jnp.int32), mask=f32(g, r), rewards=f32(g),
                        old_logprobs=f32(g, r), ref_logprobs=f32(g, r))

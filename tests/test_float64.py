@@ -7,7 +7,7 @@ are float64 and everything runs under `jax_enable_x64` (accumulators float64 too
 
     1. exact grpo_grads == naive_grpo_grads (chunk_size 7: P - 1 = 29 = 4 chunks of 7 + a remainder of 1),
     2. two exact chunk layouts agree (7 vs 32: the whole prompt in one chunk),
-    3. exact on a 2x4 mesh == one device: Qwen3.6 in rounds (round_len 8 -> a full round of 24 positions and a
+    3. exact on a 2x4 mesh == one device: Qwen3.6 in rounds (chunk_size 8 -> a full round of 24 positions and a
        last one of 5), GLM-5.2 in one round (its rounds cost another ~15 s of compile; float32 covers them in
        test_sharding_glm.py),
 
@@ -31,7 +31,7 @@ from tests.helpers import o1_params, prompt_only_tokens, rel_err
 
 P, R = 30, 6
 LAYOUTS = (7, 32)  # P - 1 = 29 prompt positions: 4 x 7 + 1, one chunk
-MESH, ROUND = "2x4", {"qwen36": 8, "glm52": 64}  # round_len on the mesh: several rounds, one round
+MESH, ROUND = "2x4", {"qwen36": 8, "glm52": 64}  # chunk_size on the mesh: several rounds, one round
 CFG = GRPOConfig(kl_coef=0.1)
 TOL = 1e-10
 PAIRS = {"exact vs naive": ("exact7", "naive"), "layouts": ("exact32", "exact7"),

@@ -25,15 +25,15 @@ def _model(family: str):
     return model, o1_params(model.init(jax.random.key(0)), jax.random.key(1))
 
 
-def _groups(vocab: int, num_groups: int, seed: int = 0) -> GroupBatch:
+def _groups(vocab: int, groups_per_step: int, seed: int = 0) -> GroupBatch:
     """B groups with different prompts, ragged masks, distinct rewards per group, old and ref log-probs."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, R + 1, (num_groups, G))
+    lengths = rng.integers(1, R + 1, (groups_per_step, G))
     mask = (np.arange(R) < lengths[..., None]).astype(np.float32)
     logp = lambda: rng.normal(-6, 0.3, mask.shape).astype(np.float32)
-    return GroupBatch(prompt=rng.integers(0, vocab, (num_groups, P)).astype(np.int32),
-                      responses=rng.integers(0, vocab, (num_groups, G, R)).astype(np.int32), mask=mask,
-                      rewards=rng.normal(0, 1, (num_groups, G)).astype(np.float32),
+    return GroupBatch(prompt=rng.integers(0, vocab, (groups_per_step, P)).astype(np.int32),
+                      responses=rng.integers(0, vocab, (groups_per_step, G, R)).astype(np.int32), mask=mask,
+                      rewards=rng.normal(0, 1, (groups_per_step, G)).astype(np.float32),
                       old_logprobs=np.where(mask == 1, logp(), np.nan).astype(np.float32), ref_logprobs=logp())
 
 
@@ -101,14 +101,14 @@ def _on_mesh(model, params, batch, mode, spec, chunk_size=8):
     return grpo_grads(model, placed, batch, CFG, mode, chunk_size=chunk_size, mesh=mesh)
 
 
-@pytest.mark.parametrize("family,mode,num_groups", [("qwen", "exact", 2), ("qwen", "detached", 4),
+@pytest.mark.parametrize("family,mode,groups_per_step", [("qwen", "exact", 2), ("qwen", "detached", 4),
                                                     ("glm", "exact", 2)])
-def test_groups_on_the_mesh_equal_one_device(family, mode, num_groups, monkeypatch):
+def test_groups_on_the_mesh_equal_one_device(family, mode, groups_per_step, monkeypatch):
     """2x4: each data slice runs B/2 groups over its 4 seq devices (rounds of 8 positions). A debug callback at each
     group records (data index, group index) where it runs (once per data slice: `seq` is not manual there): each group
     is computed once, by its own slice, never by the other."""
     model, params = _model(family)
-    batch = _groups(model.config.vocab_size, num_groups, seed=num_groups)
+    batch = _groups(model.config.vocab_size, groups_per_step, seed=groups_per_step)
     want_loss, want_grads, want_metrics = grpo_grads(model, params, batch, CFG, mode, chunk_size=8)
     seen = []
     monkeypatch.setattr(groups_lib, "observe", lambda index: jax.debug.callback(
@@ -118,8 +118,8 @@ def test_groups_on_the_mesh_equal_one_device(family, mode, num_groups, monkeypat
     assert abs(float(loss) - float(want_loss)) <= 1e-5 * max(1.0, abs(float(want_loss)))
     assert rel_err(grads, want_grads) <= 1e-4
     assert_metrics_equal(metrics, want_metrics)
-    per_slice = num_groups // 2
-    assert sorted(seen) == [(g // per_slice, g) for g in range(num_groups)]  # once each, by its own slice
+    per_slice = groups_per_step // 2
+    assert sorted(seen) == [(g // per_slice, g) for g in range(groups_per_step)]  # once each, by its own slice
 
 
 def test_one_capture_per_step(monkeypatch):
@@ -145,7 +145,7 @@ def test_one_capture_per_step(monkeypatch):
     params = o1_params(model.init(jax.random.key(0)), jax.random.key(1))
     prompts = np.random.default_rng(3).integers(0, 37, (2, P))
     keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.key(4), b))(np.arange(2))
-    rollouts, captured = sample_groups(model, params, prompts, keys, G, SamplingConfig(max_new_tokens=R), 8)
+    rollouts, captured = sample_groups(model, params, prompts, keys, G, SamplingConfig(response_len=R), 8)
     batch = GroupBatch(prompt=prompts.astype(np.int32), responses=np.asarray(rollouts.responses),
                        mask=np.asarray(rollouts.mask), rewards=np.array([[1.0, 0.0, 0.5], [0.0, 0.0, 2.0]], np.float32),
                        old_logprobs=np.asarray(rollouts.logprobs))

@@ -388,8 +388,8 @@ def test_numpy_integer_sizes_are_accepted_bool_and_float_are_not():
     cfg = GRPOConfig(logprob_chunk=np.int64(4))
     assert cfg.logprob_chunk == 4 and type(cfg.logprob_chunk) is int and hash(cfg) == hash(GRPOConfig(logprob_chunk=4))
     assert chunk_layout(10, np.int32(4)) == (2, 2)
-    sampling = SamplingConfig(max_new_tokens=np.int64(3), temperature=np.float32(0.5), stop_token=np.int16(2))
-    assert sampling == SamplingConfig(max_new_tokens=3, temperature=0.5, stop_token=2)
+    sampling = SamplingConfig(response_len=np.int64(3), temperature=np.float32(0.5), stop_token=np.int16(2))
+    assert sampling == SamplingConfig(response_len=3, temperature=0.5, stop_token=2)
     hidden, head = jnp.ones((5, 3)), jnp.ones((7, 3))
     logp, _ = token_logprobs(hidden, head, jnp.zeros(5, jnp.int32), np.uint8(2))
     assert logp.shape == (5,)
@@ -398,8 +398,8 @@ def test_numpy_integer_sizes_are_accepted_bool_and_float_are_not():
             GRPOConfig(logprob_chunk=bad)
         with pytest.raises(ValueError, match="chunk_size must be a positive int"):
             chunk_layout(10, bad)
-        with pytest.raises(ValueError, match="max_new_tokens"):
-            SamplingConfig(max_new_tokens=bad)
+        with pytest.raises(ValueError, match="response_len"):
+            SamplingConfig(response_len=bad)
 
 
 def test_numpy_integer_sizes_reach_the_jitted_functions_as_python_ints(monkeypatch):

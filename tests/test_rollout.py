@@ -50,7 +50,7 @@ def full_logits(model, params, prompt, responses):
 def test_tokens_and_logprobs_match_a_full_recompute(setup, temperature, top_p):
     model, params, prompt = setup
     key = jax.random.key(42)
-    sampling = SamplingConfig(max_new_tokens=R, temperature=temperature, top_p=top_p)
+    sampling = SamplingConfig(response_len=R, temperature=temperature, top_p=top_p)
     out = sample_group(model, params, prompt, G, sampling, key, chunk_size=CHUNK)
     responses = np.asarray(out.responses)
     assert responses.shape == (G, R) and np.all(np.asarray(out.mask) == 1)
@@ -76,7 +76,7 @@ def test_greedy_is_the_argmax_of_a_full_recompute(setup):
     """temperature 0: every token is the argmax of the full recompute's logits at its position, every branch is
     the same whatever the key, sample_logprobs are 0 (a point mass) and logprobs are the policy's."""
     model, params, prompt = setup
-    greedy = SamplingConfig(max_new_tokens=R, temperature=0.0)
+    greedy = SamplingConfig(response_len=R, temperature=0.0)
     out = sample_group(model, params, prompt, 2, greedy, jax.random.key(1), chunk_size=CHUNK)
     other = sample_group(model, params, prompt, 2, greedy, jax.random.key(2), chunk_size=CHUNK)
     responses = np.asarray(out.responses)
@@ -98,7 +98,7 @@ def test_glm_samples_through_the_same_protocol():
     params = o1_params(model.init(jax.random.key(0)), jax.random.key(2))
     prompt = np.random.default_rng(1).integers(0, 64, P).astype(np.int32)
     key = jax.random.key(3)
-    out = sample_group(model, params, prompt, 2, SamplingConfig(max_new_tokens=4), key, chunk_size=CHUNK)
+    out = sample_group(model, params, prompt, 2, SamplingConfig(response_len=4), key, chunk_size=CHUNK)
     logits = full_logits(model, params, prompt, out.responses)
     for g, branch_key in enumerate(jax.random.split(key, 2)):
         for t in range(4):
@@ -110,10 +110,10 @@ def test_glm_samples_through_the_same_protocol():
 def test_stop_token_masks_and_pads(setup):
     model, params, prompt = setup
     key = jax.random.key(7)
-    free = sample_group(model, params, prompt, G, SamplingConfig(max_new_tokens=R), key, chunk_size=CHUNK)
+    free = sample_group(model, params, prompt, G, SamplingConfig(response_len=R), key, chunk_size=CHUNK)
     stop = int(free.responses[1, 2])  # branch 1 stops at t = 2 (or earlier, if the token appeared before)
     pad = 63 if stop != 63 else 62
-    out = sample_group(model, params, prompt, G, SamplingConfig(max_new_tokens=R, stop_token=stop, pad_token=pad),
+    out = sample_group(model, params, prompt, G, SamplingConfig(response_len=R, stop_token=stop, pad_token=pad),
                        key, chunk_size=CHUNK)
     for g in range(G):
         row = np.asarray(free.responses[g])
@@ -141,7 +141,7 @@ def test_top_p_keeps_the_nucleus():
 def test_bad_input_raises(setup):
     model, params, prompt = setup
     key = jax.random.key(0)
-    ok = SamplingConfig(max_new_tokens=2)
+    ok = SamplingConfig(response_len=2)
     with pytest.raises(ValueError, match=r"G\) = 0"):
         sample_group(model, params, prompt, 0, ok, key)
     bad_prompt = prompt.copy()
@@ -149,10 +149,10 @@ def test_bad_input_raises(setup):
     with pytest.raises(ValueError, match=r"prompt\[3\] = 64 is out of range"):
         sample_group(model, params, bad_prompt, 2, ok, key)
     with pytest.raises(ValueError, match=r"stop_token=64 is out of range"):
-        sample_group(model, params, prompt, 2, SamplingConfig(max_new_tokens=2, stop_token=64), key)
+        sample_group(model, params, prompt, 2, SamplingConfig(response_len=2, stop_token=64), key)
     with pytest.raises(ValueError, match="need at least 2"):
         sample_group(model, params, prompt[:1], 2, ok, key)
-    for bad in (dict(max_new_tokens=0), dict(temperature=-0.5), dict(top_p=1.5), dict(stop_token=-1)):
+    for bad in (dict(response_len=0), dict(temperature=-0.5), dict(top_p=1.5), dict(stop_token=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingConfig(**bad)
 
@@ -160,7 +160,7 @@ def test_bad_input_raises(setup):
 def test_memory_does_not_grow_with_group_size(setup):
     """Temporaries of the compiled sampler at G = 1 and G = 16 differ by far less than one copy of the state."""
     model, params, _ = setup
-    length, sampling = 4096, SamplingConfig(max_new_tokens=4)
+    length, sampling = 4096, SamplingConfig(response_len=4)
     prompt = jax.ShapeDtypeStruct((length,), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
     temp = {}
@@ -199,7 +199,7 @@ def test_keep_capture_returns_the_engines_capture(setup, family):
     model, params, prompt = setup if family == "qwen36" else _glm_setup()
     # GLM: the sampler test_glm_samples_through_the_same_protocol compiled (G 2, R 4), so only keep_capture compiles
     g, r = (G, R) if family == "qwen36" else (2, 4)
-    key, sampling = jax.random.key(5), SamplingConfig(max_new_tokens=r)
+    key, sampling = jax.random.key(5), SamplingConfig(response_len=r)
     plain = sample_group(model, params, prompt, g, sampling, key, chunk_size=CHUNK)
     out, captured = sample_group(model, params, prompt, g, sampling, key, chunk_size=CHUNK, keep_capture=True)
     np.testing.assert_array_equal(out.responses, plain.responses)
@@ -267,7 +267,7 @@ def test_the_traced_sampler_vmaps_over_groups(setup):
     model, params, prompt = setup
     prompts = np.stack([prompt, np.roll(prompt, 3)])
     keys = jax.random.split(jax.random.key(11), 2)
-    sampling = SamplingConfig(max_new_tokens=3, stop_token=int(prompt[0]))
+    sampling = SamplingConfig(response_len=3, stop_token=int(prompt[0]))
     batched = jax.jit(jax.vmap(lambda p, k: rollout.sample_traced(model, params, p, k, 2, sampling, CHUNK, True)))
     out, captured = batched(jnp.asarray(prompts), keys)
     assert captured.state.length == P - 1 and captured.state.keys.shape[:3] == (2, 1, 1)

@@ -44,14 +44,14 @@ def tiny():
     return model, params, tokens, reference, model.extend(params, reference, tokens[PROMPT:])
 
 
-@pytest.mark.parametrize("spec,round_len", [("2x4", None), ("1x8", 16), ("4x2", 12)])
-def test_sharded_capture_and_extend_equal_one_device(tiny, spec, round_len):
+@pytest.mark.parametrize("spec,chunk_size", [("2x4", None), ("1x8", 16), ("4x2", 12)])
+def test_sharded_capture_and_extend_equal_one_device(tiny, spec, chunk_size):
     """One round on 2x4; rounds on 1x8 (2 full rounds of 16 + 13; earlier rounds' rows read around the ring) and 4x2
     (3 full rounds of 12 + 9; 6 queries x k 16 per shard select more rows than the layer's 48: all-gathered)."""
     model, params, tokens, reference, logits = tiny
     mesh = sharding.make_mesh(spec)
     params = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
-    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, round_len=round_len)
+    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, chunk_size=chunk_size)
     assert sstate.layout.full == {"2x4": 0, "1x8": 2, "4x2": 3}[spec]
     per_device = sstate.layout.padded // mesh.shape["seq"]
     for name in ("kv", "index_keys"):  # split along seq: each device holds 1/seq of the positions

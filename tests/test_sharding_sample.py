@@ -50,17 +50,17 @@ def _assert_same_rollout(got, want):
 def test_mesh_sampler_equals_one_device_and_keeps_the_sharded_capture(family, spec):
     model, params, prompt = _setup(family)
     key = jax.random.key(4)
-    sampling = SamplingConfig(max_new_tokens=R, temperature=0.8)
+    sampling = SamplingConfig(response_len=R, temperature=0.8)
     if family == "qwen36":  # a stop token that ends branch 1 early (mask and padding must follow)
         free = rollout.sample_group(model, params, prompt, G, sampling, key, chunk_size=8)
-        sampling = SamplingConfig(max_new_tokens=R, temperature=0.8, stop_token=int(free.responses[1, 1]),
+        sampling = SamplingConfig(response_len=R, temperature=0.8, stop_token=int(free.responses[1, 1]),
                                   pad_token=63)
     want = rollout.sample_group(model, params, prompt, G, sampling, key, chunk_size=8)
     if family == "qwen36":
         assert want.mask[1].sum() <= 2 and want.mask.sum() < G * R
     mesh = sharding.make_mesh(spec)
     placed = _placed(params, mesh)
-    got, captured = sample.sample_group(model, placed, prompt, G, sampling, key, mesh, round_len=ROUND,
+    got, captured = sample.sample_group(model, placed, prompt, G, sampling, key, mesh, chunk_size=ROUND,
                                         keep_capture=True)
     _assert_same_rollout(got, want)
 
@@ -84,7 +84,7 @@ def test_nothing_of_prompt_size_is_replicated():
     per-device arguments + temporaries on 1x8 < 0.35 x one device's (the cache is split 8 ways, only R positions
     are replicated; what remains is P-independent: one round's capture activations, parameters' shards)."""
     model, params, _ = _setup("qwen36")
-    length, chunk, sampling = 65536, 256, SamplingConfig(max_new_tokens=8)
+    length, chunk, sampling = 65536, 256, SamplingConfig(response_len=8)
     prompt = jax.ShapeDtypeStruct((length,), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)

@@ -54,7 +54,7 @@ def test_ring_take_fetches_any_shards_rows_and_sends_cotangents_home():
 
 
 def test_round_layout():
-    rounds = RoundLayout.for_prompt(44, 2, min_segment=3, round_len=12)
+    rounds = RoundLayout.for_prompt(44, 2, min_segment=3, chunk_size=12)
     assert (rounds.full, rounds.round.segment, rounds.last.length, rounds.padded) == (3, 3, 8, 48)
     stored = rounds.stored_positions()
     assert list(stored[:12]) == [0, 1, 2, 9, 10, 11, 12, 13, 14, 21, 22, 23]  # shard 0: rounds 0 and 1
@@ -94,13 +94,13 @@ def test_sharded_capture_and_extend_equal_one_device(tiny, spec, attention):
     np.testing.assert_allclose(got, logits, atol=1e-4)
 
 
-@pytest.mark.parametrize("spec,round_len", [("4x2", 12), ("2x4", 16)])
-def test_capture_in_rounds_equals_one_device(tiny, spec, round_len):
+@pytest.mark.parametrize("spec,chunk_size", [("4x2", 12), ("2x4", 16)])
+def test_capture_in_rounds_equals_one_device(tiny, spec, chunk_size):
     """Rounds: 4x2 with rounds of 12 = 3 full rounds + a last one of 9 (padded to 12); 2x4 with rounds of 16
     (segments of 3: 24 positions) = 1 full round + 21. Same state and replay logits as one device."""
     model, params, tokens, reference, logits = tiny
     mesh = sharding.make_mesh(spec)
-    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, round_len=round_len)
+    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, chunk_size=chunk_size)
     assert sstate.layout.full == {"4x2": 3, "2x4": 1}[spec]
     for name in ("conv", "recurrent", "keys", "values"):
         np.testing.assert_allclose(getattr(sstate.natural(), name), getattr(reference, name), atol=1e-4, err_msg=name)
@@ -122,7 +122,7 @@ def test_row_blocks_change_nothing(tiny, monkeypatch):
     for fn in (api.jitted_capture, api._extend_hidden):
         fn.clear_cache()
     mesh = sharding.make_mesh("2x4")
-    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, round_len=16)  # 2 rounds: 24 gathered queries
+    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, chunk_size=16)  # 2 rounds: 24 gathered queries
     for name in ("conv", "recurrent", "keys", "values"):
         np.testing.assert_allclose(getattr(sstate.natural(), name), getattr(reference, name), atol=1e-4, err_msg=name)
     np.testing.assert_allclose(sharding.extend(model, params, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)

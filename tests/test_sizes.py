@@ -47,8 +47,8 @@ def _bench_device():
 
 def test_planner_options_parse_sizes_and_reject_bad_ones(capsys):
     args = cli.build_parser().parse_args(["--config", "c.json", "--mesh", "1x8", "-P", "2.1M,64K", "-R", "1K",
-                                          "--chunk", "16K", "--search-step", "0.5M", "-B", "2"])
-    assert (args.prompt_len, args.response_len, args.chunk, args.search_step, args.groups_per_step) == (
+                                          "--chunk-size", "16K", "--search-step", "0.5M", "-B", "2"])
+    assert (args.prompt_len, args.response_len, args.chunk_size, args.search_step, args.groups_per_step) == (
         [2202010, 65536], 1024, 16384, 2**19, 2)
     with pytest.raises(SystemExit) as exit_:
         cli.build_parser().parse_args(["--config", "c.json", "--mesh", "1x8", "-P", "2.1G"])

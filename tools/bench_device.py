@@ -168,7 +168,7 @@ class _Child:
         chunk = self.opts["chunk"]
         if self.mesh is None:
             return jax.jit(lambda params, tokens: self.model.capture(params, tokens, chunk))
-        return jax.jit(lambda params, tokens: sharding.capture(self.model, params, tokens, self.mesh, round_len=chunk))
+        return jax.jit(lambda params, tokens: sharding.capture(self.model, params, tokens, self.mesh, chunk_size=chunk))
 
     def capture(self) -> dict:
         """Capture N tokens for N doubling from capture_start (or N = capture_len), while it fits and the time budget
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--one"]:
         return _child(json.loads(argv[1]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog=f"sizes (--capture-*, --step-len, -R, --chunk): {SIZE_RULE}",
+                                 epilog=f"sizes (--capture-*, --step-len, -R, --chunk-size): {SIZE_RULE}",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", default=None,
                     help="tiny config and sizes (the default when no accelerator is present)")
@@ -321,9 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capture-start", type=size_arg, help="first capture length of the doubling search")
     ap.add_argument("--capture-max", type=size_arg, help="longest capture the search tries")
     ap.add_argument("--step-len", type=size_arg, help="prompt length of the train_step measurements")
-    ap.add_argument("-G", "--group", type=int)
+    ap.add_argument("-G", "--group-size", type=int)
     ap.add_argument("-R", "--response-len", type=size_arg)
-    ap.add_argument("--chunk", type=size_arg, help="capture chunk / round length")
+    ap.add_argument("--chunk-size", type=size_arg, help="capture chunk / round length")
     ap.add_argument("--reps", type=int, help="timed calls per measurement (after one warm-up)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget of the whole run (420 s)")
     ap.add_argument("--modes", default="detached,exact", help="train_step modes to time (detached,exact)")

@@ -2,8 +2,8 @@
 
     .venv/bin/python tools/bench_glm_backward.py                         # P = 8192, 32768 (about 12 min on 2 cores)
     .venv/bin/python tools/bench_glm_backward.py --depth 78              # GLM-5.2's 78-layer layout
-    .venv/bin/python tools/bench_glm_backward.py --prompt 4096 --quick   # smoke run
-    .venv/bin/python tools/bench_glm_backward.py --mesh 1x8 --chunk 4096 --prompt 32768 131072   # per device
+    .venv/bin/python tools/bench_glm_backward.py --prompt-len 4096 --quick   # smoke run
+    .venv/bin/python tools/bench_glm_backward.py --mesh 1x8 --chunk-size 4096 --prompt-len 32768 131072   # per device
 
 AOT only: `engine.jitted_grpo_grads.lower(abstract args).compile().memory_analysis()`, nothing is executed. The
 model is GLM-5.2's layer layout cut to 22 layers (3 full_dense, (shared_sparse x 3, full_sparse) x 4, shared_sparse x
@@ -14,9 +14,9 @@ before the block-by-block backward, kept as `layerwise.branch_grads_autodiff` / 
 the model as shipped (`layerwise` stages, no indexer-key cotangent). Temp bytes are XLA's temporaries: everything
 live besides arguments and outputs (the state, its cotangent, the gradient accumulator, activations).
 
-`--mesh SPEC` (CPU devices, e.g. 1x8): the sharded engine (`sharding/engine.py`, rounds of --chunk), per-device bytes,
-the package as imported only (its sharded GLM path has no fallback to switch to; for the engine before GLM went block
-by block, run this with PYTHONPATH at an export of commit 439adbc: `git archive 439adbc longstraw_jax | tar -x -C
+`--mesh SPEC` (CPU devices, e.g. 1x8): the sharded engine (`sharding/engine.py`, rounds of --chunk-size), per-device
+bytes, the package as imported only (its sharded GLM path has no fallback to switch to; for the engine before GLM went
+block by block, run this with PYTHONPATH at an export of commit 439adbc: `git archive 439adbc longstraw_jax | tar -x -C
 DIR`). Results: docs/benchmarks.md 9.
 """
 from __future__ import annotations
@@ -32,10 +32,10 @@ MIB = 2**20
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompt", type=int, nargs="+", default=[8192, 32768], help="prompt lengths P")
-    parser.add_argument("--chunk", type=int, default=2048, help="chunk size (round length on a mesh)")
-    parser.add_argument("--branches", type=int, default=4)
-    parser.add_argument("--response", type=int, default=64)
+    parser.add_argument("--prompt-len", "-P", type=int, nargs="+", default=[8192, 32768], help="prompt lengths P")
+    parser.add_argument("--chunk-size", type=int, default=2048, help="chunk size (round length on a mesh)")
+    parser.add_argument("--group-size", "-G", type=int, default=4)
+    parser.add_argument("--response-len", "-R", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="the tiny preset (4 layers, one segment)")
     parser.add_argument("--depth", choices=("22", "78"), default="22",
                         help="GLM-5.2's layout cut to 22 layers, or whole (78 layers: configs/glm-5.2.json's layer "
@@ -75,7 +75,7 @@ def main() -> None:
     params = jax.eval_shape(lambda: models.build(cfg).init(jax.random.key(0), jnp.bfloat16))
     nbytes = lambda x: x.size * x.dtype.itemsize
     param_bytes = sum(nbytes(x) for x in jax.tree.leaves(params))
-    g, r = args.branches, args.response
+    g, r = args.group_size, args.response_len
     cfg_grpo = GRPOConfig(kl_coef=0.1)
 
     if args.mesh:
@@ -92,7 +92,7 @@ def main() -> None:
         methods = (("sharded", models.build(cfg)),)  # the package as imported
 
         def compile_step(model, batch, prompt):
-            layout = round_layout(model, prompt - 1, mesh.shape["seq"], args.chunk)
+            layout = round_layout(model, prompt - 1, mesh.shape["seq"], args.chunk_size)
             return sharded_grpo.jitted_grpo_grads.lower(model, params, batch, cfg_grpo, "exact", mesh, layout,
                                                         "ring", None).compile()
     else:
@@ -106,11 +106,11 @@ def main() -> None:
         methods = (("fallback", AutodiffGlm(cfg)), ("blocks", models.build(cfg)))
 
         def compile_step(model, batch, prompt):
-            return engine.jitted_grpo_grads.lower(model, params, batch, cfg_grpo, "exact", args.chunk).compile()
+            return engine.jitted_grpo_grads.lower(model, params, batch, cfg_grpo, "exact", args.chunk_size).compile()
 
     devices = 1 if not args.mesh else data * seq
     rows = []
-    for prompt in args.prompt:
+    for prompt in args.prompt_len:
         state = jax.eval_shape(lambda: models.build(cfg).init_state(prompt - 1, jnp.bfloat16))
         batch = GroupBatch(prompt=arr(jnp.int32, prompt), responses=arr(jnp.int32, g, r),
                            mask=arr(jnp.float32, g, r), rewards=arr(jnp.float32, g),
@@ -118,7 +118,7 @@ def main() -> None:
         for name, model in methods:
             start = time.perf_counter()
             mem = compile_step(model, batch, prompt).memory_analysis()
-            row = dict(method=name, mesh=args.mesh, prompt=prompt, chunk=args.chunk, branches=g, response=r,
+            row = dict(method=name, mesh=args.mesh, prompt=prompt, chunk=args.chunk_size, branches=g, response=r,
                        state_mib=state.nbytes() / MIB, kv_mib=nbytes(state.kv) / MIB,
                        index_keys_mib=nbytes(state.index_keys) / MIB, params_mib=param_bytes / MIB,
                        temp_mib=mem.temp_size_in_bytes / MIB, argument_mib=mem.argument_size_in_bytes / MIB,
@@ -133,7 +133,7 @@ def main() -> None:
     if not args.json and not args.mesh:
         print("\n| P | state MiB | fallback temp MiB | blocks temp MiB | saved MiB | saved / state |")
         print("|---:|---:|---:|---:|---:|---:|")
-        for prompt in args.prompt:
+        for prompt in args.prompt_len:
             a, b = (next(x for x in rows if x["prompt"] == prompt and x["method"] == m) for m in ("fallback", "blocks"))
             saved = a["temp_mib"] - b["temp_mib"]
             print(f"| {prompt} | {a['state_mib']:.1f} | {a['temp_mib']:.1f} | {b['temp_mib']:.1f} | {saved:.1f} | "

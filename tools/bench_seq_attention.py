@@ -1,6 +1,6 @@
 """Ring vs all-gather attention for sequence-parallel capture: median wall time and compiled temp memory per device.
 
-    python tools/bench_seq_attention.py --mesh 1x8 --prompt 8192 --repeats 5
+    python tools/bench_seq_attention.py --mesh 1x8 --prompt-len 8192 --repeats 5
 
 Runs the sharded Qwen capture (tiny-shaped model with a configurable width) on simulated CPU devices. CPU timings
 rank the two designs only roughly (collectives are memcpys here); the memory column is what carries over to GPUs:
@@ -18,7 +18,7 @@ import time
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mesh", default="1x8")
-    parser.add_argument("--prompt", type=int, default=8192)
+    parser.add_argument("--prompt-len", "-P", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=32)
@@ -40,11 +40,11 @@ def main():
     mesh = sharding.make_mesh(args.mesh)
     params = model.init(jax.random.key(0))
     params = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
-    tokens = jax.random.randint(jax.random.key(1), (args.prompt,), 0, model.config.vocab_size, dtype=jnp.int32)
-    layout = api.round_layout(model, args.prompt, seq, None)
+    tokens = jax.random.randint(jax.random.key(1), (args.prompt_len,), 0, model.config.vocab_size, dtype=jnp.int32)
+    layout = api.round_layout(model, args.prompt_len, seq, None)
     stored = layout.to_stored(tokens)
-    print(f"mesh {args.mesh}, prompt {args.prompt}, hidden {args.hidden}, kv heads {args.kv_heads} x {args.head_dim}, "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    print(f"mesh {args.mesh}, prompt {args.prompt_len}, hidden {args.hidden}, kv heads {args.kv_heads} x "
+          f"{args.head_dim}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"{'method':10s} {'median s':>9s} {'min s':>7s} {'temp MiB/device':>16s}")
     for method in sequence.ATTENTION_METHODS:
         compiled = api.jitted_capture.lower(model, params, stored, mesh, layout, method).compile()

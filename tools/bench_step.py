@@ -460,7 +460,7 @@ def boundary_bytes(geo, p: int, chunk: int) -> int:
 
 def table_modes(args, geo) -> tuple[Table, list[dict]]:
     modes = args.modes
-    jobs = [dict(mode=m, P=args.prompt_len, R=args.response_len, G=args.group, chunk=args.chunk,
+    jobs = [dict(mode=m, P=args.prompt_len, R=args.response_len, G=args.group_size, chunk=args.chunk_size,
                  reps=args.reps, run=not args.compile_only,
                  max_run_bytes=int(args.run_limit_gib * GIB)) for m in modes]
     results = {}
@@ -470,8 +470,8 @@ def table_modes(args, geo) -> tuple[Table, list[dict]]:
             results[job["mode"]] = res[0]
     base_mode = "naive" if "naive" in results else next((m for m in modes if m in results), None)
     base = results.get(base_mode, {})
-    t = Table(f"Table 1 (modes): P={args.prompt_len}, R={args.response_len}, G={args.group}, chunk={args.chunk}, "
-              f"median of {args.reps} runs after 1 warm-up; ratios to {base_mode}",
+    t = Table(f"Table 1 (modes): P={args.prompt_len}, R={args.response_len}, G={args.group_size}, "
+              f"chunk={args.chunk_size}, median of {args.reps} runs after 1 warm-up; ratios to {base_mode}",
               ["mode", "argument", "output", "temp", "compiled total", "x mem", "peak RSS", "run peak RSS",
                "run ΔRSS", "x ΔRSS", "median step", "x time", "compile", "loss", "grad norm"])
 
@@ -509,7 +509,7 @@ def table_modes(args, geo) -> tuple[Table, list[dict]]:
                    "run ΔRSS = run peak - RSS just before the warm-up call (≈ what the step itself allocates).")
     t.notes.append(f"prompt state {fmt_bytes(kv + carried)} (KV {fmt_bytes(kv)}); exact mode adds its fp32 "
                    f"cotangent {fmt_bytes(kv32 + carried32)} and chunk boundaries "
-                   f"{fmt_bytes(boundary_bytes(geo, args.prompt_len, args.chunk))}; "
+                   f"{fmt_bytes(boundary_bytes(geo, args.prompt_len, args.chunk_size))}; "
                    f"params {fmt_bytes(geo['param_bytes'])}.")
     if "exact" in results and "detached" in results:
         d = results["exact"]["temp"] - results["detached"]["temp"]
@@ -533,14 +533,15 @@ def table_train(args, geo) -> tuple[Table, list[dict]]:
     results = {}
     for mode in modes:
         for kind in ("full", "lora"):
-            job = dict(mode=mode, train=kind, lora=spec, P=args.prompt_len, R=args.response_len, G=args.group,
-                       chunk=args.chunk, reps=args.reps, run=not args.compile_only)
+            job = dict(mode=mode, train=kind, lora=spec, P=args.prompt_len, R=args.response_len, G=args.group_size,
+                       chunk=args.chunk_size, reps=args.reps, run=not args.compile_only)
             res = spawn([job], args)
             if res:
                 results[mode, kind] = res[0]
     t = Table(f"Table 1 (train): the trainer's update (grpo_grads + AdamW, params and optimizer state donated), "
               f"full vs LoRA rank {spec['rank']} on {spec['targets']}; P={args.prompt_len}, R={args.response_len}, "
-              f"G={args.group}, chunk={args.chunk}, median of {args.reps} runs after 1 warm-up; ratios LoRA / full",
+              f"G={args.group_size}, chunk={args.chunk_size}, median of {args.reps} runs after 1 warm-up; "
+              "ratios LoRA / full",
               ["mode", "train", "trainable", "argument", "output", "temp", "compiled total", "x mem",
                "median step", "x time", "compile", "loss"], align="llrrrrrrrrrr")
     for mode in modes:
@@ -578,7 +579,7 @@ def run_sweep(args, geo) -> tuple[list[Table], list[dict]]:
             g_list = gs if mode != "naive" else [g for g in gs if naive_cap is None or g < naive_cap]
             if not g_list:
                 continue
-            chunk = min(args.chunk, p - 1)
+            chunk = min(args.chunk_size, p - 1)
             jobs = [dict(mode=mode, P=p, R=args.response_len, G=g, chunk=chunk, reps=args.sweep_reps,
                          run=bool(args.sweep_time and p <= args.sweep_time_max_p),
                          max_run_bytes=int(args.run_limit_gib * GIB)) for g in g_list]
@@ -602,7 +603,7 @@ def run_sweep(args, geo) -> tuple[list[Table], list[dict]]:
     tables = []
     for key, what in (("total", "compiled total (argument + output + temp)"), ("temp", "compiled temp")):
         t = Table(f"Table 2{'a' if key == 'total' else 'b'} (sweep): {what}; R={args.response_len}, "
-                  f"chunk={args.chunk}", ["P", "mode", "prompt state", *g_cols, "max/min over G"],
+                  f"chunk={args.chunk_size}", ["P", "mode", "prompt state", *g_cols, "max/min over G"],
                   align="rl" + "r" * (len(g_cols) + 2))
         for p in ps:
             kv, carried = geo["state_bytes"](p)
@@ -618,7 +619,7 @@ def run_sweep(args, geo) -> tuple[list[Table], list[dict]]:
     # Where does exact's extra memory go? Compare to the design's budget (docs/architecture.md 6).
     if "exact" in modes and "detached" in modes:
         t = Table("Table 2c (sweep): exact temp - detached temp vs fp32 state cotangent + boundaries "
-                  f"(largest G with both; chunk={args.chunk})",
+                  f"(largest G with both; chunk={args.chunk_size})",
                   ["P", "G", "exact temp", "detached temp", "difference", "fp32 cotangent", "boundaries",
                    "difference - cot - bnd"])
         for p in ps:
@@ -629,7 +630,7 @@ def run_sweep(args, geo) -> tuple[list[Table], list[dict]]:
             g = both[-1]
             e, d = cell("exact", p, g, "temp"), cell("detached", p, g, "temp")
             kv32, c32 = geo["state_bytes"](p, f32=True)
-            bnd = boundary_bytes(geo, p, min(args.chunk, p - 1))
+            bnd = boundary_bytes(geo, p, min(args.chunk_size, p - 1))
             t.add(str(p), str(g), fmt_bytes(e), fmt_bytes(d), fmt_bytes(e - d), fmt_bytes(kv32 + c32),
                   fmt_bytes(bnd), fmt_bytes(e - d - kv32 - c32 - bnd))
         t.notes.append("the last column is what exact mode costs beyond the design budget's state-sized terms: "
@@ -683,8 +684,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--prompt-len", "-P", type=int, default=None, help="P (default 8192)")
     ap.add_argument("--response-len", "-R", type=int, default=None, help="R (default 128)")
-    ap.add_argument("--group", "-G", type=int, default=None, help="G (default 8)")
-    ap.add_argument("--chunk", type=int, default=None, help="capture chunk size (default 1024)")
+    ap.add_argument("--group-size", "-G", type=int, default=None, help="G (default 8)")
+    ap.add_argument("--chunk-size", type=int, default=None, help="capture chunk size (default 1024)")
     ap.add_argument("--modes", default="naive,detached,exact", help="comma list of naive, detached, exact")
     ap.add_argument("--reps", type=int, default=None, help="timed runs per mode after one warm-up (default 5)")
     ap.add_argument("--seed", type=int, default=0)

@@ -10,7 +10,7 @@ the `longstraw_jax.capacity` package docstring.
     python -m longstraw_jax.plan --config configs/glm-5.2.json --mesh 4x8 -P 2M -G 2,8 --train lora \
         --lora-rank 64 --json glm_lora.json
 
-Sizes (-P, -G, -R, -B, --chunk, --search-step) are counts with an optional binary suffix (`validation.parse_size`):
+Sizes (-P, -G, -R, -B, --chunk-size, --search-step) are counts with an optional binary suffix (`validation.parse_size`):
 K = 1024, M = 2^20, a fraction rounded to the nearest integer (halves up): 2M = 2,097,152, 2.1M = 2,202,010.
 
 `setup_jax` must run before JAX creates its CPU client (`main` does it once the mesh is known): the simulated device
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mesh", required=True, help="AxB: data x seq devices (simulated on CPU)")
     ap.add_argument("--prompt-len", "-P", type=sizes_arg, default=[],
                     help="prompt lengths, a comma list of sizes, e.g. 2100000,4M (K = 1024, M = 2^20: below)")
-    ap.add_argument("--group", "-G", type=sizes_arg, default=[8], help="comma list of group sizes G (default 8)")
+    ap.add_argument("--group-size", "-G", type=sizes_arg, default=[8], help="comma list of group sizes G (default 8)")
     ap.add_argument("--response-len", "-R", type=size_arg, default=1024,
                     help="response tokens per branch, a size (default 1024)")
     ap.add_argument("--groups-per-step", "-B", type=size_arg, default=None,
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--search", action="store_true", help="binary-search the longest prompt whose step fits")
     ap.add_argument("--search-step", type=size_arg, default=65536,
                     help="search resolution in positions, a size (default 64K = 65,536)")
-    ap.add_argument("--chunk", type=size_arg, default=16384,
+    ap.add_argument("--chunk-size", type=size_arg, default=16384,
                     help="capture / prompt-backward round length in positions, a size (default 16K = 16,384: a round's "
                          "working set "
                          "is most of the exact step's transient memory)")
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         args.groups_per_step = data if args.groups_per_step is None else args.groups_per_step
         local_groups(args.groups_per_step, data)
         setup_jax(data * seq)
-        planner = Planner(args.config, args.mesh, args.dtype, args.response_len, args.chunk, train_mode=args.train,
+        planner = Planner(args.config, args.mesh, args.dtype, args.response_len, args.chunk_size, train_mode=args.train,
                           lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets)
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = planner.model.config
     print(f"{type(cfg).__name__} from {args.config}: {planner.num_params / 1e9:.2f}B params at {args.dtype}; mesh "
           f"{args.mesh} (simulated, jax {jax.__version__}, XLA:CPU); R={args.response_len}; "
-          f"B={args.groups_per_step} groups per step; rounds of {args.chunk:,} positions; device "
+          f"B={args.groups_per_step} groups per step; rounds of {args.chunk_size:,} positions; device "
           f"{args.device_gb:g} GB", flush=True)
     if planner.lora is not None:
         print(f"--train lora: rank {planner.lora['rank']} on {planner.lora['matrices']} stacked matrices "
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     rows, limit = [], int(args.device_gb * 1e9)
     for mode in args.modes.split(","):
-        for group in args.group:
+        for group in args.group_size:
             for prompt_len in args.prompt_len:
                 rows.append(planner.plan(prompt_len, group, mode, args.groups_per_step, limit))
                 print(f"  {mode} G={group} P={prompt_len:,}: sampling {rows[-1]['sampling']['total'] / GIB:.2f} "

@@ -41,7 +41,7 @@ def write_json(path: str, rows: list[dict], args, planner) -> None:
     "sampling" and "update" phases' components and "total" in bytes per device, "peak", "peak_phase", and "fits"
     (peak <= device_gb * 1e9)}."""
     setup = dict(config=args.config, mesh=args.mesh, dtype=args.dtype, response_len=args.response_len,
-                 chunk=args.chunk, device_gb=args.device_gb, groups_per_step=args.groups_per_step,
+                 chunk=args.chunk_size, device_gb=args.device_gb, groups_per_step=args.groups_per_step,
                  params=planner.num_params, train=planner.train_mode, trainable_params=planner.num_trainable,
                  lora=planner.lora, largest_layer_bytes=planner.layer_bytes)
     with open(path, "w") as f:

@@ -27,7 +27,7 @@ from longstraw_jax.validation import check_size, check_tokens
 class PromptState(Protocol):
     """What later tokens need from a prompt of `length` tokens: appended parts (KV caches, latent rows: position
     axis listed in `parallel.rules.SEQ_AXES`) and carried parts (overwritten by each chunk: GDN conv tails and
-    recurrent matrices). Families: `qwen36.Qwen36State`, `glm52.GlmState`."""
+    recurrent matrices). Families: `qwen36.Qwen36State`, `glm52.Glm52State`."""
 
     length: int
 

@@ -305,7 +305,7 @@ class Glm52Config:
 
 
 @struct.dataclass
-class GlmState:
+class Glm52State:
     """What later tokens need from a prompt of `length` tokens (docs/models.md 2.11).
 
     kv:         [num_hidden_layers, length, kv_lora_rank + qk_rope_head_dim]  per layer [c | k_pe]: the latent after
@@ -399,7 +399,7 @@ class PromptReader(NamedTuple):
     2.8). tokens sit at `positions` [T] = start + arange(T). The sequence-parallel engine (`models/glm52_mesh.py`)
     passes its own reader with the same four methods, so the layer code below is shared."""
 
-    state: GlmState
+    state: Glm52State
     positions: jax.Array
     start: jax.Array | int
 
@@ -553,7 +553,7 @@ def decoder_layers(c: Glm52Config, layers: dict, h, reader, k: int, remat: bool 
     return h, {"kv": rows, "index_keys": keys}, selections
 
 
-def _chunk(c: Glm52Config, params: dict, state: GlmState, tokens: jax.Array, start, remat: bool = False):
+def _chunk(c: Glm52Config, params: dict, state: Glm52State, tokens: jax.Array, start, remat: bool = False):
     """`decoder_layers` on one device over tokens [T] at positions start.., reading `state` (positions < start;
     never a row >= start, whatever the state's capacity: neither the indexer's top-k nor the attention visits one)."""
     t = tokens.shape[0]
@@ -579,7 +579,7 @@ class SegmentStage:
     .. (+ plen) and full layers first_full + r * (full per repeat) ... The block carry is (h, selected): a shared
     layer may reuse the selection of a full layer in an earlier block or segment, so the selection travels with h
     (integer: no cotangent). A block reads its slice of the state: kv [plen, S, Dk], index_keys [full per repeat,
-    S, Di] (layer indices local to the slice). `at` / `set_at` / `stacked` work on a GlmState, a ShardedPromptState
+    S, Di] (layer indices local to the slice). `at` / `set_at` / `stacked` work on a Glm52State, a ShardedPromptState
     and a dict of entries alike (by field name, layer axis first), None leaves (the cotangent has no index_keys)
     staying None."""
 
@@ -597,7 +597,7 @@ class SegmentStage:
     def with_block_params(self, params: dict, blocks: dict) -> dict:
         return dict(params, layers=dict(params["layers"], **{str(self.s): blocks}))
 
-    def block(self, bp: dict, carry, state_block: GlmState, positions: jax.Array, cache_length):
+    def block(self, bp: dict, carry, state_block: Glm52State, positions: jax.Array, cache_length):
         """One repeat on carry (h [T, D], selected [T, k]) at `positions`, reading `state_block` at positions <
         cache_length. Returns (carry, {"kv": rows [plen, T, Dk], "index_keys": keys [full per repeat, T, Di] or
         None})."""
@@ -670,7 +670,7 @@ class Glm52(CausalLM):
     """Frozen, hashable: pass it as a static argument to `jax.jit`. Methods are pure functions of params."""
 
     config: Glm52Config
-    state_type = GlmState  # what `init_state` / `capture` return
+    state_type = Glm52State  # what `init_state` / `capture` return
 
     # ----- parameters -----
     def init(self, key: jax.Array, dtype=jnp.float32) -> dict:
@@ -725,13 +725,13 @@ class Glm52(CausalLM):
                             layout[f"model.layers.{layer}.{suffix}"] = Slot(path, (r, j), shape)
         return layout
 
-    def init_state(self, length: int, dtype=jnp.float32, capacity: int | None = None) -> GlmState:
+    def init_state(self, length: int, dtype=jnp.float32, capacity: int | None = None) -> Glm52State:
         """Zero state of `length` valid prompt positions (length 0: the state before any token), its rows sized
         `capacity` (default `length`; more leaves room to decode after the prompt: rows >= length are never read or
         selected by `extend` and the replay)."""
         c = self.config
         rows = state_capacity(length, capacity)
-        return GlmState(kv=jnp.zeros((c.num_hidden_layers, rows, c.kv_row_dim), dtype),
+        return Glm52State(kv=jnp.zeros((c.num_hidden_layers, rows, c.kv_row_dim), dtype),
                         index_keys=jnp.zeros((c.num_full_layers, rows, c.index_head_dim), dtype), length=length)
 
     def index_selection(self, params: dict, tokens) -> jax.Array:
@@ -764,10 +764,10 @@ class Glm52(CausalLM):
         return tuple(SegmentStage(self.config, s, seg) for s, seg in enumerate(self.config.segments))
 
     def differentiable_state(self, state):
-        """Every GlmState in `state` (a GlmState, a ShardedPromptState) with index_keys None: the indexer keys are
+        """Every Glm52State in `state` (a Glm52State, a ShardedPromptState) with index_keys None: the indexer keys are
         read only by the top-k selection, which is not differentiable, so their cotangent is zero by construction
         and the state cotangent accumulator (`replay.py`) has no buffer for them, nor does any block's vjp."""
-        return jax.tree.map(lambda s: s.replace(index_keys=None), state, is_leaf=lambda x: isinstance(x, GlmState))
+        return jax.tree.map(lambda s: s.replace(index_keys=None), state, is_leaf=lambda x: isinstance(x, Glm52State))
 
     def layerwise_blocks(self, visible: int) -> GlmBlocks:
         """What `layerwise` needs besides the stages, with the top-k width for `visible` earlier key positions."""
@@ -783,31 +783,31 @@ class Glm52(CausalLM):
         return layerwise.chunk_grads(self.layerwise_blocks(state.kv.shape[1]), params, state, tokens, start, grads,
                                      acc, stages=self.block_stages())
 
-    def carried(self, state: GlmState):
+    def carried(self, state: Glm52State):
         """Nothing is overwritten chunk to chunk: every part of the state is appended (pure attention)."""
         return ()
 
-    def with_carried(self, state: GlmState, carried) -> GlmState:
+    def with_carried(self, state: Glm52State, carried) -> Glm52State:
         return state
 
-    def chunk_entries(self, params: dict, state: GlmState, tokens: jax.Array, start) -> dict:
+    def chunk_entries(self, params: dict, state: Glm52State, tokens: jax.Array, start) -> dict:
         """The state rows that tokens [C] at positions start.. produce, reading (not writing) `state`:
         kv [layers, C, kv_row_dim], index_keys [F, C, Di] (the latter carry no gradient)."""
         return _chunk(self.config, params, state, tokens, start)[1]
 
-    def advance(self, params: dict, state: GlmState, tokens: jax.Array, start) -> tuple[jax.Array, GlmState]:
+    def advance(self, params: dict, state: Glm52State, tokens: jax.Array, start) -> tuple[jax.Array, Glm52State]:
         """`capture_chunk` that also returns the final-normed hidden states [C, D] of the tokens (decoding; the
         state must have room: `init_state(capacity)` with capacity > the last position written)."""
         h, entries, _ = _chunk(self.config, params, state, tokens, start)
         return rms_norm(h, params["final_norm"], self.config.rms_norm_eps), self.write_entries(state, entries, start)
 
-    def write_entries(self, state: GlmState, entries: dict, start) -> GlmState:
+    def write_entries(self, state: Glm52State, entries: dict, start) -> Glm52State:
         """Rows are written at positions start.. (in place)."""
         write = lambda cache, new: jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), start, axis=1)
         return state.replace(kv=write(state.kv, entries["kv"]),
                              index_keys=write(state.index_keys, entries["index_keys"]))
 
-    def read_entries(self, state: GlmState, start, size: int) -> dict:
+    def read_entries(self, state: Glm52State, start, size: int) -> dict:
         """The transpose of `write_entries`: the rows of positions start..start+size-1 (used on cotangents)."""
         read = lambda cache: None if cache is None else jax.lax.dynamic_slice_in_dim(cache, start, size, axis=1)
         return {"kv": read(state.kv), "index_keys": read(state.index_keys)}

@@ -242,7 +242,7 @@ def prompt_partial(q_abs, kv, rows, layer, selected, rounds: RoundLayout, common
 class DecodeReader(_AfterPrompt):
     """Inside `shard_map`: a layer decoding one token at positions [1] (the same on every shard) after this shard's
     slice of the prompt state (kv [layers, S, Dk], index_keys [F, S, Di]) and the replicated tail (`init_tail`: a
-    GlmState whose rows hold the decoded positions P.., `slot` of them before the token). The indexer's top-k runs
+    Glm52State whose rows hold the decoded positions P.., `slot` of them before the token). The indexer's top-k runs
     over prompt + tail + the token (prompt candidates from every shard, merged with the tail's and the token's),
     as the one-device model's over its cache; attention merges the prompt's partial (over shards) with the tail's
     and the token's rows."""
@@ -304,7 +304,7 @@ def _embedded_round(params, mesh, rounds, stored_tokens, index, size):
 
 
 def capture(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: str = "ring") -> ShardedPromptState:
-    """Traceable: stored_tokens [rounds.padded] (stored order) -> ShardedPromptState (a GlmState split along
+    """Traceable: stored_tokens [rounds.padded] (stored order) -> ShardedPromptState (a Glm52State split along
     `seq`), round by round; attention: how a round reads earlier rounds' rows (`RoundReader.attend`)."""
     c = model.config
     layer_specs = param_specs(params, mesh)["layers"]
@@ -351,7 +351,7 @@ def extend_hidden_fn(model, mesh, params_specs):
 
 
 def init_tail(model, params, sstate: ShardedPromptState, capacity: int):
-    """The replicated decoding state after the sharded prompt: a GlmState of length 0 with room for `capacity`
+    """The replicated decoding state after the sharded prompt: a Glm52State of length 0 with room for `capacity`
     decoded positions P.. (kv [layers, capacity, Dk], index_keys [F, capacity, Di]); GLM carries nothing else."""
     return model.init_state(0, params["embed"].dtype, capacity=capacity)
 
@@ -466,7 +466,7 @@ class _SegmentRound(_OnStage):
 def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, state, state_cot,
                     grads, attention: str = "ring") -> dict:
     """grads + the float32 gradient of the sequence-parallel capture given `state_cot` (the float32 cotangent of the
-    captured GlmState, sharded like it; no index_keys: `Glm52.differentiable_state`). Rounds in reverse, and in each
+    captured Glm52State, sharded like it; no index_keys: `Glm52.differentiable_state`). Rounds in reverse, and in each
     round blocks in reverse (`layerwise.chunk_grads` over `_SegmentRound` stages): a forward over the blocks keeps
     each block's input carry (h, selected); then each block is recomputed from the final cache (its earlier slots are
     what the round read) under `jax.vjp` of its `shard_map`, its rows' cotangent read from the round's slots of the

@@ -44,12 +44,12 @@ def _split(spec: P) -> bool:
     return any(e is not None for e in spec)
 
 
-def check_groups(num_groups: int, mesh) -> None:
+def check_groups(groups_per_step: int, mesh) -> None:
     """B groups must split evenly over the mesh's data axis."""
     data = mesh.shape[DATA]
-    if num_groups % data:
-        raise ValueError(f"{num_groups} groups do not split over the mesh's data axis of size {data}: the number of "
-                         f"groups per step (--groups-per-step) must be a multiple of {data}")
+    if groups_per_step % data:
+        raise ValueError(f"{groups_per_step} groups do not split over the mesh's data axis of size {data}: the "
+                         f"number of groups per step (--groups-per-step) must be a multiple of {data}")
 
 
 def over_data(mesh, fn, params, per_group, summed=True, like=None):

@@ -107,12 +107,12 @@ class RoundLayout:
     last: SeqLayout
 
     @classmethod
-    def for_prompt(cls, length: int, shards: int, min_segment: int = 1, round_len: int | None = None):
-        """Rounds of about `round_len` positions (rounded up to whole segments); None: the whole prompt at once."""
+    def for_prompt(cls, length: int, shards: int, min_segment: int = 1, chunk_size: int | None = None):
+        """Rounds of about `chunk_size` positions (rounded up to whole segments); None: the whole prompt at once."""
         single = SeqLayout.for_prompt(length, shards, min_segment)
-        if round_len is None or round_len >= length:
+        if chunk_size is None or chunk_size >= length:
             return cls(length, 0, None, single)
-        round_ = SeqLayout.for_prompt(round_len, shards, min_segment)
+        round_ = SeqLayout.for_prompt(chunk_size, shards, min_segment)
         round_ = SeqLayout(round_.padded, shards, round_.segment)  # a full round has no padding
         full = (length - 1) // round_.padded
         if full == 0:
@@ -175,7 +175,7 @@ class RoundLayout:
 
 @struct.dataclass
 class ShardedPromptState:
-    """A model's prompt state (Qwen3.6 PromptState, GLM-5.x GlmState) whose position axes (`rules.SEQ_AXES`) are in
+    """A model's prompt state (Qwen3.6 PromptState, GLM-5.x Glm52State) whose position axes (`rules.SEQ_AXES`) are in
     `layout`'s stored order, padded to `layout.padded`, and split along `seq`; `state.length` is the real prompt
     length P (padding slots hold zeros and are never attended)."""
 

@@ -1,6 +1,6 @@
 """Sampling G response branches from one captured prompt state (never re-running the prompt per branch).
 
-    rollout = sample_group(model, params, prompt, num_branches=G, sampling=SamplingConfig(...), key=key,
+    rollout = sample_group(model, params, prompt, group_size=G, sampling=SamplingConfig(...), key=key,
                            chunk_size=C)
     rollout.responses [G, R] int32, rollout.mask [G, R] float32, rollout.logprobs [G, R] float32
 
@@ -49,11 +49,11 @@ class SamplingConfig:
     temperature: >= 0; logits are divided by it before sampling; 0 is greedy decoding (the most likely token, the
     first one on ties; top_p then plays no part). top_p: in (0, 1]; nucleus sampling keeps the smallest set of most
     likely tokens whose probability reaches top_p (the most likely token is always kept).
-    max_new_tokens: R, the response length (the arrays are [G, R]). stop_token: None or a token id that ends a
+    response_len: R, the response length (the arrays are [G, R]). stop_token: None or a token id that ends a
     branch (it is kept, with mask 1). pad_token: written after the stop token (mask 0).
     """
 
-    max_new_tokens: int = 16
+    response_len: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     stop_token: int | None = None
@@ -61,8 +61,8 @@ class SamplingConfig:
 
     def __post_init__(self):
         errors = []
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            errors.append(f"max_new_tokens={self.max_new_tokens!r} must be a positive int")
+        if not is_int(self.response_len) or self.response_len < 1:
+            errors.append(f"response_len={self.response_len!r} must be a positive int")
         temperature = self.temperature
         if not (is_real(temperature) and math.isfinite(temperature) and temperature >= 0):
             errors.append(f"temperature={self.temperature!r} must be a finite number >= 0 (0: greedy)")
@@ -73,7 +73,7 @@ class SamplingConfig:
             if value is not None and (not is_int(value) or value < 0):
                 errors.append(f"{name}={value!r} must be a non-negative int token id")
         if not errors:  # numpy scalars -> Python numbers: one hash and one compiled sampler per setting
-            for name, kind in (("max_new_tokens", int), ("temperature", float), ("top_p", float),
+            for name, kind in (("response_len", int), ("temperature", float), ("top_p", float),
                                ("stop_token", int), ("pad_token", int)):
                 if getattr(self, name) is not None:
                     object.__setattr__(self, name, kind(getattr(self, name)))
@@ -134,45 +134,45 @@ class Captured:
     boundaries: Any
 
 
-def check_sampling_inputs(model, prompt, num_branches, sampling: SamplingConfig):
+def check_sampling_inputs(model, prompt, group_size, sampling: SamplingConfig):
     """The host-side checks of every sampler: prompt token ids (int [P], P >= 2), G >= 1, stop/pad ids inside the
     vocabulary. Returns (prompt as an int32 array, G as a Python int)."""
     vocab = model.config.vocab_size
     prompt = check_tokens(prompt, vocab, name="prompt")
     if prompt.shape[0] < 2:
         raise ValueError(f"prompt has {prompt.shape[0]} token(s); need at least 2 (prompt[:-1] is captured)")
-    if not is_int(num_branches) or num_branches < 1:
-        raise ValueError(f"num_branches (G) = {num_branches!r}; need G >= 1")
+    if not is_int(group_size) or group_size < 1:
+        raise ValueError(f"group_size (G) = {group_size!r}; need G >= 1")
     for name in ("stop_token", "pad_token"):
         value = getattr(sampling, name)
         if value is not None and value >= vocab:
             raise ValueError(f"SamplingConfig.{name}={value} is out of range: ids must be in [0, vocab_size={vocab})")
-    return prompt, int(num_branches)
+    return prompt, int(group_size)
 
 
-def sample_group(model, params, prompt, num_branches: int, sampling: SamplingConfig, key: jax.Array,
+def sample_group(model, params, prompt, group_size: int, sampling: SamplingConfig, key: jax.Array,
                  chunk_size: int = 2048, keep_capture: bool = False):
-    """Sample `num_branches` responses after `prompt` (int [P], P >= 2) from one capture of the prompt.
+    """Sample `group_size` responses after `prompt` (int [P], P >= 2) from one capture of the prompt.
 
     Host-side checks (token ids, G >= 1, chunk_size, stop/pad ids inside the vocabulary), then one jitted call
     (`sample_traced`) with model, G, sampling, chunk_size and keep_capture static. The key is split per branch; the
     result is deterministic in it. Returns the Rollout, or with keep_capture (Rollout, Captured): the capture of
     prompt[:-1] that the update can reuse instead of capturing the prompt again.
     """
-    prompt, num_branches = check_sampling_inputs(model, prompt, num_branches, sampling)
+    prompt, group_size = check_sampling_inputs(model, prompt, group_size, sampling)
     chunk_size = check_size(chunk_size, "chunk_size")
     chunk_layout(prompt.shape[0] - 1, chunk_size)
     if keep_capture:
-        return _sample_group(model, params, prompt, key, num_branches, sampling, chunk_size, True)
-    return _sample_group(model, params, prompt, key, num_branches, sampling, chunk_size)
+        return _sample_group(model, params, prompt, key, group_size, sampling, chunk_size, True)
+    return _sample_group(model, params, prompt, key, group_size, sampling, chunk_size)
 
 
-def sample_traced(model, params, prompt, key, num_branches: int, sampling: SamplingConfig, chunk_size: int,
+def sample_traced(model, params, prompt, key, group_size: int, sampling: SamplingConfig, chunk_size: int,
                   keep_capture: bool = False):
     """The one-device sampler without host checks (jittable; `jax.vmap`-able over a leading group axis of prompt
-    [N, P] and key [N]): Rollout, or with keep_capture (Rollout, Captured). model, num_branches, sampling,
+    [N, P] and key [N]): Rollout, or with keep_capture (Rollout, Captured). model, group_size, sampling,
     chunk_size and keep_capture are static; prompt int32 [P] must be valid (`check_sampling_inputs`)."""
-    length = sampling.max_new_tokens
+    length = sampling.response_len
     p = prompt.shape[0]
     dtype = model.lm_head(params).dtype
     # the engine's capture (same chunks), into a cache with room for the responses: positions P-1 .. P+R-2
@@ -188,7 +188,7 @@ def sample_traced(model, params, prompt, key, num_branches: int, sampling: Sampl
         return state, model.logits(params, hidden)[0]
 
     state, rollout = sample_branches(step, state, model.logits(params, hidden)[0],
-                                     lambda state: model.with_carried(state, after_prompt), key, num_branches,
+                                     lambda state: model.with_carried(state, after_prompt), key, group_size,
                                      sampling, p)
     if keep_capture:
         return rollout, Captured(state=model.with_carried(state, before_last), boundaries=boundaries)
@@ -198,7 +198,7 @@ def sample_traced(model, params, prompt, key, num_branches: int, sampling: Sampl
 _sample_group = jax.jit(sample_traced, static_argnums=(0, 4, 5, 6, 7))
 
 
-def sample_branches(step, state, first_logits, restore, key, num_branches: int, sampling: SamplingConfig,
+def sample_branches(step, state, first_logits, restore, key, group_size: int, sampling: SamplingConfig,
                     start) -> tuple[Any, Rollout]:
     """The G-branch loop of every sampler (one device: `sample_traced`; on a mesh: `sampling/mesh.py`).
 
@@ -212,7 +212,7 @@ def sample_branches(step, state, first_logits, restore, key, num_branches: int, 
     branch keys = jax.random.split(key, G); at temperature 0 token t = argmax(logits) (every branch the same).
     Returns (the state after the last branch, Rollout).
     """
-    length = sampling.max_new_tokens
+    length = sampling.response_len
     stop = -1 if sampling.stop_token is None else sampling.stop_token
     # Inside `parallel/groups.over_data` each data slice samples its own group, but a decode step's collectives (the
     # FSDP all-gather of a layer over ("data", "seq")) need every slice: the loops then run in lockstep, as long as
@@ -260,6 +260,6 @@ def sample_branches(step, state, first_logits, restore, key, num_branches: int, 
         mask = (jnp.arange(length) < count).astype(jnp.float32)
         return state, (tokens, mask, logp, sample_logp)
 
-    state, (tokens, mask, logp, sample_logp) = jax.lax.scan(branch, state, jax.random.split(key, num_branches))
+    state, (tokens, mask, logp, sample_logp) = jax.lax.scan(branch, state, jax.random.split(key, group_size))
     return state, Rollout(responses=tokens, mask=mask, logprobs=logp, sample_logprobs=sample_logp,
                           first_logprobs=jax.nn.log_softmax(first_logits.astype(jnp.float32)))

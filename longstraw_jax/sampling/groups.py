@@ -27,7 +27,7 @@ from longstraw_jax.sharding.prompt import round_layout
 from longstraw_jax.validation import check_size
 
 
-def sample_groups(model, params, prompts, keys: jax.Array, num_branches: int, sampling: SamplingConfig,
+def sample_groups(model, params, prompts, keys: jax.Array, group_size: int, sampling: SamplingConfig,
                   chunk_size: int, mesh=None, keep_capture: bool = True):
     """prompts int [B, P] (P >= 2), keys: B PRNG keys -> (Rollout with leaves [B, G, R], the captures [B, ...]);
     without keep_capture only the Rollout. Host-side checks first (token ids, G, the sampling ids, chunk_size; on a
@@ -38,28 +38,28 @@ def sample_groups(model, params, prompts, keys: jax.Array, num_branches: int, sa
     if jax.numpy.shape(keys)[:1] != prompts.shape[:1]:
         raise ValueError(f"keys has shape {jax.numpy.shape(keys)}; need one key per group: [B] = [{prompts.shape[0]}]")
     for row in prompts:
-        _, num_branches = rollout.check_sampling_inputs(model, row, num_branches, sampling)
+        _, group_size = rollout.check_sampling_inputs(model, row, group_size, sampling)
     chunk_size = check_size(chunk_size, "chunk_size")
     chunk_layout(prompts.shape[1] - 1, chunk_size)
     prompts = prompts.astype(np.int32)
     if mesh is None:
-        return _one_device(model, params, prompts, keys, num_branches, sampling, chunk_size, keep_capture)
+        return _one_device(model, params, prompts, keys, group_size, sampling, chunk_size, keep_capture)
     model.sequence_parallel()  # a family without a sharded path says so before any work
     check_groups(prompts.shape[0], mesh)
     layout = round_layout(model, prompts.shape[1] - 1, mesh.shape["seq"], chunk_size)
-    return _on_mesh(model, params, prompts, keys, num_branches, sampling, mesh, layout, keep_capture)
+    return _on_mesh(model, params, prompts, keys, group_size, sampling, mesh, layout, keep_capture)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
-def _one_device(model, params, prompts, keys, num_branches, sampling, chunk_size, keep_capture):
-    one = lambda x: rollout.sample_traced(model, params, x[0], x[1], num_branches, sampling, chunk_size, keep_capture)
+def _one_device(model, params, prompts, keys, group_size, sampling, chunk_size, keep_capture):
+    one = lambda x: rollout.sample_traced(model, params, x[0], x[1], group_size, sampling, chunk_size, keep_capture)
     return jax.lax.map(one, (prompts, keys))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
-def _on_mesh(model, params, prompts, keys, num_branches, sampling, mesh, layout, keep_capture):
+def _on_mesh(model, params, prompts, keys, group_size, sampling, mesh, layout, keep_capture):
     def slice_groups(params, local):
-        one = lambda x: mesh_sampling.sample_traced(model, params, x[0], x[1], num_branches, sampling, mesh, layout,
+        one = lambda x: mesh_sampling.sample_traced(model, params, x[0], x[1], group_size, sampling, mesh, layout,
                                                   keep_capture=keep_capture)
         return jax.lax.map(one, local)
 

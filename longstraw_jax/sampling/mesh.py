@@ -38,31 +38,31 @@ class ShardedCaptured:
     capture_aux: Any
 
 
-def sample_group(model, params, prompt, num_branches: int, sampling: SamplingConfig, key: jax.Array, mesh,
-                 round_len: int | None = None, attention: str = "ring", keep_capture: bool = False):
+def sample_group(model, params, prompt, group_size: int, sampling: SamplingConfig, key: jax.Array, mesh,
+                 chunk_size: int | None = None, attention: str = "ring", keep_capture: bool = False):
     """`sampling.branches.sample_group` on `mesh`: G branches after prompt (int [P], P >= 2), prompt[:-1] captured in
-    rounds of about `round_len` positions (None: one round) with `attention` ("ring" / "allgather", Qwen3.6's choice).
+    rounds of about `chunk_size` positions (None: one round) with `attention` ("ring" / "allgather", Qwen3.6's choice).
 
     Host-side checks, then one jitted call (`sample_traced`). Returns the Rollout (replicated), or with keep_capture
     (Rollout, ShardedCaptured). params: ideally placed by `rules.param_specs` (FSDP)."""
-    prompt, num_branches = check_sampling_inputs(model, prompt, num_branches, sampling)
+    prompt, group_size = check_sampling_inputs(model, prompt, group_size, sampling)
     if attention not in sequence.ATTENTION_METHODS:
         raise ValueError(f"attention={attention!r}; allowed: {sequence.ATTENTION_METHODS}")
     model.sequence_parallel()  # a family without a sharded path says so before any work
-    layout = round_layout(model, prompt.shape[0] - 1, mesh.shape[sequence.SEQ], round_len)
-    return _sample_group(model, params, prompt, key, num_branches, sampling, mesh, layout, attention, keep_capture)
+    layout = round_layout(model, prompt.shape[0] - 1, mesh.shape[sequence.SEQ], chunk_size)
+    return _sample_group(model, params, prompt, key, group_size, sampling, mesh, layout, attention, keep_capture)
 
 
-def sample_traced(model, params, prompt, key, num_branches: int, sampling: SamplingConfig, mesh, layout: RoundLayout,
+def sample_traced(model, params, prompt, key, group_size: int, sampling: SamplingConfig, mesh, layout: RoundLayout,
                   attention: str = "ring", keep_capture: bool = False):
     """The mesh sampler without host checks (jittable; `jax.vmap(..., spmd_axis_name="data")`-able over a leading
-    group axis of prompt [N, P] and key [N]). layout: `sharding.prompt.round_layout(model, P - 1, seq, round_len)`.
-    model, num_branches, sampling, mesh, layout, attention and keep_capture are static."""
+    group axis of prompt [N, P] and key [N]). layout: `sharding.prompt.round_layout(model, P - 1, seq, chunk_size)`.
+    model, group_size, sampling, mesh, layout, attention and keep_capture are static."""
     family = model.sequence_parallel()
     p = prompt.shape[0]
     sstate, capture_aux = family.capture(params, layout.to_stored(prompt[:-1]), mesh, layout, attention)
     decode = functools.partial(family.decode, params, sstate, mesh=mesh)
-    hidden, after_prompt = decode(family.init_tail(params, sstate, sampling.max_new_tokens), prompt[-1], p - 1)
+    hidden, after_prompt = decode(family.init_tail(params, sstate, sampling.response_len), prompt[-1], p - 1)
 
     def step(tail, token, position):
         hidden, tail = decode(tail, token, position)
@@ -70,7 +70,7 @@ def sample_traced(model, params, prompt, key, num_branches: int, sampling: Sampl
 
     # each branch starts from the tail right after prompt[-1] (R positions: restoring it whole costs nothing)
     _, rollout = sample_branches(step, after_prompt, model.logits(params, hidden)[0], lambda _: after_prompt, key,
-                                 num_branches, sampling, p)
+                                 group_size, sampling, p)
     return (rollout, ShardedCaptured(sstate, capture_aux)) if keep_capture else rollout
 
 

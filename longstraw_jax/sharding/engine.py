@@ -36,16 +36,16 @@ from longstraw_jax.sharding.prompt import round_layout
 from longstraw_jax.trainable import merge, split_like
 
 
-def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, round_len: int | None = None,
+def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, chunk_size: int | None = None,
                attention: str = "ring", captured=None, frozen=None):
     """(loss, grads, metrics) as `engine.grpo_grads`, on `mesh`; grads are sharded like `rules.param_specs`.
     The batch must already be validated (engine.grpo_grads does it). The prompt is captured (and, in exact mode,
-    backpropagated) in rounds of about `round_len` positions (None: one round). captured: the mesh sampler's
+    backpropagated) in rounds of about `chunk_size` positions (None: one round). captured: the mesh sampler's
     `ShardedCaptured` of prompt[:-1] (with the batch's group axis when it has one), used instead of a capture.
     frozen: the parameters not trained (`trainable.py`); grads are then shaped like params, the trainable part."""
-    if batch.num_groups is not None:
-        groups_lib.check_groups(batch.num_groups, mesh)
-    layout = round_layout(model, batch.prompt.shape[-1] - 1, mesh.shape["seq"], round_len)
+    if batch.groups_per_step is not None:
+        groups_lib.check_groups(batch.groups_per_step, mesh)
+    layout = round_layout(model, batch.prompt.shape[-1] - 1, mesh.shape["seq"], chunk_size)
     return jitted_grpo_grads(model, params, batch, cfg, mode, mesh, layout, attention, captured, frozen)
 
 
@@ -58,12 +58,12 @@ def jitted_grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: s
     # the gradients' structure (the trainable part, holes allowed) and global shapes
     template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), trainable)
     grouped = batch.as_groups()
-    if captured is not None and batch.num_groups is None:
+    if captured is not None and batch.groups_per_step is None:
         captured = jax.tree.map(lambda x: x[None], captured)
     per_group = (grouped, token_weights(grouped.mask, cfg), batch_advantages(grouped.rewards, cfg), captured,
-                 jnp.arange(grouped.num_groups, dtype=jnp.int32))
+                 jnp.arange(grouped.groups_per_step, dtype=jnp.int32))
     slice_grads = functools.partial(_slice_grads, model, cfg, mode, mesh, layout, attention, template)
-    if batch.num_groups is None:  # one group on the whole mesh
+    if batch.groups_per_step is None:  # one group on the whole mesh
         loss, grads, sums = slice_grads(params, per_group)
     else:
         loss, grads, sums = groups_lib.over_data(mesh, slice_grads, params, per_group, like=template)

@@ -12,16 +12,16 @@ from longstraw_jax.parallel.layout import RoundLayout, ShardedPromptState
 from longstraw_jax.validation import check_tokens
 
 
-def round_layout(model, prompt_positions: int, shards: int, round_len: int | None) -> RoundLayout:
+def round_layout(model, prompt_positions: int, shards: int, chunk_size: int | None) -> RoundLayout:
     """The layout `capture` and `grpo_grads(mesh=...)` use for `prompt_positions` on `shards` seq shards, in rounds
-    of about `round_len` positions (None: one round)."""
-    return RoundLayout.for_prompt(prompt_positions, shards, model.sequence_parallel().min_segment, round_len)
+    of about `chunk_size` positions (None: one round)."""
+    return RoundLayout.for_prompt(prompt_positions, shards, model.sequence_parallel().min_segment, chunk_size)
 
 
 def capture(model, params: dict, tokens, mesh, attention: str = "ring", pad_id: int = 0,
-            round_len: int | None = None) -> ShardedPromptState:
+            chunk_size: int | None = None) -> ShardedPromptState:
     """Prompt tokens int32 [P] -> ShardedPromptState, sequence-parallel over `mesh`'s `seq` axis, in rounds of about
-    `round_len` positions (None: one round; later rounds attend over the cache of earlier ones).
+    `chunk_size` positions (None: one round; later rounds attend over the cache of earlier ones).
 
     `params` may be placed anywhere (ideally by `rules.param_specs`: then nothing moves but one layer at a time).
     attention ("ring" / "allgather") chooses how a round reads the other shards' keys: Qwen3.6's softmax attention
@@ -30,7 +30,7 @@ def capture(model, params: dict, tokens, mesh, attention: str = "ring", pad_id: 
     tokens = check_tokens(tokens, model.config.vocab_size)
     if attention not in sequence.ATTENTION_METHODS:
         raise ValueError(f"attention={attention!r}; allowed: {sequence.ATTENTION_METHODS}")
-    layout = round_layout(model, tokens.shape[0], mesh.shape[sequence.SEQ], round_len)
+    layout = round_layout(model, tokens.shape[0], mesh.shape[sequence.SEQ], chunk_size)
     return jitted_capture(model, params, layout.to_stored(tokens, pad_id), mesh, layout, attention)[0]
 
 

@@ -182,13 +182,6 @@ class RunConfig:
         given (a custom factory receives only the options the command line sets)."""
         return {k: v for k, v in (("depth", self.depth), ("num_facts", self.facts)) if v is not None}
 
-    @property
-    def num_groups(self) -> int:
-        """B: --groups-per-step, or the mesh's data size (1 without --mesh)."""
-        if self.groups_per_step is not None:
-            return self.groups_per_step
-        return parse_mesh_spec(self.mesh)[0] if self.mesh is not None else 1
-
     def saved(self) -> dict:
         """What a checkpoint (and <out>/config.json) records: every option except the RESUMABLE ones."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in RESUMABLE}

@@ -339,15 +339,15 @@ def from_process_local(tree, shardings):
     return jax.tree.map(jax.make_array_from_process_local_data, shardings, tree)
 
 
-def group_owners(mesh, num_groups: int) -> list[int]:
-    """The process that scores each of `num_groups` groups: group b lives on data slice b // (num_groups / data size)
-    (`parallel/groups.py`), and its owner is the lowest process index among that slice's devices (a slice may span
-    several processes, e.g. `1x8` on 2 hosts). No mesh: process 0 owns every group."""
+def group_owners(mesh, groups_per_step: int) -> list[int]:
+    """The process that scores each of `groups_per_step` groups: group b lives on data slice b // (groups_per_step /
+    data size) (`parallel/groups.py`), and its owner is the lowest process index among that slice's devices (a slice
+    may span several processes, e.g. `1x8` on 2 hosts). No mesh: process 0 owns every group."""
     if mesh is None:
-        return [0] * num_groups
+        return [0] * groups_per_step
     slices = mesh.devices.reshape(mesh.devices.shape[0], -1)
-    per_slice = num_groups // slices.shape[0]
-    return [min(d.process_index for d in slices[b // per_slice]) for b in range(num_groups)]
+    per_slice = groups_per_step // slices.shape[0]
+    return [min(d.process_index for d in slices[b // per_slice]) for b in range(groups_per_step)]
 
 
 def sum_over_processes(tree):

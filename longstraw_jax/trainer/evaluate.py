@@ -84,7 +84,7 @@ class Evaluator:
         self.task, self.reward_fn, self.chunk_size, self.mesh = task, reward_fn, chunk_size, mesh
         self.prompts = [task.prompt(i) for i in range(num_prompts)]
         self.tokens = np.stack([p.tokens for p in self.prompts]).astype(np.int32)  # [K, P]
-        self.sampling = SamplingConfig(max_new_tokens=response_len, temperature=0.0, stop_token=stop_token,
+        self.sampling = SamplingConfig(response_len=response_len, temperature=0.0, stop_token=stop_token,
                                        pad_token=pad_token)
         self.reference = None  # [K, V] log-probs of the first response token at the reference (start) evaluation
 

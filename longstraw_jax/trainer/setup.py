@@ -18,6 +18,7 @@ from longstraw_jax import lora, models, trainable
 from longstraw_jax.grpo import GroupBatch
 from longstraw_jax.io import checkpoints, peft
 from longstraw_jax.parallel import rules
+from longstraw_jax.parallel.mesh import parse_mesh_spec
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sampling.groups import sample_groups
 from longstraw_jax.sharding import make_mesh
@@ -77,6 +78,13 @@ def place_key(key, mesh):
     return distributed.to_global(key, distributed.replicated(mesh))
 
 
+def groups_per_step(config: RunConfig) -> int:
+    """B: --groups-per-step, or the mesh's data size (1 without --mesh)."""
+    if config.groups_per_step is not None:
+        return config.groups_per_step
+    return parse_mesh_spec(config.mesh)[0] if config.mesh is not None else 1
+
+
 def mesh_for(config: RunConfig):
     """The ("data", "seq") mesh of --mesh, or None."""
     return None if config.mesh is None else make_mesh(config.mesh)
@@ -95,20 +103,20 @@ class RolloutFile:
 
     task = None
 
-    def __init__(self, path: str, groups: list[GroupBatch], num_groups: int = 1):
-        self.groups, self.num_groups = groups, num_groups
+    def __init__(self, path: str, groups: list[GroupBatch], groups_per_step: int = 1):
+        self.groups, self.groups_per_step = groups, groups_per_step
         self.description = f"rollout file {path}"
-        if num_groups > 1:
+        if groups_per_step > 1:
             shapes = {tuple(np.shape(x) for x in jax.tree.leaves(g)) + (g.old_logprobs is None, g.ref_logprobs is None)
                       for g in groups}
             if len(shapes) > 1:
-                raise RunError(f"--rollouts {path}: --groups-per-step={num_groups} stacks groups side by side, so "
+                raise RunError(f"--rollouts {path}: --groups-per-step={groups_per_step} stacks groups side by side, so "
                                "every group needs the same prompt length, G, R and the same optional fields; this "
                                f"file has {len(shapes)} different shapes")
 
     def batch(self, model, params, key, step: int, position: int) -> tuple[GroupBatch, dict, None]:
         count = len(self.groups)
-        chosen = [self.groups[(position * self.num_groups + b) % count] for b in range(self.num_groups)]
+        chosen = [self.groups[(position * self.groups_per_step + b) % count] for b in range(self.groups_per_step)]
         return stack_groups(chosen), {}, None
 
 
@@ -141,16 +149,17 @@ class TaskSampler:
     `is_correct`. The sampler's captures go to the update: each prompt is captured once per step."""
 
     def __init__(self, task, reward_fn, sampling: SamplingConfig, group_size: int, chunk_size: int,
-                 num_groups: int = 1, mesh=None):
+                 groups_per_step: int = 1, mesh=None):
         self.task, self.reward_fn, self.sampling = task, reward_fn, sampling
-        self.group_size, self.chunk_size, self.num_groups, self.mesh = group_size, chunk_size, num_groups, mesh
+        self.group_size, self.chunk_size, self.mesh = group_size, chunk_size, mesh
+        self.groups_per_step = groups_per_step
         self.description = f"task {task.name}"
 
     def batch(self, model, params, key, step: int, position: int) -> tuple[GroupBatch, dict, object]:
         """-> (the step's batch [B, ...], extra metrics, the sampler's captures for the update)."""
-        prompts = [self.task.prompt(position * self.num_groups + b) for b in range(self.num_groups)]
+        prompts = [self.task.prompt(position * self.groups_per_step + b) for b in range(self.groups_per_step)]
         step_key = jax.random.fold_in(key, step)
-        keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(np.arange(self.num_groups))
+        keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(np.arange(self.groups_per_step))
         rollouts, captured = sample_groups(model, params, np.stack([p.tokens for p in prompts]), keys,
                                            self.group_size, self.sampling, self.chunk_size, mesh=self.mesh)
         # the full values on every process (gathered when sharded over several); each group is scored by the
@@ -170,7 +179,7 @@ def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | 
         required = {"ref_logprobs": f"--kl-coef={config.kl_coef} needs reference log-probs on every line"}
         return RolloutFile(config.rollouts, load_rollouts(config.rollouts, vocab_size, config.tokenizer,
                                                           required=required if config.kl_coef > 0 else None),
-                           config.num_groups)
+                           groups_per_step(config))
     if config.kl_coef > 0:
         raise RunError(f"--kl-coef={config.kl_coef}: sampled rollouts have no reference log-probs; the KL term "
                        "needs a --rollouts file with ref_logprobs")
@@ -178,13 +187,14 @@ def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | 
                      **config.task_options())
     reward_fn = load_callable(config.reward) if config.reward else task.reward
     stop = config.stop_token if config.stop_token is not None else getattr(task, "stop_token", None)
-    sampling = SamplingConfig(max_new_tokens=config.response_len, temperature=config.temperature,
+    sampling = SamplingConfig(response_len=config.response_len, temperature=config.temperature,
                               top_p=config.top_p, stop_token=stop, pad_token=getattr(task, "pad_token", 0))
     for name in ("stop_token", "pad_token"):
         value = getattr(sampling, name)
         if value is not None and value >= vocab_size:
             raise RunError(f"{name}={value} is out of range: ids must be in [0, vocab_size={vocab_size})")
-    return TaskSampler(task, reward_fn, sampling, config.group_size, config.chunk_size, config.num_groups, mesh)
+    return TaskSampler(task, reward_fn, sampling, config.group_size, config.chunk_size, groups_per_step(config),
+                       mesh)
 
 
 def prepare_training(config: RunConfig, model, params):
