@@ -2,8 +2,12 @@
 planner as it was before it moved into the package, byte for byte; `--help` runs; the planner (`longstraw_jax.capacity`,
 `longstraw_jax.plan`) is library-level: nothing it imports reaches the trainer app (`trainer/`) or `io/`.
 
-The golden file tests/data/plan_qwen36_tiny_1x8.json was written by tools/plan_capacity.py at commit 0bc9a5c (the
-planner's last version under tools/) with GOLDEN_ARGS and GOLDEN_ENV below, from the repository root. Normalised:
+The golden file tests/data/plan_qwen36_tiny_1x8.json was first written by tools/plan_capacity.py at commit 0bc9a5c
+(the planner's last version under tools/) with GOLDEN_ARGS and GOLDEN_ENV below, from the repository root, and the
+package module reproduced it byte for byte. It was regenerated once since, for a deliberate change of the programs
+it sizes: Qwen3.6's sharded replay and exact backward through `layerwise` with the embedding's gradient added in
+place (update "rest" 90,950,418 -> 90,634,162 bytes exact, 9,163,730 -> 9,147,346 detached; same code before and
+after that merge otherwise). Normalised:
 each row's "compile_s" (wall-clock seconds) is removed; nothing else in the JSON depends on the run (the jax version
 and compile times are printed on stdout only). Every byte count comes from XLA's buffer assignment and analytic
 shapes, deterministic for pinned versions (jax 0.10.2 here): after a JAX / XLA upgrade, or a deliberate change of
