@@ -1,6 +1,6 @@
 """Blockwise softmax attention with an online softmax and a flash-style backward pass.
 
-Keys are visited in blocks of B = `block_size`; only a `[T, Hq, B]` score tile is ever live, never `[T, S]`,
+Keys are visited in blocks of W = `block_size`; only a `[T, Hq, W]` score tile is ever live, never `[T, S]`,
 in the forward pass *and* in the backward pass (a `jax.custom_vjp` that recomputes each tile from q, k, v and the
 saved log-sum-exp, instead of letting autodiff store every tile).
 
@@ -80,7 +80,7 @@ def _visible_prefix(q_positions, k_offset, kv_length, causal):
 
 
 def _scores(qg, k_blk, visible, scale):
-    """qg [T, Hkv, rep, hd], k_blk [B, Hkv, hd] -> masked scores [T, Hkv, rep, B] in the accumulation dtype."""
+    """qg [T, Hkv, rep, hd], k_blk [W, Hkv, hd] -> masked scores [T, Hkv, rep, W] in the accumulation dtype."""
     acc = accum_dtype(qg.dtype)
     s = jnp.einsum("thgd,shd->thgs", qg, k_blk, preferred_element_type=acc) * scale
     return jnp.where(visible[:, None, None, :], s, MASKED)

@@ -1,6 +1,6 @@
 """DeepSeek Sparse Attention selection: the lightning indexer's top-k (docs/models.md 2.8).
 
-For each query, the index score of a visible key u is `I[t, u] = sum_h w[t, h] * relu(q[t, h] . k[u] * scale)`
+For each query, the index score of a visible key u is `score[t, u] = sum_h w[t, h] * relu(q[t, h] . k[u] * scale)`
 (float32, or float64 for a float64 model; matmuls at `precision=HIGHEST`: top-k is sensitive to near-ties), and
 the query attends to the k keys with the largest scores. Queries are processed in blocks of `query_block`; for each
 block the keys are visited in blocks of `key_block` and a running top-k is merged, so memory is
@@ -18,14 +18,14 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _index_scores(q: jax.Array, w: jax.Array, keys: jax.Array, scale: float) -> jax.Array:
-    """q [B, Hi, Di], w [B, Hi] in the accumulation dtype (float32; float64 for a float64 model), keys [S, Di] ->
-    I [B, S] in that dtype."""
-    s = jnp.einsum("bhd,sd->bhs", q, keys.astype(q.dtype), precision=_HIGHEST) * scale
-    return jnp.einsum("bh,bhs->bs", w, jax.nn.relu(s), precision=_HIGHEST)
+    """q [W, Hi, Di], w [W, Hi] in the accumulation dtype (float32; float64 for a float64 model), keys [S, Di] ->
+    scores [W, S] in that dtype."""
+    s = jnp.einsum("whd,sd->whs", q, keys.astype(q.dtype), precision=_HIGHEST) * scale
+    return jnp.einsum("wh,whs->ws", w, jax.nn.relu(s), precision=_HIGHEST)
 
 
 def _merge_topk(carry, scores, positions, k):
-    """Running top-k: (values [B, k], positions [B, k]) merged with a block's scores [B, S] at positions [S]."""
+    """Running top-k: (values [W, k], positions [W, k]) merged with a block's scores [W, S] at positions [S]."""
     values, chosen = carry
     values = jnp.concatenate([values, scores], axis=-1)
     chosen = jnp.concatenate([chosen, jnp.broadcast_to(positions, scores.shape)], axis=-1)

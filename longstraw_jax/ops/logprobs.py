@@ -13,8 +13,8 @@ from longstraw_jax.ops.dtypes import accum_dtype
 
 
 def _chunk_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """hidden [B, D], head [V, D], targets [B] -> (log p(target) [B], entropy [B]), accumulated in float32."""
-    logits = jnp.einsum("bd,yd->by", hidden, head, preferred_element_type=accum_dtype(hidden.dtype))
+    """hidden [W, D], head [V, D], targets [W] -> (log p(target) [W], entropy [W]), accumulated in float32."""
+    logits = jnp.einsum("wd,yd->wy", hidden, head, preferred_element_type=accum_dtype(hidden.dtype))
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
     probs = jnp.exp(logits - lse[:, None])

@@ -4,9 +4,9 @@ Keys and values are never expanded per head. Each position holds one row `kv = [
 and the roped rope key, Dk = kv_lora_rank + qk_rope_head_dim); the query is absorbed, `q = [W_UK^T q_nope | q_pe]`,
 so `score = q . kv * scale`, and the output is the latent `sum_u p_u c_u` (W_UV is applied by the caller).
 
-Every query attends to its own k selected positions (k = index_topk): queries are processed in blocks of B
-(`block_size`), each block gathers its `[B, k, Dk]` rows from the cache (positions < start) and from the new tokens
-(positions >= start), and takes an exact softmax over them. Memory is O(B * k * Dk) whatever the prompt length.
+Every query attends to its own k selected positions (k = index_topk): queries are processed in blocks of W
+(`block_size`), each block gathers its `[W, k, Dk]` rows from the cache (positions < start) and from the new tokens
+(positions >= start), and takes an exact softmax over them. Memory is O(W * k * Dk) whatever the prompt length.
 The backward pass is a `jax.custom_vjp` that regathers the rows and recomputes the probabilities from the saved
 log-sum-exp, instead of letting autodiff store every block's gathered rows; the rows' cotangents are scatter-added
 into the layer's cache cotangent and the new tokens' cotangent.
@@ -47,7 +47,7 @@ def _blocks(x: jax.Array, block: int, fill=0) -> jax.Array:
 
 
 def _gather(cache, layer, new, sel, start):
-    """Rows [B, k, Dk] of the selected positions sel [B, k]; -1 slots read an arbitrary row (masked by the caller)."""
+    """Rows [W, k, Dk] of the selected positions sel [W, k]; -1 slots read an arbitrary row (masked by the caller)."""
     fresh = new[jnp.clip(sel - start, 0, new.shape[0] - 1)]
     if cache.shape[1] == 0:
         return fresh
@@ -56,8 +56,8 @@ def _gather(cache, layer, new, sel, start):
 
 
 def _scores(qb, kv, valid, scale):
-    """qb [B, H, Dk], kv [B, k, Dk] -> masked scores [B, H, k] (accumulation dtype)."""
-    s = jnp.einsum("bhd,bkd->bhk", qb, kv, preferred_element_type=accum_dtype(qb.dtype)) * scale
+    """qb [W, H, Dk], kv [W, k, Dk] -> masked scores [W, H, k] (accumulation dtype)."""
+    s = jnp.einsum("whd,wkd->whk", qb, kv, preferred_element_type=accum_dtype(qb.dtype)) * scale
     return jnp.where(valid[:, None, :], s, MASKED)
 
 
@@ -78,7 +78,7 @@ def _attend_fwd(scale, value_dim, block_size, q, cache, new, layer, selected, st
         p = jnp.where(valid[:, None, :], jnp.exp(s - m[..., None]), 0.0)
         denom = jnp.sum(p, axis=-1)
         seen = denom > 0
-        out = jnp.einsum("bhk,bkd->bhd", p.astype(kv.dtype), kv[..., :value_dim], preferred_element_type=acc)
+        out = jnp.einsum("whk,wkd->whd", p.astype(kv.dtype), kv[..., :value_dim], preferred_element_type=acc)
         out = jnp.where(seen[..., None], out / jnp.where(seen, denom, 1.0)[..., None], 0.0)
         return out, jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), MASKED)
 
@@ -103,11 +103,11 @@ def _attend_bwd(scale, value_dim, block_size, residuals, cotangents):
         kv = _gather(cache, layer, new, sel, start)
         valid = sel >= 0
         p = jnp.where(valid[:, None, :], jnp.exp(_scores(qb, kv, valid, scale) - lse_b[..., None]), 0.0)
-        dp = jnp.einsum("bhd,bkd->bhk", dob, kv[..., :value_dim].astype(acc))
+        dp = jnp.einsum("whd,wkd->whk", dob, kv[..., :value_dim].astype(acc))
         ds = p * (dp - delta_b[..., None]) * scale
-        dq = jnp.einsum("bhk,bkd->bhd", ds, kv.astype(acc))
-        d_kv = jnp.einsum("bhk,bhd->bkd", ds, qb.astype(acc))
-        d_kv = d_kv.at[..., :value_dim].add(jnp.einsum("bhk,bhd->bkd", p, dob))
+        dq = jnp.einsum("whk,wkd->whd", ds, kv.astype(acc))
+        d_kv = jnp.einsum("whk,whd->wkd", ds, qb.astype(acc))
+        d_kv = d_kv.at[..., :value_dim].add(jnp.einsum("whk,whd->wkd", p, dob))
         in_cache = valid & (sel < start)
         d_cache = d_cache.at[jnp.where(in_cache, sel, cache_len)].add(d_kv, mode="drop")
         d_new = d_new.at[jnp.where(valid & ~in_cache, sel - start, new_len)].add(d_kv, mode="drop")
