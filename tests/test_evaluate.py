@@ -184,6 +184,7 @@ def test_bad_evaluation_and_warm_up_options(tmp_path, capsys):
     assert not os.path.exists(out)
 
 
+@pytest.mark.slow  # four trainer runs of the benchmark tool
 def test_bench_length_smoke(tmp_path, capsys):
     """Two seeds of one mode, two GRPO steps each after a 2-step warm-up at 24 tokens: the table, figure and JSON
     hold every evaluation, the warm start is evaluated at both lengths and is the same policy for a given seed."""

@@ -85,7 +85,7 @@ def test_routed_experts_are_expert_parallel(tiny):
     assert layer["router"] != layer["experts_gate"]  # FSDP's choice, not the expert rule
     placed = jax.device_put(params, rules.named(specs, mesh))
     sstate = sharding.capture(model, placed, tokens[:PROMPT], mesh)
-    hlo = sharding.api._extend_hidden.lower(model, placed, sstate, tokens[PROMPT:], mesh).compile().as_text()
+    hlo = sharding.prompt._extend_hidden.lower(model, placed, sstate, tokens[PROMPT:], mesh).compile().as_text()
     gathered = [line.split("=")[1].split()[0] for line in hlo.splitlines() if " all-gather(" in line]
     e, i, d = params["layers"]["0"]["full_sparse"]["mlp"]["experts_gate"].shape[2:]
     assert gathered and not [g for g in gathered if f"[{e},{i},{d}]" in g or f"[{e},{d},{i}]" in g], gathered
@@ -127,7 +127,7 @@ def test_exact_grads_reading_around_the_ring_equal_one_device():
     all-gathered layer's backward is `test_sharded_grpo_grads_equal_one_device`'s 2x4 (4 x 16 = 64 rows >= 48)."""
     model, params = _model()
     batch = _batch(model.config.vocab_size)
-    rounds = functools.partial(sharding.api.round_layout, model, batch.prompt.shape[0] - 1)
+    rounds = functools.partial(sharding.prompt.round_layout, model, batch.prompt.shape[0] - 1)
     assert glm_sharding.reads_around_ring("ring", 2 * 16, rounds(8, 16))
     assert not glm_sharding.reads_around_ring("allgather", 2 * 16, rounds(8, 16))
     assert not glm_sharding.reads_around_ring("ring", 4 * 16, rounds(4, 16))
@@ -184,6 +184,7 @@ def _check_32_devices() -> dict:
             "grads_rel_err": rel_err(got_grads, grads), "loss_diff": abs(float(got_loss) - float(loss))}
 
 
+@pytest.mark.slow  # a fresh 32-device process compiles capture, extend and grpo_grads
 def test_capture_extend_and_grads_equal_one_device_on_32_devices():
     result = run_32_device_check("tests.test_sharding_glm")
     assert result["cache_devices"] == 32 and result["expert_grad_shards"] == [1], result

@@ -6,7 +6,7 @@ CPU devices, tiny models at O(1) scale.
   (index_topk 16 < the prompt: the sharded top-k over prompt + tail + token must select what one device selects);
   prompts captured in rounds, P - 1 divisible by no layout;
 - keep_capture: the (sstate, capture_aux) handed back equals the family's sharded capture of prompt[:-1]
-  (`sharding.api._capture`, what sharding/engine.py computes);
+  (`sharding.prompt._capture`, what sharding/engine.py computes);
 - memory: per-device bytes (arguments + temporaries, AOT `memory_analysis()`) on 1x8 are well under a third of the
   one-device sampler's at a prompt whose cache dominates: nothing of size P is replicated.
 """
