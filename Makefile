@@ -20,8 +20,9 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) -m longstraw_jax.run
 
-# two workers (2 cores; compiles are single-threaded), one test file per worker (module-scoped compiled set-ups)
-PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
+# two workers (2 cores; compiles are single-threaded), whole test files per worker (module-scoped compiled set-ups),
+# handed out longest first (tests/conftest.py LONGEST_FIRST; xdist's own reorder would undo that order)
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 test: $(STAMP)
 	$(PY) -m ruff check .

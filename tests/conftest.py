@@ -27,7 +27,11 @@ def _fresh_jax_caches():
 # order). `make test` hands out whole files (--dist loadfile) in collection order (--no-loadscope-reorder; xdist's
 # default order, most tests first, put the long few-test files last and left one core idle at the end): longest
 # first keeps both workers busy until the short files even out the finish. Only the speed depends on this list.
-LONGEST_FIRST = ()
+LONGEST_FIRST = ("test_groups.py", "test_sharding_glm.py", "test_models.py", "test_glm52.py", "test_lora.py",
+                 "test_float64.py", "test_faults.py", "test_multiprocess.py", "test_rollout.py", "test_engine.py",
+                 "test_bench.py", "test_evaluate.py", "test_run.py", "test_sharding_sequence.py",
+                 "test_sharding_grpo.py", "test_sharding_sample.py", "test_qwen36_hf_parity.py", "test_convert.py",
+                 "test_qwen36.py", "test_experts.py")
 
 
 def pytest_collection_modifyitems(config, items):

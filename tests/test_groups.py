@@ -102,6 +102,7 @@ def _on_mesh(model, params, batch, mode, spec, chunk_size=8):
     return grpo_grads(model, placed, batch, CFG, mode, chunk_size=chunk_size, mesh=mesh)
 
 
+@pytest.mark.slow  # three mesh compiles (and their one-device references)
 @pytest.mark.parametrize("family,mode,num_groups", [("qwen", "exact", 2), ("qwen", "detached", 4),
                                                     ("glm", "exact", 2)])
 def test_groups_on_the_mesh_equal_one_device(family, mode, num_groups, monkeypatch):
@@ -123,6 +124,7 @@ def test_groups_on_the_mesh_equal_one_device(family, mode, num_groups, monkeypat
     assert sorted(seen) == [(g // per_slice, g) for g in range(num_groups)]  # once each, by its own slice
 
 
+@pytest.mark.slow  # a fresh model config: the sampler and two train steps compile
 def test_one_capture_per_step(monkeypatch):
     """The trainer's step: sample B groups keeping their captures, then train_step(captured=...). The prompt is
     captured once per group (traced capture calls counted; a fresh model config, so nothing comes from a jit cache),

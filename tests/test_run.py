@@ -132,6 +132,7 @@ def test_resume_equals_uninterrupted(full_run, tmp_path):
            [{k: v for k, v in r.items() if k not in drop} for r in read(first)]
 
 
+@pytest.mark.slow  # a one-device and a 2x4 trainer run (and its resume)
 def test_mesh_run_with_groups_and_resume_match_one_device(tmp_path):
     """--mesh 2x4 -B 2: FSDP-sharded params and optimizer state; each data slice samples and updates one of the two
     groups, sequence-parallel over its 4 devices; 2 steps, then --resume to 3 (restoring onto the shardings) gives
