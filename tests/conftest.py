@@ -31,7 +31,8 @@ LONGEST_FIRST = ("test_groups.py", "test_sharding_glm.py", "test_models.py", "te
                  "test_float64.py", "test_faults.py", "test_multiprocess.py", "test_rollout.py", "test_engine.py",
                  "test_bench.py", "test_evaluate.py", "test_run.py", "test_sharding_sequence.py",
                  "test_sharding_grpo.py", "test_sharding_sample.py", "test_qwen36_hf_parity.py", "test_convert.py",
-                 "test_qwen36.py", "test_experts.py")
+                 "test_qwen36.py", "test_experts.py", "test_glm52_hf_parity.py", "test_train.py", "test_ops.py",
+                 "test_naive.py", "test_logprobs.py", "test_orbax_io.py")
 
 
 def pytest_collection_modifyitems(config, items):
