@@ -1,10 +1,11 @@
 # Two commands on a fresh machine: `make run` and `make test`. Both bootstrap .venv when it is missing.
+# `make test` runs the whole suite (CI's command); `make test-fast` leaves out the tests marked `slow` (pyproject.toml).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install clean
+.PHONY: run test test-fast install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +20,17 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) -m longstraw_jax.run
 
+# two workers (2 cores; compiles are single-threaded), whole test files per worker (module-scoped compiled set-ups),
+# handed out longest first (tests/conftest.py LONGEST_FIRST; xdist's own reorder would undo that order)
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
+
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PYTEST)
+
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	$(PYTEST) -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

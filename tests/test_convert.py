@@ -429,6 +429,7 @@ print(json.dumps({"before": before, "peak": convert.peak_rss_bytes()}))
 """
 
 
+@pytest.mark.slow  # a 1 GB synthetic checkpoint converted both ways, in subprocesses
 def test_streaming_peak_memory(tmp_path):
     """Peak RSS growth during a conversion <= 2 x largest tensor + 256 MiB (the model is >= 1 GB), both ways."""
     total, largest = _write_synthetic_checkpoint(tmp_path / "hf")

@@ -170,6 +170,7 @@ def _total(analysis) -> int:
     return analysis.argument_size_in_bytes + analysis.output_size_in_bytes + analysis.temp_size_in_bytes
 
 
+@pytest.mark.slow  # two AOT compiles at P = 1025
 def test_exact_mode_temporaries_do_not_grow_with_branches():
     """The target: G = 2 vs G = 16 at fixed P, exact-mode temp bytes within 2 %."""
     model = models.build(models.Qwen36Config.tiny(gdn_chunk_size=16))
@@ -181,6 +182,7 @@ def test_exact_mode_temporaries_do_not_grow_with_branches():
     assert abs(large.temp_size_in_bytes - small.temp_size_in_bytes) < 0.02 * small.temp_size_in_bytes
 
 
+@pytest.mark.slow  # AOT compiles of exact and naive at P = 8192
 def test_exact_mode_needs_under_a_quarter_of_naive_at_8k():
     """The target at P = 8K, G = 8 (R = 64, chunk 1024): compiled argument + output + temp bytes."""
     model = models.build(models.Qwen36Config.tiny())

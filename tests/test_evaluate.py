@@ -121,6 +121,7 @@ def test_warm_up_loss_is_the_full_forward_cross_entropy_and_falls():
         sft.target_batch(object(), 0, 1)
 
 
+@pytest.mark.slow  # a trainer run with warm-up and evaluations, its resume, and the evaluate CLI
 def test_trainer_warm_up_evaluation_resume_and_evaluate_cli(tmp_path, capsys):
     out = str(tmp_path / "run")
     flags = SMALL + ["--eval-every", "2", "--eval-prompts", "4", "--sft-steps", "3", "--sft-batch", "2", "--mode",
@@ -184,6 +185,7 @@ def test_bad_evaluation_and_warm_up_options(tmp_path, capsys):
     assert not os.path.exists(out)
 
 
+@pytest.mark.slow  # the benchmark tool's trainer runs (two seeds)
 def test_bench_length_smoke(tmp_path, capsys):
     """Two seeds of one mode, two GRPO steps each after a 2-step warm-up at 24 tokens: the table, figure and JSON
     hold every evaluation, the warm start is evaluated at both lengths and is the same policy for a given seed."""

@@ -137,6 +137,7 @@ def copy(source, tmp_path, name="run"):
 # ----- SIGKILL inside a save -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a trainer subprocess SIGKILLed in its first save
 @pytest.mark.parametrize("resume", [False, True], ids=["new_run", "resume"])
 def test_kill_in_first_save(base, killed_in_first_save, tmp_path, capsys, resume):
     """Both a new run and --resume proceed (the incomplete save removed, with a warning) and reach the
@@ -151,6 +152,7 @@ def test_kill_in_first_save(base, killed_in_first_save, tmp_path, capsys, resume
     assert bits(restored_params(out, 4)) == bits(restored_params(base, 4))
 
 
+@pytest.mark.slow  # two trainer subprocesses, SIGKILLed in their saves
 def test_kill_in_later_save(base, killed_in_later_save, tmp_path, capsys):
     """--resume removes the incomplete save of step 4 (warning), resumes from 2 (unchanged) and reaches the
     uninterrupted run's step-4 params; a new run into it is refused (it holds a checkpoint)."""

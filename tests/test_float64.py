@@ -29,6 +29,8 @@ from longstraw_jax.models.glm52 import Glm52Config
 from longstraw_jax.parallel import rules
 from tests.helpers import o1_params, prompt_only_tokens, rel_err
 
+pytestmark = pytest.mark.slow  # float64 compiles of naive, exact and mesh grpo_grads for both families
+
 P, R = 30, 6
 LAYOUTS = (7, 32)  # P - 1 = 29 prompt positions: 4 x 7 + 1, one chunk
 MESH, ROUND = "2x4", {"qwen36": 8, "glm52": 64}  # chunk_size on the mesh: several rounds, one round

@@ -84,7 +84,7 @@ def exact_case(name):
     return model, full, part, frozen, batch, grads_fn(model, part, batch, CFG, "exact", 32, frozen=frozen)
 
 
-@pytest.mark.parametrize("name", ["qwen", "glm"])
+@pytest.mark.parametrize("name", ["qwen", pytest.param("glm", marks=pytest.mark.slow)])
 def test_adapter_grads_exact_equal_naive(name):
     model, _, part, frozen, batch, (loss, grads, _) = exact_case(name)
     want_loss, want, _ = naive_fn(model, part, batch, CFG, frozen=frozen)
@@ -110,6 +110,7 @@ def test_trainable_regex_grads_are_the_full_grads_leaves():
     assert rel_err(grads, chosen) <= 1e-4
 
 
+@pytest.mark.slow  # LoRA's exact backward on the mesh
 def test_sharded_lora_grads_match_one_device():
     model, full, _, _, batch, (loss, grads, _) = exact_case("qwen")
     mesh = sharding.make_mesh("2x4")
@@ -161,6 +162,7 @@ def bits(tree):
     return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow  # three trainer runs
 def test_trainer_lora_resume_optimizer_state_and_exports(tmp_path, capsys):
     argv = small(tmp_path)
     straight, out = str(tmp_path / "straight"), str(tmp_path / "resumed")

@@ -78,6 +78,7 @@ def run_cli(args, cache, **extra):
                                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **extra))
 
 
+@pytest.mark.slow  # three trainer processes (two launched, one reference) and a resumed one
 def test_two_processes_killed_then_resumed_in_one(tmp_path):
     out, single, cache = str(tmp_path / "mp"), str(tmp_path / "single"), tmp_path / "cache"
     start = time.perf_counter()
@@ -125,6 +126,7 @@ def test_two_processes_killed_then_resumed_in_one(tmp_path):
     print(f"whole test: {time.perf_counter() - start:.1f} s")
 
 
+@pytest.mark.slow  # a trainer subprocess that waits out its init timeout
 def test_bad_coordinator_is_a_clear_error(tmp_path):
     with socket.socket() as s:  # a port nothing listens on (bound, never listening)
         s.bind(("127.0.0.1", 0))

@@ -191,7 +191,7 @@ def _with_garbage_beyond_length(state, seq_axes={"keys": 2, "values": 2, "kv": 1
     return state.replace(**fields)
 
 
-@pytest.mark.parametrize("family", ["qwen36", "glm52"])
+@pytest.mark.parametrize("family", ["qwen36", pytest.param("glm52", marks=pytest.mark.slow)])
 def test_keep_capture_returns_the_engines_capture(setup, family):
     """sample_group(keep_capture=True): the same rollout, and a Captured whose state equals a fresh capture of
     prompt[:-1] on positions < P-1 and on the carried part, whose boundaries are capture_chunks' (same chunks), and
@@ -230,7 +230,7 @@ def test_keep_capture_returns_the_engines_capture(setup, family):
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["qwen36", "glm52"])
+@pytest.mark.parametrize("family", [pytest.param("qwen36", marks=pytest.mark.slow), "glm52"])
 def test_positions_beyond_a_states_length_are_never_read(setup, family):
     """A state with room beyond its length (garbage there) replays exactly as the state without room: `extend`
     reads positions < length only (GLM: its top-k never selects one; an index_topk larger than the prompt makes

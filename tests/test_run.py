@@ -64,16 +64,27 @@ def restore(out, step=None):
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
+    """A 3-step run with --export-hf, its step traced afresh (cache cleared): the step compiles once, and each step
+    validates its batch once, on the host (`test_step_validates_its_batch_once` reads the calls)."""
     out = str(tmp_path_factory.mktemp("run") / "a")
+    calls = []
+
+    def counting(batch, vocab_size, cfg=None):
+        calls.append(is_concrete(batch.prompt))
+        return validate_batch(batch, vocab_size, cfg)
+
     train.jitted_train_step_donated.clear_cache()
-    assert run.main(SMALL + ["--steps", "3", "--out", out, "--export-hf", os.path.join(out, "hf")]) == 0
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(train, "validate_batch", counting)
+        monkeypatch.setattr(engine, "validate_batch", counting)
+        assert run.main(SMALL + ["--steps", "3", "--out", out, "--export-hf", os.path.join(out, "hf")]) == 0
     # one compile of the step for the whole run (argument placement must not change after step 1)
     assert train.jitted_train_step_donated._cache_size() == 1
-    return out
+    return out, calls
 
 
 def test_run_writes_metrics_plot_checkpoints_and_export(full_run, capsys):
-    out = full_run
+    out, _ = full_run
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -94,10 +105,11 @@ def test_run_writes_metrics_plot_checkpoints_and_export(full_run, capsys):
 def test_hf_and_init_dir_starts(full_run, tmp_path):
     """--hf and --init-from start from the exported weights: one step from each gives bit-identical params, within
     one Adam step (|update| <= lr per element) of the exported weights (a fresh init is ~0.02 away)."""
-    model, params = models.load_hf(os.path.join(full_run, "hf"))
+    first, _ = full_run
+    model, params = models.load_hf(os.path.join(first, "hf"))
     save_init_dir(model, params, tmp_path / "init")
     results = []
-    for option, source in (("--hf", os.path.join(full_run, "hf")), ("--init-from", str(tmp_path / "init"))):
+    for option, source in (("--hf", os.path.join(first, "hf")), ("--init-from", str(tmp_path / "init"))):
         out = str(tmp_path / option.strip("-"))
         assert run.main(SMALL + [option, source, "--steps", "1", "--out", out, "--reward", SPREAD]) == 0
         results.append(restore(out)[0])
@@ -107,18 +119,20 @@ def test_hf_and_init_dir_starts(full_run, tmp_path):
 
 
 def test_resume_equals_uninterrupted(full_run, tmp_path):
+    first, _ = full_run
     out = str(tmp_path / "b")
     assert run.main(SMALL + ["--steps", "2", "--out", out]) == 0
     assert run.main(["--out", out, "--resume", "--steps", "3"]) == 0  # the saved configuration is reused
     resumed, resumed_opt, meta = restore(out)
-    straight, straight_opt, _ = restore(full_run)
+    straight, straight_opt, _ = restore(first)
     assert meta["step"] == 3 and bits(resumed) == bits(straight) and bits(resumed_opt) == bits(straight_opt)
     read = lambda d: [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
     drop = {"tokens_per_s", "rollout_s", "update_s", "step_s", "peak_mem_bytes"}  # timings differ
     assert [{k: v for k, v in r.items() if k not in drop} for r in read(out)] == \
-           [{k: v for k, v in r.items() if k not in drop} for r in read(full_run)]
+           [{k: v for k, v in r.items() if k not in drop} for r in read(first)]
 
 
+@pytest.mark.slow  # a one-device and a 2x4 trainer run (and its resume)
 def test_mesh_run_with_groups_and_resume_match_one_device(tmp_path):
     """--mesh 2x4 -B 2: FSDP-sharded params and optimizer state; each data slice samples and updates one of the two
     groups, sequence-parallel over its 4 devices; 2 steps, then --resume to 3 (restoring onto the shardings) gives
@@ -169,7 +183,7 @@ def hf_dir_with(path, config: bytes, weights: bytes | None):
 
 
 def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys):
-    out = full_run
+    out, _ = full_run
     before = snapshot(out)
     config = models.Qwen36Config.tiny(vocab_size=32).to_hf()
     hf_config = json.dumps(config).encode()
@@ -273,17 +287,8 @@ def test_resume_merge():
         RunConfig().resumed(dict(saved, bogus=1))
 
 
-def test_step_validates_its_batch_once(full_run, tmp_path, monkeypatch):
+def test_step_validates_its_batch_once(full_run):
     """train_step validates on the host and its jitted step calls engine.grpo_grads_unvalidated: one validation per
-    step, the first step (which traces the step: its cache is cleared) included."""
-    calls = []
-
-    def counting(batch, vocab_size, cfg=None):
-        calls.append(is_concrete(batch.prompt))
-        return validate_batch(batch, vocab_size, cfg)
-
-    monkeypatch.setattr(train, "validate_batch", counting)
-    monkeypatch.setattr(engine, "validate_batch", counting)
-    train.jitted_train_step_donated.clear_cache()
-    assert run.main(SMALL + ["--steps", "2", "--out", str(tmp_path / "once")]) == 0
-    assert calls == [True, True]
+    step, the first step (which traces the step: its cache was cleared) included."""
+    _, calls = full_run
+    assert calls == [True, True, True]

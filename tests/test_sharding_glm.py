@@ -111,6 +111,7 @@ def _batch(vocab: int, prompt: int = PROMPT + 1, length: int = 7):
                       ref_logprobs=rng.normal(-6, 0.3, mask.shape).astype(np.float32))
 
 
+@pytest.mark.slow  # GLM's exact and detached backward on the mesh
 @pytest.mark.parametrize("spec,mode", [("2x4", "exact"), ("1x8", "detached")])
 def test_sharded_grpo_grads_equal_one_device(spec, mode):
     """2x4 exact in rounds (chunk_size 16: 2 full rounds of 16 + 13; the exact backward walks all three), 1x8
@@ -121,6 +122,7 @@ def test_sharded_grpo_grads_equal_one_device(spec, mode):
     assert {s.data.shape[2] for s in experts.addressable_shards} == {1}  # each expert's gradient on its device
 
 
+@pytest.mark.slow  # GLM's exact backward on 1x8
 def test_exact_grads_reading_around_the_ring_equal_one_device():
     """Exact mode on 1x8 in rounds (2 of 16 + 13; 2 queries per shard x k 16 = 32 selected rows < the layer's 48, so
     earlier rounds' rows are read around the ring and the backward returns each row's cotangent to its owner). The
@@ -134,6 +136,7 @@ def test_exact_grads_reading_around_the_ring_equal_one_device():
     assert_sharded_grads_match(model, params, batch, "1x8", "exact")
 
 
+@pytest.mark.slow  # caches cleared: capture, extend and grpo_grads compile again with the emulated exchange
 def test_ragged_exchange_equals_one_device(tiny, monkeypatch):
     """The GPU exchange (`parallel.experts.ragged`, with `ragged_all_to_all` emulated: XLA:CPU has none) in the model:
     capture + decoding (tokens replicated over seq) on 2x4 and grpo_grads on 2x4 (inside `groups.over_data`: the
@@ -184,6 +187,7 @@ def _check_32_devices() -> dict:
             "grads_rel_err": rel_err(got_grads, grads), "loss_diff": abs(float(got_loss) - float(loss))}
 
 
+@pytest.mark.slow  # a fresh 32-device process compiles capture, extend and grpo_grads
 def test_capture_extend_and_grads_equal_one_device_on_32_devices():
     result = run_32_device_check("tests.test_sharding_glm")
     assert result["cache_devices"] == 32 and result["expert_grad_shards"] == [1], result

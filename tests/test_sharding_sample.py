@@ -46,6 +46,7 @@ def _assert_same_rollout(got, want):
         np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow  # the mesh sampler and the one-device sampler compile per family
 @pytest.mark.parametrize("family, spec", [("qwen36", "2x4"), ("glm52", "1x8")])
 def test_mesh_sampler_equals_one_device_and_keeps_the_sharded_capture(family, spec):
     model, params, prompt = _setup(family)
