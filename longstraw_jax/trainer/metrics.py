@@ -142,9 +142,9 @@ def plot_metrics(records: list[dict], path: str | os.PathLike, title: str = "", 
     _reference_levels(top, chance, levels)
     top.set_ylabel("reward / accuracy")
     top.legend(loc="best", fontsize=7, ncol=2)
-    _entropy(middle, steps, smooth)
+    _per_step(middle, steps, "entropy", smooth, "entropy", "training tokens, nats")
     _legend_with_twin(middle, _held_out_kl(middle, evals), loc="best", fontsize=8)
-    _grad_norm(bottom, steps, smooth)
+    _per_step(bottom, steps, "grad_norm", smooth, "grad norm", "before clipping")
     _legend_with_twin(bottom, _clip_fraction(bottom, steps), loc="best", fontsize=8)
     bottom.set_xlabel("GRPO step (evaluations at step 0 score the starting policy)")
     for axis in (top, middle):
@@ -241,14 +241,14 @@ def _reference_levels(ax, chance: float | None, levels: dict | None) -> None:
         ax.axhline(level, color="gray", linestyle=("--", "-.")[i % 2], alpha=0.6, label=f"{label} {level:.2f}")
 
 
-def _entropy(ax, steps: list[dict], smooth: int) -> None:
-    """The policy's entropy on the training tokens per step (faint) and its `smooth`-step mean."""
+def _per_step(ax, steps: list[dict], key: str, smooth: int, name: str, detail: str) -> None:
+    """`key` per step (faint) and its `smooth`-step mean, labelled "name (detail; N-step mean)"; y axis `name`."""
     x = [r["step"] for r in steps]
-    entropy = [_value(r, "entropy") for r in steps]
-    ax.plot(x, entropy, "-", color="C0", alpha=0.3, linewidth=0.8)
-    ax.plot(x[smooth - 1 :], moving_mean(entropy, smooth), "-", color="C0",
-            label=f"entropy (training tokens, nats; {smooth}-step mean)")
-    ax.set_ylabel("entropy")
+    values = [_value(r, key) for r in steps]
+    ax.plot(x, values, "-", color="C0", alpha=0.3, linewidth=0.8)
+    ax.plot(x[smooth - 1 :], moving_mean(values, smooth), "-", color="C0",
+            label=f"{name} ({detail}; {smooth}-step mean)")
+    ax.set_ylabel(name)
 
 
 def _held_out_kl(ax, evals: list[dict]):
@@ -262,16 +262,6 @@ def _held_out_kl(ax, evals: list[dict]):
               label="held-out KL(policy || start), first token")
     twin.set_ylabel("KL (nats)")
     return twin
-
-
-def _grad_norm(ax, steps: list[dict], smooth: int) -> None:
-    """The raw gradient norm (before clipping) per step (faint) and its `smooth`-step mean."""
-    x = [r["step"] for r in steps]
-    grad_norm = [_value(r, "grad_norm") for r in steps]
-    ax.plot(x, grad_norm, "-", color="C0", alpha=0.3, linewidth=0.8)
-    ax.plot(x[smooth - 1 :], moving_mean(grad_norm, smooth), "-", color="C0",
-            label=f"grad norm (before clipping; {smooth}-step mean)")
-    ax.set_ylabel("grad norm")
 
 
 def _clip_fraction(ax, steps: list[dict]):
