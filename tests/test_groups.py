@@ -60,6 +60,7 @@ def test_whole_batch_aggregation_matches_verl():
     np.testing.assert_allclose(metrics["reward_mean"], batch.rewards.mean(), rtol=1e-6)
 
 
+@pytest.mark.slow  # naive and exact compiles of a two-group batch
 def test_grouped_engine_equals_naive_on_one_device(qwen):
     """The batch of `test_groups_on_the_mesh_equal_one_device`'s ("qwen", "exact", 2) case: one compile of the exact
     engine serves as this test's subject and as that test's one-device reference."""

@@ -22,6 +22,8 @@ from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sharding.prompt import jitted_capture, round_layout
 from tests.helpers import o1_params
 
+pytestmark = pytest.mark.slow  # mesh and one-device samplers per family; AOT compiles at P = 65536
+
 P, R, G, ROUND = 30, 5, 3, 8  # prompt[:-1] = 29 positions: a full round (whole segments) and a padded last round
 
 
@@ -46,7 +48,6 @@ def _assert_same_rollout(got, want):
         np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.slow  # the mesh sampler and the one-device sampler compile per family
 @pytest.mark.parametrize("family, spec", [("qwen36", "2x4"), ("glm52", "1x8")])
 def test_mesh_sampler_equals_one_device_and_keeps_the_sharded_capture(family, spec):
     model, params, prompt = _setup(family)
