@@ -54,6 +54,7 @@ def _rows(stdout: str, title: str, mode: str) -> list[list[str]]:
     return [row for row in block if row[1] == mode]
 
 
+@pytest.mark.slow  # planner subprocesses, AOT compiles of whole steps
 def test_plan_capacity_prints_per_device_components(tmp_path):
     """tools/plan_capacity.py (the shim of `python -m longstraw_jax.plan`): one AOT compile of the sharded train step
     and one of the sharded capture on a simulated 2x4 mesh (tiny Qwen3.6, float32, detached, B = 4 groups: 2 per
@@ -101,6 +102,7 @@ def test_plan_capacity_groups_per_step_must_divide_over_data():
     assert result.stdout == ""
 
 
+@pytest.mark.slow  # AOT compiles of the update and the capture
 def test_planner_phases():
     """In-process, tiny Qwen3.6 on a 2x1 mesh (data 2): the sampling phase grows with R (exactly by the tail's KV
     rows) and with B / data (states, tails, capture transients); the update phase is unchanged by R beyond the
@@ -215,6 +217,7 @@ def test_model_flops_match_cost_analysis_on_a_loop_free_config():
     assert bench.peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and bench.peak_flops("cpu") is None
 
 
+@pytest.mark.slow  # the device benchmark end to end on CPU
 def test_bench_device_tiny(tmp_path):
     """tools/bench_device.py --tiny on CPU (one train_step mode and one capture length, to stay fast): the table and
     the JSON hold the capture and detached rows with positive times, throughputs, compiled and planner bytes; the

@@ -223,6 +223,7 @@ def test_exact_equals_naive(tiny, engine_case):
     assert_metrics_equal(metrics, naive_metrics)
 
 
+@pytest.mark.slow  # three GLM gradient programs (detached, autograd, exact)
 def test_detached_equals_stop_gradient_autograd_and_differs_from_exact(tiny, engine_case):
     model, params, _ = tiny
     case = CASES["A"]
@@ -262,6 +263,7 @@ def segmented_config(**overrides) -> Glm52Config:
     return Glm52Config.from_hf(raw, **{"query_block_size": 8, "index_key_block_size": 8} | overrides)
 
 
+@pytest.mark.slow  # two GLM exact steps over three segments
 def test_block_by_block_equals_the_autodiff_fallback():
     """branch_grads and chunk_grads (exact mode's two hooks), block by block vs autodiff of the whole layer stack, on
     dense first layers and several segments (index_topk 8 < every key count here: selection is sparse)."""
@@ -307,6 +309,7 @@ def _float32_shapes(jaxpr) -> set:
     return shapes
 
 
+@pytest.mark.slow  # traces a whole GLM exact step
 def test_state_cotangent_has_no_indexer_key_buffer():
     """Exact grpo_grads, traced (not compiled) for a bfloat16 model: the state cotangent accumulator has no
     index_keys leaf, and no float32 array of the indexer keys' shape [F, P - 1, Di] exists anywhere in the program.
