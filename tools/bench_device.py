@@ -53,9 +53,9 @@ PEAK_BF16 = (("GB200", 2500e12), ("B200", 2250e12), ("H200", 989e12), ("H100 PCI
              ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
              ("TPU v4", 275e12))
 FULL_SIZE = dict(config="configs/qwen3.6-27b.json", dtype="bfloat16", capture_start=65536, capture_max=4 * 2**20,
-                 step_len=32768, group=4, response_len=256, chunk=8192, reps=3)
+                 step_len=32768, group_size=4, response_len=256, chunk_size=8192, reps=3)
 TINY = dict(config="configs/qwen3.6-tiny.json", dtype="float32", capture_start=256, capture_max=512,
-            step_len=256, group=2, response_len=8, chunk=64, reps=2)
+            step_len=256, group_size=2, response_len=8, chunk_size=64, reps=2)
 
 
 def peak_flops(device_kind: str) -> float | None:
@@ -152,7 +152,7 @@ class _Child:
     def planner(self, response_len: int):
         from longstraw_jax.capacity import Planner
 
-        return Planner(self.cfg, self.opts["mesh"] or "1x1", self.opts["dtype"], response_len, self.opts["chunk"],
+        return Planner(self.cfg, self.opts["mesh"] or "1x1", self.opts["dtype"], response_len, self.opts["chunk_size"],
                        devices=self.jax.devices()[:1] if not self.opts["mesh"] else None)
 
     def tokens(self, n: int, seed: int = 0):
@@ -165,7 +165,7 @@ class _Child:
 
         from longstraw_jax import sharding
 
-        chunk = self.opts["chunk"]
+        chunk = self.opts["chunk_size"]
         if self.mesh is None:
             return jax.jit(lambda params, tokens: self.model.capture(params, tokens, chunk))
         return jax.jit(lambda params, tokens: sharding.capture(self.model, params, tokens, self.mesh, chunk_size=chunk))
@@ -218,7 +218,7 @@ class _Child:
         from longstraw_jax.parallel import rules
 
         o = self.opts
-        p, g, r = o["step_len"], o["group"], o["response_len"]
+        p, g, r = o["step_len"], o["group_size"], o["response_len"]
         optimizer = train.make_optimizer(1e-6)
         opt_state = jax.jit(optimizer.init)(self.params)
         if self.mesh is not None:
@@ -232,7 +232,7 @@ class _Child:
                            old_logprobs=jnp.full((g, r), -1.0, jnp.float32), ref_logprobs=None)
         step = jax.jit(train.train_step, static_argnums=(0, 4, 5, 6, 7, 8), donate_argnums=(1, 2))
         t0 = time.perf_counter()
-        compiled = step.lower(self.model, self.params, opt_state, batch, optimizer, GRPOConfig(), mode, o["chunk"],
+        compiled = step.lower(self.model, self.params, opt_state, batch, optimizer, GRPOConfig(), mode, o["chunk_size"],
                               self.mesh).compile()
         compile_s = time.perf_counter() - t0
         memory = capacity.memory_total(compiled)
@@ -336,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     opts = {key: getattr(args, key, None) if getattr(args, key, None) is not None else value
             for key, value in defaults.items()}
     opts.update(blocks=args.blocks, mesh=args.mesh, capture_len=args.capture_len, planner=args.planner)
-    for name in ("group", "reps", "blocks"):
+    for name in ("group_size", "reps", "blocks"):
         if opts[name] < 1:
-            raise SystemExit(f"error: --{name} {opts[name]} must be >= 1")
+            raise SystemExit(f"error: --{name.replace('_', '-')} {opts[name]} must be >= 1")
     start = time.perf_counter()
     rows = []
     for mode in [m for m in args.modes.split(",") if m]:
@@ -353,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = bench_config(opts["config"], opts["blocks"])
     print(f"{device} ({capture['platform']}, jax {capture['jax']}); peak bf16 "
           f"{'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}; {cfg.describe()}; {opts['dtype']}; "
-          f"mesh {opts['mesh'] or 'none (one device)'}; chunk {opts['chunk']:,}; {time.perf_counter() - start:.0f} s")
+          f"mesh {opts['mesh'] or 'none (one device)'}; chunk {opts['chunk_size']:,}; "
+          f"{time.perf_counter() - start:.0f} s")
     print(format_table(rows, peak))
     if args.json:
         with open(args.json, "w") as f:

@@ -47,7 +47,7 @@ MIB = 2**20
 GIB = 2**30
 PREFIX = "BENCH_JSON "
 ALL_MODES = ("naive", "detached", "exact")
-QUICK = dict(prompt_len=512, response_len=16, group=2, reps=2, chunk=128)
+QUICK = dict(prompt_len=512, response_len=16, group_size=2, reps=2, chunk_size=128)
 QUICK_SWEEP = dict(sweep_g=[1, 2], sweep_p=[256, 512])
 
 
@@ -724,7 +724,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.one:
         return args
-    defaults = dict(prompt_len=8192, response_len=128, group=8, reps=5, chunk=1024)
+    defaults = dict(prompt_len=8192, response_len=128, group_size=8, reps=5, chunk_size=1024)
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, QUICK[k] if args.quick else v)
