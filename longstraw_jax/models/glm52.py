@@ -32,10 +32,11 @@ from flax import struct, traverse_util
 from longstraw_jax import layerwise
 from longstraw_jax.models import glm52_mesh as sharded
 from longstraw_jax.models.base import CausalLM, Slot, check_config_fields, read_json_config, state_capacity
-from longstraw_jax.ops.dsa import select_topk
+from longstraw_jax.ops import attention as attn_ops
+from longstraw_jax.ops.dsa import merge_candidates, select_topk, topk_over_keys
 from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.ops.lora import materialize
-from longstraw_jax.ops.mla import sparse_latent_attention
+from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attention_partial
 from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.moe import grouped_swiglu, route
 from longstraw_jax.ops.norms import layer_norm, rms_norm
@@ -427,6 +428,44 @@ class PromptReader(NamedTuple):
                                        block_size=c.query_block_size)
 
 
+class DecodeReader(NamedTuple):
+    """How a layer reads what came before one decoded token at `positions` [1], on one device: the prompt `state`
+    (read-only, rows < state.length) and the `tail` (rows of the decoded positions state.length.., `slot` of them
+    before the token). The sampler keeps the prompt apart from the tails so that many branches decode together
+    over one prompt cache (`Glm52.decode`). The indexer's top-k merges the prompt's candidates with the tail's and
+    the token's (`glm52_mesh.tail_candidates`); attention merges the prompt's partial with theirs, as the mesh's
+    decoder does over shards."""
+
+    state: Glm52State
+    tail: Glm52State
+    slot: jax.Array
+    positions: jax.Array
+
+    def layer_params(self, lp: dict, segment: int, group: str) -> dict:
+        return lp
+
+    def routed_experts(self, x, experts, weights, p: dict) -> jax.Array:
+        return grouped_swiglu(x, experts, weights, p["experts_gate"], p["experts_up"], p["experts_down"])
+
+    def select(self, c: Glm52Config, q, w, keys, full, k: int) -> jax.Array:
+        common, length = sharded.topk_common(c, k), self.state.length
+        slots = jnp.arange(self.state.index_keys.shape[1], dtype=jnp.int32)
+        slots = jnp.where(slots < length, slots, jnp.iinfo(jnp.int32).max)  # never visible past the prompt
+        prompt = topk_over_keys(q, w, jax.lax.stop_gradient(self.state.index_keys), slots, self.positions,
+                                layer=full, **common)
+        own = sharded.tail_candidates(q, w, keys, full, self.tail, self.slot, length, self.positions, common)
+        return merge_candidates(*(jnp.concatenate(x, axis=-1) for x in zip(prompt, own)), k)[1]
+
+    def attend(self, c: Glm52Config, q_abs, rows, layer, selected) -> jax.Array:
+        common, length = sharded.attend_common(c), self.state.length
+        in_prompt = jnp.where((selected >= 0) & (selected < length), selected, -1)
+        prompt = sparse_latent_attention_partial(q_abs, self.state.kv, layer, rows, in_prompt,
+                                                 self.state.kv.shape[1], **common)
+        own = sharded.tail_partial(q_abs, rows, layer, jnp.where(selected >= length, selected - length, -1),
+                                   self.tail, self.slot, common)
+        return attn_ops.merge(prompt, own).out
+
+
 def indexer(c: Glm52Config, p: dict, x, q_resid, cos, sin, reader, full, k: int):
     """DSA lightning indexer (2.8) of full layer number `full`: returns (selected int32 [T, k], this chunk's indexer
     keys [T, index_head_dim]). Runs without gradient: its inputs are stop_gradient-ed (selection is discrete; the
@@ -800,6 +839,24 @@ class Glm52(CausalLM):
         state must have room: `init_state(capacity)` with capacity > the last position written)."""
         h, entries, _ = _chunk(self.config, params, state, tokens, start)
         return rms_norm(h, params["final_norm"], self.config.rms_norm_eps), self.write_entries(state, entries, start)
+
+    def init_tail(self, params: dict, state: Glm52State, capacity: int) -> Glm52State:
+        """The decoding state after the prompt `state`: length 0, room for `capacity` decoded positions (kv [layers,
+        capacity, Dk], index_keys [F, capacity, Di]); GLM carries nothing else."""
+        return self.init_state(0, params["embed"].dtype, capacity=capacity)
+
+    def decode(self, params: dict, state: Glm52State, tail: Glm52State, token, position):
+        """One token (int32 []) at `position` (traced; state.length <= position < state.length + tail capacity)
+        after the prompt `state` (only read) and the tail's positions state.length..position-1 -> (final-normed
+        hidden [1, D], the tail with the token's row and indexer keys at slot position - state.length). Equals
+        `advance` on the prompt and tail concatenated; `jax.vmap` over (tail, token) decodes many branches with one
+        read of the prompt cache."""
+        c = self.config
+        slot = position - state.length
+        reader = DecodeReader(state, tail, slot, jnp.reshape(position, (1,)).astype(jnp.int32))
+        k = min(c.index_topk, state.length + tail.kv.shape[1])  # >= every visible key count, as `_chunk`'s
+        h, entries, _ = decoder_layers(c, params["layers"], params["embed"][jnp.reshape(token, (1,))], reader, k)
+        return rms_norm(h, params["final_norm"], c.rms_norm_eps), self.write_entries(tail, entries, slot)
 
     def write_entries(self, state: Glm52State, entries: dict, start) -> Glm52State:
         """Rows are written at positions start.. (in place)."""

@@ -62,11 +62,11 @@ def _everyone(x):
     return jax.lax.all_gather(x, SEQ, tiled=True)
 
 
-def _topk_common(c, k: int) -> dict:
+def topk_common(c, k: int) -> dict:
     return dict(k=k, scale=c.index_head_dim**-0.5, query_block=c.query_block_size, key_block=c.index_key_block_size)
 
 
-def _attend_common(c) -> dict:
+def attend_common(c) -> dict:
     return dict(scale=c.qk_head_dim**-0.5, value_dim=c.kv_lora_rank, block_size=c.query_block_size)
 
 
@@ -125,7 +125,7 @@ class RoundReader(_ShardReader):
     def select(self, c, q, w, keys, full, k):
         """Global top-k: every shard scores all the round's queries over its own keys; candidates go to the
         queries' shards (all_to_all) and merge there."""
-        common = _topk_common(c, k)
+        common = topk_common(c, k)
         queries, weights, q_positions = _everyone(q), _everyone(w), _everyone(self.positions)
         candidates = [topk_over_keys(queries, weights, keys, self.positions, q_positions, **common)]
         if self.rounds.full:
@@ -159,7 +159,7 @@ class RoundReader(_ShardReader):
         else:
             cache = jnp.zeros((1, 0, rows.shape[-1]), rows.dtype)
         index = jnp.where(selected >= 0, index, -1)
-        return sparse_latent_attention(q_abs, cache, 0, round_rows, index, cache.shape[1], **_attend_common(c))
+        return sparse_latent_attention(q_abs, cache, 0, round_rows, index, cache.shape[1], **attend_common(c))
 
 
 def reads_around_ring(method: str, rows_wanted: int, rounds: RoundLayout) -> bool:
@@ -182,13 +182,13 @@ class _AfterPrompt(_ShardReader):
     replicated_over_seq = True
 
     def select(self, c, q, w, keys, full, k):
-        common = _topk_common(c, k)
+        common = topk_common(c, k)
         prompt = prompt_candidates(q, w, self.index_keys, self.rounds, self.positions, full, common)
         own = self.own_candidates(q, w, keys, full, common)
         return merge_candidates(*(jnp.concatenate(x, axis=-1) for x in zip(prompt, own)), k)[1]
 
     def attend(self, c, q_abs, rows, layer, selected):
-        length, common = self.rounds.length, _attend_common(c)
+        length, common = self.rounds.length, attend_common(c)
         prompt = prompt_partial(q_abs, self.kv, rows, layer, selected, self.rounds, common)
         own = self.own_partial(q_abs, rows, layer, jnp.where(selected >= length, selected - length, -1), common)
         return attn_ops.merge(prompt, own).out
@@ -256,15 +256,28 @@ class DecodeReader(_AfterPrompt):
     params: _Layers
 
     def own_candidates(self, q, w, keys, full, common):
-        # the tail's keys of this layer with the token's own key at its slot: every slot <= self.slot is visible
-        tail = jax.lax.dynamic_update_slice_in_dim(self.tail.index_keys[full], keys.astype(self.tail.index_keys.dtype),
-                                                   self.slot, 0)
-        tail_positions = self.rounds.length + jnp.arange(tail.shape[0], dtype=jnp.int32)
-        return topk_over_keys(q, w, tail, tail_positions, self.positions, visible_prefix=self.slot + 1, **common)
+        return tail_candidates(q, w, keys, full, self.tail, self.slot, self.rounds.length, self.positions, common)
 
     def own_partial(self, q_abs, rows, layer, index, common):
-        # tail rows (slots < self.slot) from the tail cache, the token's own (slot == self.slot) from rows
-        return sparse_latent_attention_partial(q_abs, self.tail.kv, layer, rows, index, self.slot, **common)
+        return tail_partial(q_abs, rows, layer, index, self.tail, self.slot, common)
+
+
+def tail_candidates(q, w, keys, full, tail, slot, start: int, positions, common: dict):
+    """Top-k candidates (scores, natural positions) [T, k] of a decoded token (q [T, Hi, Di], w [T, Hi] at
+    `positions`) among the keys after the prompt: the tail's keys of full layer `full` (tail.index_keys [F, R, Di],
+    slots < `slot` hold positions start..) with the token's own `keys` [T, Di] at `slot`; slots > `slot` unseen.
+    Shared by the one-device decoder (`glm52.DecodeReader`) and the mesh's (`DecodeReader` above)."""
+    cache = tail.index_keys[full]
+    cache = jax.lax.dynamic_update_slice_in_dim(cache, keys.astype(cache.dtype), slot, 0)
+    cache_positions = start + jnp.arange(cache.shape[0], dtype=jnp.int32)
+    return topk_over_keys(q, w, cache, cache_positions, positions, visible_prefix=slot + 1, **common)
+
+
+def tail_partial(q_abs, rows, layer, index, tail, slot, common: dict) -> attn_ops.Attended:
+    """Absorbed attention of a decoded token (q_abs [T, H, Dk]) over its selected positions after the prompt (index
+    [T, k] = selected - P, -1 elsewhere): tail rows (slots < `slot`, tail.kv [layers, R, Dk]) and its own row at
+    `slot` (rows [T, Dk])."""
+    return sparse_latent_attention_partial(q_abs, tail.kv, layer, rows, index, slot, **common)
 
 
 # ----- capture -------------------------------------------------------------------------------------------------
@@ -353,7 +366,7 @@ def extend_hidden_fn(model, mesh, params_specs):
 def init_tail(model, params, sstate: ShardedPromptState, capacity: int):
     """The replicated decoding state after the sharded prompt: a Glm52State of length 0 with room for `capacity`
     decoded positions P.. (kv [layers, capacity, Dk], index_keys [F, capacity, Di]); GLM carries nothing else."""
-    return model.init_state(0, params["embed"].dtype, capacity=capacity)
+    return model.init_tail(params, sstate.state, capacity)
 
 
 def decode(model, params, sstate: ShardedPromptState, tail, token, position, mesh):

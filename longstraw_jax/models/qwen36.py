@@ -317,8 +317,9 @@ def gdn_qkv(cfg: Qwen36Config, conv_out: jax.Array):
 
 def gdn_core(cfg: Qwen36Config, q, k, v, g, beta, state):
     """The gated delta rule with the configured implementation: (o [T, Hv, dv'], state [Hv, dk, dv']) in float32.
-    Linear in (v, state) jointly, so any value width dv' works (sharding/ appends identity columns)."""
-    if cfg.gdn_impl == "chunked":
+    Linear in (v, state) jointly, so any value width dv' works (sharding/ appends identity columns). One token
+    (decoding) takes the sequential rule whatever the configuration: the chunked one would pad it to a chunk."""
+    if cfg.gdn_impl == "chunked" and q.shape[0] > 1:
         return gated_delta_rule_chunked(q, k, v, g, beta, state, cfg.gdn_chunk_size)
     return gated_delta_rule_sequential(q, k, v, g, beta, state)
 
@@ -416,6 +417,39 @@ class PromptReader(NamedTuple):
                                  kv_length=self.cache_length, kv_index=self.prefix + (j,), **common)
         new = attn_ops.attend(q, k, v, k_offset=self.positions[0], causal=True, **common)
         return attn_ops.merge(cached, new)
+
+
+class DecodeReader(NamedTuple):
+    """How a layer reads what came before one decoded token, on one device: the prompt `state` (read-only, every
+    position < state.length) and, through `local` (the tail's `PromptReader`, cache_length = the token's slot), the
+    decoded positions state.length.. before the token and the carried GDN state. The sampler keeps the prompt
+    apart from the tails so that many branches decode together over one prompt cache (`Qwen36.decode`).
+    Attention is the log-sum-exp merge of the prompt cache with local.attend (the tail, then the token itself)."""
+
+    state: Qwen36State
+    local: PromptReader
+
+    @property
+    def positions(self):
+        return self.local.positions
+
+    def layer_params(self, p: dict, group: str) -> dict:
+        return p
+
+    def rowwise(self, fn, *xs):
+        return fn(*xs)
+
+    def conv(self, mixed, weight, j):
+        return self.local.conv(mixed, weight, j)
+
+    def delta_rule(self, core, q, k, v, g, beta, j):
+        return self.local.delta_rule(core, q, k, v, g, beta, j)
+
+    def attend(self, q, k, v, j, *, scale: float, block_size: int) -> attn_ops.Attended:
+        prompt = attn_ops.attend(q, self.state.keys, self.state.values, k_offset=0, causal=False,
+                                 kv_length=self.state.length, kv_index=self.local.prefix + (j,),
+                                 q_positions=self.positions, scale=scale, block_size=block_size)
+        return attn_ops.merge(prompt, self.local.attend(q, k, v, j, scale=scale, block_size=block_size))
 
 
 def _runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int]]:
@@ -670,6 +704,29 @@ class Qwen36(CausalLM):
         (the state must have room: `init_state(capacity)` with capacity > the last position written)."""
         h, entries = self._chunk(params, state, tokens, start)
         return self.final_norm(params, h), self.write_entries(state, entries, start)
+
+    def init_tail(self, params: dict, state: Qwen36State, capacity: int) -> Qwen36State:
+        """The decoding state after the prompt `state`: length 0, room for `capacity` decoded positions (keys / values
+        [nb, nf, capacity, Hkv, hd]) and the prompt's carried GDN state (conv tails, recurrent matrices)."""
+        tail = self.init_state(0, params["embed"].dtype, capacity=capacity)
+        return self.with_carried(tail, self.carried(state))
+
+    def decode(self, params: dict, state: Qwen36State, tail: Qwen36State, token, position):
+        """One token (int32 []) at `position` (traced; state.length <= position < state.length + tail capacity)
+        after the prompt `state` (only read) and the tail's positions state.length..position-1 -> (final-normed
+        hidden [1, D], the tail with the token's keys / values at slot position - state.length and its carried GDN
+        state advanced). Equals `advance` on the prompt and tail concatenated; `jax.vmap` over (tail, token) decodes
+        many branches with one read of the prompt cache."""
+        slot = position - state.length
+        positions = jnp.reshape(position, (1,)).astype(jnp.int32)
+
+        def body(h, xs):
+            bp, b = xs
+            return _block(self.config, bp, h, DecodeReader(state, PromptReader(tail, (b,), positions, slot)))
+
+        h, entries = jax.lax.scan(body, self.embed(params, jnp.reshape(token, (1,))),
+                                  (params["blocks"], jnp.arange(self.config.num_blocks)))
+        return self.final_norm(params, h), self.write_entries(tail, entries, slot)
 
     def _chunk(self, params, state, tokens, start):
         return _layers(self.config, params, state, tokens, start, cache_length=start)

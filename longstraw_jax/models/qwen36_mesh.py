@@ -327,8 +327,7 @@ def init_tail(model, params, sstate: ShardedPromptState, capacity: int):
     """The replicated decoding state after the sharded prompt: a Qwen36State of length 0 with room for `capacity`
     decoded positions (P.., keys / values [nb, nf, capacity, Hkv, hd]) and the prompt's carried GDN state (conv
     tails, recurrent matrices: replicated already)."""
-    tail = model.init_state(0, params["embed"].dtype, capacity=capacity)
-    return model.with_carried(tail, model.carried(sstate.state))
+    return model.init_tail(params, sstate.state, capacity)  # the carried part is replicated: as on one device
 
 
 def decode(model, params, sstate: ShardedPromptState, tail, token, position, mesh):

@@ -46,6 +46,7 @@ def topk_over_keys(q: jax.Array, w: jax.Array, keys: jax.Array, key_positions: j
     Candidates from disjoint key sets combine exactly with `merge_candidates` (the sequence-parallel indexer).
     """
     num_q, heads, dim = q.shape
+    query_block = max(1, min(query_block, num_q))  # fewer queries than a block (decoding): no padded rows
     blocks = -(-num_q // query_block)
     pad = blocks * query_block - num_q
     q = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(blocks, query_block, heads, dim)

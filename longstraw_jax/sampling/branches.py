@@ -6,29 +6,32 @@
 
 Layout of the computation (one jitted function; no per-token Python dispatch):
 
-    state  = capture(prompt[:-1]) into a cache with room for P + R - 1 positions    once (the engine's capture)
-    h, state = advance(prompt[-1]) at position P - 1 -> first-token logits             once, shared by all branches
-    for g in range(G):                                  lax.scan, the state is the carry (updated in place)
-        restore the carried part (GDN conv tails + recurrent matrices) saved after the prompt
-        while t < R and not stopped:                    lax.while_loop
-            sample token t from the logits; h, state = advance(token t) at position P + t
-            (writes positions P.., overwriting the previous branch's tail; attention at position P + t reads only
-             positions < P + t: the prompt and this branch's own earlier tokens)
+    state = capture(prompt[:-1])                                        once (the engine's capture, read-only after)
+    tail  = init_tail(state, R)        room for R decoded positions P-1.. and the prompt's carried part (GDN state)
+    h, tail = decode(prompt[-1]) at position P - 1 -> first-token logits     once, shared by all branches
+    for each batch of N = decode_batch branches (default all G):            lax.scan (one batch when N = G)
+        tails = N copies of tail                                            [N, ...]: R positions each
+        while t < R and some branch has not stopped:                        lax.while_loop
+            sample token t of every branch; h, tails = vmap(decode)(tails, tokens) at position P + t
 
-The prompt's KV cache is written once and never copied: each branch only restores the small carried part. This
-matches the engine's replay convention (capture prompt[:-1], then [prompt[-1]] + response), so at temperature 1
-the recorded log-probs are the ones `grpo_grads` computes for the same tokens (up to float round-off).
+`decode` reads the prompt state (a vmap constant: one read of each layer's prompt cache per step for all N
+branches) and writes only the branch's tail, so a group needs R sequential decode steps, not G x R, and nothing of
+the prompt's size is copied per branch. A branch that has stopped keeps being computed with the others (its
+results are discarded) until every branch of the batch has stopped. Replay convention: the engine captures
+prompt[:-1] and replays [prompt[-1]] + response, so at temperature 1 the recorded log-probs are the ones
+`grpo_grads` computes for the same tokens (up to float round-off).
 
 Stop token: the stop token itself is a real token (mask 1); after it the branch is padded with `pad_token` and
-mask 0, and no more tokens are computed for it.
+mask 0.
 
-keep_capture=True also returns `Captured`: the capture of prompt[:-1] (length P - 1, its carried part as right after
-prompt[:-1]) and its chunk boundaries, so a training step captures its prompt once. `sample_branches` is the branch
-loop; `sampling/mesh.py` (sampling on a mesh) runs the same one over its own decoding step.
+keep_capture=True also returns `Captured`: the capture of prompt[:-1] (length P - 1) and its chunk boundaries, so
+a training step captures its prompt once. `sample_after_prompt` is the branch loop every sampler runs (one device:
+`sample_traced` below; on a mesh: `sampling/mesh.py`, over the family's sharded `decode`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -50,7 +53,9 @@ class SamplingConfig:
     first one on ties; top_p then plays no part). top_p: in (0, 1]; nucleus sampling keeps the smallest set of most
     likely tokens whose probability reaches top_p (the most likely token is always kept).
     response_len: R, the response length (the arrays are [G, R]). stop_token: None or a token id that ends a
-    branch (it is kept, with mask 1). pad_token: written after the stop token (mask 0).
+    branch (it is kept, with mask 1). pad_token: written after the stop token (mask 0). decode_batch: how many
+    branches decode together (None: all G of a group; N must divide G: G / N batches one after another, each R
+    steps). The tokens do not depend on it; memory does (N tails live at once, `capacity` package docstring).
     """
 
     response_len: int = 16
@@ -58,6 +63,7 @@ class SamplingConfig:
     top_p: float = 1.0
     stop_token: int | None = None
     pad_token: int = 0
+    decode_batch: int | None = None
 
     def __post_init__(self):
         errors = []
@@ -72,9 +78,12 @@ class SamplingConfig:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 0):
                 errors.append(f"{name}={value!r} must be a non-negative int token id")
+        if self.decode_batch is not None and (not is_int(self.decode_batch) or self.decode_batch < 1):
+            errors.append(f"decode_batch={self.decode_batch!r} must be a positive int (branches decoded together) "
+                          "or None (all G)")
         if not errors:  # numpy scalars -> Python numbers: one hash and one compiled sampler per setting
             for name, kind in (("response_len", int), ("temperature", float), ("top_p", float),
-                               ("stop_token", int), ("pad_token", int)):
+                               ("stop_token", int), ("pad_token", int), ("decode_batch", int)):
                 if getattr(self, name) is not None:
                     object.__setattr__(self, name, kind(getattr(self, name)))
         if errors:
@@ -122,12 +131,10 @@ class Captured:
     """The sampler's capture of prompt[:-1], kept for the update (`sample_group(..., keep_capture=True)`), so that a
     training step captures its prompt once.
 
-    state: the model's state of prompt[:-1]: length P-1, room for P+R-1 positions; positions < P-1 hold exactly what
-    `capture_chunks(model, params, prompt[:-1], chunk_size, dtype)` computes, the carried part (Qwen3.6's GDN conv
-    tails and recurrent matrices) is the one right after prompt[:-1] (saved before prompt[-1] was advanced).
-    Positions >= P-1 hold the last branch's tokens: nothing reads them (every reader of a whole state stops at its
-    length). boundaries: what `capture_chunks(..., keep_boundaries=True)` returns with the state (the carried part
-    before each chunk), for exact mode's prompt backward.
+    state: the model's state of prompt[:-1] (length P-1): exactly what `capture_chunks(model, params, prompt[:-1],
+    chunk_size, dtype)` computes (decoding only reads it; the branches write their own tails). boundaries: what
+    `capture_chunks(..., keep_boundaries=True)` returns with the state (the carried part before each chunk), for
+    exact mode's prompt backward.
     """
 
     state: Any
@@ -136,7 +143,7 @@ class Captured:
 
 def check_sampling_inputs(model, prompt, group_size, sampling: SamplingConfig):
     """The host-side checks of every sampler: prompt token ids (int [P], P >= 2), G >= 1, stop/pad ids inside the
-    vocabulary. Returns (prompt as an int32 array, G as a Python int)."""
+    vocabulary, decode_batch dividing G. Returns (prompt as an int32 array, G as a Python int)."""
     vocab = model.config.vocab_size
     prompt = check_tokens(prompt, vocab, name="prompt")
     if prompt.shape[0] < 2:
@@ -147,7 +154,17 @@ def check_sampling_inputs(model, prompt, group_size, sampling: SamplingConfig):
         value = getattr(sampling, name)
         if value is not None and value >= vocab:
             raise ValueError(f"SamplingConfig.{name}={value} is out of range: ids must be in [0, vocab_size={vocab})")
+    decode_batch(sampling, group_size)
     return prompt, int(group_size)
+
+
+def decode_batch(sampling: SamplingConfig, group_size: int) -> int:
+    """N, the branches decoded together: sampling.decode_batch, or G when None. ValueError unless N divides G."""
+    n = group_size if sampling.decode_batch is None else sampling.decode_batch
+    if group_size % n:
+        raise ValueError(f"SamplingConfig.decode_batch={n} must divide the group size G={group_size} "
+                         f"(G / decode_batch batches of branches decode one after another)")
+    return n
 
 
 def sample_group(model, params, prompt, group_size: int, sampling: SamplingConfig, key: jax.Array,
@@ -172,94 +189,85 @@ def sample_traced(model, params, prompt, key, group_size: int, sampling: Samplin
     """The one-device sampler without host checks (jittable; `jax.vmap`-able over a leading group axis of prompt
     [N, P] and key [N]): Rollout, or with keep_capture (Rollout, Captured). model, group_size, sampling,
     chunk_size and keep_capture are static; prompt int32 [P] must be valid (`check_sampling_inputs`)."""
-    length = sampling.response_len
-    p = prompt.shape[0]
     dtype = model.lm_head(params).dtype
-    # the engine's capture (same chunks), into a cache with room for the responses: positions P-1 .. P+R-2
-    captured = capture_chunks(model, params, prompt[:-1], chunk_size, dtype, keep_boundaries=keep_capture,
-                              capacity=p + length - 1)
+    captured = capture_chunks(model, params, prompt[:-1], chunk_size, dtype, keep_boundaries=keep_capture)
     state, boundaries = captured if keep_capture else (captured, None)
-    before_last = model.carried(state)  # right after prompt[:-1]: what the update's replay starts from
-    hidden, state = model.advance(params, state, prompt[-1:], p - 1)
-    after_prompt = model.carried(state)  # right after prompt[-1]: what every branch starts from
-
-    def step(state, token, position):
-        hidden, state = model.advance(params, state, token[None], position)
-        return state, model.logits(params, hidden)[0]
-
-    state, rollout = sample_branches(step, state, model.logits(params, hidden)[0],
-                                     lambda state: model.with_carried(state, after_prompt), key, group_size,
-                                     sampling, p)
-    if keep_capture:
-        return rollout, Captured(state=model.with_carried(state, before_last), boundaries=boundaries)
-    return rollout
+    rollout = sample_after_prompt(model, params, functools.partial(model.decode, params, state),
+                                  model.init_tail(params, state, sampling.response_len), prompt, key, group_size,
+                                  sampling)
+    return (rollout, Captured(state=state, boundaries=boundaries)) if keep_capture else rollout
 
 
 _sample_group = jax.jit(sample_traced, static_argnums=(0, 4, 5, 6, 7))
 
 
-def sample_branches(step, state, first_logits, restore, key, group_size: int, sampling: SamplingConfig,
-                    start) -> tuple[Any, Rollout]:
-    """The G-branch loop of every sampler (one device: `sample_traced`; on a mesh: `sampling/mesh.py`).
+def sample_after_prompt(model, params, decode, tail, prompt, key, group_size: int, sampling: SamplingConfig) -> Rollout:
+    """The branch loop of every sampler (one device: `sample_traced`; on a mesh: `sampling/mesh.py`).
 
-    step(state, token int32 [], position) -> (state, float32 logits [V] of the next token): one decoding step at
-    `position`. state: the decoder's state after the prompt, whose next-token logits are first_logits [V].
-    restore(state) -> the state a branch starts from (each branch overwrites the positions start.. of the one
-    before it: restoring the carried part is enough). start: the position of response token 0 (P).
+    decode(tail, token int32 [], position) -> (final-normed hidden [1, D], tail): one decoding step of one branch
+    after the captured prompt[:-1] (a constant of decode: under `jax.vmap` over tails it is read once for all
+    branches). tail: the empty decoding state (room for R positions from P - 1). prompt int32 [P].
 
-    Branches run in a `lax.scan` (the state is the carry, updated in place); each samples in a `lax.while_loop`
-    over t < R that stops after the stop token: token t ~ categorical(fold_in(branch key, t), sampling_logits),
-    branch keys = jax.random.split(key, G); at temperature 0 token t = argmax(logits) (every branch the same).
-    Returns (the state after the last branch, Rollout).
+    prompt[-1] is decoded once at P - 1; then batches of N = `decode_batch(sampling, G)` branches (a `lax.scan`
+    over G / N batches) each run a `lax.while_loop` over t < R that stops when every branch of the batch has
+    stopped: token t of branch g ~ categorical(fold_in(keys[g], t), sampling_logits), keys = jax.random.split(key,
+    G); at temperature 0 token t = argmax(logits) (every branch the same). A branch is decoded at position P + t for
+    token t unless t is its last (t = R - 1, or its stop token).
     """
-    length = sampling.response_len
+    length, p = sampling.response_len, prompt.shape[0]
     stop = -1 if sampling.stop_token is None else sampling.stop_token
-    # Inside `parallel/groups.over_data` each data slice samples its own group, but a decode step's collectives (the
-    # FSDP all-gather of a layer over ("data", "seq")) need every slice: the loops then run in lockstep, as long as
-    # any slice's branch is still sampling, and a slice whose branch has stopped discards what it computes.
+    n = decode_batch(sampling, group_size)
+    hidden, tail = decode(tail, prompt[-1], p - 1)
+    first_logits = model.logits(params, hidden)[0]
+
+    def step(tail, token, position):
+        hidden, tail = decode(tail, token, position)
+        return tail, model.logits(params, hidden)[0]
+
+    step_all = jax.vmap(step, in_axes=(0, 0, None))
+    # Inside `parallel/groups.over_data` each data slice samples its own group, but a decode step's collectives
+    # (e.g. the FSDP all-gather of a layer over ("data", "seq")) need every slice: the loops then run in lockstep,
+    # as long as any slice's branch is still sampling, and a slice whose branches have stopped discards its results.
     lockstep = DATA in manual_axes()
     anywhere = (lambda x: jax.lax.psum(x.astype(jnp.int32), DATA) > 0) if lockstep else (lambda x: x)
 
-    def branch(state, branch_key):
-        state = restore(state)
-
+    def batch(_, branch_keys):
         def cond(c):
             t, _, _, done, *_ = c
-            return (t < length) & anywhere(~done)
+            return (t < length) & anywhere(~jnp.all(done))
 
         def body(c):
-            t, state, logits, done, count, tokens, logp, sample_logp = c
-            live = ~done  # this branch has not stopped (always true outside lockstep)
-            shaped = sampling_logits(logits, sampling.temperature, sampling.top_p)
+            t, tails, logits, done, count, tokens, logp, sample_logp = c
+            live = ~done  # [N]: the branches that have not stopped
+            shaped = jax.vmap(sampling_logits, in_axes=(0, None, None))(logits, sampling.temperature, sampling.top_p)
             if sampling.temperature == 0:  # greedy (static): a point mass on the argmax
-                token = jnp.argmax(logits).astype(jnp.int32)
+                token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             else:
-                token = jax.random.categorical(jax.random.fold_in(branch_key, t), shaped).astype(jnp.int32)
-            keep = lambda new, old: jnp.where(live, new, old)
-            tokens = keep(tokens.at[t].set(token), tokens)
-            logp = keep(logp.at[t].set(jax.nn.log_softmax(logits)[token]), logp)
-            point = jnp.float32(0.0) if sampling.temperature == 0 else jax.nn.log_softmax(shaped)[token]
-            sample_logp = keep(sample_logp.at[t].set(point), sample_logp)
+                draw = lambda k, row: jax.random.categorical(jax.random.fold_in(k, t), row)
+                token = jax.vmap(draw)(branch_keys, shaped).astype(jnp.int32)
+            pick = lambda x: jnp.take_along_axis(x, token[:, None], axis=-1)[:, 0]
+            keep = lambda new, old: jnp.where(live[:, None], new, old)
+            tokens = keep(tokens.at[:, t].set(token), tokens)
+            logp = keep(logp.at[:, t].set(pick(jax.nn.log_softmax(logits))), logp)
+            point = jnp.zeros(n, jnp.float32) if sampling.temperature == 0 else pick(jax.nn.log_softmax(shaped))
+            sample_logp = keep(sample_logp.at[:, t].set(point), sample_logp)
             done = done | (live & (token == stop))
-            # the last token (or a stop) needs no successor: skip its forward step
-            need = ~done & (t + 1 < length)
+            # the last token (or a stop) needs no successor: no step once no branch needs one
+            need = jnp.any(~done) & (t + 1 < length)
+            tails, logits = jax.lax.cond(anywhere(need), lambda: step_all(tails, token, p + t),
+                                         lambda: (tails, logits))
+            return t + 1, tails, logits, done, count + live.astype(jnp.int32), tokens, logp, sample_logp
 
-            def forward(state):
-                stepped, next_logits = step(state, token, start + t)
-                if not lockstep:
-                    return stepped, next_logits
-                return jax.tree.map(lambda a, b: jnp.where(need, a, b), (stepped, next_logits), (state, logits))
+        zeros = jnp.zeros((n, length), jnp.float32)
+        init = (jnp.int32(0), jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), tail),
+                jnp.broadcast_to(first_logits, (n,) + first_logits.shape), jnp.zeros(n, jnp.bool_),
+                jnp.zeros(n, jnp.int32), jnp.full((n, length), sampling.pad_token, jnp.int32), zeros, zeros)
+        _, _, _, _, count, tokens, logp, sample_logp = jax.lax.while_loop(cond, body, init)
+        mask = (jnp.arange(length) < count[:, None]).astype(jnp.float32)
+        return None, (tokens, mask, logp, sample_logp)
 
-            state, logits = jax.lax.cond(anywhere(need), forward, lambda s: (s, logits), state)
-            return t + 1, state, logits, done, count + live.astype(jnp.int32), tokens, logp, sample_logp
-
-        zeros = jnp.zeros(length, jnp.float32)
-        init = (jnp.int32(0), state, first_logits, jnp.bool_(False), jnp.int32(0),
-                jnp.full(length, sampling.pad_token, jnp.int32), zeros, zeros)
-        _, state, _, _, count, tokens, logp, sample_logp = jax.lax.while_loop(cond, body, init)
-        mask = (jnp.arange(length) < count).astype(jnp.float32)
-        return state, (tokens, mask, logp, sample_logp)
-
-    state, (tokens, mask, logp, sample_logp) = jax.lax.scan(branch, state, jax.random.split(key, group_size))
-    return state, Rollout(responses=tokens, mask=mask, logprobs=logp, sample_logprobs=sample_logp,
-                          first_logprobs=jax.nn.log_softmax(first_logits.astype(jnp.float32)))
+    keys = jax.random.split(key, group_size)
+    _, out = jax.lax.scan(batch, None, keys.reshape(group_size // n, n))
+    tokens, mask, logp, sample_logp = (x.reshape((group_size, length)) for x in out)
+    return Rollout(responses=tokens, mask=mask, logprobs=logp, sample_logprobs=sample_logp,
+                   first_logprobs=jax.nn.log_softmax(first_logits.astype(jnp.float32)))

@@ -2,10 +2,9 @@
 capture, so the update can reuse it) and decoding reads the seq-sharded cache in place.
 
     sstate, aux = capture(prompt[:-1]) on the mesh, in rounds          = what sharding/engine.py computes
-    tail = init_tail(...)                       replicated: room for R decoded positions + the carried GDN state
-    h, tail = decode(prompt[-1]) at position P - 1 -> first-token logits
-    for g in range(G): restore the tail saved after prompt[-1], then     branches.sample_branches: the one-device
-        while t < R and not stopped: sample, h, tail = decode(token) at P + t          sampler's branch loop
+    tail = init_tail(...)        replicated: room for R decoded positions P-1.. + the carried GDN state
+    branches.sample_after_prompt: decode prompt[-1] once, then N branches at a time (vmap over their tails):
+        while t < R and some branch has not stopped: sample, h, tails = decode(tokens) at P + t
 
 One decode step runs the model's layer code on every shard through a reader (`models/qwen36_mesh.py:ReplayReader` with
 decoding=True, `models/glm52_mesh.py:DecodeReader`): attention is the log-sum-exp merge of this shard's prompt slots
@@ -24,7 +23,7 @@ from flax import struct
 
 from longstraw_jax.parallel import sequence
 from longstraw_jax.parallel.layout import RoundLayout, ShardedPromptState
-from longstraw_jax.sampling.branches import Rollout, SamplingConfig, check_sampling_inputs, sample_branches
+from longstraw_jax.sampling.branches import Rollout, SamplingConfig, check_sampling_inputs, sample_after_prompt
 from longstraw_jax.sharding.prompt import round_layout
 
 
@@ -59,18 +58,10 @@ def sample_traced(model, params, prompt, key, group_size: int, sampling: Samplin
     group axis of prompt [N, P] and key [N]). layout: `sharding.prompt.round_layout(model, P - 1, seq, chunk_size)`.
     model, group_size, sampling, mesh, layout, attention and keep_capture are static."""
     family = model.sequence_parallel()
-    p = prompt.shape[0]
     sstate, capture_aux = family.capture(params, layout.to_stored(prompt[:-1]), mesh, layout, attention)
     decode = functools.partial(family.decode, params, sstate, mesh=mesh)
-    hidden, after_prompt = decode(family.init_tail(params, sstate, sampling.response_len), prompt[-1], p - 1)
-
-    def step(tail, token, position):
-        hidden, tail = decode(tail, token, position)
-        return tail, model.logits(params, hidden)[0]
-
-    # each branch starts from the tail right after prompt[-1] (R positions: restoring it whole costs nothing)
-    _, rollout = sample_branches(step, after_prompt, model.logits(params, hidden)[0], lambda _: after_prompt, key,
-                                 group_size, sampling, p)
+    rollout = sample_after_prompt(model, params, decode, family.init_tail(params, sstate, sampling.response_len),
+                                  prompt, key, group_size, sampling)
     return (rollout, ShardedCaptured(sstate, capture_aux)) if keep_capture else rollout
 
 
