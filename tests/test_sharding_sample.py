@@ -2,14 +2,17 @@
 simulated
 CPU devices, tiny models at O(1) scale.
 
-- same key -> the same tokens, masks and log-probs (rtol 1e-5): Qwen3.6 on 2x4 with a stop token, GLM-5.x on 1x8
-  (index_topk 16 < the prompt: the sharded top-k over prompt + tail + token must select what one device selects);
-  prompts captured in rounds, P - 1 divisible by no layout;
+- same key -> the same tokens, masks and log-probs (rtol 1e-5): Qwen3.6 on 2x4 with a stop token and top-p, GLM-5.x
+  on 1x8 greedy (index_topk 16 < the prompt: the sharded top-k over prompt + tail + token must select what one
+  device selects); the mesh decodes all G branches together, the one-device oracle one at a time
+  (decode_batch=1); prompts captured in rounds, P - 1 divisible by no layout;
 - keep_capture: the (sstate, capture_aux) handed back equals the family's sharded capture of prompt[:-1]
   (`sharding.prompt.jitted_capture`, what sharding/engine.py computes);
 - memory: per-device bytes (arguments + temporaries, AOT `memory_analysis()`) on 1x8 are well under a third of the
   one-device sampler's at a prompt whose cache dominates: nothing of size P is replicated.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,17 +55,19 @@ def _assert_same_rollout(got, want):
 def test_mesh_sampler_equals_one_device_and_keeps_the_sharded_capture(family, spec):
     model, params, prompt = _setup(family)
     key = jax.random.key(4)
-    sampling = SamplingConfig(response_len=R, temperature=0.8)
+    sampling = SamplingConfig(response_len=R, temperature=0.8, top_p=0.9, decode_batch=1)
     if family == "qwen36":  # a stop token that ends branch 1 early (mask and padding must follow)
         free = rollout.sample_group(model, params, prompt, G, sampling, key, chunk_size=8)
-        sampling = SamplingConfig(response_len=R, temperature=0.8, stop_token=int(free.responses[1, 1]),
-                                  pad_token=63)
+        sampling = dataclasses.replace(sampling, stop_token=int(free.responses[1, 1]), pad_token=63)
+    else:
+        sampling = SamplingConfig(response_len=R, temperature=0.0, decode_batch=1)
     want = rollout.sample_group(model, params, prompt, G, sampling, key, chunk_size=8)
     if family == "qwen36":
         assert want.mask[1].sum() <= 2 and want.mask.sum() < G * R
     mesh = sharding.make_mesh(spec)
     placed = _placed(params, mesh)
-    got, captured = sample.sample_group(model, placed, prompt, G, sampling, key, mesh, chunk_size=ROUND,
+    together = dataclasses.replace(sampling, decode_batch=None)
+    got, captured = sample.sample_group(model, placed, prompt, G, together, key, mesh, chunk_size=ROUND,
                                         keep_capture=True)
     _assert_same_rollout(got, want)
 
