@@ -49,9 +49,11 @@ from longstraw_jax.ops.moe import grouped_swiglu
 from longstraw_jax.ops.norms import rms_norm
 from longstraw_jax.parallel import rules, sequence
 from longstraw_jax.parallel.experts import routed_swiglu
+from longstraw_jax.parallel.groups import DATA
 from longstraw_jax.parallel.layout import RoundLayout, SeqLayout, ShardedPromptState
 from longstraw_jax.parallel.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
 from longstraw_jax.parallel.sequence import SEQ
+from longstraw_jax.parallel.tensor import tensor_parallel_layer
 
 _ROWS = P(None, SEQ)  # latent rows / indexer keys [layers, S, Dk] or [F, S, Di], positions split along seq
 _NEVER = jnp.iinfo(jnp.int32).max  # key position of a padding slot: never visible to any query
@@ -70,13 +72,25 @@ def attend_common(c) -> dict:
     return dict(scale=c.qk_head_dim**-0.5, value_dim=c.kv_lora_rank, block_size=c.query_block_size)
 
 
+# the matrices the layer code applies only through `ops.mlp.linear`: decoding multiplies by their shards in place
+# (kv_b_proj, reshaped per head, and the indexer's weights_proj and the router, read by einsum, are gathered)
+LINEAR_LEAVES = frozenset({"q_a_proj", "q_b_proj", "kv_a_proj", "o_proj", "wq_b", "wk", "gate_proj", "up_proj",
+                           "down_proj"})
+
+
 class _Layers(NamedTuple):
     """FSDP-sharded layer parameters: each layer is all-gathered whole right before use, except routed experts split
-    by expert index (expert parallelism: `parallel/experts.py`)."""
+    by expert index (expert parallelism: `parallel/experts.py`); decoding (`tensor_parallel`), the matrices in
+    LINEAR_LEAVES are applied as shards (`parallel/tensor.py`: only the few tokens' activations move). varying: the
+    mesh axes over which the tokens differ."""
 
     specs: dict  # param_specs(params)["layers"]
+    tensor_parallel: bool = False
+    varying: tuple = ()
 
     def layer_params(self, lp, segment: int, group: str):
+        if self.tensor_parallel:
+            return tensor_parallel_layer(lp, self.specs[str(segment)][group], LINEAR_LEAVES, self.varying)
         return gather_layer(lp, self.specs[str(segment)][group])
 
     def routed_experts(self, x, experts, weights, p, replicated_over_seq: bool = False):
@@ -373,15 +387,17 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
     """Traceable: one token (int32 []) at `position` (P <= position < P + tail capacity, traced) after the sharded
     prompt and the tail's positions P..position-1 -> (final-normed hidden [1, D] (replicated), the tail with the
     token's latent row and indexer keys written at slot position - P). The prompt cache stays seq-sharded and is
-    only read; layers are all-gathered one at a time (FSDP)."""
+    only read; each device multiplies by its own shards of the layers' matrices (`parallel/tensor.py`)."""
     c = model.config
     specs = param_specs(params, mesh)["layers"]
     rounds = sstate.layout
     slot = position - rounds.length
     k = min(c.index_topk, rounds.length + tail.kv.shape[1])  # >= every visible key count, as on one device
+    varying = tuple(a for a in (DATA,) if a in rules.manual_axes())  # over_data: each slice decodes its own groups
 
     def local(layers, state, tail, h, position, slot):
-        reader = DecodeReader(state.kv, state.index_keys, tail, slot, position[None], rounds, _Layers(specs))
+        reader = DecodeReader(state.kv, state.index_keys, tail, slot, position[None], rounds,
+                              _Layers(specs, True, varying))
         h, entries, _ = model.decoder_layers(layers, h, reader, k)
         return h, entries
 

@@ -39,9 +39,11 @@ from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
 from longstraw_jax.parallel import rules, sequence
+from longstraw_jax.parallel.groups import DATA
 from longstraw_jax.parallel.layout import RoundLayout, SeqLayout, ShardedPromptState
 from longstraw_jax.parallel.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
 from longstraw_jax.parallel.sequence import SEQ, each_round, round_slots
+from longstraw_jax.parallel.tensor import tensor_parallel_layer
 
 ROWS = 4096  # position-wise work (projections, norms, MLP) runs over at most this many local positions at a time
 _KV = P(None, None, SEQ)  # a KV cache or its cotangent: [blocks (or 1), nf, S, Hkv, hd], S split along seq
@@ -60,12 +62,23 @@ def _by_rows(fn, *xs, rows: int | None = None):
     return jax.tree.map(lambda y: y.reshape((n * rows,) + y.shape[2:])[:t], out)
 
 
+# the matrices the layer code applies only through `ops.mlp.linear`: decoding multiplies by their shards in place
+LINEAR_LEAVES = frozenset({"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj",
+                           "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+
+
 class _ShardedLayers(NamedTuple):
-    """What every reader on the mesh shares: FSDP-sharded layers gathered whole one at a time, rows in blocks."""
+    """What every reader on the mesh shares: FSDP-sharded layers gathered whole one at a time, rows in blocks; or,
+    decoding (`tensor_parallel`), the matrices applied as shards (`parallel/tensor.py`: no weights move, only the
+    few tokens' activations) and the small rest gathered. varying: the mesh axes over which the tokens differ."""
 
     specs: dict  # param_specs(params)["blocks"]: {"linear": ..., "full": ...} specs of the stacked leaves
+    tensor_parallel: bool = False
+    varying: tuple = ()
 
     def layer_params(self, p: dict, group: str) -> dict:
+        if self.tensor_parallel:
+            return tensor_parallel_layer(p, self.specs[group], LINEAR_LEAVES, self.varying)
         return gather_layer(p, self.specs[group])
 
     def rowwise(self, fn, *xs):
@@ -334,10 +347,12 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
     """Traceable: one token (int32 []) at `position` (P <= position < P + tail capacity, traced) after the sharded
     prompt and the tail's positions P..position-1 -> (final-normed hidden [1, D] (replicated), the tail with the
     token's keys / values written at slot position - P and the carried GDN state advanced past it). The prompt cache
-    stays seq-sharded and is only read; layers are all-gathered one at a time (FSDP)."""
+    stays seq-sharded and is only read; each device multiplies by its own shards of the layers' matrices (no weights
+    move: `parallel/tensor.py`)."""
     specs = param_specs(params, mesh)["blocks"]
     rounds = sstate.layout
     slot = position - rounds.length
+    varying = tuple(a for a in (DATA,) if a in rules.manual_axes())  # over_data: each slice decodes its own groups
 
     def local(blocks, state, tail, h, position, slot):
         positions = position[None]
@@ -345,7 +360,7 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
         def body(h, xs):
             bp, b = xs
             reader = ReplayReader(state, model.prompt_reader(tail, (b,), positions, slot), rounds,
-                                  _ShardedLayers(specs), decoding=True)
+                                  _ShardedLayers(specs, True, varying), decoding=True)
             return model.block_with_reader(bp, h, reader)
 
         return jax.lax.scan(body, h, (blocks, jnp.arange(model.num_blocks)))

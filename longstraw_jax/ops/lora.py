@@ -69,10 +69,18 @@ def linear(x: jax.Array, w, precision=None) -> jax.Array:
     """x [..., in] @ w[out, in].T -> [..., out] for a plain matrix or a LoRA node (low-rank path added, never
     merged)."""
     if not is_lora(w):
-        return jnp.einsum("...i,oi->...o", x, w, precision=precision)
-    y = jnp.einsum("...i,oi->...o", x, w.base, precision=precision)
+        return _dense(x, w, precision)
+    y = _dense(x, w.base, precision)
     low = jnp.einsum("...i,ri->...r", x, w.a.astype(x.dtype), precision=precision)
     return (y + w.scale * jnp.einsum("...r,or->...o", low, w.b.astype(x.dtype), precision=precision)).astype(y.dtype)
+
+
+def _dense(x, w, precision):
+    """x @ w^T; a matrix that applies itself (`w.linear`: a device's shard applied tensor-parallel while decoding,
+    `parallel/tensor.py`) does so."""
+    if hasattr(w, "linear"):
+        return w.linear(x, precision)
+    return jnp.einsum("...i,oi->...o", x, w, precision=precision)
 
 
 def grouped(matmul, lhs: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
