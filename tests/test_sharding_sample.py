@@ -8,10 +8,15 @@ CPU devices, tiny models at O(1) scale.
   (decode_batch=1); prompts captured in rounds, P - 1 divisible by no layout;
 - keep_capture: the (sstate, capture_aux) handed back equals the family's sharded capture of prompt[:-1]
   (`sharding.prompt.jitted_capture`, what sharding/engine.py computes);
+- no weights move per decoded token: the compiled decode step (all branches, 1x8) all-gathers no matrix that the
+  layers apply through `linear` (each device multiplies by its own FSDP shard, `parallel/tensor.py`); GLM's
+  kv_b_proj, still gathered, shows the check sees a gathered weight;
 - memory: per-device bytes (arguments + temporaries, AOT `memory_analysis()`) on 1x8 are well under a third of the
   one-device sampler's at a prompt whose cache dominates: nothing of size P is replicated.
 """
 import dataclasses
+import re
+from importlib import import_module
 
 import jax
 import jax.numpy as jnp
@@ -107,3 +112,52 @@ def test_nothing_of_prompt_size_is_replicated():
     print(f"sampler bytes per device: one device {per_device(one)}, 1x8 {per_device(many)}; cache {cache}")
     assert per_device(one) > cache  # the prompt dominates the one-device sampler
     assert per_device(many) < 0.35 * per_device(one)
+
+
+def _all_gather_shapes(hlo: str) -> set:
+    """Result shapes of the all-gathers in compiled HLO text (tuple results included)."""
+    shapes = set()
+    for line in hlo.splitlines():
+        if " all-gather(" in line or " all-gather-start(" in line:
+            result = line.split("=", 1)[1].split("all-gather", 1)[0]
+            shapes |= {tuple(int(d) for d in dims.split(",") if d)
+                       for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", result)}
+    return shapes
+
+
+@pytest.mark.parametrize("family", ["qwen36", "glm52"])
+def test_a_decode_step_gathers_no_linear_weight(family):
+    """One decode step of G = 4 branches on 1x8 (AOT-compiled from shapes): no all-gather's result has the shape of
+    a matrix in the family's LINEAR_LEAVES (a gathered layer would: `rules.gather_layer` returns whole [out, in]
+    matrices), while GLM's kv_b_proj (applied per head, not through linear) is gathered and is seen."""
+    model, _, _ = _setup(family)
+    if family == "glm52":  # indexer sizes whose matrices share no shape with a gathered one (weights_proj [Hi, D],
+        # kv_b_proj [H (nope + v), kv_lora], router [E, D])
+        model = models.build(dataclasses.replace(model.config, index_n_heads=4))
+    adapter = import_module(f"longstraw_jax.models.{family}_mesh")
+    mesh = sharding.make_mesh("1x8")
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0)))
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                          rules.named(rules.param_specs(abstract, mesh), mesh))
+    family_sp = model.sequence_parallel()
+    layout = round_layout(model, P - 1, 8, ROUND)
+    sstate = jax.eval_shape(lambda p, t: family_sp.capture(p, t, mesh, layout, "ring")[0], params,
+                            jax.ShapeDtypeStruct((layout.padded,), jnp.int32))
+    state_shardings = rules.named(rules.prompt_state_specs(sstate.state), mesh)
+    sstate = sstate.replace(state=jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                               sstate.state, state_shardings))
+    tails = jax.eval_shape(lambda p, s: jax.tree.map(lambda a: jnp.broadcast_to(a, (4,) + a.shape),
+                                                     family_sp.init_tail(p, s, R)), params, sstate)
+    step = jax.vmap(lambda params, sstate, tail, token: family_sp.decode(params, sstate, tail, token, P, mesh),
+                    in_axes=(None, None, 0, 0))
+    hlo = jax.jit(step).lower(params, sstate, tails, jax.ShapeDtypeStruct((4,), jnp.int32)).compile().as_text()
+    gathered = _all_gather_shapes(hlo)
+    matrices = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
+        name = getattr(path[-1], "key", None)
+        if rules.stacked_dims(path) and leaf.ndim == 4:  # [stacked, stacked, out, in]: one layer's matrix
+            matrices.setdefault(name, set()).add(tuple(leaf.shape[2:]))
+    linear = {shape for name in adapter.LINEAR_LEAVES for shape in matrices.get(name, ())}
+    assert linear and not linear & gathered, sorted(linear & gathered)
+    if family == "glm52":
+        assert matrices["kv_b_proj"] & gathered
