@@ -189,13 +189,25 @@ def sample_traced(model, params, prompt, key, group_size: int, sampling: Samplin
     """The one-device sampler without host checks (jittable; `jax.vmap`-able over a leading group axis of prompt
     [N, P] and key [N]): Rollout, or with keep_capture (Rollout, Captured). model, group_size, sampling,
     chunk_size and keep_capture are static; prompt int32 [P] must be valid (`check_sampling_inputs`)."""
+    captured = capture_prompt(model, params, prompt, chunk_size, keep_capture)
+    rollout = sample_captured(model, params, captured.state, prompt, key, group_size, sampling)
+    return (rollout, captured) if keep_capture else rollout
+
+
+def capture_prompt(model, params, prompt, chunk_size: int, keep_boundaries: bool = False) -> Captured:
+    """The engine's capture of prompt[:-1] (chunks of chunk_size), with its chunk boundaries if asked (else None)."""
     dtype = model.lm_head(params).dtype
-    captured = capture_chunks(model, params, prompt[:-1], chunk_size, dtype, keep_boundaries=keep_capture)
-    state, boundaries = captured if keep_capture else (captured, None)
-    rollout = sample_after_prompt(model, params, functools.partial(model.decode, params, state),
-                                  model.init_tail(params, state, sampling.response_len), prompt, key, group_size,
-                                  sampling)
-    return (rollout, Captured(state=state, boundaries=boundaries)) if keep_capture else rollout
+    captured = capture_chunks(model, params, prompt[:-1], chunk_size, dtype, keep_boundaries=keep_boundaries)
+    state, boundaries = captured if keep_boundaries else (captured, None)
+    return Captured(state=state, boundaries=boundaries)
+
+
+def sample_captured(model, params, state, prompt, key, group_size: int, sampling: SamplingConfig) -> Rollout:
+    """G branches after `state`, the capture of prompt[:-1] (one device). Under `jax.vmap` over groups (state,
+    prompt, key batched) the groups' branches decode together: one decode step per token position for all."""
+    return sample_after_prompt(model, params, functools.partial(model.decode, params, state),
+                               model.init_tail(params, state, sampling.response_len), prompt, key, group_size,
+                               sampling)
 
 
 _sample_group = jax.jit(sample_traced, static_argnums=(0, 4, 5, 6, 7))

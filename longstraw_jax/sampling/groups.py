@@ -6,11 +6,11 @@ captures kept for the update, so that a training step captures every prompt once
     `sampling.branches.Captured` (one device) or `sampling.mesh.ShardedCaptured` (mesh), every leaf stacked [B, ...]:
     pass it to `train.train_step(..., captured=captured)` / `engine.grpo_grads(..., captured=captured)`.
 
-One device: the groups one after another (`lax.map` over `sampling.branches.sample_traced`). On a mesh: B is split over
-`data` (`parallel/groups.py`); each data slice samples its own groups, one after another, with the mesh sampler
-(`sampling.mesh.sample_traced`: the prompt captured in rounds of about chunk_size positions into seq-sharded caches,
-decoded with a replicated tail). Group b uses keys[b]; its tokens are those `sampling.branches.sample_group` draws with
-that key.
+The prompts are captured one after another (`lax.map`: one capture's activations live at a time), then every group's
+branches decode together (`jax.vmap` of the branch loop over groups: one decode step per response position for all
+B x G branches, each group reading its own prompt cache). On a mesh B is split over `data` (`parallel/groups.py`):
+each data slice captures its own groups in rounds into seq-sharded caches (`sampling.mesh`) and decodes them
+together. Group b uses keys[b]; its tokens are those `sampling.branches.sample_group` draws with that key.
 """
 from __future__ import annotations
 
@@ -52,15 +52,21 @@ def sample_groups(model, params, prompts, keys: jax.Array, group_size: int, samp
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
 def _one_device(model, params, prompts, keys, group_size, sampling, chunk_size, keep_capture):
-    one = lambda x: rollout.sample_traced(model, params, x[0], x[1], group_size, sampling, chunk_size, keep_capture)
-    return jax.lax.map(one, (prompts, keys))
+    captured = jax.lax.map(lambda p: rollout.capture_prompt(model, params, p, chunk_size, keep_capture), prompts)
+    sample = lambda state, prompt, key: rollout.sample_captured(model, params, state, prompt, key, group_size,
+                                                               sampling)
+    rollouts = jax.vmap(sample)(captured.state, prompts, keys)
+    return (rollouts, captured) if keep_capture else rollouts
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
 def _on_mesh(model, params, prompts, keys, group_size, sampling, mesh, layout, keep_capture):
     def slice_groups(params, local):
-        one = lambda x: mesh_sampling.sample_traced(model, params, x[0], x[1], group_size, sampling, mesh, layout,
-                                                  keep_capture=keep_capture)
-        return jax.lax.map(one, local)
+        prompts, keys = local
+        captured = jax.lax.map(lambda p: mesh_sampling.capture_prompt(model, params, p, mesh, layout), prompts)
+        sample = lambda sstate, prompt, key: mesh_sampling.sample_captured(model, params, sstate, prompt, key,
+                                                                          group_size, sampling, mesh)
+        rollouts = jax.vmap(sample)(captured.sstate, prompts, keys)
+        return (rollouts, captured) if keep_capture else rollouts
 
     return over_data(mesh, slice_groups, params, (prompts, keys), summed=False)

@@ -57,12 +57,26 @@ def sample_traced(model, params, prompt, key, group_size: int, sampling: Samplin
     """The mesh sampler without host checks (jittable; `jax.vmap(..., spmd_axis_name="data")`-able over a leading
     group axis of prompt [N, P] and key [N]). layout: `sharding.prompt.round_layout(model, P - 1, seq, chunk_size)`.
     model, group_size, sampling, mesh, layout, attention and keep_capture are static."""
+    captured = capture_prompt(model, params, prompt, mesh, layout, attention)
+    rollout = sample_captured(model, params, captured.sstate, prompt, key, group_size, sampling, mesh)
+    return (rollout, captured) if keep_capture else rollout
+
+
+def capture_prompt(model, params, prompt, mesh, layout: RoundLayout, attention: str = "ring") -> ShardedCaptured:
+    """The engine's sharded capture of prompt[:-1] in `layout`'s rounds."""
+    sstate, capture_aux = model.sequence_parallel().capture(params, layout.to_stored(prompt[:-1]), mesh, layout,
+                                                            attention)
+    return ShardedCaptured(sstate, capture_aux)
+
+
+def sample_captured(model, params, sstate: ShardedPromptState, prompt, key, group_size: int,
+                    sampling: SamplingConfig, mesh) -> Rollout:
+    """G branches after sstate, the sharded capture of prompt[:-1]. Under `jax.vmap` over groups (sstate, prompt and
+    key batched) the groups' branches decode together."""
     family = model.sequence_parallel()
-    sstate, capture_aux = family.capture(params, layout.to_stored(prompt[:-1]), mesh, layout, attention)
     decode = functools.partial(family.decode, params, sstate, mesh=mesh)
-    rollout = sample_after_prompt(model, params, decode, family.init_tail(params, sstate, sampling.response_len),
-                                  prompt, key, group_size, sampling)
-    return (rollout, ShardedCaptured(sstate, capture_aux)) if keep_capture else rollout
+    return sample_after_prompt(model, params, decode, family.init_tail(params, sstate, sampling.response_len),
+                               prompt, key, group_size, sampling)
 
 
 _sample_group = jax.jit(sample_traced, static_argnums=(0, 4, 5, 6, 7, 8, 9))
