@@ -6,11 +6,14 @@ captures kept for the update, so that a training step captures every prompt once
     `sampling.branches.Captured` (one device) or `sampling.mesh.ShardedCaptured` (mesh), every leaf stacked [B, ...]:
     pass it to `train.train_step(..., captured=captured)` / `engine.grpo_grads(..., captured=captured)`.
 
-The prompts are captured one after another (`lax.map`: one capture's activations live at a time), then every group's
-branches decode together (`jax.vmap` of the branch loop over groups: one decode step per response position for all
-B x G branches, each group reading its own prompt cache). On a mesh B is split over `data` (`parallel/groups.py`):
-each data slice captures its own groups in rounds into seq-sharded caches (`sampling.mesh`) and decodes them
-together. Group b uses keys[b]; its tokens are those `sampling.branches.sample_group` draws with that key.
+With keep_capture (the trainer's step, which keeps every group's state for the update anyway) the prompts are
+captured one after another (`lax.map`: one capture's activations live at a time), then every group's branches decode
+together (`jax.vmap` of the branch loop over groups: one decode step per response position for all B x G branches,
+each group reading its own prompt cache). Without it (held-out evaluation: many prompts, nothing kept) the groups
+are sampled one after another, so only one prompt state lives at a time. On a mesh B is split over `data`
+(`parallel/groups.py`): each data slice does the same with its own groups, captured in rounds into seq-sharded
+caches (`sampling.mesh`). Group b uses keys[b]; its tokens are those `sampling.branches.sample_group` draws with
+that key.
 """
 from __future__ import annotations
 
@@ -52,21 +55,26 @@ def sample_groups(model, params, prompts, keys: jax.Array, group_size: int, samp
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
 def _one_device(model, params, prompts, keys, group_size, sampling, chunk_size, keep_capture):
+    if not keep_capture:  # one group at a time: no group's state outlives its sampling
+        one = lambda x: rollout.sample_traced(model, params, x[0], x[1], group_size, sampling, chunk_size)
+        return jax.lax.map(one, (prompts, keys))
     captured = jax.lax.map(lambda p: rollout.capture_prompt(model, params, p, chunk_size, keep_capture), prompts)
     sample = lambda state, prompt, key: rollout.sample_captured(model, params, state, prompt, key, group_size,
                                                                sampling)
-    rollouts = jax.vmap(sample)(captured.state, prompts, keys)
-    return (rollouts, captured) if keep_capture else rollouts
+    return jax.vmap(sample)(captured.state, prompts, keys), captured
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
 def _on_mesh(model, params, prompts, keys, group_size, sampling, mesh, layout, keep_capture):
     def slice_groups(params, local):
         prompts, keys = local
+        if not keep_capture:  # one group at a time: no group's state outlives its sampling
+            one = lambda x: mesh_sampling.sample_traced(model, params, x[0], x[1], group_size, sampling, mesh, layout)
+            return jax.lax.map(one, (prompts, keys))
         captured = jax.lax.map(lambda p: mesh_sampling.capture_prompt(model, params, p, mesh, layout), prompts)
         sample = lambda sstate, prompt, key: mesh_sampling.sample_captured(model, params, sstate, prompt, key,
                                                                           group_size, sampling, mesh)
         rollouts = jax.vmap(sample)(captured.sstate, prompts, keys)
-        return (rollouts, captured) if keep_capture else rollouts
+        return rollouts, captured
 
     return over_data(mesh, slice_groups, params, (prompts, keys), summed=False)
