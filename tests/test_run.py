@@ -258,6 +258,8 @@ def test_run_config_names_every_bad_option():
                  "--mode='fast' must be one of exact, detached"):
         assert part in str(error.value), (part, str(error.value))
     assert RunConfig(mesh="2x4").mesh == "2x4"
+    with pytest.raises(ValueError, match=r"--decode-batch=3 must divide --group-size=8"):
+        RunConfig(decode_batch=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         RunConfig().steps = 3
 
@@ -292,3 +294,14 @@ def test_step_validates_its_batch_once(full_run):
     step, the first step (which traces the step: its cache was cleared) included."""
     _, calls = full_run
     assert calls == [True, True, True]
+
+
+def test_decode_batch_reaches_the_sampler():
+    """--decode-batch N: the task sampler's SamplingConfig decodes N branches at a time (default: all G); it may
+    change on --resume (the tokens do not depend on it)."""
+    from longstraw_jax.trainer.config import CHANGEABLE
+    from longstraw_jax.trainer.setup import data_source
+
+    assert data_source(parse_args(["-G", "4", "--decode-batch", "2"])[0], 32).sampling.decode_batch == 2
+    assert data_source(parse_args(["-G", "4"])[0], 32).sampling.decode_batch is None
+    assert "decode_batch" in CHANGEABLE

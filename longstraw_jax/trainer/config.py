@@ -27,7 +27,7 @@ RESUMABLE = frozenset({"steps", "resume", "resume_step", "out", "export_hf", "ex
                        "save_every", "coordinator", "num_processes", "process_id"})
 # Options a checkpoint records and a resumed run adopts, but that may be given differently on --resume (a run saved by
 # 2 processes on a 2x4 mesh continues on one process, on 2x4 or 1x8; evaluations may come more or less often).
-CHANGEABLE = frozenset({"mesh", "eval_every"})
+CHANGEABLE = frozenset({"mesh", "eval_every", "decode_batch"})
 
 
 class RunError(Exception):
@@ -72,6 +72,8 @@ class RunConfig:
     temperature: float = _option(1.0)
     top_p: float = _option(1.0)
     stop_token: int | None = _option(None, "default: the task's stop token, if it has one")
+    decode_batch: int | None = _option(None, "branches decoded together, a divisor of G (default: all G; the tokens "
+                                       "are the same, fewer need less memory: N tails live at once)", metavar="N")
     # training
     steps: int = _option(40, "total GRPO steps (a resumed run continues up to this)", group="training")
     lr: float = _option(3e-4, "AdamW learning rate")
@@ -147,6 +149,9 @@ class RunConfig:
             errors.append(f"--sft-prompt-len={self.sft_prompt_len} must be >= 2")
         if self.facts is not None and self.facts < 1:
             errors.append(f"--facts={self.facts} must be >= 1")
+        if self.decode_batch is not None and (self.decode_batch < 1 or self.group_size % self.decode_batch):
+            errors.append(f"--decode-batch={self.decode_batch} must divide --group-size={self.group_size} (G / N "
+                          "batches of branches decode one after another)")
         if self.groups_per_step is not None and self.groups_per_step < 1:
             errors.append(f"--groups-per-step={self.groups_per_step} must be >= 1")
         if self.num_processes is not None and self.num_processes < 1:

@@ -188,7 +188,8 @@ def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | 
     reward_fn = load_callable(config.reward) if config.reward else task.reward
     stop = config.stop_token if config.stop_token is not None else getattr(task, "stop_token", None)
     sampling = SamplingConfig(response_len=config.response_len, temperature=config.temperature,
-                              top_p=config.top_p, stop_token=stop, pad_token=getattr(task, "pad_token", 0))
+                              top_p=config.top_p, stop_token=stop, pad_token=getattr(task, "pad_token", 0),
+                              decode_batch=config.decode_batch)
     for name in ("stop_token", "pad_token"):
         value = getattr(sampling, name)
         if value is not None and value >= vocab_size:
