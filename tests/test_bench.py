@@ -1,6 +1,7 @@
 """The benchmark and planning tools: tools/bench_step.py (smoke), the capacity planner (`longstraw_jax.capacity`: the
 whole trainer step's phases, per device: from the CLI, tools/plan_capacity.py, in-process against its own parts, and
-its sampling phase against the compiled one-device sampler), tools/bench_device.py (--tiny, on CPU)."""
+its sampling phase against the compiled one-device sampler), tools/bench_device.py (--tiny, on CPU),
+tools/bench_sampling.py (--quick)."""
 import importlib.util
 import json
 import os
@@ -34,6 +35,19 @@ def test_bench_step_quick_prints_a_table():
     assert rows, result.stdout[-2000:]
     row = " ".join(rows[-1])
     assert "MiB" in row and row.count(" s") >= 1, row  # compiled memory and a measured step time
+
+
+@pytest.mark.slow  # a subprocess compiling the sampler twice
+def test_bench_sampling_quick_draws_the_same_tokens_one_at_a_time_and_together():
+    """tools/bench_sampling.py --quick on one device (tiny Qwen3.6, G 4): both decode batches in the table, the
+    same tokens, R (not G x R) decode steps per group when the branches decode together."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "bench_sampling.py"), "--quick", "--families", "qwen36",
+         "--mesh", "", "--reps", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-2000:] + result.stdout[-2000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.lstrip().startswith("qwen36")]
+    assert [(r[3], r[4]) for r in rows] == [("1", "32"), ("4", "8")], result.stdout  # batch, steps (R = 8)
+    assert all(r[-1] == "yes" for r in rows) and rows[0][-2] == "1.00x", result.stdout
 
 
 def _plan(*args):
