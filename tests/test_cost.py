@@ -1,0 +1,186 @@
+"""`capacity/cost.py`: per-device FLOPs, HBM bytes and collective bytes of compiled programs, loops multiplied by
+their trip counts. Tiny programs on the 8 simulated CPU devices (tests/conftest.py); every expected number is
+computed from the shapes and the formulas of the module docstring, none is a recorded result."""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from longstraw_jax.capacity.cost import (
+    Cost,
+    group_size,
+    hlo_cost,
+    parse_instruction,
+    program_cost,
+    trip_count,
+    xla_cost,
+)
+
+F32 = 4
+N_DEV = 8
+
+
+def _compile(f, *shapes):
+    return jax.jit(f).lower(*shapes).compile()
+
+
+def _matmuls(x, ws):
+    """x [B, D] through ws [N, D, D]: one matmul (2 B D D FLOPs) per scan step."""
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+
+@pytest.mark.parametrize("n", [1, 20])
+def test_a_scan_of_n_matmuls_costs_n_bodies(n):
+    b, d = 4, 32
+    compiled = _compile(_matmuls, jax.ShapeDtypeStruct((b, d), jnp.float32), jax.ShapeDtypeStruct((n, d, d),
+                                                                                                    jnp.float32))
+    cost = program_cost(compiled)
+    assert cost.flops == n * 2 * b * d * d
+    assert cost.unknown_loops == ()
+    # each step reads its [D, D] slice of the stack (sliced, then read by the dot: <= 3 layer-sized transfers) and
+    # a few [B, D] activations, never the whole [N, D, D] stack
+    assert 0 < cost.hbm_bytes <= n * (3 * d * d + 8 * b * d) * F32
+    # XLA's own analysis counts the body once
+    assert xla_cost(compiled)["flops"] == pytest.approx(2 * b * d * d, rel=0.05)
+
+
+def _mesh():
+    return jax.make_mesh((N_DEV,), ("x",))
+
+
+def _sharded(mesh, n):
+    return jax.ShapeDtypeStruct((n * N_DEV,), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+
+
+def _in_loop(collective, iterations, rows):
+    """A shard_map over 8 devices whose fori_loop of `iterations` applies `collective` to a [rows] float32 block
+    that depends on the carry (so nothing is hoisted out of the loop)."""
+    mesh = _mesh()
+
+    def local(x):
+        def body(i, acc):
+            return acc + collective(x * acc[:1]).sum()
+
+        return jax.lax.fori_loop(0, iterations, body, x)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    return program_cost(_compile(f, _sharded(mesh, rows)))
+
+
+@pytest.mark.parametrize("iterations", [1, 6])
+def test_all_gather_in_a_fori_loop_moves_n_times_its_bytes(iterations):
+    rows = 16
+    cost = _in_loop(lambda y: jax.lax.all_gather(y, "x", tiled=True), iterations, rows)
+    assert cost.collective_bytes == {"all-gather": iterations * (N_DEV - 1) * rows * F32}
+    assert cost.unknown_loops == ()
+
+
+@pytest.mark.parametrize("name, collective, per_device", [
+    ("all-reduce", lambda y: jax.lax.psum(y, "x"), lambda b: 2 * (N_DEV - 1) / N_DEV * b),
+    ("reduce-scatter", lambda y: jax.lax.psum_scatter(y, "x", tiled=True), lambda b: (N_DEV - 1) / N_DEV * b),
+    ("collective-permute", lambda y: jax.lax.ppermute(y, "x", [(i, (i + 1) % N_DEV) for i in range(N_DEV)]),
+     lambda b: b),
+    ("all-to-all", lambda y: jax.lax.all_to_all(y, "x", 0, 0, tiled=True), lambda b: (N_DEV - 1) / N_DEV * b),
+])
+def test_each_collective_moves_its_formulas_bytes(name, collective, per_device):
+    rows, iterations = 16, 3
+    cost = _in_loop(collective, iterations, rows)
+    assert cost.collective_bytes == {name: pytest.approx(iterations * per_device(rows * F32))}
+    assert cost.collective_total == pytest.approx(iterations * per_device(rows * F32))
+
+
+def test_loop_free_flops_agree_with_xla_cost_analysis():
+    """A batched matmul chain, no loops: the dot FLOPs are XLA's FLOPs up to its elementwise ones (a few %)."""
+    def f(a, b, c):
+        return jax.nn.relu(jnp.einsum("bij,bjk->bik", a, b)) @ c
+
+    compiled = _compile(f, jax.ShapeDtypeStruct((3, 32, 64), jnp.float32),
+                        jax.ShapeDtypeStruct((3, 64, 48), jnp.float32), jax.ShapeDtypeStruct((48, 16), jnp.float32))
+    cost, xla = program_cost(compiled), xla_cost(compiled)
+    assert cost.flops == 2 * 3 * 32 * 64 * 48 + 2 * 3 * 32 * 48 * 16
+    assert abs(cost.flops - xla["flops"]) <= 0.03 * xla["flops"]
+    assert abs(cost.hbm_bytes - xla["bytes accessed"]) <= 0.25 * xla["bytes accessed"]
+
+
+def test_a_conditional_counts_its_costliest_branch():
+    d = 32
+
+    def f(p, x, w):
+        return jax.lax.cond(p, lambda x: x @ w @ w, lambda x: x + 1.0, x)
+
+    compiled = _compile(f, jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((d, d), jnp.float32),
+                        jax.ShapeDtypeStruct((d, d), jnp.float32))
+    assert program_cost(compiled).flops == 2 * (2 * d * d * d)
+
+
+def test_nested_loops_multiply():
+    d, outer, inner = 16, 3, 4
+
+    def f(x, w):
+        def inner_loop(h):
+            return jax.lax.fori_loop(0, inner, lambda i, h: jnp.tanh(h @ w), h)
+        return jax.lax.fori_loop(0, outer, lambda i, h: inner_loop(h), x)
+
+    compiled = _compile(f, jax.ShapeDtypeStruct((d, d), jnp.float32), jax.ShapeDtypeStruct((d, d), jnp.float32))
+    assert program_cost(compiled).flops == outer * inner * 2 * d * d * d
+
+
+def test_an_unknown_trip_count_is_reported_or_taken_from_the_caller():
+    """A while loop with a data-dependent bound has no known trip count: it is listed (counted once), and a
+    caller's count for it replaces the 1."""
+    d = 16
+
+    def f(x, w, n):
+        return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1]
+
+    compiled = _compile(f, jax.ShapeDtypeStruct((d, d), jnp.float32), jax.ShapeDtypeStruct((d, d), jnp.float32),
+                        jax.ShapeDtypeStruct((), jnp.int32))
+    once = program_cost(compiled)
+    assert len(once.unknown_loops) == 1 and once.flops == 2 * d ** 3
+    seven = program_cost(compiled, {once.unknown_loops[0]: 7})
+    assert seven.unknown_loops == () and seven.flops == 7 * 2 * d ** 3
+
+
+def test_parsing_helpers():
+    assert group_size(", replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}", 8) == 4
+    assert group_size(", replica_groups=[2,4]<=[8], dimensions={0}", 8) == 4
+    assert group_size(", replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}", 8) == 2
+    assert group_size(", replica_groups={}, to_apply=%add", 8) == 8
+    text = """HloModule m, num_partitions=4
+
+%body (p: (s32[], bf16[8,16])) -> (s32[], bf16[8,16]) {
+  %p = (s32[], bf16[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[8,16]{1,0} get-tuple-element(%p), index=1
+  %ag = bf16[32,16]{1,0} all-gather(%x), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}
+  %s = bf16[8,16]{1,0} slice(%ag), slice={[0:8], [0:16]}
+  ROOT %t = (s32[], bf16[8,16]{1,0}) tuple(%i, %s)
+}
+
+%cond (p.1: (s32[], bf16[8,16])) -> pred[] {
+  %p.1 = (s32[], bf16[8,16]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x.1: bf16[8,16]) -> bf16[8,16] {
+  %x.1 = bf16[8,16]{1,0} parameter(0)
+  %z = s32[] constant(0)
+  %t.1 = (s32[], bf16[8,16]{1,0}) tuple(%z, %x.1)
+  %w = (s32[], bf16[8,16]{1,0}) while(%t.1), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"10"}}
+  ROOT %r = bf16[8,16]{1,0} get-tuple-element(%w), index=1
+}
+"""
+    cost = hlo_cost(text)
+    assert cost.collective_bytes == {"all-gather": 10 * 3 * 8 * 16 * 2}
+    # the all-gather reads 256 B and writes 1024 B; the slice reads and writes 256 B: per iteration
+    assert cost.hbm_bytes == 10 * (8 * 16 * 2 + 32 * 16 * 2 + 2 * 8 * 16 * 2)
+    assert trip_count(parse_instruction(text.splitlines()[-3])) == 10
+
+
+def test_cost_arithmetic():
+    a = Cost(1.0, 2.0, {"all-gather": 3.0})
+    b = Cost(10.0, 20.0, {"all-gather": 1.0, "all-reduce": 5.0}, ("w",))
+    s = a + b.scaled(2)
+    assert (s.flops, s.hbm_bytes, dict(s.collective_bytes), s.unknown_loops) == \
+        (21.0, 42.0, {"all-gather": 5.0, "all-reduce": 10.0}, ("w",))
+    assert s.as_dict()["collective_bytes"] == 15.0
