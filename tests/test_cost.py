@@ -15,6 +15,7 @@ from longstraw_jax.capacity.cost import (
     trip_count,
     xla_cost,
 )
+from longstraw_jax.capacity.hardware import HARDWARE, breakdown, hardware, roofline
 
 F32 = 4
 N_DEV = 8
@@ -184,3 +185,22 @@ def test_cost_arithmetic():
     assert (s.flops, s.hbm_bytes, dict(s.collective_bytes), s.unknown_loops) == \
         (21.0, 42.0, {"all-gather": 5.0, "all-reduce": 10.0}, ("w",))
     assert s.as_dict()["collective_bytes"] == 15.0
+
+
+def test_roofline_arithmetic():
+    """max(compute, memory) + collectives, each from the device's peaks; NVLink per direction is half of 900 GB/s."""
+    h200 = hardware("H200")
+    assert h200.link_per_s == 450e9 and h200.hbm_per_s == 4.8e12 and h200.flops_per_s == 989e12
+    compute_bound = Cost(flops=2 * 989e12, hbm_bytes=4.8e12, collective_bytes={"all-gather": 450e9})
+    assert roofline(compute_bound, h200) == pytest.approx(2.0 + 1.0)
+    memory_bound = Cost(flops=989e12, hbm_bytes=3 * 4.8e12, collective_bytes={})
+    assert roofline(memory_bound, h200) == pytest.approx(3.0)
+    terms = breakdown(compute_bound, h200)
+    assert terms == pytest.approx(dict(compute=2.0, memory=1.0, collectives=1.0, total=3.0))
+    assert roofline(compute_bound.scaled(10), h200) == pytest.approx(30.0)
+    h20 = hardware("h20")
+    assert roofline(compute_bound, h20) > roofline(compute_bound, h200)  # 148 vs 989 TFLOP/s
+    for hw in HARDWARE.values():
+        assert hw.source and hw.flops_per_s > 0 and hw.hbm_per_s > 0 and hw.link_per_s > 0 and hw.hbm_bytes > 0
+    with pytest.raises(ValueError, match="h100"):
+        hardware("a100")
