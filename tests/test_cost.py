@@ -142,6 +142,52 @@ def test_an_unknown_trip_count_is_reported_or_taken_from_the_caller():
     assert seven.unknown_loops == () and seven.flops == 7 * 2 * d ** 3
 
 
+def test_a_loop_bounded_by_an_outer_index_is_counted_exactly():
+    """An inner while loop that runs i times in iteration i of an outer fori_loop (XLA knows no trip count for it):
+    its bound is evaluated per outer iteration from the carried scalars, sum_i i = n (n - 1) / 2 matmuls."""
+    d, n = 16, 6
+
+    def f(x, w):
+        def outer(i, h):
+            return jax.lax.while_loop(lambda c: c[0] < i, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, h))[1]
+        return jax.lax.fori_loop(0, n, outer, x)
+
+    cost = program_cost(_compile(f, jax.ShapeDtypeStruct((d, d), jnp.float32),
+                                 jax.ShapeDtypeStruct((d, d), jnp.float32)))
+    assert cost.flops == n * (n - 1) // 2 * 2 * d ** 3
+    assert cost.unknown_loops == () and cost.bounded_loops == ()
+
+
+def test_a_loop_bounded_by_data_is_counted_at_its_bound_and_listed():
+    """`while i < min(k, 5)` with k an input: at most 5 trips, counted as 5 and listed in bounded_loops."""
+    d = 16
+
+    def f(x, w, k):
+        return jax.lax.while_loop(lambda c: c[0] < jnp.minimum(k, 5), lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)),
+                                  (0, x))[1]
+
+    cost = program_cost(_compile(f, jax.ShapeDtypeStruct((d, d), jnp.float32),
+                                 jax.ShapeDtypeStruct((d, d), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)))
+    assert cost.flops == 5 * 2 * d ** 3
+    assert cost.unknown_loops == () and len(cost.bounded_loops) == 1
+
+
+def test_a_bf16_all_gather_counts_bf16_bytes():
+    """XLA:CPU runs a bf16 all-gather in float32 between converts; it is counted at 2 bytes per element."""
+    rows, iterations = 16, 2
+    mesh = _mesh()
+
+    def local(x):
+        def body(i, acc):
+            return acc + jax.lax.all_gather(x * acc[:1], "x", tiled=True).sum()
+        return jax.lax.fori_loop(0, iterations, body, x)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    bf16 = jax.ShapeDtypeStruct((rows * N_DEV,), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
+    cost = program_cost(_compile(f, bf16))
+    assert cost.collective_bytes == {"all-gather": iterations * (N_DEV - 1) * rows * 2}
+
+
 def test_parsing_helpers():
     assert group_size(", replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}", 8) == 4
     assert group_size(", replica_groups=[2,4]<=[8], dimensions={0}", 8) == 4

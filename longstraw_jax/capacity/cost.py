@@ -6,12 +6,18 @@
 XLA's `compiled.cost_analysis()` counts a while loop's body once. This module parses the compiled (post-SPMD, per
 device) HLO text instead and walks the computations from ENTRY, multiplying each loop body by its trip count:
 
-* **while**: body x n and condition x (n + 1), n = the `known_trip_count` XLA writes into the while's
-  backend_config (every `lax.scan` / `fori_loop` with static bounds has one), else `trip_counts[name]` from the
-  caller (keyed by the while instruction's name). A loop with neither is counted once and listed in
+* **while**: body x n and condition x (n + 1), n = `trip_counts[name]` from the caller (keyed by the while
+  instruction's name) if given, else the `known_trip_count` XLA writes into the while's backend_config (every
+  `lax.scan` / `fori_loop` with static bounds has one), else n is found by running the loop's scalar control: the
+  carried integer scalars (and small integer vectors, e.g. a scan's `arange` xs) are evaluated from the loop's
+  initial tuple, as intervals, the condition is evaluated, the body's root tuple advances them, until the condition
+  is false (a flash-attention loop over the key blocks a round can see: its bound is a function of the outer
+  round index, so every outer iteration is walked with its own values). Where the condition depends on data but its
+  bound does not (`i < min(num_blocks, f(data))`), the loop runs to the bound: counted there and listed in
+  `Cost.bounded_loops` (those totals are upper bounds). A loop with no bound at all is counted once and listed in
   `Cost.unknown_loops`: the totals are then lower bounds, never silently exact.
-* **conditional** (`lax.cond` / `switch`): each quantity is the largest over the branches (an upper bound of the
-  branch actually taken).
+* **conditional** (`lax.cond` / `switch`): the branch taken where the predicate / index evaluates (as above), else
+  each quantity is the largest over the branches (an upper bound of the branch actually taken).
 * **call**, **async-start** (`calls=`): their computation, once per execution.
 * **fusion**: FLOPs and collectives from inside the fused computation; HBM bytes from the fusion's own operands and
   result (what it reads and writes in memory; its internals live in registers / cache).
@@ -39,7 +45,9 @@ Per-device quantities (the HLO is the per-device SPMD program):
       collective-permute  operand                    (every device a source; a self-pair sends nothing)
       collective-broadcast operand
 
-  Async pairs (`all-gather-start` / `-done`, ...) are counted at their start.
+  Async pairs (`all-gather-start` / `-done`, ...) are counted at their start. A float32 collective whose operand
+  was converted up from bf16 (XLA:CPU's float normalization runs bf16 collectives in float32, with converts around
+  them) counts at bf16, what a GPU moves.
 """
 from __future__ import annotations
 
@@ -79,6 +87,7 @@ class Cost:
     hbm_bytes: float = 0.0
     collective_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
     unknown_loops: tuple[str, ...] = ()
+    bounded_loops: tuple[str, ...] = ()
 
     @property
     def collective_total(self) -> float:
@@ -87,19 +96,22 @@ class Cost:
     def scaled(self, k: float) -> "Cost":
         """This cost executed k times."""
         return Cost(self.flops * k, self.hbm_bytes * k, {c: b * k for c, b in self.collective_bytes.items()},
-                    self.unknown_loops)
+                    self.unknown_loops, self.bounded_loops)
 
     def __add__(self, other: "Cost") -> "Cost":
         kinds = dict(self.collective_bytes)
         for c, b in other.collective_bytes.items():
             kinds[c] = kinds.get(c, 0.0) + b
         return Cost(self.flops + other.flops, self.hbm_bytes + other.hbm_bytes, kinds,
-                    tuple(dict.fromkeys(self.unknown_loops + other.unknown_loops)))
+                    tuple(dict.fromkeys(self.unknown_loops + other.unknown_loops)),
+                    tuple(dict.fromkeys(self.bounded_loops + other.bounded_loops)))
 
     def as_dict(self) -> dict:
-        """JSON-ready: flops, hbm_bytes, collective_bytes (total), collectives ({kind: bytes}), unknown_loops."""
+        """JSON-ready: flops, hbm_bytes, collective_bytes (total), collectives ({kind: bytes}), unknown_loops,
+        bounded_loops."""
         return dict(flops=self.flops, hbm_bytes=self.hbm_bytes, collective_bytes=self.collective_total,
-                    collectives=dict(sorted(self.collective_bytes.items())), unknown_loops=list(self.unknown_loops))
+                    collectives=dict(sorted(self.collective_bytes.items())), unknown_loops=list(self.unknown_loops),
+                    bounded_loops=list(self.bounded_loops))
 
 
 def _maximum(costs: list[Cost]) -> Cost:
@@ -107,7 +119,8 @@ def _maximum(costs: list[Cost]) -> Cost:
     kinds = {k for c in costs for k in c.collective_bytes}
     return Cost(max(c.flops for c in costs), max(c.hbm_bytes for c in costs),
                 {k: max(c.collective_bytes.get(k, 0.0) for c in costs) for k in kinds},
-                tuple(dict.fromkeys(u for c in costs for u in c.unknown_loops)))
+                tuple(dict.fromkeys(u for c in costs for u in c.unknown_loops)),
+                tuple(dict.fromkeys(u for c in costs for u in c.bounded_loops)))
 
 
 # ----- parsing ---------------------------------------------------------------------------------------------------
@@ -171,7 +184,11 @@ def parse_instruction(line: str) -> Instruction | None:
     if op is None:
         return None
     close = _balanced(rest, op.end() - 1)
-    operands = tuple(o.split()[-1].lstrip("%") for o in _split_top(rest[op.end():close - 1]) if o)
+    inside = rest[op.end():close - 1]
+    if op.group(1) == "constant":  # the literal, whole: 3, true, {0, 1, 2}
+        operands = (inside.strip(),)
+    else:
+        operands = tuple(o.split()[-1].lstrip("%") for o in _split_top(inside) if o)
     return Instruction(name, shape, op.group(1), operands, rest[close:], root)
 
 
@@ -308,6 +325,27 @@ def collective_bytes(instr: Instruction, shapes: Mapping[str, str], devices: int
     return kind, (n - 1) / n * operand  # reduce-scatter, all-to-all
 
 
+def _widened_from(name: str, by_name: Mapping[str, Instruction], computations) -> float | None:
+    """Bytes per element of the narrower float a value was converted up from (through bitcasts, copies and into a
+    fusion's root), else None. XLA:CPU runs bf16 collectives in float32 (convert, collective, convert back): what a
+    GPU moves is the bf16."""
+    instr = by_name.get(name)
+    while instr is not None and instr.opcode in ("bitcast", "copy", "fusion"):
+        if instr.opcode == "fusion":
+            fused = computations.get((_called(instr, "calls") or [""])[0], [])
+            by_name = {i.name: i for i in fused}
+            instr = next((i for i in fused if i.root), None)
+        else:
+            instr = by_name.get(instr.operands[0])
+    if instr is None or instr.opcode != "convert" or instr.operands[0] not in by_name:
+        return None
+    (src, _), (dst, _) = array_shapes(by_name[instr.operands[0]].shape)[0], array_shapes(instr.shape)[0]
+    floats = ("bf16", "f16", "f32", "f64")
+    if src in floats and dst in floats and _ITEMSIZE[src] < _ITEMSIZE[dst]:
+        return float(_ITEMSIZE[src])
+    return None
+
+
 def _operand_reads(computation: list[Instruction]) -> dict[int, float]:
     """A fused computation's parameter index -> bytes it reads of that parameter, where less than the whole: a
     parameter only sliced (through bitcasts) reads its slices; operand 0 of an in-place update reads (and the
@@ -390,59 +428,343 @@ def _memory_bytes(instr: Instruction, shapes: Mapping[str, str], computations) -
     return sum(operand_bytes) + result
 
 
-# ----- the walk ----------------------------------------------------------------------------------------------
+# ----- scalar evaluation: loop bounds that XLA did not fold into a known trip count ------------------------------
+
+INF = math.inf
+UNKNOWN = (-INF, INF)
+MAX_SIMULATED_TRIPS = 1 << 16
+_SCALAR_INT = re.compile(r"^(pred|[su]\d+)\[\]")
+_VECTOR_INT = re.compile(r"^(?:pred|[su]\d+)\[(\d+)\]")  # small 1-D integer arrays (e.g. a scan's xs = arange)
+MAX_VECTOR = 4096
 
 
-def hlo_cost(text: str, trip_counts: Mapping[str, int] | None = None) -> Cost:
+class _Vector(tuple):
+    """The known values of a small 1-D integer array (a scan over `jnp.arange(n)` indexes one per iteration)."""
+
+
+def _is_int(shape: str) -> bool:
+    m = _VECTOR_INT.match(shape)
+    return bool(_SCALAR_INT.match(shape)) or bool(m and int(m.group(1)) <= MAX_VECTOR)
+
+
+def _mul(a: float, b: float) -> float:
+    return 0.0 if a == 0 or b == 0 else a * b
+
+
+def _interval(op: str, xs: list[tuple[float, float]], instr: Instruction) -> tuple[float, float]:
+    """Interval of a scalar integer op's result from its operands' intervals ([lo, hi], exact when lo == hi)."""
+    if not xs:  # partition-id, replica-id, rng, ...: a value per device or per run
+        return UNKNOWN
+    exact = all(lo == hi for lo, hi in xs)
+    v = [lo for lo, _ in xs]
+    if op in ("copy", "convert", "bitcast", "reshape"):
+        return xs[0]
+    if op == "add":
+        return xs[0][0] + xs[1][0], xs[0][1] + xs[1][1]
+    if op == "subtract":
+        return xs[0][0] - xs[1][1], xs[0][1] - xs[1][0]
+    if op == "negate":
+        return -xs[0][1], -xs[0][0]
+    if op in ("minimum", "maximum"):
+        f = min if op == "minimum" else max
+        return f(xs[0][0], xs[1][0]), f(xs[0][1], xs[1][1])
+    if op == "clamp":  # clamp(lo, x, hi) = min(max(x, lo), hi)
+        low = max(xs[1][0], xs[0][0]), max(xs[1][1], xs[0][1])
+        return min(low[0], xs[2][0]), min(low[1], xs[2][1])
+    if op == "multiply":
+        products = [_mul(a, b) for a in xs[0] for b in xs[1]]
+        return min(products), max(products)
+    if op == "select":
+        if xs[0][0] == xs[0][1]:
+            return xs[1] if xs[0][0] else xs[2]
+        return min(xs[1][0], xs[2][0]), max(xs[1][1], xs[2][1])
+    if op == "compare":
+        direction = _attr(instr.attrs, "direction")
+        (alo, ahi), (blo, bhi) = xs
+        sure = {"LT": (ahi < blo, alo >= bhi), "LE": (ahi <= blo, alo > bhi), "GT": (alo > bhi, ahi <= blo),
+                "GE": (alo >= bhi, ahi < blo), "EQ": (exact and v[0] == v[1], ahi < blo or alo > bhi),
+                "NE": (ahi < blo or alo > bhi, exact and v[0] == v[1])}.get(direction)
+        if sure is None:
+            return 0, 1
+        if sure[0] or sure[1]:
+            return (1, 1) if sure[0] else (0, 0)
+        # uncertain: a loop condition that can never become false (an unbounded side) has no value at all
+        endless = {"LT": bhi == INF or alo == -INF, "LE": bhi == INF or alo == -INF,
+                   "GT": ahi == INF or blo == -INF, "GE": ahi == INF or blo == -INF}.get(direction, False)
+        return UNKNOWN if endless else (0, 1)
+    if op in ("divide", "shift-right-logical", "shift-right-arithmetic") and xs[1][0] == xs[1][1] and xs[1][0] > 0 \
+            and xs[0][0] >= 0:  # monotonic in a non-negative dividend
+        d = xs[1][0] if op == "divide" else 2 ** xs[1][0]
+        return xs[0][0] // d, (xs[0][1] // d if xs[0][1] < INF else INF)
+    if not exact:
+        return UNKNOWN
+    a = int(v[0])
+    b = int(v[1]) if len(v) > 1 else 0
+    if op == "divide" and b:
+        return (float(int(a / b)),) * 2  # truncation toward zero, as HLO
+    if op == "remainder" and b:
+        return (float(a - b * int(a / b)),) * 2
+    table = {"and": lambda: a & b, "or": lambda: a | b, "xor": lambda: a ^ b, "not": lambda: int(not a)
+             if instr.shape.startswith("pred") else ~a, "abs": lambda: abs(a), "sign": lambda: (a > 0) - (a < 0),
+             "shift-left": lambda: a << b, "shift-right-arithmetic": lambda: a >> b,
+             "shift-right-logical": lambda: (a % 2 ** 32) >> b}
+    return (float(table[op]()),) * 2 if op in table else UNKNOWN
+
+
+class _Module:
+    """A parsed HLO module and the walk of `hlo_cost` over it (module docstring)."""
+
+    def __init__(self, text: str, trip_counts: Mapping[str, float]):
+        self.computations, self.entry, self.devices = parse_module(text)
+        self.by_name = {c: {i.name: i for i in instrs} for c, instrs in self.computations.items()}
+        self.trip_counts = trip_counts
+        self._static: dict[tuple[str, bool], Cost] = {}
+        self._dynamic: dict[str, bool] = {}
+        self._walks: dict[tuple, Cost] = {}
+        self._values: dict[tuple, tuple[float, float]] = {}
+
+    # -- which computations need the values of their parameters (a loop below has no known trip count)
+
+    def dynamic(self, comp: str) -> bool:
+        if comp not in self._dynamic:
+            self._dynamic[comp] = False  # recursion guard
+            out = False
+            for instr in self.computations.get(comp, []):
+                if instr.opcode == "while" and self._fixed_trips(instr) is None:
+                    out = True
+                out = out or any(self.dynamic(c) for c in self._control_calls(instr))
+            self._dynamic[comp] = out
+        return self._dynamic[comp]
+
+    def _fixed_trips(self, instr: Instruction) -> float | None:
+        return self.trip_counts.get(instr.name, trip_count(instr))
+
+    @staticmethod
+    def _control_calls(instr: Instruction) -> list[str]:
+        op = instr.opcode
+        if op == "while":
+            return _called(instr, "body") + _called(instr, "condition")
+        if op == "conditional":
+            return _called(instr, "branch_computations") or \
+                _called(instr, "true_computation") + _called(instr, "false_computation")
+        if op in ("call", "async-start") or (op.endswith("-start") and _called(instr, "calls")):
+            return _called(instr, "to_apply") + _called(instr, "calls")
+        return []
+
+    # -- scalar values (intervals) of instructions, given known parameter values `args`
+
+    def value(self, comp: str, name: str, args: tuple) -> tuple[float, float]:
+        """Interval of scalar instruction `name` of `comp`; args: ((param, tuple index or -1), interval) pairs."""
+        key = (comp, name, args)
+        if key in self._values:
+            return self._values[key]
+        self._values[key] = UNKNOWN  # recursion guard
+        instr = self.by_name[comp].get(name)
+        out = UNKNOWN if instr is None else self._value(comp, instr, args)
+        self._values[key] = out
+        return out
+
+    def element(self, comp: str, name: str, index: int, args: tuple) -> tuple[float, float]:
+        """Interval of element `index` of tuple-valued instruction `name`."""
+        instr = self.by_name[comp].get(name)
+        if instr is None:
+            return UNKNOWN
+        if instr.opcode == "tuple" and index < len(instr.operands):
+            return self.value(comp, instr.operands[index], args)
+        if instr.opcode == "parameter":
+            return dict(args).get((_parameter_index(instr), index), UNKNOWN)
+        return UNKNOWN
+
+    def _value(self, comp: str, instr: Instruction, args: tuple):
+        op = instr.opcode
+        if op == "get-tuple-element":
+            return self.element(comp, instr.operands[0], int(_attr(instr.attrs, "index")), args)
+        if not _is_int(instr.shape):
+            return UNKNOWN
+        if op == "parameter":
+            return dict(args).get((_parameter_index(instr), -1), UNKNOWN)
+        if op == "constant":
+            words = (instr.operands[0] if instr.operands else "").strip("{}").replace(",", " ").split()
+            try:
+                values = [1.0 if w == "true" else 0.0 if w == "false" else float(int(w)) for w in words]
+            except ValueError:
+                return UNKNOWN
+            if _SCALAR_INT.match(instr.shape):
+                return (values[0],) * 2 if len(values) == 1 else UNKNOWN
+            return _Vector(values)
+        if not _SCALAR_INT.match(instr.shape):
+            return self._vector(comp, instr, args)
+        if op in ("fusion", "call"):
+            callee = (_called(instr, "calls") or _called(instr, "to_apply") or [""])[0]
+            root = next((i for i in self.computations.get(callee, []) if i.root), None)
+            if root is None:
+                return UNKNOWN
+            return self.value(callee, root.name, self.arguments(comp, instr.operands, args))
+        xs = [self.value(comp, o, args) for o in instr.operands]
+        if op in ("bitcast", "reshape", "copy", "convert") and xs and isinstance(xs[0], _Vector):
+            return (xs[0][0],) * 2 if len(xs[0]) == 1 else UNKNOWN
+        if any(isinstance(x, _Vector) for x in xs):
+            return UNKNOWN
+        return _interval(op, xs, instr)
+
+    def _vector(self, comp: str, instr: Instruction, args: tuple):
+        """A small 1-D integer array's values (iota, a constant, a slice, a broadcast scalar), else UNKNOWN."""
+        op = instr.opcode
+        n = int(_VECTOR_INT.match(instr.shape).group(1))
+        if op == "iota":
+            return _Vector(float(i) for i in range(n))
+        if op in ("fusion", "call"):
+            callee = (_called(instr, "calls") or _called(instr, "to_apply") or [""])[0]
+            root = next((i for i in self.computations.get(callee, []) if i.root), None)
+            return UNKNOWN if root is None else \
+                self.value(callee, root.name, self.arguments(comp, instr.operands, args))
+        xs = [self.value(comp, o, args) for o in instr.operands]
+        if op in ("copy", "bitcast", "reshape", "convert") and isinstance(xs[0], _Vector) and len(xs[0]) == n:
+            return xs[0]
+        if op == "broadcast" and not isinstance(xs[0], _Vector) and xs[0][0] == xs[0][1] and \
+                _attr(instr.attrs, "dimensions") in ("{}", None):
+            return _Vector([xs[0][0]] * n)
+        if op == "slice" and isinstance(xs[0], _Vector):
+            m = re.match(r"\{\[(\d+):(\d+)(?::(\d+))?\]\}", _attr(instr.attrs, "slice") or "")
+            if m:
+                return _Vector(xs[0][int(m.group(1)):int(m.group(2)):int(m.group(3) or 1)])
+        if op == "dynamic-slice" and isinstance(xs[0], _Vector) and len(xs) == 2 and xs[1][0] == xs[1][1]:
+            start = min(max(int(xs[1][0]), 0), len(xs[0]) - n)  # HLO clamps the start into range
+            return _Vector(xs[0][start:start + n])
+        return UNKNOWN
+
+    def arguments(self, comp: str, operands, args: tuple) -> tuple:
+        """Known scalar values of a callee's parameters: ((param, tuple index or -1), interval) pairs."""
+        out = []
+        for p, name in enumerate(operands):
+            instr = self.by_name[comp].get(name)
+            if instr is None:
+                continue
+            if instr.shape.startswith("("):
+                for k, element in enumerate(_split_top(instr.shape[1:-1])):
+                    if _is_int(element):
+                        v = self.element(comp, name, k, args)
+                        if v != UNKNOWN:
+                            out.append(((p, k), v))
+            elif _is_int(instr.shape):
+                v = self.value(comp, name, args)
+                if v != UNKNOWN:
+                    out.append(((p, -1), v))
+        return tuple(out)
+
+    # -- costs
+
+    def static(self, comp: str, fused: bool) -> Cost:
+        """Cost of `comp`'s instructions other than control flow (fusions: FLOPs from inside)."""
+        key = (comp, fused)
+        if key not in self._static:
+            instrs = self.computations.get(comp, [])
+            shapes = {i.name: i.shape for i in instrs}
+            flops, hbm, kinds = 0.0, 0.0, {}
+            for instr in instrs:
+                if instr.opcode == "dot":
+                    flops += dot_flops(instr, shapes)
+                elif instr.opcode == "convolution":
+                    flops += conv_flops(instr, shapes)
+                elif instr.opcode == "fusion":
+                    for c in _called(instr, "calls"):
+                        inner = self.static(c, True)
+                        flops += inner.flops
+                        for k, b in inner.collective_bytes.items():
+                            kinds[k] = kinds.get(k, 0.0) + b
+                moved = collective_bytes(instr, shapes, self.devices)
+                narrow = 1.0
+                if moved is not None:
+                    narrow = self._narrowing(comp, instr)
+                    kinds[moved[0]] = kinds.get(moved[0], 0.0) + moved[1] * narrow
+                if not fused:
+                    hbm += _memory_bytes(instr, shapes, self.computations) * narrow
+            self._static[key] = Cost(flops, hbm, kinds)
+        return self._static[key]
+
+    def _narrowing(self, comp: str, instr: Instruction) -> float:
+        """A float32 collective of values widened from bf16 (XLA:CPU's float normalization) counts at bf16: the ratio
+        of the source's bytes per element to the operand's, else 1."""
+        operand = self.by_name[comp].get(instr.operands[0]) if instr.operands else None
+        if operand is None:
+            return 1.0
+        source = _widened_from(operand.name, self.by_name[comp], self.computations)
+        arrays = array_shapes(operand.shape)
+        return source / _ITEMSIZE[arrays[0][0]] if source and arrays else 1.0
+
+    def walk(self, comp: str, fused: bool, args: tuple = ()) -> Cost:
+        """One execution of `comp` given its known scalar parameter values."""
+        if not self.dynamic(comp):
+            args = ()
+        key = (comp, fused, args)
+        if key not in self._walks:
+            total = self.static(comp, fused)
+            for instr in self.computations.get(comp, []):
+                if instr.opcode == "while":
+                    total = total + self._loop(comp, instr, fused, args)
+                elif instr.opcode == "conditional":
+                    total = total + self._conditional(comp, instr, fused, args)
+                else:
+                    for c in self._control_calls(instr):
+                        total = total + self.walk(c, fused, self._args(c, comp, instr.operands, args))
+            self._walks[key] = total
+        return self._walks[key]
+
+    def _args(self, callee: str, comp: str, operands, args: tuple) -> tuple:
+        """`arguments`, evaluated only when the callee needs them."""
+        return self.arguments(comp, operands, args) if self.dynamic(callee) else ()
+
+    def _conditional(self, comp: str, instr: Instruction, fused: bool, args: tuple) -> Cost:
+        """The branch taken when the predicate / index is known, else each quantity's maximum over the branches.
+        Branch b's operand is the conditional's operand 1 + b (true / false: branches 0 / 1)."""
+        branches = self._control_calls(instr)
+        index = self.value(comp, instr.operands[0], args)
+        cost = lambda b: self.walk(branches[b], fused, self._args(branches[b], comp, [instr.operands[1 + b]], args))
+        if index[0] != index[1]:
+            return _maximum([cost(b) for b in range(len(branches))])
+        i = int(index[0])
+        if _called(instr, "true_computation"):
+            return cost(0 if i else 1)
+        return cost(i if 0 <= i < len(branches) else len(branches) - 1)
+
+    def _loop(self, comp: str, instr: Instruction, fused: bool, args: tuple) -> Cost:
+        """A while loop: body x trips + condition x (trips + 1). Trips: the caller's override, XLA's known trip
+        count, else simulated from the carried scalars (exact, or an upper bound where the condition's value is
+        uncertain: the loop is then listed in `bounded_loops`), else unknown (counted once, `unknown_loops`)."""
+        body, cond = _called(instr, "body")[0], _called(instr, "condition")[0]
+        fixed = self._fixed_trips(instr)
+        if fixed is not None and not self.dynamic(body):
+            return self.walk(body, fused).scaled(fixed) + self.walk(cond, fused).scaled(fixed + 1)
+        state = self.arguments(comp, instr.operands[:1], args)
+        root = next(i for i in self.computations[body] if i.root)
+        cond_root = next(i for i in self.computations[cond] if i.root)
+        total, trips, bounded = Cost(), 0, False
+        while True:
+            if fixed is not None:
+                if trips >= fixed:
+                    break
+            else:
+                go = self.value(cond, cond_root.name, state)
+                if go == (0.0, 0.0):
+                    break
+                if trips >= MAX_SIMULATED_TRIPS or go[0] < 0:  # not a truth value, or no bound in sight
+                    once = total if trips else self.walk(body, fused, state)
+                    return once + Cost(unknown_loops=(instr.name,))
+                bounded = bounded or go != (1.0, 1.0)
+            total = total + self.walk(body, fused, state)
+            trips += 1
+            state = self.arguments(body, [root.name], state) if root.opcode == "tuple" else ()
+        total = total + self.walk(cond, fused).scaled(trips + 1)
+        return total + Cost(bounded_loops=(instr.name,)) if bounded else total
+
+
+def hlo_cost(text: str, trip_counts: Mapping[str, float] | None = None) -> Cost:
     """Per-device Cost of one execution of an HLO module's text (`compiled.as_text()`), loops multiplied by their
     trip counts (module docstring). trip_counts: {while instruction name: n} for loops XLA has no
-    `known_trip_count` for (overrides it where both exist)."""
-    computations, entry, devices = parse_module(text)
-    trip_counts = dict(trip_counts or {})
-    memo: dict[tuple[str, bool], Cost] = {}
-
-    def walk(name: str, fused: bool) -> Cost:
-        """One execution of computation `name`; fused: inside a fusion (no HBM bytes of its own)."""
-        if (name, fused) in memo:
-            return memo[(name, fused)]
-        instrs = computations.get(name, [])
-        shapes = {i.name: i.shape for i in instrs}
-        flops, hbm, kinds, unknown = 0.0, 0.0, {}, []
-        total = Cost()
-        for instr in instrs:
-            op = instr.opcode
-            if op == "dot":
-                flops += dot_flops(instr, shapes)
-            elif op == "convolution":
-                flops += conv_flops(instr, shapes)
-            moved = collective_bytes(instr, shapes, devices)
-            if moved is not None:
-                kinds[moved[0]] = kinds.get(moved[0], 0.0) + moved[1]
-            if not fused:
-                hbm += _memory_bytes(instr, shapes, computations)
-            if op == "while":
-                n = trip_counts.get(instr.name, trip_count(instr))
-                if n is None:
-                    unknown.append(instr.name)
-                    n = 1
-                body = walk(_called(instr, "body")[0], fused)
-                cond = walk(_called(instr, "condition")[0], fused)
-                total = total + body.scaled(n) + cond.scaled(n + 1)
-            elif op == "conditional":
-                branches = _called(instr, "branch_computations") or \
-                    _called(instr, "true_computation") + _called(instr, "false_computation")
-                total = total + _maximum([walk(b, fused) for b in branches])
-            elif op in ("call", "async-start") or (op.endswith("-start") and _called(instr, "calls")):
-                for c in _called(instr, "to_apply") + _called(instr, "calls"):
-                    total = total + walk(c, fused)
-            elif op == "fusion":
-                for c in _called(instr, "calls"):
-                    inner = walk(c, True)
-                    total = total + Cost(inner.flops, 0.0, inner.collective_bytes, inner.unknown_loops)
-        memo[(name, fused)] = total + Cost(flops, hbm, kinds, tuple(unknown))
-        return memo[(name, fused)]
-
-    return walk(entry, False)
+    `known_trip_count` for (overrides it where both exist; a mean over the enclosing loops' iterations gives exact
+    totals)."""
+    module = _Module(text, dict(trip_counts or {}))
+    return module.walk(module.entry, False)
 
 
 def program_cost(compiled, trip_counts: Mapping[str, int] | None = None) -> Cost:
