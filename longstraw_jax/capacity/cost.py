@@ -330,7 +330,9 @@ def _widened_from(name: str, by_name: Mapping[str, Instruction], computations) -
     fusion's root), else None. XLA:CPU runs bf16 collectives in float32 (convert, collective, convert back): what a
     GPU moves is the bf16."""
     instr = by_name.get(name)
-    while instr is not None and instr.opcode in ("bitcast", "copy", "fusion"):
+    passing = ("bitcast", "copy", "fusion", "transpose", "all-gather", "all-to-all", "collective-permute",
+               "dynamic-slice", "slice")
+    while instr is not None and instr.opcode in passing:
         if instr.opcode == "fusion":
             fused = computations.get((_called(instr, "calls") or [""])[0], [])
             by_name = {i.name: i for i in fused}
@@ -348,22 +350,24 @@ def _widened_from(name: str, by_name: Mapping[str, Instruction], computations) -
 
 def _operand_reads(computation: list[Instruction]) -> dict[int, float]:
     """A fused computation's parameter index -> bytes it reads of that parameter, where less than the whole: a
-    parameter only sliced (through bitcasts) reads its slices; operand 0 of an in-place update reads (and the
-    fusion writes) only the update."""
+    parameter only sliced (through bitcasts, copies and converts: a fusion computes the elements its slice needs)
+    reads its slices; operand 0 of an in-place update reads (and the fusion writes) only the update."""
     by_name = {i.name: i for i in computation}
     users: dict[str, list[Instruction]] = {}
     for instr in computation:
         for o in instr.operands:
             users.setdefault(o, []).append(instr)
+    itemsize = lambda shape: _ITEMSIZE[array_shapes(shape)[0][0]] if array_shapes(shape) else 1
 
     def read(name: str) -> float | None:
+        """Bytes read of `name`'s value, in its own element type."""
         total = 0.0
         for user in users.get(name, []):
-            if user.opcode == "bitcast":
+            if user.opcode in ("bitcast", "copy", "convert") and len(user.operands) == 1:
                 sub = read(user.name)
                 if sub is None:
                     return None
-                total += sub
+                total += sub * itemsize(by_name[name].shape) / max(itemsize(user.shape), 1e-9)
             elif user.opcode in _SLICING and user.operands[0] == name:
                 total += shape_bytes(user.shape)
             elif user.opcode in _IN_PLACE and user.operands[0] == name:
@@ -406,26 +410,30 @@ def _written(computation: list[Instruction], result: str) -> float:
     return written(root)
 
 
-def _memory_bytes(instr: Instruction, shapes: Mapping[str, str], computations) -> float:
-    """Bytes a top-level instruction reads and writes (module docstring)."""
+def _memory_bytes(instr: Instruction, shapes: Mapping[str, str], computations,
+                  narrow: Mapping[str, float] | None = None) -> float:
+    """Bytes a top-level instruction reads and writes (module docstring). narrow: {value name: factor} for values
+    XLA:CPU widened from bf16 (counted at bf16: `_widened_from`), the instruction's own result included."""
     if instr.opcode in _FREE:
         return 0.0
-    operand_bytes = [shape_bytes(shapes[o]) if o in shapes else 0.0 for o in instr.operands]
+    narrow = narrow or {}
+    operand_bytes = [shape_bytes(shapes[o]) * narrow.get(o, 1.0) if o in shapes else 0.0 for o in instr.operands]
+    own = narrow.get(instr.name, 1.0)
     if instr.opcode == "fusion":
         fused = computations.get((_called(instr, "calls") or [""])[0], [])
         for index, r in _operand_reads(fused).items():
             if index < len(operand_bytes):
                 operand_bytes[index] = min(operand_bytes[index], r)
-        return sum(operand_bytes) + _written(fused, instr.shape)
+        return sum(operand_bytes) + _written(fused, instr.shape) * own
     if instr.opcode in _SLICING:
-        return shape_bytes(instr.shape) * 2 + sum(operand_bytes[1:])
+        return shape_bytes(instr.shape) * 2 * own + sum(operand_bytes[1:])
     if instr.opcode in _IN_PLACE:
         update = operand_bytes[_IN_PLACE[instr.opcode]]
         return 2 * update + sum(b for i, b in enumerate(operand_bytes) if i not in (0, _IN_PLACE[instr.opcode]))
     result = shape_bytes(instr.shape)
     if instr.opcode.endswith("-start"):  # async collective: its result tuple holds (operands, outputs)
-        result = max(0.0, result - sum(operand_bytes))
-    return sum(operand_bytes) + result
+        result = max(0.0, result - sum(shape_bytes(shapes[o]) for o in instr.operands if o in shapes))
+    return sum(operand_bytes) + result * own
 
 
 # ----- scalar evaluation: loop bounds that XLA did not fold into a known trip count ------------------------------
@@ -661,6 +669,7 @@ class _Module:
             instrs = self.computations.get(comp, [])
             shapes = {i.name: i.shape for i in instrs}
             flops, hbm, kinds = 0.0, 0.0, {}
+            narrow = {} if fused else self._narrow_map(comp)
             for instr in instrs:
                 if instr.opcode == "dot":
                     flops += dot_flops(instr, shapes)
@@ -673,14 +682,26 @@ class _Module:
                         for k, b in inner.collective_bytes.items():
                             kinds[k] = kinds.get(k, 0.0) + b
                 moved = collective_bytes(instr, shapes, self.devices)
-                narrow = 1.0
                 if moved is not None:
-                    narrow = self._narrowing(comp, instr)
-                    kinds[moved[0]] = kinds.get(moved[0], 0.0) + moved[1] * narrow
+                    kinds[moved[0]] = kinds.get(moved[0], 0.0) + moved[1] * self._narrowing(comp, instr)
                 if not fused:
-                    hbm += _memory_bytes(instr, shapes, self.computations) * narrow
+                    hbm += _memory_bytes(instr, shapes, self.computations, narrow)
             self._static[key] = Cost(flops, hbm, kinds)
         return self._static[key]
+
+    def _narrow_map(self, comp: str) -> dict[str, float]:
+        """{value name: bytes per element of its bf16 source / its own} for `comp`'s float values widened from bf16
+        by XLA:CPU (`_widened_from`)."""
+        out = {}
+        by_name = self.by_name[comp]
+        for instr in self.computations.get(comp, []):
+            arrays = array_shapes(instr.shape)
+            if len(arrays) != 1 or arrays[0][0] not in ("f32", "f64"):
+                continue
+            source = _widened_from(instr.name, by_name, self.computations)
+            if source:
+                out[instr.name] = source / _ITEMSIZE[arrays[0][0]]
+        return out
 
     def _narrowing(self, comp: str, instr: Instruction) -> float:
         """A float32 collective of values widened from bf16 (XLA:CPU's float normalization) counts at bf16: the ratio

@@ -46,9 +46,12 @@ def format_times(rows: list[dict], hw, markdown: bool) -> str:
              + [f"{r['seconds'][phase]['total']:.4g}" for phase in ("capture", "sampling", "update", "step")]
              for r in rows]
     bound = lambda r, phase: max(("compute", "memory", "collectives"), key=lambda k: r["seconds"][phase][k])
+    bounded = lambda r: sum(len(p["bounded_loops"]) for p in r["programs"].values())
     notes = [f"{r['mode']} G={r['G']} P={r['P']:,}: " + ", ".join(
         f"{phase} {bound(r, phase)}-bound ({r['seconds'][phase]['collectives']:.3g} s of collectives)"
-        for phase in ("capture", "sampling", "update")) for r in rows]
+        for phase in ("capture", "sampling", "update"))
+        + (f"; {bounded(r)} data-dependent loops counted at their bound (cost.py)" if bounded(r) else "")
+        for r in rows]
     return (f"Time per step (per device, {hw.name}: {hw.flops_per_s / 1e12:g} TFLOP/s bf16 dense, "
             f"{hw.hbm_per_s / 1e12:g} TB/s HBM, {hw.link_per_s / 1e9:g} GB/s NVLink per direction)\n"
             + _table(head, lines, markdown, 4) + "\n" + "\n".join(notes) + "\n"
