@@ -226,6 +226,22 @@ ENTRY %main (x.1: bf16[8,16]) -> bf16[8,16] {
     assert trip_count(parse_instruction(text.splitlines()[-3])) == 10
 
 
+def test_a_cublas_gemm_custom_call_counts_its_flops():
+    """XLA:GPU's dots are cuBLAS custom calls; their contraction is in the backend_config."""
+    text = """HloModule g
+
+ENTRY %main (a: bf16[64,128], b: bf16[128,32]) -> bf16[64,32] {
+  %a = bf16[64,128]{1,0} parameter(0)
+  %b = bf16[128,32]{1,0} parameter(1)
+  %gemm = (bf16[64,32]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", \
+backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],\
+"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %r = bf16[64,32]{1,0} get-tuple-element(%gemm), index=0
+}
+"""  # backslash-newlines join the custom call onto one line
+    assert hlo_cost(text).flops == 2 * 64 * 32 * 128
+
+
 def test_cost_arithmetic():
     a = Cost(1.0, 2.0, {"all-gather": 3.0})
     b = Cost(10.0, 20.0, {"all-gather": 1.0, "all-reduce": 5.0}, ("w",))

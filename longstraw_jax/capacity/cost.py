@@ -24,15 +24,19 @@ device) HLO text instead and walks the computations from ENTRY, multiplying each
 
 Per-device quantities (the HLO is the per-device SPMD program):
 
-* `flops`: dot and convolution only, 2 x (result elements) x (contracted elements), batch dimensions included
-  (dot: 2 * batch * M * N * K). Elementwise and reduction arithmetic is not counted (it is what XLA's
+* `flops`: dot, convolution and cuBLAS GEMM custom calls (XLA:GPU's dots) only, 2 x (result elements) x
+  (contracted elements), batch dimensions included (dot: 2 * batch * M * N * K); other custom calls (e.g. fused
+  attention kernels) count none. Elementwise and reduction arithmetic is not counted (it is what XLA's
   cost_analysis adds on top: small next to the matmuls of a transformer; tests bound the difference).
 * `hbm_bytes`: an estimate of memory traffic like XLA's "bytes accessed": the sum, over every executed top-level
   instruction (fusions, custom calls, copies, collectives, un-fused ops; not parameters, tuples,
   get-tuple-element, bitcasts, constants or control flow), of its operand bytes plus its result bytes, with XLA's
   in-place conventions: an operand only sliced (slice, dynamic-slice, gather; through bitcasts) counts the slices
   read, an operand updated in place (operand 0 of dynamic-update-slice / scatter) counts the update read and the
-  update written instead of the whole buffer. No cache reuse across instructions is assumed.
+  update written instead of the whole buffer. No cache reuse across instructions is assumed. Float32 values that
+  XLA:CPU widened from bf16 (its float normalization: convert, op, convert back) count at bf16, what a GPU program
+  holds; XLA:CPU's unfused attention still writes its score blocks to memory (an overestimate against a GPU's
+  fused attention).
 * `collective_bytes[kind]`: bytes one device sends (= receives, for these symmetric patterns) per execution, from
   the operand shapes and n = the replica group's size (`replica_groups`, either `{{0,1,..},..}` or iota
   `[groups,n]<=[..]`; empty: every device of the module), ring / bandwidth-optimal algorithms:
@@ -290,6 +294,21 @@ def dot_flops(instr: Instruction, shapes: Mapping[str, str]) -> float:
     dims = _attr(instr.attrs, "lhs_contracting_dims")
     contracted = math.prod(lhs[int(d)] for d in dims.strip("{}").split(",") if d.strip()) if dims else 1
     return 2.0 * math.prod(result) * contracted
+
+
+def gemm_flops(instr: Instruction, shapes: Mapping[str, str]) -> float:
+    """A GPU library GEMM (`custom-call` to `__cublas$gemm` / `__cublas$lt$matmul`, as XLA:GPU rewrites dots):
+    2 x output elements x contracted elements, the contraction from its backend_config's dot_dimension_numbers;
+    0 for any other custom call (their FLOPs are not counted)."""
+    target = _attr(instr.attrs, "custom_call_target") or ""
+    if "cublas" not in target or not instr.operands:
+        return 0.0
+    m = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', instr.attrs)
+    lhs = array_shapes(shapes.get(instr.operands[0], ""))
+    if m is None or not lhs:
+        return 0.0
+    contracted = math.prod(lhs[0][1][int(d.strip().strip('"'))] for d in m.group(1).split(",") if d.strip())
+    return 2.0 * math.prod(array_shapes(instr.shape)[0][1]) * contracted  # the output (a tuple's first: + workspace)
 
 
 def conv_flops(instr: Instruction, shapes: Mapping[str, str]) -> float:
@@ -673,6 +692,8 @@ class _Module:
             for instr in instrs:
                 if instr.opcode == "dot":
                     flops += dot_flops(instr, shapes)
+                elif instr.opcode == "custom-call":
+                    flops += gemm_flops(instr, shapes)
                 elif instr.opcode == "convolution":
                     flops += conv_flops(instr, shapes)
                 elif instr.opcode == "fusion":
