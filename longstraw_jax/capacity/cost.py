@@ -63,8 +63,7 @@ from collections.abc import Mapping
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                "collective-permute", "collective-broadcast")
 
-# bytes per element of HLO primitive types (sub-byte types rounded up to whole bytes per element are not used:
-# s4 / u4 count half a byte)
+# bytes per element of HLO primitive types (sub-byte types count their fraction: s4 / u4 half a byte)
 _ITEMSIZE = {"pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
              "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
              "token": 0}
@@ -85,7 +84,7 @@ _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 class Cost:
     """Per-device totals of one program execution. collective_bytes: {kind: bytes sent per device} (module
     docstring); unknown_loops: names of while loops counted once for want of a trip count (the totals are then lower
-    bounds)."""
+    bounds); bounded_loops: names of data-dependent loops counted at their bound (upper bounds for those)."""
 
     flops: float = 0.0
     hbm_bytes: float = 0.0
@@ -144,7 +143,7 @@ class Instruction:
 
 
 def _balanced(text: str, start: int) -> int:
-    """Index just past the bracket group opening at text[start] ('(' or '{'), nesting counted."""
+    """Index just past the bracket group opening at text[start] ('(', '{' or '['), nesting counted."""
     pairs = {"(": ")", "{": "}", "[": "]"}
     stack = []
     for i in range(start, len(text)):
@@ -803,8 +802,8 @@ class _Module:
 def hlo_cost(text: str, trip_counts: Mapping[str, float] | None = None) -> Cost:
     """Per-device Cost of one execution of an HLO module's text (`compiled.as_text()`), loops multiplied by their
     trip counts (module docstring). trip_counts: {while instruction name: n} for loops XLA has no
-    `known_trip_count` for (overrides it where both exist; a mean over the enclosing loops' iterations gives exact
-    totals)."""
+    `known_trip_count` for (overrides it where both exist; for a body without data-dependent loops of its own, a
+    mean over the enclosing loops' iterations gives exact totals)."""
     module = _Module(text, dict(trip_counts or {}))
     return module.walk(module.entry, False)
 
