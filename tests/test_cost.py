@@ -105,6 +105,24 @@ def test_loop_free_flops_agree_with_xla_cost_analysis():
     assert abs(cost.hbm_bytes - xla["bytes accessed"]) <= 0.25 * xla["bytes accessed"]
 
 
+def test_a_rolled_scan_costs_what_xla_counts_for_it_unrolled():
+    """The trip count applied to the rolled loop gives XLA's own FLOPs and bytes accessed of the same scan fully
+    unrolled (loop-free), up to XLA's elementwise FLOPs and the rolled loop's own bookkeeping (a few %)."""
+    b, d, n = 8, 64, 6
+
+    def f(x, ws, unroll):
+        return jax.lax.scan(lambda h, w: (jax.nn.relu(h @ w), None), x, ws, unroll=unroll)[0]
+
+    shapes = jax.ShapeDtypeStruct((b, d), jnp.float32), jax.ShapeDtypeStruct((n, d, d), jnp.float32)
+    rolled = program_cost(jax.jit(lambda x, ws: f(x, ws, 1)).lower(*shapes).compile())
+    unrolled = jax.jit(lambda x, ws: f(x, ws, n)).lower(*shapes).compile()
+    assert "while(" not in unrolled.as_text()
+    xla = xla_cost(unrolled)
+    assert rolled.flops == n * 2 * b * d * d
+    assert abs(rolled.flops - xla["flops"]) <= 0.03 * xla["flops"]
+    assert abs(rolled.hbm_bytes - xla["bytes accessed"]) <= 0.05 * xla["bytes accessed"]
+
+
 def test_a_conditional_counts_its_costliest_branch():
     d = 32
 
