@@ -201,11 +201,15 @@ class Planner:
 
     # ----- the time model (timing.py): per-device costs of the compiled programs ---------------------------------
 
+    def capture_program(self, prompt_len: int):
+        """The compiled sharded capture of prompt[:-1] (`capture`'s, compiled once per prompt length)."""
+        self.capture(prompt_len)
+        return self._programs[("capture", prompt_len)]
+
     def captured(self, prompt_len: int) -> ShardedCaptured:
         """The sampler's capture of prompt[:-1] as abstract arrays (`sampling.mesh.ShardedCaptured`): the compiled
         capture's outputs with their shardings."""
-        self.capture(prompt_len)
-        compiled = self._programs[("capture", prompt_len)]
+        compiled = self.capture_program(prompt_len)
         layout = sharded_prompt.round_layout(self.model, prompt_len - 1, self.mesh.shape["seq"], self.chunk)
         tokens = jax.ShapeDtypeStruct((layout.padded,), jnp.int32)
         shapes = jax.eval_shape(lambda p, t: sharded_prompt.jitted_capture(self.model, p, t, self.mesh, layout,
@@ -242,9 +246,10 @@ class Planner:
 
     def program_costs(self, prompt_len: int, group: int, mode: str) -> dict[str, Cost]:
         """Per-device `Cost` (cost.py: loops multiplied by their trip counts) of one execution of each program:
-        {"capture", "decode_step", "update"}. A loop without a known trip count is an error (the time would be a
-        lower bound)."""
-        programs = dict(capture=lambda: (self.capture(prompt_len), self._programs[("capture", prompt_len)])[1],
+        {"capture", "decode_step", "update"}. A loop with no bound on its trip count (`Cost.unknown_loops`) is an
+        error (the time would be a lower bound); data-dependent loops are counted at their bound
+        (`Cost.bounded_loops`)."""
+        programs = dict(capture=lambda: self.capture_program(prompt_len),
                         decode_step=lambda: self.decode_program(prompt_len),
                         update=lambda: self.update_program(prompt_len, group, mode))
         out = {}
