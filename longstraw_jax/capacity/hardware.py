@@ -6,7 +6,8 @@ Each number is the vendor's peak for one device, with its source next to it. Con
   twice these).
 * `hbm_per_s`: HBM bytes/s (1 TB/s = 1e12 B/s).
 * `link_per_s`: NVLink bytes/s **per device per direction**. NVIDIA quotes 900 GB/s for fourth-generation NVLink
-  (18 links x 50 GB/s), the total of both directions: 450 GB/s each way. `cost.Cost.collective_bytes` counts what
+  (18 links x 50 GB/s), the total of both directions: 450 GB/s each way (vendors' tables write "450 GB/s
+  unidirectional, 900 GB/s bidirectional"). `cost.Cost.collective_bytes` counts what
   one device sends (= what it receives, in the patterns counted there), so it is divided by the per-direction rate.
 * `hbm_bytes`: HBM capacity in bytes (1 GB = 1e9 B).
 
@@ -47,7 +48,7 @@ HARDWARE = {
     "h20": Hardware(
         "h20", flops_per_s=148e12, hbm_per_s=4.0e12, link_per_s=_NVLINK4_PER_DIRECTION, hbm_bytes=96e9,
         source="NVIDIA HGX H20 specifications as published by NVIDIA partners (no public NVIDIA datasheet): "
-               "FP16/BF16 Tensor Core 148 TFLOPS dense (296 with sparsity), 96 GB HBM3, 4.0 TB/s, NVLink 900 GB/s"),
+               "FP16/BF16 Tensor Core 148 TFLOPS dense (INT8 / FP8 296), 96 GB HBM3, 4.0 TB/s, NVLink 900 GB/s"),
 }
 
 
