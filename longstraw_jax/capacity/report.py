@@ -35,15 +35,21 @@ def format_rows(rows: list[dict], device_gb: float, markdown: bool, unit: str = 
     return f"Step (per device)\n{step}\n\nSampling phase\n{sampling}\n\nUpdate phase\n{update}"
 
 
+def _figure(x: float) -> str:
+    """A positive quantity for a table: thousands separated from 100 up, 3 significant digits below."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def format_times(rows: list[dict], hw, markdown: bool) -> str:
-    """The time model's table (`Planner.timing` rows): per row the decode step's per-device figures (FLOPs, HBM GB,
-    collective GB), decode steps per group, and each phase's estimated seconds; then the assumptions."""
+    """The time model's tables (`Planner.timing` rows): per row the decode step's per-device figures (FLOPs, HBM GB,
+    collective GB), decode steps per group, and each phase's estimated seconds, what bounds each phase; then each
+    compiled program's per-device cost; then the assumptions."""
     head = ["mode", "G", "P", "B", "decode step GFLOP", "decode step HBM GB", "decode step collective GB",
             "decode steps / group", "capture s", "sampling s", "update s", "step s"]
-    lines = [[r["mode"], str(r["G"]), f"{r['P']:,}", str(r["B"]), f"{r['decode_step']['flops'] / 1e9:.3g}",
-              f"{r['decode_step']['hbm_bytes'] / 1e9:.3g}", f"{r['decode_step']['collective_bytes'] / 1e9:.3g}",
+    lines = [[r["mode"], str(r["G"]), f"{r['P']:,}", str(r["B"]), _figure(r["decode_step"]["flops"] / 1e9),
+              _figure(r["decode_step"]["hbm_bytes"] / 1e9), _figure(r["decode_step"]["collective_bytes"] / 1e9),
               f"{r['decode_steps_per_group']:,}"]
-             + [f"{r['seconds'][phase]['total']:.4g}" for phase in ("capture", "sampling", "update", "step")]
+             + [_figure(r["seconds"][phase]["total"]) for phase in ("capture", "sampling", "update", "step")]
              for r in rows]
     bound = lambda r, phase: max(("compute", "memory", "collectives"), key=lambda k: r["seconds"][phase][k])
     bounded = lambda r: sum(len(p["bounded_loops"]) for p in r["programs"].values())
@@ -52,9 +58,15 @@ def format_times(rows: list[dict], hw, markdown: bool) -> str:
         for phase in ("capture", "sampling", "update"))
         + (f"; {bounded(r)} data-dependent loops counted at their bound (cost.py)" if bounded(r) else "")
         for r in rows]
+    programs = _table(["mode", "G", "P", "program", "GFLOP", "HBM GB", "collective GB", "by kind GB"],
+                      [[r["mode"], str(r["G"]), f"{r['P']:,}", name, _figure(c["flops"] / 1e9),
+                        _figure(c["hbm_bytes"] / 1e9), _figure(c["collective_bytes"] / 1e9),
+                        ", ".join(f"{k} {_figure(v / 1e9)}" for k, v in c["collectives"].items()) or "-"]
+                       for r in rows for name, c in r["programs"].items()], markdown, 4)
     return (f"Time per step (per device, {hw.name}: {hw.flops_per_s / 1e12:g} TFLOP/s bf16 dense, "
             f"{hw.hbm_per_s / 1e12:g} TB/s HBM, {hw.link_per_s / 1e9:g} GB/s NVLink per direction)\n"
-            + _table(head, lines, markdown, 4) + "\n" + "\n".join(notes) + "\n"
+            + _table(head, lines, markdown, 4) + "\n" + "\n".join(notes) + "\n\n"
+            "Programs (per device, one execution each, loops multiplied by their trip counts)\n" + programs + "\n"
             "roofline per program: max(FLOPs / FLOP/s, HBM bytes / HBM B/s) + collective bytes / link B/s "
             "(collectives not overlapped); loops multiplied by their trip counts; sampling = B/data x decode steps per "
             "group x one decode step; update = B/data x the update given the sampler's capture (capacity/timing.py)")
