@@ -286,3 +286,31 @@ def test_roofline_arithmetic():
         assert hw.source and hw.flops_per_s > 0 and hw.hbm_per_s > 0 and hw.link_per_s > 0 and hw.hbm_bytes > 0
     with pytest.raises(ValueError, match="h100"):
         hardware("a100")
+
+
+def test_a_model_forward_costs_its_analytic_flops_with_every_loop_counted():
+    """Qwen3.6 `model.forward` with three full-attention layers (a layer scan of 3) over 2048 tokens (a key-block
+    while loop whose trip count XLA does not know: the blocks up to max(q_positions) + 1, evaluated from the
+    positions' iota): the dense and head FLOPs of tools/bench_device.py's analytic model (checked against XLA on a
+    loop-free config in tests/test_bench.py), plus the attention the block loop computes: every key block up to the
+    last query, the whole [T, T] square (the analytic count is the causal T (T + 1) / 2 pairs)."""
+    import importlib.util
+    import os
+
+    from longstraw_jax import models
+    from longstraw_jax.models.qwen36 import FULL, Qwen36Config
+
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "bench_device.py")
+    spec = importlib.util.spec_from_file_location("bench_device", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tokens, layers = 2048, 3
+    cfg = Qwen36Config.tiny(hidden_size=256, intermediate_size=1024, num_hidden_layers=layers,
+                            layer_types=(FULL,) * layers)
+    model = models.build(cfg)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    cost = program_cost(_compile(model.forward, params, jax.ShapeDtypeStruct((tokens,), jnp.int32)))
+    analytic = bench.qwen36_flops(cfg, tokens, logits=True)
+    square = analytic["attention"] * 2 * tokens // (tokens + 1)
+    assert cost.unknown_loops == () and cost.bounded_loops == ()
+    assert cost.flops == pytest.approx(analytic["dense"] + analytic["head"] + square, rel=1e-9)

@@ -629,9 +629,19 @@ class _Module:
         xs = [self.value(comp, o, args) for o in instr.operands]
         if op in ("bitcast", "reshape", "copy", "convert") and xs and isinstance(xs[0], _Vector):
             return (xs[0][0],) * 2 if len(xs[0]) == 1 else UNKNOWN
+        if op == "reduce" and len(xs) == 2 and isinstance(xs[0], _Vector) and xs[1][0] == xs[1][1]:
+            return self._reduce(instr, list(xs[0]) + [xs[1][0]])
         if any(isinstance(x, _Vector) for x in xs):
             return UNKNOWN
         return _interval(op, xs, instr)
+
+    def _reduce(self, instr: Instruction, values: list[float]):
+        """A reduce of known values (the vector's and the init) whose combiner is max, min or add (e.g. a causal
+        block's `max(q_positions)`), else UNKNOWN."""
+        combiner = (_called(instr, "to_apply") or [""])[0]
+        root = next((i for i in self.computations.get(combiner, []) if i.root), None)
+        f = {"maximum": max, "minimum": min, "add": sum}.get(root.opcode if root else "")
+        return (float(f(values)),) * 2 if f else UNKNOWN
 
     def _vector(self, comp: str, instr: Instruction, args: tuple):
         """A small 1-D integer array's values (iota, a constant, a slice, a broadcast scalar), else UNKNOWN."""
@@ -647,6 +657,11 @@ class _Module:
         xs = [self.value(comp, o, args) for o in instr.operands]
         if op in ("copy", "bitcast", "reshape", "convert") and isinstance(xs[0], _Vector) and len(xs[0]) == n:
             return xs[0]
+        if op in ("add", "subtract", "multiply", "minimum", "maximum") and len(xs) == 2 and \
+                all(isinstance(x, _Vector) and len(x) == n for x in xs):
+            f = {"add": lambda a, b: a + b, "subtract": lambda a, b: a - b, "multiply": lambda a, b: a * b,
+                 "minimum": min, "maximum": max}[op]
+            return _Vector(f(a, b) for a, b in zip(*xs))
         if op == "broadcast" and not isinstance(xs[0], _Vector) and xs[0][0] == xs[0][1] and \
                 _attr(instr.attrs, "dimensions") in ("{}", None):
             return _Vector([xs[0][0]] * n)
