@@ -138,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             if row["mode"] in args.modes.split(","):  # the searched rows ("... (longest)") are not timed
                 start = time.perf_counter()
-                timing["rows"].append(planner.timing(row["P"], row["G"], row["mode"], row["B"], hw))
+                try:
+                    timing["rows"].append(planner.timing(row["P"], row["G"], row["mode"], row["B"], hw))
+                except ValueError as e:  # a loop without any bound on its trip count (cost.py)
+                    print(f"error: --time: {e}", file=sys.stderr)
+                    return 2
                 print(f"  timed {row['mode']} G={row['G']} P={row['P']:,} ({time.perf_counter() - start:.0f} s)",
                       flush=True)
         print("\n" + format_times(timing["rows"], hw, args.markdown))
