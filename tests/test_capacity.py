@@ -18,6 +18,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.test_imports import PACKAGE, PACKAGE_DIR, import_graph, load_package
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -78,3 +80,54 @@ def test_planner_does_not_import_the_trainer_or_io():
     forbidden = sorted(name for name in seen if name.split(".")[1:2] in (["trainer"], ["io"]))
     assert forbidden == [], forbidden
     assert f"{PACKAGE}.train" in seen and f"{PACKAGE}.sharding.prompt" in seen  # the graph does reach the library
+
+
+def test_plan_time_reports_each_phase_and_the_decode_step(tmp_path):
+    """--time --hardware h200 on the golden's configuration (detached only): every phase has positive seconds, the
+    decode step's per-device FLOPs, HBM bytes and collective bytes are positive and sit under the new "time" key with
+    the decode steps per group (timing.decode_steps_per_group), and the memory rows are the golden's, unchanged."""
+    from longstraw_jax.capacity.timing import PHASES, decode_steps_per_group
+
+    modes = GOLDEN_ARGS.index("--modes")
+    args = GOLDEN_ARGS[:modes] + ["--modes", "detached", "--time", "--hardware", "h200"]
+    result = _planner(*args, "--json", str(tmp_path / "plan.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    timing = plan.pop("time")
+    with open(GOLDEN) as f:
+        golden = json.load(f)
+    assert json.loads(normalised(plan))["rows"] == [r for r in golden["rows"] if r["mode"] == "detached"]
+    assert timing["hardware"]["name"] == "h200" and "datasheet" in timing["hardware"]["source"]
+    (row,) = timing["rows"]
+    assert (row["mode"], row["G"], row["P"]) == ("detached", 2, 4096)
+    assert row["decode_steps_per_group"] == decode_steps_per_group(2, 64)
+    step = row["decode_step"]
+    assert step["flops"] > 0 and step["hbm_bytes"] > 0 and step["collective_bytes"] > 0
+    assert step["collectives"]["all-gather"] > 0  # FSDP: the layers are gathered every step
+    assert step["unknown_loops"] == []
+    for phase in PHASES:
+        seconds = row["seconds"][phase]
+        assert seconds["total"] > 0
+        assert seconds["total"] == pytest.approx(max(seconds["compute"], seconds["memory"]) + seconds["collectives"])
+    assert row["seconds"]["step"]["total"] == pytest.approx(sum(row["seconds"][p]["total"] for p in PHASES))
+    # sampling = decode steps per group x one decode step (B / data = 1)
+    assert row["phases"]["sampling"]["flops"] == pytest.approx(row["decode_steps_per_group"] * step["flops"])
+    assert "Time per step (per device, h200" in result.stdout and "decode steps / group" in result.stdout
+
+
+@pytest.mark.slow  # two planners' decode and update programs (R = 64 and 128)
+def test_doubling_r_doubles_the_sampling_time():
+    """Twice the response length: twice the decode steps per group, each step at least as costly (its tail holds R
+    positions), so the sampling estimate doubles (within the tail's few percent)."""
+    import jax
+
+    from longstraw_jax.capacity.hardware import hardware
+    from longstraw_jax.capacity.planner import Planner
+
+    config = os.path.join(ROOT, "configs", "qwen3.6-tiny.json")
+    rows = [Planner(config, "1x8", "bfloat16", r, 16384, devices=jax.devices()[:8]).timing(
+        4096, 2, "detached", 1, hardware("h200")) for r in (64, 128)]
+    assert rows[1]["decode_steps_per_group"] == 2 * rows[0]["decode_steps_per_group"]
+    ratio = rows[1]["seconds"]["sampling"]["total"] / rows[0]["seconds"]["sampling"]["total"]
+    assert 2.0 <= ratio < 2.2, ratio
+    assert rows[1]["seconds"]["capture"]["total"] == pytest.approx(rows[0]["seconds"]["capture"]["total"])

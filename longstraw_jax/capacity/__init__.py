@@ -66,6 +66,12 @@ worst case).
 
 `--search` binary-searches the longest prompt (to --search-step positions) whose step peak fits --device-gb.
 
+**Time model** (`--time --hardware h20|h100|h200`): per device, the seconds of each phase, a roofline of the
+compiled programs' costs with every loop's trip count applied (`cost.py`: FLOPs, HBM bytes and collective bytes
+from the compiled HLO; `hardware.py`: the device kinds' peaks and `roofline`; `timing.py`: the phases,
+`decode_steps_per_group`). Besides the capture and the update it compiles one decode step of the mesh sampler
+(`planner.decode_step`) and the update given the sampler's capture (no capture of its own). docs/architecture.md 6.
+
 Caveats: sizes come from XLA:CPU's buffer assignment for the per-device SPMD program; a GPU compile differs
 (fusion, scheduling, collective buffers), so read them as estimates. The sampling phase's tail and decode terms are
 analytic (the sharded decoder is sized from its design, not compiled). bf16 sizing sets
@@ -75,7 +81,9 @@ float32 conversion out of loops and overstates scratch memory). Qwen3.6 and GLM-
 JAX must be set up before its backend starts (`cli.setup_jax`: the simulated device count and the XLA flag above);
 a Python caller passes `devices` (a subset of an already started backend's) to `Planner` instead.
 """
+from longstraw_jax.capacity.cost import Cost, hlo_cost, program_cost
 from longstraw_jax.capacity.footprint import largest_layer_bytes, local_bytes, memory_total, tree_bytes
+from longstraw_jax.capacity.hardware import HARDWARE, Hardware, hardware, roofline
 from longstraw_jax.capacity.phases import (
     SAMPLING_COLUMNS,
     UPDATE_COLUMNS,
@@ -86,8 +94,10 @@ from longstraw_jax.capacity.phases import (
     update_phase,
 )
 from longstraw_jax.capacity.planner import Planner
-from longstraw_jax.capacity.report import format_rows, write_json
+from longstraw_jax.capacity.report import format_rows, format_times, write_json
+from longstraw_jax.capacity.timing import decode_steps_per_group, phase_costs, step_times
 
-__all__ = ["Planner", "SAMPLING_COLUMNS", "UPDATE_COLUMNS", "format_rows", "largest_layer_bytes", "local_bytes",
-           "local_groups", "memory_total", "ragged_exchange_bytes", "sampling_phase", "step_peak", "tree_bytes",
-           "update_phase", "write_json"]
+__all__ = ["Cost", "HARDWARE", "Hardware", "Planner", "SAMPLING_COLUMNS", "UPDATE_COLUMNS", "decode_steps_per_group",
+           "format_rows", "format_times", "hardware", "hlo_cost", "largest_layer_bytes", "local_bytes",
+           "local_groups", "memory_total", "phase_costs", "program_cost", "ragged_exchange_bytes", "roofline",
+           "sampling_phase", "step_peak", "step_times", "tree_bytes", "update_phase", "write_json"]

@@ -9,6 +9,8 @@ the `longstraw_jax.capacity` package docstring.
     python -m longstraw_jax.plan --config configs/qwen3.6-27b.json --mesh 1x8 -G 8 --search --device-gb 96
     python -m longstraw_jax.plan --config configs/glm-5.2.json --mesh 4x8 -P 2M -G 2,8 --train lora \
         --lora-rank 64 --json glm_lora.json
+    python -m longstraw_jax.plan --config configs/qwen3.6-27b.json --mesh 1x8 -P 256K -G 8 -R 1024 --modes exact \
+        --time --hardware h20
 
 Sizes (-P, -G, -R, -B, --chunk-size, --search-step) are counts with an optional binary suffix (`validation.parse_size`):
 K = 1024, M = 2^20, a fraction rounded to the nearest integer (halves up): 2M = 2,097,152, 2.1M = 2,202,010.
@@ -19,14 +21,17 @@ count and the XLA flags the sizes are measured with.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+import time
 
 import jax
 
+from longstraw_jax.capacity.hardware import HARDWARE, hardware
 from longstraw_jax.capacity.phases import local_groups
 from longstraw_jax.capacity.planner import GIB, Planner
-from longstraw_jax.capacity.report import format_rows, write_json
+from longstraw_jax.capacity.report import format_rows, format_times, write_json
 from longstraw_jax.parallel.mesh import parse_mesh_spec
 from longstraw_jax.validation import SIZE_RULE, size_arg, sizes_arg
 
@@ -78,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lora-targets", default="all", help="--train lora: groups (attn, mlp, shared, experts, all) "
                     "or expressions, as the trainer's (default all: attention projections and every MLP / expert "
                     "matrix)")
+    ap.add_argument("--time", action="store_true",
+                    help="also estimate each phase's seconds per step (capture, sampling, update) from the compiled "
+                         "programs' FLOPs, HBM bytes and collective bytes, loops multiplied by their trip counts: "
+                         "a roofline on --hardware (capacity/timing.py); compiles a decode step and the update given "
+                         "the sampler's capture")
+    ap.add_argument("--hardware", choices=sorted(HARDWARE), default="h200",
+                    help="--time: the device kind whose peaks the roofline uses (default h200; capacity/hardware.py)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--unit", choices=("GiB", "MiB"), default="GiB", help="table unit (default GiB)")
     ap.add_argument("--json", metavar="FILE", help="also write every row as JSON (bytes per phase; 'fits' per row)")
@@ -119,8 +131,23 @@ def main(argv: list[str] | None = None) -> int:
                 if row is not None:
                     rows.append(dict(row, mode=mode + " (longest)"))
     print(format_rows(rows, args.device_gb, args.markdown, args.unit))
+    timing = None
+    if args.time:
+        hw = hardware(args.hardware)
+        timing = dict(hardware=dataclasses.asdict(hw), rows=[])
+        for row in rows:
+            if row["mode"] in args.modes.split(","):  # the searched rows ("... (longest)") are not timed
+                start = time.perf_counter()
+                try:
+                    timing["rows"].append(planner.timing(row["P"], row["G"], row["mode"], row["B"], hw))
+                except ValueError as e:  # a loop without any bound on its trip count (cost.py)
+                    print(f"error: --time: {e}", file=sys.stderr)
+                    return 2
+                print(f"  timed {row['mode']} G={row['G']} P={row['P']:,} ({time.perf_counter() - start:.0f} s)",
+                      flush=True)
+        print("\n" + format_times(timing["rows"], hw, args.markdown))
     if args.json:
-        write_json(args.json, rows, args, planner)
+        write_json(args.json, rows, args, planner, timing)
     for mode in args.modes.split(","):
         for prompt_len in args.prompt_len:
             cells = {row["G"]: row["peak"] for row in rows if row["mode"] == mode and row["P"] == prompt_len}

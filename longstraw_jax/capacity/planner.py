@@ -13,14 +13,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from longstraw_jax import lora, models, sharding, train, trainable
+from longstraw_jax.capacity.cost import Cost, program_cost
 from longstraw_jax.capacity.footprint import largest_layer_bytes, local_bytes, memory_total, tree_bytes
+from longstraw_jax.capacity.hardware import Hardware
 from longstraw_jax.capacity.phases import local_groups, ragged_exchange_bytes, sampling_phase, step_peak, update_phase
+from longstraw_jax.capacity.timing import decode_steps_per_group, phase_costs, step_times
 from longstraw_jax.grpo import GroupBatch, GRPOConfig
 from longstraw_jax.parallel import rules
 from longstraw_jax.parallel.rules import SEQ_AXES
+from longstraw_jax.sampling.mesh import ShardedCaptured
 from longstraw_jax.sharding import prompt as sharded_prompt
 
 GIB = 2**30
+
+
+def decode_step(model, params, sstate, tail, token, position, mesh):
+    """The mesh sampler's per-token program (`sampling/mesh.py`'s `step`): the family's `decode` of one token at
+    `position` after the sharded prompt and the tail, then its float32 logits [vocab] -> (logits, the new tail)."""
+    hidden, tail = model.sequence_parallel().decode(params, sstate, tail, token, position, mesh)
+    return model.logits(params, hidden)[0], tail
+
+
+_decode_step = jax.jit(decode_step, static_argnums=(0, 6), donate_argnums=(3,))
 
 
 class Planner:
@@ -74,6 +88,8 @@ class Planner:
         self.step = train.jitted_train_step_donated
         self._captures: dict[int, dict] = {}
         self._updates: dict[tuple, dict] = {}
+        self._programs: dict[tuple, object] = {}  # compiled executables, for the time model's costs
+        self._costs: dict[tuple, Cost] = {}
 
     @property
     def data(self) -> int:
@@ -127,6 +143,7 @@ class Planner:
             start = time.perf_counter()
             compiled = sharded_prompt.jitted_capture.lower(self.model, self.params, tokens, self.mesh, layout,
                                                            "ring").compile()
+            self._programs[("capture", prompt_len)] = compiled
             memory = memory_total(compiled)
             state = self._state_bytes(prompt_len - 1)[0]
             self._captures[prompt_len] = dict(temp=memory["temp"], aux=max(0, memory["outputs"] - state),
@@ -153,12 +170,7 @@ class Planner:
         return self._updates[key]
 
     def _compile(self, prompt_len: int, group: int, mode: str) -> dict:
-        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        arr = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
-        g, r = group, self.response_len
-        batch = GroupBatch(prompt=arr((prompt_len,), jnp.int32), responses=arr((g, r), jnp.int32),
-                           mask=arr((g, r), jnp.float32), rewards=arr((g,), jnp.float32),
-                           old_logprobs=arr((g, r), jnp.float32), ref_logprobs=None)
+        batch = self._batch(prompt_len, group)
         start = time.perf_counter()
         compiled = self.step.lower(self.model, self.trainable, self.opt_state, batch, self.optimizer, GRPOConfig(),
                                    mode, self.chunk, self.mesh, None, self.frozen).compile()
@@ -182,10 +194,100 @@ class Planner:
         ragged = self.ragged_extra(mode)
         peak_gpu = max(sampling["total"] + ragged["sampling"], update["total"] + ragged["update"])
         return dict(train=self.train_mode, mode=mode, G=group, P=prompt_len, B=groups_per_step,
-                    decode_steps=group * self.response_len,
+                    decode_steps=decode_steps_per_group(group, self.response_len),
                     sampling=sampling, update=update, peak=peak, peak_phase=phase, fits=bool(peak <= limit),
                     ragged_extra=ragged, peak_ragged=peak_gpu, fits_ragged=bool(peak_gpu <= limit),
                     compile_s=compiled["compile_s"] + capture["compile_s"])
+
+    # ----- the time model (timing.py): per-device costs of the compiled programs ---------------------------------
+
+    def capture_program(self, prompt_len: int):
+        """The compiled sharded capture of prompt[:-1] (`capture`'s, compiled once per prompt length)."""
+        self.capture(prompt_len)
+        return self._programs[("capture", prompt_len)]
+
+    def captured(self, prompt_len: int) -> ShardedCaptured:
+        """The sampler's capture of prompt[:-1] as abstract arrays (`sampling.mesh.ShardedCaptured`): the compiled
+        capture's outputs with their shardings."""
+        compiled = self.capture_program(prompt_len)
+        layout = sharded_prompt.round_layout(self.model, prompt_len - 1, self.mesh.shape["seq"], self.chunk)
+        tokens = jax.ShapeDtypeStruct((layout.padded,), jnp.int32)
+        shapes = jax.eval_shape(lambda p, t: sharded_prompt.jitted_capture(self.model, p, t, self.mesh, layout,
+                                                                           "ring"), self.params, tokens)
+        out = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                           compiled.output_shardings)
+        return ShardedCaptured(*out)
+
+    def decode_program(self, prompt_len: int):
+        """One decode step of the mesh sampler after a prompt of `prompt_len` (`decode_step`), AOT-compiled: token
+        and position replicated int32 scalars, the tail `init_tail(R)` replicated, the captured state seq-sharded."""
+        key = ("decode", prompt_len)
+        if key not in self._programs:
+            sstate = self.captured(prompt_len).sstate
+            replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            family = self.model.sequence_parallel()
+            tail = jax.eval_shape(lambda p, s: family.init_tail(p, s, self.response_len), self.params, sstate)
+            tail = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tail)
+            scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+            self._programs[key] = _decode_step.lower(self.model, self.params, sstate, tail, scalar, scalar,
+                                                     self.mesh).compile()
+        return self._programs[key]
+
+    def update_program(self, prompt_len: int, group: int, mode: str):
+        """The trainer's update given the sampler's capture (`train_step(..., captured=...)`: replay, the prompt
+        backward in exact mode, AdamW; no capture of its own), AOT-compiled."""
+        key = ("update", prompt_len, group, mode)
+        if key not in self._programs:
+            self._programs[key] = self.step.lower(self.model, self.trainable, self.opt_state,
+                                                  self._batch(prompt_len, group), self.optimizer, GRPOConfig(), mode,
+                                                  self.chunk, self.mesh, self.captured(prompt_len),
+                                                  self.frozen).compile()
+        return self._programs[key]
+
+    def program_costs(self, prompt_len: int, group: int, mode: str) -> dict[str, Cost]:
+        """Per-device `Cost` (cost.py: loops multiplied by their trip counts) of one execution of each program:
+        {"capture", "decode_step", "update"}. A loop with no bound on its trip count (`Cost.unknown_loops`) is an
+        error (the time would be a lower bound); data-dependent loops are counted at their bound
+        (`Cost.bounded_loops`)."""
+        programs = dict(capture=lambda: self.capture_program(prompt_len),
+                        decode_step=lambda: self.decode_program(prompt_len),
+                        update=lambda: self.update_program(prompt_len, group, mode))
+        out = {}
+        for name, program in programs.items():
+            key = (name, prompt_len) + ((group, mode) if name == "update" else ())
+            if key not in self._costs:
+                cost = program_cost(program())
+                if cost.unknown_loops:
+                    raise ValueError(f"{name} program: while loops without a known trip count "
+                                     f"{list(cost.unknown_loops)}; its time would be a lower bound")
+                self._costs[key] = cost
+            out[name] = self._costs[key]
+        return out
+
+    def timing(self, prompt_len: int, group: int, mode: str, groups_per_step: int, hw: Hardware) -> dict:
+        """The time model of one step (timing.py) for one row: {"mode", "G", "P", "B", "decode_steps_per_group",
+        "decode_step" (per-device flops, hbm_bytes, collective_bytes and by kind), "programs" (each program's
+        per-device cost), "phases" (each phase's cost), "seconds" (each phase's roofline terms, "step")}."""
+        groups = local_groups(groups_per_step, self.data)
+        costs = self.program_costs(prompt_len, group, mode)
+        steps = decode_steps_per_group(group, self.response_len)
+        phases = phase_costs(capture=costs["capture"], decode_step=costs["decode_step"], update=costs["update"],
+                             steps_per_group=steps, groups=groups)
+        return dict(mode=mode, G=group, P=prompt_len, B=groups_per_step, decode_steps_per_group=steps,
+                    decode_step=costs["decode_step"].as_dict(),
+                    programs={name: cost.as_dict() for name, cost in costs.items()},
+                    phases={name: cost.as_dict() for name, cost in phases.items()},
+                    seconds=step_times(phases, hw))
+
+    def _batch(self, prompt_len: int, group: int) -> GroupBatch:
+        """One group's batch as replicated abstract arrays: prompt [P], responses / mask / old log-probs [G, R],
+        rewards [G]."""
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        arr = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+        g, r = group, self.response_len
+        return GroupBatch(prompt=arr((prompt_len,), jnp.int32), responses=arr((g, r), jnp.int32),
+                          mask=arr((g, r), jnp.float32), rewards=arr((g,), jnp.float32),
+                          old_logprobs=arr((g, r), jnp.float32), ref_logprobs=None)
 
     def ragged_extra(self, mode: str) -> dict[str, int]:
         """`ragged_exchange_bytes` per phase: sampling = a capture round's tokens per device (chunk / seq); update =

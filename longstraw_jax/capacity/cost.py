@@ -1,0 +1,840 @@
+"""Per-device cost of a compiled program, with loop trip counts applied: FLOPs, HBM bytes and collective bytes.
+
+    cost = program_cost(jax.jit(f).lower(...).compile())     # or hlo_cost(compiled.as_text())
+    cost.flops, cost.hbm_bytes, cost.collective_bytes        # collective_bytes: {kind: bytes}
+
+XLA's `compiled.cost_analysis()` counts a while loop's body once. This module parses the compiled (post-SPMD, per
+device) HLO text instead and walks the computations from ENTRY, multiplying each loop body by its trip count:
+
+* **while**: body x n and condition x (n + 1), n = `trip_counts[name]` from the caller (keyed by the while
+  instruction's name) if given, else the `known_trip_count` XLA writes into the while's backend_config (every
+  `lax.scan` / `fori_loop` with static bounds has one), else n is found by running the loop's scalar control: the
+  carried integer scalars (and small integer vectors, e.g. a scan's `arange` xs) are evaluated from the loop's
+  initial tuple, as intervals, the condition is evaluated, the body's root tuple advances them, until the condition
+  is false (a flash-attention loop over the key blocks a round can see: its bound is a function of the outer
+  round index, so every outer iteration is walked with its own values). Where the condition depends on data but its
+  bound does not (`i < min(num_blocks, f(data))`), the loop runs to the bound: counted there and listed in
+  `Cost.bounded_loops` (those totals are upper bounds). A loop with no bound at all is counted once and listed in
+  `Cost.unknown_loops`: the totals are then lower bounds, never silently exact.
+* **conditional** (`lax.cond` / `switch`): the branch taken where the predicate / index evaluates (as above), else
+  each quantity is the largest over the branches (an upper bound of the branch actually taken).
+* **call**, **async-start** (`calls=`): their computation, once per execution.
+* **fusion**: FLOPs and collectives from inside the fused computation; HBM bytes from the fusion's own operands and
+  result (what it reads and writes in memory; its internals live in registers / cache).
+
+Per-device quantities (the HLO is the per-device SPMD program):
+
+* `flops`: dot, convolution and cuBLAS GEMM custom calls (XLA:GPU's dots) only, 2 x (result elements) x
+  (contracted elements), batch dimensions included (dot: 2 * batch * M * N * K); other custom calls (e.g. fused
+  attention kernels) count none. Elementwise and reduction arithmetic is not counted (it is what XLA's
+  cost_analysis adds on top: small next to the matmuls of a transformer; tests bound the difference).
+* `hbm_bytes`: an estimate of memory traffic like XLA's "bytes accessed": the sum, over every executed top-level
+  instruction (fusions, custom calls, copies, collectives, un-fused ops; not parameters, tuples,
+  get-tuple-element, bitcasts, constants or control flow), of its operand bytes plus its result bytes, with XLA's
+  in-place conventions: an operand only sliced (slice, dynamic-slice, gather; through bitcasts) counts the slices
+  read, an operand updated in place (operand 0 of dynamic-update-slice / scatter) counts the update read and the
+  update written instead of the whole buffer. No cache reuse across instructions is assumed. Float32 values that
+  XLA:CPU widened from bf16 (its float normalization: convert, op, convert back) count at bf16, what a GPU program
+  holds; XLA:CPU's unfused attention still writes its score blocks to memory (an overestimate against a GPU's
+  fused attention).
+* `collective_bytes[kind]`: bytes one device sends (= receives, for these symmetric patterns) per execution, from
+  the operand shapes and n = the replica group's size (`replica_groups`, either `{{0,1,..},..}` or iota
+  `[groups,n]<=[..]`; empty: every device of the module), ring / bandwidth-optimal algorithms:
+
+      all-gather          (n - 1) x operand          = (n - 1)/n of the gathered result
+      all-reduce          2 (n - 1)/n x operand      (reduce-scatter then all-gather)
+      reduce-scatter      (n - 1)/n x operand        (the operand is the full, unscattered buffer)
+      all-to-all          (n - 1)/n x operand
+      ragged-all-to-all   (n - 1)/n x output buffer  (an upper bound: the buffer is sized for the worst case)
+      collective-permute  operand                    (every device a source; a self-pair sends nothing)
+      collective-broadcast operand
+
+  Async pairs (`all-gather-start` / `-done`, ...) are counted at their start. A float32 collective whose operand
+  was converted up from bf16 (XLA:CPU's float normalization runs bf16 collectives in float32, with converts around
+  them) counts at bf16, what a GPU moves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute", "collective-broadcast")
+
+# bytes per element of HLO primitive types (sub-byte types count their fraction: s4 / u4 half a byte)
+_ITEMSIZE = {"pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
+             "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+             "token": 0}
+# instructions that move no data themselves (aliases, bookkeeping, control flow whose bodies are walked)
+_FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "conditional", "call",
+         "after-all", "opt-barrier", "partition-id", "replica-id", "iota", "add-dependency", "domain",
+         "async-start", "async-update", "async-done", "all-gather-done", "all-reduce-done",
+         "collective-permute-done", "copy-done", "send-done", "recv-done"}
+_SLICING = {"slice", "dynamic-slice", "gather"}
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode -> index of the update operand (scatter: the first)
+
+_ARRAY = re.compile(r"([a-z]\w*)\[([^\]]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Per-device totals of one program execution. collective_bytes: {kind: bytes sent per device} (module
+    docstring); unknown_loops: names of while loops counted once for want of a trip count (the totals are then lower
+    bounds); bounded_loops: names of data-dependent loops counted at their bound (upper bounds for those)."""
+
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
+    collective_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    unknown_loops: tuple[str, ...] = ()
+    bounded_loops: tuple[str, ...] = ()
+
+    @property
+    def collective_total(self) -> float:
+        return float(sum(self.collective_bytes.values()))
+
+    def scaled(self, k: float) -> "Cost":
+        """This cost executed k times."""
+        return Cost(self.flops * k, self.hbm_bytes * k, {c: b * k for c, b in self.collective_bytes.items()},
+                    self.unknown_loops, self.bounded_loops)
+
+    def __add__(self, other: "Cost") -> "Cost":
+        kinds = dict(self.collective_bytes)
+        for c, b in other.collective_bytes.items():
+            kinds[c] = kinds.get(c, 0.0) + b
+        return Cost(self.flops + other.flops, self.hbm_bytes + other.hbm_bytes, kinds,
+                    tuple(dict.fromkeys(self.unknown_loops + other.unknown_loops)),
+                    tuple(dict.fromkeys(self.bounded_loops + other.bounded_loops)))
+
+    def as_dict(self) -> dict:
+        """JSON-ready: flops, hbm_bytes, collective_bytes (total), collectives ({kind: bytes}), unknown_loops,
+        bounded_loops."""
+        return dict(flops=self.flops, hbm_bytes=self.hbm_bytes, collective_bytes=self.collective_total,
+                    collectives=dict(sorted(self.collective_bytes.items())), unknown_loops=list(self.unknown_loops),
+                    bounded_loops=list(self.bounded_loops))
+
+
+def _maximum(costs: list[Cost]) -> Cost:
+    """Each quantity's largest value over `costs` (a conditional's branches)."""
+    kinds = {k for c in costs for k in c.collective_bytes}
+    return Cost(max(c.flops for c in costs), max(c.hbm_bytes for c in costs),
+                {k: max(c.collective_bytes.get(k, 0.0) for c in costs) for k in kinds},
+                tuple(dict.fromkeys(u for c in costs for u in c.unknown_loops)),
+                tuple(dict.fromkeys(u for c in costs for u in c.bounded_loops)))
+
+
+# ----- parsing ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction: `shape` its result's type text, `operands` the operand names, `attrs` the text after the
+    operand list (attributes, metadata, backend_config)."""
+
+    name: str
+    shape: str
+    opcode: str
+    operands: tuple[str, ...]
+    attrs: str
+    root: bool
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the bracket group opening at text[start] ('(', '{' or '['), nesting counted."""
+    pairs = {"(": ")", "{": "}", "[": "]"}
+    stack = []
+    for i in range(start, len(text)):
+        ch = text[i]
+        if ch in pairs:
+            stack.append(pairs[ch])
+        elif stack and ch == stack[-1]:
+            stack.pop()
+            if not stack:
+                return i + 1
+    raise ValueError(f"unbalanced brackets in HLO: {text[start:start + 200]!r}")
+
+
+def _split_top(text: str) -> list[str]:
+    """`text` split at commas outside brackets."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        parts.append("".join(cur).strip())
+    return parts
+
+
+def parse_instruction(line: str) -> Instruction | None:
+    """`[ROOT] %name = TYPE opcode(operands), attrs` -> Instruction; None for other lines."""
+    m = _INSTR.match(re.sub(r"/\*.*?\*/", "", line))  # drop /*index=5*/ comments
+    if m is None:
+        return None
+    root, name, rest = bool(m.group(1)), m.group(2), m.group(3)
+    end = _balanced(rest, 0) if rest.startswith("(") else rest.index(" ")
+    shape, rest = rest[:end], rest[end:].lstrip()
+    op = re.match(r"([\w\-]+)\(", rest)
+    if op is None:
+        return None
+    close = _balanced(rest, op.end() - 1)
+    inside = rest[op.end():close - 1]
+    if op.group(1) == "constant":  # the literal, whole: 3, true, {0, 1, 2}
+        operands = (inside.strip(),)
+    else:
+        operands = tuple(o.split()[-1].lstrip("%") for o in _split_top(inside) if o)
+    return Instruction(name, shape, op.group(1), operands, rest[close:], root)
+
+
+def parse_module(text: str) -> tuple[dict[str, list[Instruction]], str, int]:
+    """HLO module text -> ({computation name: instructions}, the ENTRY computation's name, the module's device
+    count: num_partitions x replica_count from the header, 1 when absent)."""
+    computations: dict[str, list[Instruction]] = {}
+    entry, current = None, None
+    devices = 1
+    for line in text.splitlines():
+        if line.startswith("HloModule"):
+            for key in ("num_partitions", "replica_count"):
+                m = re.search(rf"{key}=(\d+)", line)
+                devices *= int(m.group(1)) if m else 1
+            continue
+        if current is None:
+            m = _HEADER.match(line)
+            if m:
+                current = m.group(2)
+                computations[current] = []
+                if m.group(1):
+                    entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        instr = parse_instruction(line)
+        if instr is not None:
+            computations[current].append(instr)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return computations, entry, devices
+
+
+def array_shapes(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Type text (array or tuple) -> [(dtype, dims)] of its arrays; dynamic dims `<=N` count N."""
+    out = []
+    for dtype, dims in _ARRAY.findall(re.sub(r"/\*.*?\*/", "", shape)):
+        if dtype not in _ITEMSIZE:
+            continue
+        out.append((dtype, tuple(int(d.lstrip("<=")) for d in dims.split(",") if d.strip())))
+    return out
+
+
+def shape_bytes(shape: str) -> float:
+    """Bytes of an array or tuple type (layouts `{..}` ignored)."""
+    return float(sum(math.prod(dims) * _ITEMSIZE[dtype] for dtype, dims in array_shapes(shape)))
+
+
+def _attr(attrs: str, key: str) -> str | None:
+    """The value of `key=` in an attribute list: a bracket group whole, else up to the next comma."""
+    m = re.search(rf"(?:^|[\s,]){re.escape(key)}=", attrs)
+    if m is None:
+        return None
+    i = m.end()
+    if i < len(attrs) and attrs[i] in "{[(":
+        j = _balanced(attrs, i)
+        if attrs[i] == "[" and j < len(attrs) and attrs[j:j + 2] == "<=":  # iota replica groups [a,b]<=[c]..
+            k = _balanced(attrs, j + 2)
+            t = re.match(r"T\([\d,]*\)", attrs[k:])
+            return attrs[i:k + (t.end() if t else 0)]
+        return attrs[i:j]
+    return re.match(r"[^,\s]*", attrs[i:]).group(0)
+
+
+def group_size(attrs: str, devices: int) -> int:
+    """n of a collective: the size of its first replica group (`{{0,1},{2,3}}` or iota `[2,2]<=[4]`); every device
+    of the module when the groups are empty or absent."""
+    groups = _attr(attrs, "replica_groups")
+    if groups is None or groups in ("{}", "{{}}"):
+        return devices
+    if groups.startswith("["):
+        dims = [int(d) for d in groups[1:groups.index("]")].split(",")]
+        return dims[-1]
+    first = re.match(r"\{\{([^}]*)\}", groups)
+    return len(first.group(1).split(",")) if first and first.group(1).strip() else devices
+
+
+def trip_count(instr: Instruction) -> int | None:
+    """The `known_trip_count` XLA wrote into a while's backend_config, or None."""
+    m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?', instr.attrs)
+    return int(m.group(1)) if m else None
+
+
+def _called(instr: Instruction, key: str) -> list[str]:
+    value = _attr(instr.attrs, key)
+    if value is None:
+        return []
+    return [v.strip().lstrip("%") for v in value.strip("{}").split(",") if v.strip()]
+
+
+# ----- per-instruction quantities ----------------------------------------------------------------------------
+
+
+def dot_flops(instr: Instruction, shapes: Mapping[str, str]) -> float:
+    """2 x result elements x contracted elements of a dot (batch dims are in the result)."""
+    result = array_shapes(instr.shape)[0][1]
+    lhs = array_shapes(shapes[instr.operands[0]])[0][1]
+    dims = _attr(instr.attrs, "lhs_contracting_dims")
+    contracted = math.prod(lhs[int(d)] for d in dims.strip("{}").split(",") if d.strip()) if dims else 1
+    return 2.0 * math.prod(result) * contracted
+
+
+def gemm_flops(instr: Instruction, shapes: Mapping[str, str]) -> float:
+    """A GPU library GEMM (`custom-call` to `__cublas$gemm` / `__cublas$lt$matmul`, as XLA:GPU rewrites dots):
+    2 x output elements x contracted elements, the contraction from its backend_config's dot_dimension_numbers;
+    0 for any other custom call (their FLOPs are not counted)."""
+    target = _attr(instr.attrs, "custom_call_target") or ""
+    if "cublas" not in target or not instr.operands:
+        return 0.0
+    m = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', instr.attrs)
+    lhs = array_shapes(shapes.get(instr.operands[0], ""))
+    if m is None or not lhs:
+        return 0.0
+    contracted = math.prod(lhs[0][1][int(d.strip().strip('"'))] for d in m.group(1).split(",") if d.strip())
+    return 2.0 * math.prod(array_shapes(instr.shape)[0][1]) * contracted  # the output (a tuple's first: + workspace)
+
+
+def conv_flops(instr: Instruction, shapes: Mapping[str, str]) -> float:
+    """2 x output elements x (kernel elements / output features): each output multiplies a window of the kernel's
+    spatial size times its (per feature group) input features."""
+    out = array_shapes(instr.shape)[0][1]
+    kernel = array_shapes(shapes[instr.operands[1]])[0][1]
+    labels = _attr(instr.attrs, "dim_labels") or ""
+    kernel_labels = labels.split("_")[1].split("->")[0] if "_" in labels else ""
+    features = kernel[kernel_labels.index("o")] if "o" in kernel_labels else 1
+    return 2.0 * math.prod(out) * math.prod(kernel) / max(features, 1)
+
+
+def collective_bytes(instr: Instruction, shapes: Mapping[str, str], devices: int) -> tuple[str, float] | None:
+    """(kind, bytes one device sends) of a collective instruction (module docstring), else None."""
+    kind = instr.opcode.removesuffix("-start")
+    if kind not in COLLECTIVES:
+        return None
+    n = group_size(instr.attrs, devices)
+    operand = sum(shape_bytes(shapes[o]) for o in instr.operands if o in shapes)
+    if kind == "collective-permute":
+        pairs = _attr(instr.attrs, "source_target_pairs") or ""
+        moved = re.findall(r"\{(\d+),(\d+)\}", pairs)
+        return kind, 0.0 if moved and all(a == b for a, b in moved) else shape_bytes(shapes[instr.operands[0]])
+    if kind == "collective-broadcast":
+        return kind, operand
+    if kind == "all-gather":
+        return kind, (n - 1) * operand
+    if kind == "all-reduce":
+        return kind, 2.0 * (n - 1) / n * operand
+    if kind == "ragged-all-to-all":  # operands: input, output buffer, offsets / sizes
+        return kind, (n - 1) / n * shape_bytes(shapes[instr.operands[1]])
+    return kind, (n - 1) / n * operand  # reduce-scatter, all-to-all
+
+
+def _widened_from(name: str, by_name: Mapping[str, Instruction], computations) -> float | None:
+    """Bytes per element of the narrower float a value was converted up from (through bitcasts, copies and into a
+    fusion's root), else None. XLA:CPU runs bf16 collectives in float32 (convert, collective, convert back): what a
+    GPU moves is the bf16."""
+    instr = by_name.get(name)
+    passing = ("bitcast", "copy", "fusion", "transpose", "all-gather", "all-to-all", "collective-permute",
+               "dynamic-slice", "slice")
+    while instr is not None and instr.opcode in passing:
+        if instr.opcode == "fusion":
+            fused = computations.get((_called(instr, "calls") or [""])[0], [])
+            by_name = {i.name: i for i in fused}
+            instr = next((i for i in fused if i.root), None)
+        else:
+            instr = by_name.get(instr.operands[0])
+    if instr is None or instr.opcode != "convert" or instr.operands[0] not in by_name:
+        return None
+    (src, _), (dst, _) = array_shapes(by_name[instr.operands[0]].shape)[0], array_shapes(instr.shape)[0]
+    floats = ("bf16", "f16", "f32", "f64")
+    if src in floats and dst in floats and _ITEMSIZE[src] < _ITEMSIZE[dst]:
+        return float(_ITEMSIZE[src])
+    return None
+
+
+def _operand_reads(computation: list[Instruction]) -> dict[int, float]:
+    """A fused computation's parameter index -> bytes it reads of that parameter, where less than the whole: a
+    parameter only sliced (through bitcasts, copies and converts: a fusion computes the elements its slice needs)
+    reads its slices; operand 0 of an in-place update reads (and the fusion writes) only the update."""
+    by_name = {i.name: i for i in computation}
+    users: dict[str, list[Instruction]] = {}
+    for instr in computation:
+        for o in instr.operands:
+            users.setdefault(o, []).append(instr)
+    itemsize = lambda shape: _ITEMSIZE[array_shapes(shape)[0][0]] if array_shapes(shape) else 1
+
+    def read(name: str) -> float | None:
+        """Bytes read of `name`'s value, in its own element type."""
+        total = 0.0
+        for user in users.get(name, []):
+            if user.opcode in ("bitcast", "copy", "convert") and len(user.operands) == 1:
+                sub = read(user.name)
+                if sub is None:
+                    return None
+                total += sub * itemsize(by_name[name].shape) / max(itemsize(user.shape), 1e-9)
+            elif user.opcode in _SLICING and user.operands[0] == name:
+                total += shape_bytes(user.shape)
+            elif user.opcode in _IN_PLACE and user.operands[0] == name:
+                total += shape_bytes(by_name[user.operands[_IN_PLACE[user.opcode]]].shape)
+            else:
+                return None
+        return total
+
+    out = {}
+    for instr in computation:
+        if instr.opcode == "parameter":
+            r = read(instr.name)
+            if r is not None:
+                out[_parameter_index(instr)] = r
+    return out
+
+
+def _parameter_index(instr: Instruction) -> int:
+    """The N of `parameter(N)`: the operand text of a parameter instruction is its index."""
+    return int(instr.operands[0]) if instr.operands else 0
+
+
+def _written(computation: list[Instruction], result: str) -> float:
+    """Bytes a fused computation writes: its root's, except an in-place update writes only its update (per tuple
+    element)."""
+    by_name = {i.name: i for i in computation}
+    root = next((i for i in computation if i.root), None)
+    if root is None:
+        return shape_bytes(result)
+
+    def written(instr: Instruction) -> float:
+        if instr.opcode == "bitcast":
+            return written(by_name[instr.operands[0]]) if instr.operands[0] in by_name else shape_bytes(instr.shape)
+        if instr.opcode == "tuple":
+            return sum(written(by_name[o]) for o in instr.operands if o in by_name)
+        if instr.opcode in _IN_PLACE:
+            return shape_bytes(by_name[instr.operands[_IN_PLACE[instr.opcode]]].shape)
+        return shape_bytes(instr.shape)
+
+    return written(root)
+
+
+def _memory_bytes(instr: Instruction, shapes: Mapping[str, str], computations,
+                  narrow: Mapping[str, float] | None = None) -> float:
+    """Bytes a top-level instruction reads and writes (module docstring). narrow: {value name: factor} for values
+    XLA:CPU widened from bf16 (counted at bf16: `_widened_from`), the instruction's own result included."""
+    if instr.opcode in _FREE:
+        return 0.0
+    narrow = narrow or {}
+    operand_bytes = [shape_bytes(shapes[o]) * narrow.get(o, 1.0) if o in shapes else 0.0 for o in instr.operands]
+    own = narrow.get(instr.name, 1.0)
+    if instr.opcode == "fusion":
+        fused = computations.get((_called(instr, "calls") or [""])[0], [])
+        for index, r in _operand_reads(fused).items():
+            if index < len(operand_bytes):
+                operand_bytes[index] = min(operand_bytes[index], r)
+        return sum(operand_bytes) + _written(fused, instr.shape) * own
+    if instr.opcode in _SLICING:
+        return shape_bytes(instr.shape) * 2 * own + sum(operand_bytes[1:])
+    if instr.opcode in _IN_PLACE:
+        update = operand_bytes[_IN_PLACE[instr.opcode]]
+        return 2 * update + sum(b for i, b in enumerate(operand_bytes) if i not in (0, _IN_PLACE[instr.opcode]))
+    result = shape_bytes(instr.shape)
+    if instr.opcode.endswith("-start"):  # async collective: its result tuple holds (operands, outputs)
+        result = max(0.0, result - sum(shape_bytes(shapes[o]) for o in instr.operands if o in shapes))
+    return sum(operand_bytes) + result * own
+
+
+# ----- scalar evaluation: loop bounds that XLA did not fold into a known trip count ------------------------------
+
+INF = math.inf
+UNKNOWN = (-INF, INF)
+MAX_SIMULATED_TRIPS = 1 << 16
+_SCALAR_INT = re.compile(r"^(pred|[su]\d+)\[\]")
+_VECTOR_INT = re.compile(r"^(?:pred|[su]\d+)\[(\d+)\]")  # small 1-D integer arrays (e.g. a scan's xs = arange)
+MAX_VECTOR = 4096
+
+
+class _Vector(tuple):
+    """The known values of a small 1-D integer array (a scan over `jnp.arange(n)` indexes one per iteration)."""
+
+
+def _is_int(shape: str) -> bool:
+    m = _VECTOR_INT.match(shape)
+    return bool(_SCALAR_INT.match(shape)) or bool(m and int(m.group(1)) <= MAX_VECTOR)
+
+
+def _mul(a: float, b: float) -> float:
+    return 0.0 if a == 0 or b == 0 else a * b
+
+
+def _interval(op: str, xs: list[tuple[float, float]], instr: Instruction) -> tuple[float, float]:
+    """Interval of a scalar integer op's result from its operands' intervals ([lo, hi], exact when lo == hi)."""
+    if not xs:  # partition-id, replica-id, rng, ...: a value per device or per run
+        return UNKNOWN
+    exact = all(lo == hi for lo, hi in xs)
+    v = [lo for lo, _ in xs]
+    if op in ("copy", "convert", "bitcast", "reshape"):
+        return xs[0]
+    if op == "add":
+        return xs[0][0] + xs[1][0], xs[0][1] + xs[1][1]
+    if op == "subtract":
+        return xs[0][0] - xs[1][1], xs[0][1] - xs[1][0]
+    if op == "negate":
+        return -xs[0][1], -xs[0][0]
+    if op in ("minimum", "maximum"):
+        f = min if op == "minimum" else max
+        return f(xs[0][0], xs[1][0]), f(xs[0][1], xs[1][1])
+    if op == "clamp":  # clamp(lo, x, hi) = min(max(x, lo), hi)
+        low = max(xs[1][0], xs[0][0]), max(xs[1][1], xs[0][1])
+        return min(low[0], xs[2][0]), min(low[1], xs[2][1])
+    if op == "multiply":
+        products = [_mul(a, b) for a in xs[0] for b in xs[1]]
+        return min(products), max(products)
+    if op == "select":
+        if xs[0][0] == xs[0][1]:
+            return xs[1] if xs[0][0] else xs[2]
+        return min(xs[1][0], xs[2][0]), max(xs[1][1], xs[2][1])
+    if op == "compare":
+        direction = _attr(instr.attrs, "direction")
+        (alo, ahi), (blo, bhi) = xs
+        sure = {"LT": (ahi < blo, alo >= bhi), "LE": (ahi <= blo, alo > bhi), "GT": (alo > bhi, ahi <= blo),
+                "GE": (alo >= bhi, ahi < blo), "EQ": (exact and v[0] == v[1], ahi < blo or alo > bhi),
+                "NE": (ahi < blo or alo > bhi, exact and v[0] == v[1])}.get(direction)
+        if sure is None:
+            return 0, 1
+        if sure[0] or sure[1]:
+            return (1, 1) if sure[0] else (0, 0)
+        # uncertain: a loop condition that can never become false (an unbounded side) has no value at all
+        endless = {"LT": bhi == INF or alo == -INF, "LE": bhi == INF or alo == -INF,
+                   "GT": ahi == INF or blo == -INF, "GE": ahi == INF or blo == -INF}.get(direction, False)
+        return UNKNOWN if endless else (0, 1)
+    if op in ("divide", "shift-right-logical", "shift-right-arithmetic") and xs[1][0] == xs[1][1] and xs[1][0] > 0 \
+            and xs[0][0] >= 0:  # monotonic in a non-negative dividend
+        d = xs[1][0] if op == "divide" else 2 ** xs[1][0]
+        return xs[0][0] // d, (xs[0][1] // d if xs[0][1] < INF else INF)
+    if not exact:
+        return UNKNOWN
+    a = int(v[0])
+    b = int(v[1]) if len(v) > 1 else 0
+    if op == "divide" and b:
+        return (float(int(a / b)),) * 2  # truncation toward zero, as HLO
+    if op == "remainder" and b:
+        return (float(a - b * int(a / b)),) * 2
+    table = {"and": lambda: a & b, "or": lambda: a | b, "xor": lambda: a ^ b, "not": lambda: int(not a)
+             if instr.shape.startswith("pred") else ~a, "abs": lambda: abs(a), "sign": lambda: (a > 0) - (a < 0),
+             "shift-left": lambda: a << b, "shift-right-arithmetic": lambda: a >> b,
+             "shift-right-logical": lambda: (a % 2 ** 32) >> b}
+    return (float(table[op]()),) * 2 if op in table else UNKNOWN
+
+
+class _Module:
+    """A parsed HLO module and the walk of `hlo_cost` over it (module docstring)."""
+
+    def __init__(self, text: str, trip_counts: Mapping[str, float]):
+        self.computations, self.entry, self.devices = parse_module(text)
+        self.by_name = {c: {i.name: i for i in instrs} for c, instrs in self.computations.items()}
+        self.trip_counts = trip_counts
+        self._static: dict[tuple[str, bool], Cost] = {}
+        self._dynamic: dict[str, bool] = {}
+        self._walks: dict[tuple, Cost] = {}
+        self._values: dict[tuple, tuple[float, float]] = {}
+
+    # -- which computations need the values of their parameters (a loop below has no known trip count)
+
+    def dynamic(self, comp: str) -> bool:
+        if comp not in self._dynamic:
+            self._dynamic[comp] = False  # recursion guard
+            out = False
+            for instr in self.computations.get(comp, []):
+                if instr.opcode == "while" and self._fixed_trips(instr) is None:
+                    out = True
+                out = out or any(self.dynamic(c) for c in self._control_calls(instr))
+            self._dynamic[comp] = out
+        return self._dynamic[comp]
+
+    def _fixed_trips(self, instr: Instruction) -> float | None:
+        return self.trip_counts.get(instr.name, trip_count(instr))
+
+    @staticmethod
+    def _control_calls(instr: Instruction) -> list[str]:
+        op = instr.opcode
+        if op == "while":
+            return _called(instr, "body") + _called(instr, "condition")
+        if op == "conditional":
+            return _called(instr, "branch_computations") or \
+                _called(instr, "true_computation") + _called(instr, "false_computation")
+        if op in ("call", "async-start") or (op.endswith("-start") and _called(instr, "calls")):
+            return _called(instr, "to_apply") + _called(instr, "calls")
+        return []
+
+    # -- scalar values (intervals) of instructions, given known parameter values `args`
+
+    def value(self, comp: str, name: str, args: tuple) -> tuple[float, float]:
+        """Interval of scalar instruction `name` of `comp`; args: ((param, tuple index or -1), interval) pairs."""
+        key = (comp, name, args)
+        if key in self._values:
+            return self._values[key]
+        self._values[key] = UNKNOWN  # recursion guard
+        instr = self.by_name[comp].get(name)
+        out = UNKNOWN if instr is None else self._value(comp, instr, args)
+        self._values[key] = out
+        return out
+
+    def element(self, comp: str, name: str, index: int, args: tuple) -> tuple[float, float]:
+        """Interval of element `index` of tuple-valued instruction `name`."""
+        instr = self.by_name[comp].get(name)
+        if instr is None:
+            return UNKNOWN
+        if instr.opcode == "tuple" and index < len(instr.operands):
+            return self.value(comp, instr.operands[index], args)
+        if instr.opcode == "parameter":
+            return dict(args).get((_parameter_index(instr), index), UNKNOWN)
+        return UNKNOWN
+
+    def _value(self, comp: str, instr: Instruction, args: tuple):
+        op = instr.opcode
+        if op == "get-tuple-element":
+            return self.element(comp, instr.operands[0], int(_attr(instr.attrs, "index")), args)
+        if not _is_int(instr.shape):
+            return UNKNOWN
+        if op == "parameter":
+            return dict(args).get((_parameter_index(instr), -1), UNKNOWN)
+        if op == "constant":
+            words = (instr.operands[0] if instr.operands else "").strip("{}").replace(",", " ").split()
+            try:
+                values = [1.0 if w == "true" else 0.0 if w == "false" else float(int(w)) for w in words]
+            except ValueError:
+                return UNKNOWN
+            if _SCALAR_INT.match(instr.shape):
+                return (values[0],) * 2 if len(values) == 1 else UNKNOWN
+            return _Vector(values)
+        if not _SCALAR_INT.match(instr.shape):
+            return self._vector(comp, instr, args)
+        if op in ("fusion", "call"):
+            callee = (_called(instr, "calls") or _called(instr, "to_apply") or [""])[0]
+            root = next((i for i in self.computations.get(callee, []) if i.root), None)
+            if root is None:
+                return UNKNOWN
+            return self.value(callee, root.name, self.arguments(comp, instr.operands, args))
+        xs = [self.value(comp, o, args) for o in instr.operands]
+        if op in ("bitcast", "reshape", "copy", "convert") and xs and isinstance(xs[0], _Vector):
+            return (xs[0][0],) * 2 if len(xs[0]) == 1 else UNKNOWN
+        if op == "reduce" and len(xs) == 2 and isinstance(xs[0], _Vector) and xs[1][0] == xs[1][1]:
+            return self._reduce(instr, list(xs[0]) + [xs[1][0]])
+        if any(isinstance(x, _Vector) for x in xs):
+            return UNKNOWN
+        return _interval(op, xs, instr)
+
+    def _reduce(self, instr: Instruction, values: list[float]):
+        """A reduce of known values (the vector's and the init) whose combiner is max, min or add (e.g. a causal
+        block's `max(q_positions)`), else UNKNOWN."""
+        combiner = (_called(instr, "to_apply") or [""])[0]
+        root = next((i for i in self.computations.get(combiner, []) if i.root), None)
+        f = {"maximum": max, "minimum": min, "add": sum}.get(root.opcode if root else "")
+        return (float(f(values)),) * 2 if f else UNKNOWN
+
+    def _vector(self, comp: str, instr: Instruction, args: tuple):
+        """A small 1-D integer array's values (iota, a constant, a slice, a broadcast scalar), else UNKNOWN."""
+        op = instr.opcode
+        n = int(_VECTOR_INT.match(instr.shape).group(1))
+        if op == "iota":
+            return _Vector(float(i) for i in range(n))
+        if op in ("fusion", "call"):
+            callee = (_called(instr, "calls") or _called(instr, "to_apply") or [""])[0]
+            root = next((i for i in self.computations.get(callee, []) if i.root), None)
+            return UNKNOWN if root is None else \
+                self.value(callee, root.name, self.arguments(comp, instr.operands, args))
+        xs = [self.value(comp, o, args) for o in instr.operands]
+        if op in ("copy", "bitcast", "reshape", "convert") and isinstance(xs[0], _Vector) and len(xs[0]) == n:
+            return xs[0]
+        if op in ("add", "subtract", "multiply", "minimum", "maximum") and len(xs) == 2 and \
+                all(isinstance(x, _Vector) and len(x) == n for x in xs):
+            f = {"add": lambda a, b: a + b, "subtract": lambda a, b: a - b, "multiply": lambda a, b: a * b,
+                 "minimum": min, "maximum": max}[op]
+            return _Vector(f(a, b) for a, b in zip(*xs))
+        if op == "broadcast" and not isinstance(xs[0], _Vector) and xs[0][0] == xs[0][1] and \
+                _attr(instr.attrs, "dimensions") in ("{}", None):
+            return _Vector([xs[0][0]] * n)
+        if op == "slice" and isinstance(xs[0], _Vector):
+            m = re.match(r"\{\[(\d+):(\d+)(?::(\d+))?\]\}", _attr(instr.attrs, "slice") or "")
+            if m:
+                return _Vector(xs[0][int(m.group(1)):int(m.group(2)):int(m.group(3) or 1)])
+        if op == "dynamic-slice" and isinstance(xs[0], _Vector) and len(xs) == 2 and xs[1][0] == xs[1][1]:
+            start = min(max(int(xs[1][0]), 0), len(xs[0]) - n)  # HLO clamps the start into range
+            return _Vector(xs[0][start:start + n])
+        return UNKNOWN
+
+    def arguments(self, comp: str, operands, args: tuple) -> tuple:
+        """Known scalar values of a callee's parameters: ((param, tuple index or -1), interval) pairs."""
+        out = []
+        for p, name in enumerate(operands):
+            instr = self.by_name[comp].get(name)
+            if instr is None:
+                continue
+            if instr.shape.startswith("("):
+                for k, element in enumerate(_split_top(instr.shape[1:-1])):
+                    if _is_int(element):
+                        v = self.element(comp, name, k, args)
+                        if v != UNKNOWN:
+                            out.append(((p, k), v))
+            elif _is_int(instr.shape):
+                v = self.value(comp, name, args)
+                if v != UNKNOWN:
+                    out.append(((p, -1), v))
+        return tuple(out)
+
+    # -- costs
+
+    def static(self, comp: str, fused: bool) -> Cost:
+        """Cost of `comp`'s instructions other than control flow (fusions: FLOPs from inside)."""
+        key = (comp, fused)
+        if key not in self._static:
+            instrs = self.computations.get(comp, [])
+            shapes = {i.name: i.shape for i in instrs}
+            flops, hbm, kinds = 0.0, 0.0, {}
+            narrow = {} if fused else self._narrow_map(comp)
+            for instr in instrs:
+                if instr.opcode == "dot":
+                    flops += dot_flops(instr, shapes)
+                elif instr.opcode == "custom-call":
+                    flops += gemm_flops(instr, shapes)
+                elif instr.opcode == "convolution":
+                    flops += conv_flops(instr, shapes)
+                elif instr.opcode == "fusion":
+                    for c in _called(instr, "calls"):
+                        inner = self.static(c, True)
+                        flops += inner.flops
+                        for k, b in inner.collective_bytes.items():
+                            kinds[k] = kinds.get(k, 0.0) + b
+                moved = collective_bytes(instr, shapes, self.devices)
+                if moved is not None:
+                    kinds[moved[0]] = kinds.get(moved[0], 0.0) + moved[1] * self._narrowing(comp, instr)
+                if not fused:
+                    hbm += _memory_bytes(instr, shapes, self.computations, narrow)
+            self._static[key] = Cost(flops, hbm, kinds)
+        return self._static[key]
+
+    def _narrow_map(self, comp: str) -> dict[str, float]:
+        """{value name: bytes per element of its bf16 source / its own} for `comp`'s float values widened from bf16
+        by XLA:CPU (`_widened_from`)."""
+        out = {}
+        by_name = self.by_name[comp]
+        for instr in self.computations.get(comp, []):
+            arrays = array_shapes(instr.shape)
+            if len(arrays) != 1 or arrays[0][0] not in ("f32", "f64"):
+                continue
+            source = _widened_from(instr.name, by_name, self.computations)
+            if source:
+                out[instr.name] = source / _ITEMSIZE[arrays[0][0]]
+        return out
+
+    def _narrowing(self, comp: str, instr: Instruction) -> float:
+        """A float32 collective of values widened from bf16 (XLA:CPU's float normalization) counts at bf16: the ratio
+        of the source's bytes per element to the operand's, else 1."""
+        operand = self.by_name[comp].get(instr.operands[0]) if instr.operands else None
+        if operand is None:
+            return 1.0
+        source = _widened_from(operand.name, self.by_name[comp], self.computations)
+        arrays = array_shapes(operand.shape)
+        return source / _ITEMSIZE[arrays[0][0]] if source and arrays else 1.0
+
+    def walk(self, comp: str, fused: bool, args: tuple = ()) -> Cost:
+        """One execution of `comp` given its known scalar parameter values."""
+        if not self.dynamic(comp):
+            args = ()
+        key = (comp, fused, args)
+        if key not in self._walks:
+            total = self.static(comp, fused)
+            for instr in self.computations.get(comp, []):
+                if instr.opcode == "while":
+                    total = total + self._loop(comp, instr, fused, args)
+                elif instr.opcode == "conditional":
+                    total = total + self._conditional(comp, instr, fused, args)
+                else:
+                    for c in self._control_calls(instr):
+                        total = total + self.walk(c, fused, self._args(c, comp, instr.operands, args))
+            self._walks[key] = total
+        return self._walks[key]
+
+    def _args(self, callee: str, comp: str, operands, args: tuple) -> tuple:
+        """`arguments`, evaluated only when the callee needs them."""
+        return self.arguments(comp, operands, args) if self.dynamic(callee) else ()
+
+    def _conditional(self, comp: str, instr: Instruction, fused: bool, args: tuple) -> Cost:
+        """The branch taken when the predicate / index is known, else each quantity's maximum over the branches.
+        Branch b's operand is the conditional's operand 1 + b (true / false: branches 0 / 1)."""
+        branches = self._control_calls(instr)
+        index = self.value(comp, instr.operands[0], args)
+        cost = lambda b: self.walk(branches[b], fused, self._args(branches[b], comp, [instr.operands[1 + b]], args))
+        if index[0] != index[1]:
+            return _maximum([cost(b) for b in range(len(branches))])
+        i = int(index[0])
+        if _called(instr, "true_computation"):
+            return cost(0 if i else 1)
+        return cost(i if 0 <= i < len(branches) else len(branches) - 1)
+
+    def _loop(self, comp: str, instr: Instruction, fused: bool, args: tuple) -> Cost:
+        """A while loop: body x trips + condition x (trips + 1). Trips: the caller's override, XLA's known trip
+        count, else simulated from the carried scalars (exact, or an upper bound where the condition's value is
+        uncertain: the loop is then listed in `bounded_loops`), else unknown (counted once, `unknown_loops`)."""
+        body, cond = _called(instr, "body")[0], _called(instr, "condition")[0]
+        fixed = self._fixed_trips(instr)
+        if fixed is not None and not self.dynamic(body):
+            return self.walk(body, fused).scaled(fixed) + self.walk(cond, fused).scaled(fixed + 1)
+        state = self.arguments(comp, instr.operands[:1], args)
+        root = next(i for i in self.computations[body] if i.root)
+        cond_root = next(i for i in self.computations[cond] if i.root)
+        total, trips, bounded = Cost(), 0, False
+        while True:
+            if fixed is not None:
+                if trips >= fixed:
+                    break
+            else:
+                go = self.value(cond, cond_root.name, state)
+                if go == (0.0, 0.0):
+                    break
+                if trips >= MAX_SIMULATED_TRIPS or go[0] < 0:  # not a truth value, or no bound in sight
+                    once = total if trips else self.walk(body, fused, state)
+                    return once + Cost(unknown_loops=(instr.name,))
+                bounded = bounded or go != (1.0, 1.0)
+            total = total + self.walk(body, fused, state)
+            trips += 1
+            state = self.arguments(body, [root.name], state) if root.opcode == "tuple" else ()
+        total = total + self.walk(cond, fused).scaled(trips + 1)
+        return total + Cost(bounded_loops=(instr.name,)) if bounded else total
+
+
+def hlo_cost(text: str, trip_counts: Mapping[str, float] | None = None) -> Cost:
+    """Per-device Cost of one execution of an HLO module's text (`compiled.as_text()`), loops multiplied by their
+    trip counts (module docstring). trip_counts: {while instruction name: n} for loops XLA has no
+    `known_trip_count` for (overrides it where both exist; for a body without data-dependent loops of its own, a
+    mean over the enclosing loops' iterations gives exact totals)."""
+    module = _Module(text, dict(trip_counts or {}))
+    return module.walk(module.entry, False)
+
+
+def program_cost(compiled, trip_counts: Mapping[str, int] | None = None) -> Cost:
+    """`hlo_cost` of a compiled JAX program (`jax.jit(f).lower(...).compile()`): its per-device HLO."""
+    return hlo_cost(compiled.as_text(), trip_counts)
+
+
+def xla_cost(compiled) -> dict[str, float]:
+    """XLA's own `cost_analysis()` (loop bodies counted once): {"flops", "bytes accessed"} of the first device."""
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0]
+    return {k: float(analysis.get(k, 0.0)) for k in ("flops", "bytes accessed")}
+
+
+__all__ = ["COLLECTIVES", "Cost", "array_shapes", "group_size", "hlo_cost", "parse_module", "program_cost",
+           "shape_bytes", "trip_count", "xla_cost"]

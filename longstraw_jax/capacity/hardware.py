@@ -1,0 +1,80 @@
+"""Device kinds for the planner's time model, and the roofline that turns a `cost.Cost` into seconds.
+
+Each number is the vendor's peak for one device, with its source next to it. Conventions:
+
+* `flops_per_s`: dense bf16 tensor-core FLOP/s (no 2:4 sparsity: NVIDIA's headline "with sparsity" figures are
+  twice these).
+* `hbm_per_s`: HBM bytes/s (1 TB/s = 1e12 B/s).
+* `link_per_s`: NVLink bytes/s **per device per direction**. NVIDIA quotes 900 GB/s for fourth-generation NVLink
+  (18 links x 50 GB/s), the total of both directions: 450 GB/s each way (vendors' tables write "450 GB/s
+  unidirectional, 900 GB/s bidirectional"). `cost.Cost.collective_bytes` counts what
+  one device sends (= what it receives, in the patterns counted there), so it is divided by the per-direction rate.
+* `hbm_bytes`: HBM capacity in bytes (1 GB = 1e9 B).
+
+Peaks are not achieved: a real kernel reaches some fraction of each (matmuls ~60-80 % of the FLOP/s, streaming
+~80-90 % of HBM, NCCL ~70-85 % of NVLink bus bandwidth); the roofline below is an optimistic floor on compute and
+memory time, made pessimistic again by assuming no overlap of collectives (next).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from longstraw_jax.capacity.cost import Cost
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One device kind's peaks (module docstring for the conventions); `source`: where they come from."""
+
+    name: str
+    flops_per_s: float   # dense bf16
+    hbm_per_s: float     # bytes/s
+    link_per_s: float    # NVLink bytes/s per direction
+    hbm_bytes: float     # capacity
+    source: str
+
+
+_NVLINK4_PER_DIRECTION = 900e9 / 2  # 900 GB/s total bidirectional (NVLink 4: 18 links x 25 GB/s each way)
+
+HARDWARE = {
+    "h100": Hardware(
+        "h100", flops_per_s=989e12, hbm_per_s=3.35e12, link_per_s=_NVLINK4_PER_DIRECTION, hbm_bytes=80e9,
+        source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: BF16 Tensor Core 1,979 TFLOPS with sparsity "
+               "(989 dense), GPU memory 80 GB, 3.35 TB/s, NVLink 900 GB/s"),
+    "h200": Hardware(
+        "h200", flops_per_s=989e12, hbm_per_s=4.8e12, link_per_s=_NVLINK4_PER_DIRECTION, hbm_bytes=141e9,
+        source="NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: BF16 Tensor Core 1,979 TFLOPS with sparsity "
+               "(989 dense), GPU memory 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s"),
+    "h20": Hardware(
+        "h20", flops_per_s=148e12, hbm_per_s=4.0e12, link_per_s=_NVLINK4_PER_DIRECTION, hbm_bytes=96e9,
+        source="NVIDIA HGX H20 specifications as published by NVIDIA partners (no public NVIDIA datasheet): "
+               "FP16/BF16 Tensor Core 148 TFLOPS dense (INT8 / FP8 296), 96 GB HBM3, 4.0 TB/s, NVLink 900 GB/s"),
+}
+
+
+def hardware(name: str) -> Hardware:
+    """The Hardware of a device kind (h20, h100, h200; case-insensitive)."""
+    try:
+        return HARDWARE[name.lower()]
+    except KeyError:
+        raise ValueError(f"--hardware {name!r}: expected one of {', '.join(sorted(HARDWARE))}") from None
+
+
+def roofline(cost: Cost, hw: Hardware) -> float:
+    """Seconds of one execution of `cost` (per device) on `hw`:
+
+        max(flops / flops_per_s, hbm_bytes / hbm_per_s) + collective_bytes / link_per_s
+
+    compute and HBM traffic overlap perfectly (a roofline), collectives overlap with nothing (they are added: an
+    upper bound where XLA's scheduler hides them behind compute, which it does for FSDP's layer all-gathers when it
+    can prefetch the next layer)."""
+    return max(cost.flops / hw.flops_per_s, cost.hbm_bytes / hw.hbm_per_s) + cost.collective_total / hw.link_per_s
+
+
+def breakdown(cost: Cost, hw: Hardware) -> dict[str, float]:
+    """The roofline's terms in seconds: {"compute", "memory", "collectives", "total"} (total = `roofline`)."""
+    return dict(compute=cost.flops / hw.flops_per_s, memory=cost.hbm_bytes / hw.hbm_per_s,
+                collectives=cost.collective_total / hw.link_per_s, total=roofline(cost, hw))
+
+
+__all__ = ["HARDWARE", "Hardware", "breakdown", "hardware", "roofline"]

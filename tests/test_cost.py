@@ -1,0 +1,316 @@
+"""`capacity/cost.py`: per-device FLOPs, HBM bytes and collective bytes of compiled programs, loops multiplied by
+their trip counts. Tiny programs on the 8 simulated CPU devices (tests/conftest.py); every expected number is
+computed from the shapes and the formulas of the module docstring, none is a recorded result."""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from longstraw_jax.capacity.cost import (
+    Cost,
+    group_size,
+    hlo_cost,
+    parse_instruction,
+    program_cost,
+    trip_count,
+    xla_cost,
+)
+from longstraw_jax.capacity.hardware import HARDWARE, breakdown, hardware, roofline
+
+F32 = 4
+N_DEV = 8
+
+
+def _compile(f, *shapes):
+    return jax.jit(f).lower(*shapes).compile()
+
+
+def _matmuls(x, ws):
+    """x [B, D] through ws [N, D, D]: one matmul (2 B D D FLOPs) per scan step."""
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+
+@pytest.mark.parametrize("n, dtype", [(1, jnp.float32), (20, jnp.float32), (20, jnp.bfloat16)])
+def test_a_scan_of_n_matmuls_costs_n_bodies(n, dtype):
+    b, d = 4, 32
+    compiled = _compile(_matmuls, jax.ShapeDtypeStruct((b, d), dtype), jax.ShapeDtypeStruct((n, d, d), dtype))
+    cost = program_cost(compiled)
+    assert cost.flops == n * 2 * b * d * d
+    assert cost.unknown_loops == ()
+    # each step reads its [D, D] slice of the stack (sliced, possibly converted to float32 on the CPU, then read by
+    # the dot: <= 3 float32 layer-sized transfers) and a few [B, D] activations, never the whole [N, D, D] stack;
+    # XLA:CPU may convert a bf16 stack to float32 once, before the loop
+    itemsize = jnp.dtype(dtype).itemsize
+    once = 0 if dtype == jnp.float32 else n * d * d * (itemsize + F32)
+    assert 0 < cost.hbm_bytes <= n * (3 * d * d + 8 * b * d) * F32 + once
+    if dtype == jnp.float32:  # XLA's own analysis counts the body once (bf16: plus its conversions' FLOPs)
+        assert xla_cost(compiled)["flops"] == pytest.approx(2 * b * d * d, rel=0.05)
+
+
+def _mesh():
+    return jax.make_mesh((N_DEV,), ("x",))
+
+
+def _sharded(mesh, n):
+    return jax.ShapeDtypeStruct((n * N_DEV,), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+
+
+def _in_loop(collective, iterations, rows):
+    """A shard_map over 8 devices whose fori_loop of `iterations` applies `collective` to a [rows] float32 block
+    that depends on the carry (so nothing is hoisted out of the loop)."""
+    mesh = _mesh()
+
+    def local(x):
+        def body(i, acc):
+            return acc + collective(x * acc[:1]).sum()
+
+        return jax.lax.fori_loop(0, iterations, body, x)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    return program_cost(_compile(f, _sharded(mesh, rows)))
+
+
+@pytest.mark.parametrize("iterations", [1, 6])
+def test_all_gather_in_a_fori_loop_moves_n_times_its_bytes(iterations):
+    rows = 16
+    cost = _in_loop(lambda y: jax.lax.all_gather(y, "x", tiled=True), iterations, rows)
+    assert cost.collective_bytes == {"all-gather": iterations * (N_DEV - 1) * rows * F32}
+    assert cost.unknown_loops == ()
+
+
+@pytest.mark.parametrize("name, collective, per_device", [
+    ("all-reduce", lambda y: jax.lax.psum(y, "x"), lambda b: 2 * (N_DEV - 1) / N_DEV * b),
+    ("reduce-scatter", lambda y: jax.lax.psum_scatter(y, "x", tiled=True), lambda b: (N_DEV - 1) / N_DEV * b),
+    ("collective-permute", lambda y: jax.lax.ppermute(y, "x", [(i, (i + 1) % N_DEV) for i in range(N_DEV)]),
+     lambda b: b),
+    ("all-to-all", lambda y: jax.lax.all_to_all(y, "x", 0, 0, tiled=True), lambda b: (N_DEV - 1) / N_DEV * b),
+])
+def test_each_collective_moves_its_formulas_bytes(name, collective, per_device):
+    rows, iterations = 16, 3
+    cost = _in_loop(collective, iterations, rows)
+    assert cost.collective_bytes == {name: pytest.approx(iterations * per_device(rows * F32))}
+    assert cost.collective_total == pytest.approx(iterations * per_device(rows * F32))
+
+
+def test_loop_free_flops_agree_with_xla_cost_analysis():
+    """A batched matmul chain, no loops: the dot FLOPs are XLA's FLOPs up to its elementwise ones (a few %)."""
+    def f(a, b, c):
+        return jax.nn.relu(jnp.einsum("bij,bjk->bik", a, b)) @ c
+
+    compiled = _compile(f, jax.ShapeDtypeStruct((3, 32, 64), jnp.float32),
+                        jax.ShapeDtypeStruct((3, 64, 48), jnp.float32), jax.ShapeDtypeStruct((48, 16), jnp.float32))
+    cost, xla = program_cost(compiled), xla_cost(compiled)
+    assert cost.flops == 2 * 3 * 32 * 64 * 48 + 2 * 3 * 32 * 48 * 16
+    assert abs(cost.flops - xla["flops"]) <= 0.03 * xla["flops"]
+    assert abs(cost.hbm_bytes - xla["bytes accessed"]) <= 0.25 * xla["bytes accessed"]
+
+
+def test_a_rolled_scan_costs_what_xla_counts_for_it_unrolled():
+    """The trip count applied to the rolled loop gives XLA's own FLOPs and bytes accessed of the same scan fully
+    unrolled (loop-free), up to XLA's elementwise FLOPs and the rolled loop's own bookkeeping (a few %)."""
+    b, d, n = 8, 64, 6
+
+    def f(x, ws, unroll):
+        return jax.lax.scan(lambda h, w: (jax.nn.relu(h @ w), None), x, ws, unroll=unroll)[0]
+
+    shapes = jax.ShapeDtypeStruct((b, d), jnp.float32), jax.ShapeDtypeStruct((n, d, d), jnp.float32)
+    rolled = program_cost(jax.jit(lambda x, ws: f(x, ws, 1)).lower(*shapes).compile())
+    unrolled = jax.jit(lambda x, ws: f(x, ws, n)).lower(*shapes).compile()
+    assert "while(" not in unrolled.as_text()
+    xla = xla_cost(unrolled)
+    assert rolled.flops == n * 2 * b * d * d
+    assert abs(rolled.flops - xla["flops"]) <= 0.03 * xla["flops"]
+    assert abs(rolled.hbm_bytes - xla["bytes accessed"]) <= 0.05 * xla["bytes accessed"]
+
+
+def test_a_conditional_counts_its_costliest_branch():
+    d = 32
+
+    def f(p, x, w):
+        return jax.lax.cond(p, lambda x: x @ w @ w, lambda x: x + 1.0, x)
+
+    compiled = _compile(f, jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((d, d), jnp.float32),
+                        jax.ShapeDtypeStruct((d, d), jnp.float32))
+    assert program_cost(compiled).flops == 2 * (2 * d * d * d)
+
+
+def test_nested_loops_multiply():
+    d, outer, inner = 16, 3, 4
+
+    def f(x, w):
+        def inner_loop(h):
+            return jax.lax.fori_loop(0, inner, lambda i, h: jnp.tanh(h @ w), h)
+        return jax.lax.fori_loop(0, outer, lambda i, h: inner_loop(h), x)
+
+    compiled = _compile(f, jax.ShapeDtypeStruct((d, d), jnp.float32), jax.ShapeDtypeStruct((d, d), jnp.float32))
+    assert program_cost(compiled).flops == outer * inner * 2 * d * d * d
+
+
+def test_an_unknown_trip_count_is_reported_or_taken_from_the_caller():
+    """A while loop with a data-dependent bound has no known trip count: it is listed (counted once), and a
+    caller's count for it replaces the 1."""
+    d = 16
+
+    def f(x, w, n):
+        return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1]
+
+    compiled = _compile(f, jax.ShapeDtypeStruct((d, d), jnp.float32), jax.ShapeDtypeStruct((d, d), jnp.float32),
+                        jax.ShapeDtypeStruct((), jnp.int32))
+    once = program_cost(compiled)
+    assert len(once.unknown_loops) == 1 and once.flops == 2 * d ** 3
+    seven = program_cost(compiled, {once.unknown_loops[0]: 7})
+    assert seven.unknown_loops == () and seven.flops == 7 * 2 * d ** 3
+
+
+def test_a_loop_bounded_by_an_outer_index_is_counted_exactly():
+    """An inner while loop that runs i times in iteration i of an outer fori_loop (XLA knows no trip count for it):
+    its bound is evaluated per outer iteration from the carried scalars, sum_i i = n (n - 1) / 2 matmuls."""
+    d, n = 16, 6
+
+    def f(x, w):
+        def outer(i, h):
+            return jax.lax.while_loop(lambda c: c[0] < i, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, h))[1]
+        return jax.lax.fori_loop(0, n, outer, x)
+
+    cost = program_cost(_compile(f, jax.ShapeDtypeStruct((d, d), jnp.float32),
+                                 jax.ShapeDtypeStruct((d, d), jnp.float32)))
+    assert cost.flops == n * (n - 1) // 2 * 2 * d ** 3
+    assert cost.unknown_loops == () and cost.bounded_loops == ()
+
+
+def test_a_loop_bounded_by_data_is_counted_at_its_bound_and_listed():
+    """`while i < min(k, 5)` with k an input: at most 5 trips, counted as 5 and listed in bounded_loops."""
+    d = 16
+
+    def f(x, w, k):
+        return jax.lax.while_loop(lambda c: c[0] < jnp.minimum(k, 5), lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)),
+                                  (0, x))[1]
+
+    cost = program_cost(_compile(f, jax.ShapeDtypeStruct((d, d), jnp.float32),
+                                 jax.ShapeDtypeStruct((d, d), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)))
+    assert cost.flops == 5 * 2 * d ** 3
+    assert cost.unknown_loops == () and len(cost.bounded_loops) == 1
+
+
+def test_a_bf16_all_gather_counts_bf16_bytes():
+    """XLA:CPU runs a bf16 all-gather in float32 between converts; it is counted at 2 bytes per element."""
+    rows, iterations = 16, 2
+    mesh = _mesh()
+
+    def local(x):
+        def body(i, acc):
+            return acc + jax.lax.all_gather(x * acc[:1], "x", tiled=True).sum()
+        return jax.lax.fori_loop(0, iterations, body, x)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    bf16 = jax.ShapeDtypeStruct((rows * N_DEV,), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
+    cost = program_cost(_compile(f, bf16))
+    assert cost.collective_bytes == {"all-gather": iterations * (N_DEV - 1) * rows * 2}
+
+
+def test_parsing_helpers():
+    assert group_size(", replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}", 8) == 4
+    assert group_size(", replica_groups=[2,4]<=[8], dimensions={0}", 8) == 4
+    assert group_size(", replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}", 8) == 2
+    assert group_size(", replica_groups={}, to_apply=%add", 8) == 8
+    text = """HloModule m, num_partitions=4
+
+%body (p: (s32[], bf16[8,16])) -> (s32[], bf16[8,16]) {
+  %p = (s32[], bf16[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[8,16]{1,0} get-tuple-element(%p), index=1
+  %ag = bf16[32,16]{1,0} all-gather(%x), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}
+  %s = bf16[8,16]{1,0} slice(%ag), slice={[0:8], [0:16]}
+  ROOT %t = (s32[], bf16[8,16]{1,0}) tuple(%i, %s)
+}
+
+%cond (p.1: (s32[], bf16[8,16])) -> pred[] {
+  %p.1 = (s32[], bf16[8,16]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x.1: bf16[8,16]) -> bf16[8,16] {
+  %x.1 = bf16[8,16]{1,0} parameter(0)
+  %z = s32[] constant(0)
+  %t.1 = (s32[], bf16[8,16]{1,0}) tuple(%z, %x.1)
+  %w = (s32[], bf16[8,16]{1,0}) while(%t.1), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"10"}}
+  ROOT %r = bf16[8,16]{1,0} get-tuple-element(%w), index=1
+}
+"""
+    cost = hlo_cost(text)
+    assert cost.collective_bytes == {"all-gather": 10 * 3 * 8 * 16 * 2}
+    # the all-gather reads 256 B and writes 1024 B; the slice reads and writes 256 B: per iteration
+    assert cost.hbm_bytes == 10 * (8 * 16 * 2 + 32 * 16 * 2 + 2 * 8 * 16 * 2)
+    assert trip_count(parse_instruction(text.splitlines()[-3])) == 10
+
+
+def test_a_cublas_gemm_custom_call_counts_its_flops():
+    """XLA:GPU's dots are cuBLAS custom calls; their contraction is in the backend_config."""
+    text = """HloModule g
+
+ENTRY %main (a: bf16[64,128], b: bf16[128,32]) -> bf16[64,32] {
+  %a = bf16[64,128]{1,0} parameter(0)
+  %b = bf16[128,32]{1,0} parameter(1)
+  %gemm = (bf16[64,32]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", \
+backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],\
+"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %r = bf16[64,32]{1,0} get-tuple-element(%gemm), index=0
+}
+"""  # backslash-newlines join the custom call onto one line
+    assert hlo_cost(text).flops == 2 * 64 * 32 * 128
+
+
+def test_cost_arithmetic():
+    a = Cost(1.0, 2.0, {"all-gather": 3.0})
+    b = Cost(10.0, 20.0, {"all-gather": 1.0, "all-reduce": 5.0}, ("w",))
+    s = a + b.scaled(2)
+    assert (s.flops, s.hbm_bytes, dict(s.collective_bytes), s.unknown_loops) == \
+        (21.0, 42.0, {"all-gather": 5.0, "all-reduce": 10.0}, ("w",))
+    assert s.as_dict()["collective_bytes"] == 15.0
+
+
+def test_roofline_arithmetic():
+    """max(compute, memory) + collectives, each from the device's peaks; NVLink per direction is half of 900 GB/s."""
+    h200 = hardware("H200")
+    assert h200.link_per_s == 450e9 and h200.hbm_per_s == 4.8e12 and h200.flops_per_s == 989e12
+    compute_bound = Cost(flops=2 * 989e12, hbm_bytes=4.8e12, collective_bytes={"all-gather": 450e9})
+    assert roofline(compute_bound, h200) == pytest.approx(2.0 + 1.0)
+    memory_bound = Cost(flops=989e12, hbm_bytes=3 * 4.8e12, collective_bytes={})
+    assert roofline(memory_bound, h200) == pytest.approx(3.0)
+    terms = breakdown(compute_bound, h200)
+    assert terms == pytest.approx(dict(compute=2.0, memory=1.0, collectives=1.0, total=3.0))
+    assert roofline(compute_bound.scaled(10), h200) == pytest.approx(30.0)
+    h20 = hardware("h20")
+    assert roofline(compute_bound, h20) > roofline(compute_bound, h200)  # 148 vs 989 TFLOP/s
+    for hw in HARDWARE.values():
+        assert hw.source and hw.flops_per_s > 0 and hw.hbm_per_s > 0 and hw.link_per_s > 0 and hw.hbm_bytes > 0
+    with pytest.raises(ValueError, match="h100"):
+        hardware("a100")
+
+
+def test_a_model_forward_costs_its_analytic_flops_with_every_loop_counted():
+    """Qwen3.6 `model.forward` with three full-attention layers (a layer scan of 3) over 2048 tokens (a key-block
+    while loop whose trip count XLA does not know: the blocks up to max(q_positions) + 1, evaluated from the
+    positions' iota): the dense and head FLOPs of tools/bench_device.py's analytic model (checked against XLA on a
+    loop-free config in tests/test_bench.py), plus the attention the block loop computes: every key block up to the
+    last query, the whole [T, T] square (the analytic count is the causal T (T + 1) / 2 pairs)."""
+    import importlib.util
+    import os
+
+    from longstraw_jax import models
+    from longstraw_jax.models.qwen36 import FULL, Qwen36Config
+
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "bench_device.py")
+    spec = importlib.util.spec_from_file_location("bench_device", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tokens, layers = 2048, 3
+    cfg = Qwen36Config.tiny(hidden_size=256, intermediate_size=1024, num_hidden_layers=layers,
+                            layer_types=(FULL,) * layers)
+    model = models.build(cfg)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    cost = program_cost(_compile(model.forward, params, jax.ShapeDtypeStruct((tokens,), jnp.int32)))
+    analytic = bench.qwen36_flops(cfg, tokens, logits=True)
+    square = analytic["attention"] * 2 * tokens // (tokens + 1)
+    assert cost.unknown_loops == () and cost.bounded_loops == ()
+    assert cost.flops == pytest.approx(analytic["dense"] + analytic["head"] + square, rel=1e-9)
