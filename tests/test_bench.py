@@ -84,7 +84,7 @@ def test_plan_capacity_prints_per_device_components(tmp_path):
     assert plan["setup"]["mesh"] == "2x4" and plan["setup"]["groups_per_step"] == 4 and len(plan["rows"]) == 1
     (cell,) = plan["rows"]
     assert (cell["mode"], cell["G"], cell["P"], cell["B"], cell["fits"]) == ("detached", 2, 200, 4, False)
-    assert cell["decode_steps"] == 2 * 8
+    assert cell["decode_steps"] == 8  # R: the G = 2 branches decode together
     assert abs(cell["update"]["total"] / 2**20 - total) <= 0.005
     assert abs(cell["update"]["params"] / 2**20 - params) <= 0.005
     # AdamW moments and grads: float32, sharded like the params
@@ -148,11 +148,12 @@ def test_planner_phases():
         + (c.linear_conv_kernel_dim - 1) * c.conv_dim)
     full_rounds = (prompt_len - 1 - 1) // 64
     assert abs(exact["boundaries"] - (full_rounds + 2) * carried) <= 0.01 * exact["boundaries"]
-    # R 8 -> 16: the tail holds 8 more KV rows per full-attention layer (replicated), nothing else changes
+    # R 8 -> 16: each of the G + 1 tails (the G branches decoding together, and the one after prompt[-1] they start
+    # from) holds 8 more KV rows per full-attention layer (replicated), nothing else changes
     kv_row = 2 * 4 * c.num_blocks * c.full_per_block * c.num_key_value_heads * c.head_dim
     planner.response_len = 16
     r16 = planner.plan(prompt_len, group, "detached", 2, limit=1e12)
-    assert r16["sampling"]["tail"] - s2["tail"] == 8 * kv_row
+    assert r16["sampling"]["tail"] - s2["tail"] == 2 * (group + 1) * 8 * kv_row  # B / data = 2 groups
     assert r16["sampling"]["total"] >= s2["total"] and r16["decode_steps"] == 2 * b2["decode_steps"]
     for name in ("params", "optimizer", "grads", "state", "cotangent", "others"):
         assert r16["update"][name] == b2["update"][name], name

@@ -7,7 +7,10 @@ The golden file tests/data/plan_qwen36_tiny_1x8.json was first written by tools/
 package module reproduced it byte for byte. It was regenerated once since, for a deliberate change of the programs
 it sizes: Qwen3.6's sharded replay and exact backward through `layerwise` with the embedding's gradient added in
 place (update "rest" 90,950,418 -> 90,634,162 bytes exact, 9,163,730 -> 9,147,346 detached; same code before and
-after that merge otherwise). Normalised:
+after that merge otherwise); and again for the sampler decoding its G branches together with the weights in place
+(issue 25: "decode_steps" G x R = 128 -> R = 64; sampling "tail" 118,016 -> 226,176 bytes: G + 1 tails instead of
+one and a saved carried part; "decode" 188,800 -> 83,512: no layer gathered, only its non-matrix leaves, and G
+[vocab] rows; nothing else changed). Normalised:
 each row's "compile_s" (wall-clock seconds) is removed; nothing else in the JSON depends on the run (the jax version
 and compile times are printed on stdout only). Every byte count comes from XLA's buffer assignment and analytic
 shapes, deterministic for pinned versions (jax 0.10.2 here): after a JAX / XLA upgrade, or a deliberate change of

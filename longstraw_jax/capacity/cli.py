@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--groups-per-step", "-B", type=size_arg, default=None,
                     help="groups per step, a multiple of the mesh's data size (default: the data size); each data "
                          "slice holds B / data groups' captured states at once")
+    ap.add_argument("--decode-batch", type=int, default=None, metavar="N",
+                    help="branches decoded together (a divisor of every G; default all G), as the trainer's")
     ap.add_argument("--modes", default="exact,detached")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device-gb", type=float, default=96.0, help="device memory in GB (1e9 bytes; default 96)")
@@ -104,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         local_groups(args.groups_per_step, data)
         setup_jax(data * seq)
         planner = Planner(args.config, args.mesh, args.dtype, args.response_len, args.chunk_size, train_mode=args.train,
-                          lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets)
+                          lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
+                          decode_batch=args.decode_batch)
+        for group in args.group_size:
+            planner.branches_together(group)  # --decode-batch must divide every G
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

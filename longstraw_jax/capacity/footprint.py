@@ -52,3 +52,22 @@ def largest_layer_bytes(params) -> int:
                 shape = sharding.shard_shape(leaf.shape)  # this device's experts stay local
             kinds[kind] = kinds.get(kind, 0) + math.prod(shape[2:]) * leaf.dtype.itemsize
     return max(kinds.values(), default=0)
+
+
+def decode_gathered_bytes(params, linear_leaves: frozenset) -> int:
+    """Bytes of the largest layer as a decode step gathers it (`parallel/tensor.py:tensor_parallel_layer`): the
+    leaves the layer code applies through `linear` (named in `linear_leaves`, a LoRA node's base included) stay
+    this device's shards (counted in the params already), expert-parallel experts too; the rest is gathered whole.
+    Stacked leaves grouped by kind as `largest_layer_bytes` does."""
+    kinds: dict[tuple, int] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path)
+        if not keys or keys[0] not in STACKED_ROOTS:
+            continue
+        kind = keys[:2] if keys[0] == "blocks" else keys[:3]
+        sharding = getattr(leaf, "sharding", None)
+        matrix = keys[-1] in linear_leaves or (keys[-1] == "base" and keys[-2] in linear_leaves)
+        if (matrix and len(leaf.shape) == 4) or (sharding is not None and expert_parallel(path, sharding.spec, 2)):
+            continue
+        kinds[kind] = kinds.get(kind, 0) + math.prod(leaf.shape[2:]) * leaf.dtype.itemsize
+    return max(kinds.values(), default=0)

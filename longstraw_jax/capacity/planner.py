@@ -14,7 +14,13 @@ import numpy as np
 
 from longstraw_jax import lora, models, sharding, train, trainable
 from longstraw_jax.capacity.cost import Cost, program_cost
-from longstraw_jax.capacity.footprint import largest_layer_bytes, local_bytes, memory_total, tree_bytes
+from longstraw_jax.capacity.footprint import (
+    decode_gathered_bytes,
+    largest_layer_bytes,
+    local_bytes,
+    memory_total,
+    tree_bytes,
+)
 from longstraw_jax.capacity.hardware import Hardware
 from longstraw_jax.capacity.phases import local_groups, ragged_exchange_bytes, sampling_phase, step_peak, update_phase
 from longstraw_jax.capacity.timing import decode_steps_per_group, phase_costs, step_times
@@ -27,11 +33,15 @@ from longstraw_jax.sharding import prompt as sharded_prompt
 GIB = 2**30
 
 
-def decode_step(model, params, sstate, tail, token, position, mesh):
-    """The mesh sampler's per-token program (`sampling/mesh.py`'s `step`): the family's `decode` of one token at
-    `position` after the sharded prompt and the tail, then its float32 logits [vocab] -> (logits, the new tail)."""
-    hidden, tail = model.sequence_parallel().decode(params, sstate, tail, token, position, mesh)
-    return model.logits(params, hidden)[0], tail
+def decode_step(model, params, sstate, tails, tokens, position, mesh):
+    """The mesh sampler's per-token program for N branches (`sampling/branches.py:sample_after_prompt`'s step): the
+    family's `decode` vmapped over the tails (leaves [N, ...]) and tokens int32 [N] at `position` after the sharded
+    prompt, then the float32 logits -> (logits [N, vocab], the new tails)."""
+    def one(tail, token):
+        hidden, tail = model.sequence_parallel().decode(params, sstate, tail, token, position, mesh)
+        return model.logits(params, hidden)[0], tail
+
+    return jax.vmap(one)(tails, tokens)
 
 
 _decode_step = jax.jit(decode_step, static_argnums=(0, 6), donate_argnums=(3,))
@@ -43,12 +53,13 @@ class Planner:
 
     def __init__(self, config, mesh_spec: str, dtype: str, response_len: int, chunk: int, devices=None,
                  train_mode: str = "full", lora_rank: int = 64, lora_alpha: float | None = None,
-                 lora_targets: str = "all"):
+                 lora_targets: str = "all", decode_batch: int | None = None):
         """`config`: an HF config.json path or a model config object; `devices`: the mesh's devices (default all of
         jax.devices(); a process with more passes a subset). train_mode "lora": LoRA adapters of `lora_rank` on
         `lora_targets` (`lora.resolve_targets`), built abstractly, and the trainer's split (`trainable.split` by
         `trainable.adapter_leaf`): the update compiles `train_step(..., frozen=base)`, so gradients and AdamW state
-        exist for the adapters only, while params (and the sampling phase) hold base + adapters."""
+        exist for the adapters only, while params (and the sampling phase) hold base + adapters. decode_batch: the
+        sampler's (branches decoded together; None: all G)."""
         self.model = models.build(models.config_from_hf(config) if isinstance(config, (str, os.PathLike)) else config)
         self.model.sequence_parallel()  # a family without a sharded path says so here
         self.mesh = sharding.make_mesh(mesh_spec, devices)
@@ -83,6 +94,8 @@ class Planner:
         self.num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
         self.num_trainable = sum(math.prod(p.shape) for p in jax.tree.leaves(self.trainable))
         self.layer_bytes = largest_layer_bytes(self.params)
+        self.gathered_bytes = decode_gathered_bytes(self.params, self.model.sequence_parallel().linear_leaves)
+        self.decode_batch = decode_batch
         self.embed_bytes = tree_bytes(params["embed"])
         # the trainer's donated step: trainable params and their AdamW state donated, the frozen part read only
         self.step = train.jitted_train_step_donated
@@ -121,16 +134,19 @@ class Planner:
             total, cotangent = total + count * leaf.dtype.itemsize, cotangent + count * 4
         return total, cotangent
 
-    def tail_bytes(self, response_len: int) -> int:
-        """Replicated bytes of one group's decode tail: `init_state(R)` whole (the R response positions' cache
-        entries plus the carried GDN state being advanced) and the carried part saved after prompt[-1]."""
+    def tail_bytes(self, response_len: int, group: int) -> int:
+        """Replicated bytes of one group's decode tails: N + 1 x `init_state(R)` whole (the R response positions'
+        cache entries plus the carried GDN state being advanced), one per branch decoding together
+        (`branches_together`) and the tail after prompt[-1] that each batch of branches starts from."""
         tail = jax.eval_shape(lambda: self.model.init_state(response_len, self.dtype))
-        return tree_bytes(tail) + tree_bytes(self.model.carried(tail))
+        return (self.branches_together(group) + 1) * tree_bytes(tail)
 
-    def decode_bytes(self) -> tuple[int, int]:
-        """One decode step's transient: (shared by the slice's groups: the largest layer and the embedding table,
-        all-gathered whole; per group: 4 float32 [vocab] rows)."""
-        return self.layer_bytes + self.embed_bytes, 4 * 4 * self.model.config.vocab_size
+    def decode_bytes(self, group: int) -> tuple[int, int]:
+        """One decode step's transient: (shared by the slice's groups: the largest layer's leaves that are gathered
+        whole (those not applied as shards, `decode_gathered_bytes`) and the embedding table (all-gathered whole:
+        an upper bound); per group: 4 float32 [vocab] rows per branch decoding together)."""
+        n = self.branches_together(group)
+        return self.gathered_bytes + self.embed_bytes, n * 4 * 4 * self.model.config.vocab_size
 
     def capture(self, prompt_len: int) -> dict:
         """The sharded capture of prompt[:-1] (`sharding.prompt.jitted_capture`, rounds of self.chunk), AOT-compiled
@@ -152,13 +168,12 @@ class Planner:
 
     def sampling(self, prompt_len: int, group: int, mode: str, groups: int) -> dict[str, int]:
         """The sampling phase's per-device bytes (package docstring) for `groups` groups per data slice."""
-        del group  # the branches are decoded one after another: G changes the sequential length, not the memory
         parts = self.components(prompt_len, mode)
         capture = self.capture(prompt_len)
-        shared, per_group = self.decode_bytes()
+        shared, per_group = self.decode_bytes(group)
         return sampling_phase(params=parts["params"], optimizer=parts["optimizer"], state=parts["state"],
                               boundaries=capture["aux"] if mode == "exact" else 0,
-                              tail=self.tail_bytes(self.response_len), decode_shared=shared,
+                              tail=self.tail_bytes(self.response_len, group), decode_shared=shared,
                               decode_per_group=per_group, capture_temp=capture["temp"], groups=groups)
 
     def compile(self, prompt_len: int, group: int, mode: str) -> dict:
@@ -194,7 +209,7 @@ class Planner:
         ragged = self.ragged_extra(mode)
         peak_gpu = max(sampling["total"] + ragged["sampling"], update["total"] + ragged["update"])
         return dict(train=self.train_mode, mode=mode, G=group, P=prompt_len, B=groups_per_step,
-                    decode_steps=decode_steps_per_group(group, self.response_len),
+                    decode_steps=decode_steps_per_group(group, self.response_len, self.branches_together(group)),
                     sampling=sampling, update=update, peak=peak, peak_phase=phase, fits=bool(peak <= limit),
                     ragged_extra=ragged, peak_ragged=peak_gpu, fits_ragged=bool(peak_gpu <= limit),
                     compile_s=compiled["compile_s"] + capture["compile_s"])
@@ -218,20 +233,30 @@ class Planner:
                            compiled.output_shardings)
         return ShardedCaptured(*out)
 
-    def decode_program(self, prompt_len: int):
-        """One decode step of the mesh sampler after a prompt of `prompt_len` (`decode_step`), AOT-compiled: token
-        and position replicated int32 scalars, the tail `init_tail(R)` replicated, the captured state seq-sharded."""
-        key = ("decode", prompt_len)
+    def decode_program(self, prompt_len: int, group: int):
+        """One decode step of the mesh sampler after a prompt of `prompt_len` (`decode_step`) for the N branches that
+        decode together (`decode_batch`, default G), AOT-compiled: tokens [N] and position replicated int32, the
+        tails `init_tail(R)` [N, ...] replicated, the captured state seq-sharded."""
+        n = self.branches_together(group)
+        key = ("decode", prompt_len, n)
         if key not in self._programs:
             sstate = self.captured(prompt_len).sstate
             replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
             family = self.model.sequence_parallel()
             tail = jax.eval_shape(lambda p, s: family.init_tail(p, s, self.response_len), self.params, sstate)
-            tail = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tail)
-            scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-            self._programs[key] = _decode_step.lower(self.model, self.params, sstate, tail, scalar, scalar,
+            tails = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n,) + x.shape, x.dtype, sharding=replicated), tail)
+            tokens = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=replicated)
+            position = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+            self._programs[key] = _decode_step.lower(self.model, self.params, sstate, tails, tokens, position,
                                                      self.mesh).compile()
         return self._programs[key]
+
+    def branches_together(self, group: int) -> int:
+        """N, the branches one decode step advances: `decode_batch` (must divide G), default all G."""
+        n = group if self.decode_batch is None else self.decode_batch
+        if group % n:
+            raise ValueError(f"--decode-batch {n} must divide the group size G={group}")
+        return n
 
     def update_program(self, prompt_len: int, group: int, mode: str):
         """The trainer's update given the sampler's capture (`train_step(..., captured=...)`: replay, the prompt
@@ -250,11 +275,12 @@ class Planner:
         error (the time would be a lower bound); data-dependent loops are counted at their bound
         (`Cost.bounded_loops`)."""
         programs = dict(capture=lambda: self.capture_program(prompt_len),
-                        decode_step=lambda: self.decode_program(prompt_len),
+                        decode_step=lambda: self.decode_program(prompt_len, group),
                         update=lambda: self.update_program(prompt_len, group, mode))
         out = {}
         for name, program in programs.items():
-            key = (name, prompt_len) + ((group, mode) if name == "update" else ())
+            key = (name, prompt_len) + {"update": (group, mode), "decode_step": (self.branches_together(group),),
+                                         "capture": ()}[name]
             if key not in self._costs:
                 cost = program_cost(program())
                 if cost.unknown_loops:
@@ -270,7 +296,7 @@ class Planner:
         per-device cost), "phases" (each phase's cost), "seconds" (each phase's roofline terms, "step")}."""
         groups = local_groups(groups_per_step, self.data)
         costs = self.program_costs(prompt_len, group, mode)
-        steps = decode_steps_per_group(group, self.response_len)
+        steps = decode_steps_per_group(group, self.response_len, self.branches_together(group))
         phases = phase_costs(capture=costs["capture"], decode_step=costs["decode_step"], update=costs["update"],
                              steps_per_group=steps, groups=groups)
         return dict(mode=mode, G=group, P=prompt_len, B=groups_per_step, decode_steps_per_group=steps,

@@ -1,7 +1,7 @@
 """The planner's time model: seconds per phase of one trainer step, per device, from the compiled programs' costs.
 
     capture   = groups x roofline(the sharded capture of prompt[:-1])           (all rounds: loops multiplied)
-    sampling  = groups x decode_steps_per_group(G, R) x roofline(one decode step)
+    sampling  = groups x decode_steps_per_group(G, R, N) x roofline(one decode step of N branches)
     update    = groups x roofline(the trainer's update given the captured state: replay, the prompt backward in
                 exact mode, AdamW)
     step      = capture + sampling + update
@@ -10,10 +10,11 @@
 cost (`cost.Cost`) is per device, from its compiled HLO with every loop's trip count applied (`cost.py`); the
 roofline (`hardware.roofline`) is max(compute, HBM) + collectives: collectives are not overlapped with anything.
 
-Approximations, all stated: the decode step is the sampler's per-token program (the model's mesh `decode` and the
-logits; the token draw over [vocab] is left out); B / data > 1 multiplies single-group programs by B / data, an upper
-bound where the slice's groups share a program (vmapped decode steps read and gather each layer once for all of them;
-AdamW runs once per step, not once per group).
+Approximations, all stated: the decode step is the sampler's per-token program for N branches (the model's mesh
+`decode` vmapped over N tails and the logits; the token draw over [vocab] is left out); B / data > 1 multiplies
+single-group programs by B / data, an upper bound where the slice's groups share a program (the trainer's sampler
+decodes a slice's groups together: each decode step reads each layer's weights once for all of them; AdamW runs once
+per step, not once per group).
 """
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ from longstraw_jax.capacity.hardware import Hardware, breakdown
 PHASES = ("capture", "sampling", "update")
 
 
-def decode_steps_per_group(group_size: int, response_len: int) -> int:
-    """Sequential decode steps to sample one group: the sampler decodes its G branches one after another, R tokens
-    each (`sampling/branches.py`), so G x R. The one place the planner takes this number from (a sampler that
-    decodes the G branches together would make it R, with a decode step of G tokens)."""
-    return group_size * response_len
+def decode_steps_per_group(group_size: int, response_len: int, decode_batch: int | None = None) -> int:
+    """Sequential decode steps to sample one group: the sampler decodes N = decode_batch branches together (default
+    all G: `sampling/branches.py`), G / N batches one after another, R tokens each, so (G / N) x R (R by default).
+    The one place the planner takes this number from; the decode step it times is one step of N branches."""
+    n = group_size if decode_batch is None else decode_batch
+    return (group_size // n) * response_len
 
 
 def phase_costs(*, capture: Cost, decode_step: Cost, update: Cost, steps_per_group: int, groups: int) \

@@ -111,6 +111,7 @@ class SequenceParallel(Protocol):
     stored order (`parallel/layout.py`); every method is traceable (the callers jit)."""
 
     min_segment: int  # the shortest segment a layout may use (e.g. a conv halo must fit in the previous segment)
+    linear_leaves: frozenset  # the layers' matrices applied only through `ops.mlp.linear`: decoded as shards
 
     def capture(self, params, stored_tokens, mesh, rounds, attention: str) -> tuple[Any, Any]:
         """-> (ShardedPromptState, capture_aux: what the exact backward needs from the capture, or None)."""

@@ -555,6 +555,7 @@ class Glm52OnMesh:
 
     model: Any
     min_segment = 1  # GLM reads no halo from the previous segment: any segment length works
+    linear_leaves = LINEAR_LEAVES
 
     def capture(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str):
         """`attention`: how a round reads earlier rounds' latent rows ("ring" / "allgather": `RoundReader.attend`).

@@ -504,6 +504,7 @@ class Qwen36OnMesh:
     """Qwen3.6's `SequenceParallel` (models/base.py): what the sharded engine needs from a family."""
 
     model: Any
+    linear_leaves = LINEAR_LEAVES
 
     @property
     def min_segment(self) -> int:
