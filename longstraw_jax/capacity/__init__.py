@@ -14,7 +14,7 @@ dense MLPs, shared and routed experts) sizes the trainer's `--train lora`: the a
 (`trainable.split(params, trainable.adapter_leaf)`), and the update compiles `train_step(..., frozen=base)`: params
 = frozen base + adapters (sampling holds both), optimizer and grads = the adapters' only. Routed experts and their
 adapters are expert-parallel when the device count divides the experts (`rules.param_specs`), which the compiled
-programs see and `largest_layer_bytes` (the decode's gathered layer) follows.
+programs see and `largest_layer_bytes` (the update's gathered layer) follows.
 
 A trainer step has two phases; the planner sizes each per device and reports the step's peak = the larger one.
 
@@ -39,21 +39,23 @@ internally (the engine's entry point today); a state passed in instead would sit
 
 **Sampling phase** (analytic, plus one AOT compile of the sharded capture `sharding.prompt.jitted_capture` per P).
 Each data slice samples its B/data groups side by side (the sampler vmapped over a group axis sharded on `data`): it
-captures prompt[:-1] of each, then decodes G branches of R tokens one token at a time, G*R sequential decode steps,
-from the captured state plus a small replicated *tail*. Per device:
+captures prompt[:-1] of each, then decodes the branches from the captured state, N = `--decode-batch` of a group at
+a time (default all G) and all the slice's groups together, R sequential decode steps per batch ((G / N) x R per
+group), each branch into a small replicated *tail*. Per device:
 
     params, optimizer   resident all step (the same shards as in the update)
     state        B/data x the captured state of prompt[:-1] (as above), kept for the update
     boundaries   exact mode: B/data x what the exact backward needs from the capture (Qwen3.6: the GDN states
                  carried into each round, spread over `seq`); the compiled capture's output minus the state
-    tail         B/data x (the decode tail, replicated: `init_state(R)` = the R response positions' KV / latent
-                 rows and indexer keys, plus the GDN conv/recurrent state being advanced; plus the carried part
-                 saved after prompt[-1], restored for each branch)
-    decode       one decode step's transient: one layer all-gathered (the largest; expert-parallel routed experts
-                 stay this device's shard), the embedding table
-                 all-gathered whole (as XLA:CPU does for the capture's token lookup: an upper bound), and per group
-                 4 float32 rows of [vocab] (logits, sampling logits, two log-softmaxes); one token's activations
-                 are negligible
+    tail         B/data x (N + 1) x the decode tail, replicated: `init_state(R)` = the R response positions' KV /
+                 latent rows and indexer keys, plus the GDN conv/recurrent state being advanced; one per branch
+                 decoding and the one after prompt[-1] that each batch starts from
+    decode       one decode step's transient: the largest layer's leaves that are gathered whole (norm vectors,
+                 conv kernels, GLM's kv_b_proj, indexer weights_proj and router: the matrices applied through
+                 `linear` stay this device's shards, `parallel/tensor.py`; expert-parallel experts too), the
+                 embedding table all-gathered whole (as XLA:CPU does for the capture's token lookup: an upper
+                 bound), and per branch decoding 4 float32 rows of [vocab] (logits, sampling logits, two
+                 log-softmaxes); the tokens' activations are negligible
     capture      B/data x the compiled capture's temporaries (one round's activations, gathered layers)
 
     sampling total = params + optimizer + state + boundaries + max(capture, tail + decode)
