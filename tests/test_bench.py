@@ -153,7 +153,7 @@ def test_planner_phases():
     kv_row = 2 * 4 * c.num_blocks * c.full_per_block * c.num_key_value_heads * c.head_dim
     planner.response_len = 16
     r16 = planner.plan(prompt_len, group, "detached", 2, limit=1e12)
-    assert r16["sampling"]["tail"] - s2["tail"] == 2 * (group + 1) * 8 * kv_row  # B / data = 2 groups
+    assert r16["sampling"]["tail"] - s2["tail"] == (group + 1) * 8 * kv_row  # B / data = 1 group
     assert r16["sampling"]["total"] >= s2["total"] and r16["decode_steps"] == 2 * b2["decode_steps"]
     for name in ("params", "optimizer", "grads", "state", "cotangent", "others"):
         assert r16["update"][name] == b2["update"][name], name
