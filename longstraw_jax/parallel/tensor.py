@@ -76,7 +76,7 @@ def tensor_parallel_layer(layer, layer_specs, linear_leaves: frozenset, varying:
             return x
         dim, axes = split[0]
         axes = axes if isinstance(axes, tuple) else (axes,)
-        matrix = names[-1] in linear_leaves or (names[-1] == "base" and names[-2] in linear_leaves)
+        matrix = names[-1] in linear_leaves or (names[-1] == "base" and names[-2:-1] and names[-2] in linear_leaves)
         if matrix and x.ndim == 2:
             return ShardedMatrix(x, dim, axes, varying)
         return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
