@@ -6,19 +6,45 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # is computed: the LLVM optimisation level and the choice of fusion code emitter keep IEEE float32 semantics.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false").strip()
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# One persistent compilation cache per pytest run, shared by its xdist workers (the controller imports this file
+# first and makes the directory; the workers it starts inherit the variable): a program that several test modules
+# compile (the same tiny model's forward, the trainer tests' step) compiles once per run; the others load it from
+# disk. Only this process's JAX is configured (trainer subprocesses keep their own caches, set by the tests that
+# start them). The size limit turns on JAX's file lock, so a worker never reads an entry the other is still writing.
+# LONGSTRAW_TEST_XLA_CACHE=off compiles everything in every module.
+_CACHE_ENV = "LONGSTRAW_TEST_XLA_CACHE"
+_OWN_CACHE = _CACHE_ENV not in os.environ
+if _OWN_CACHE:
+    os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="longstraw-xla-cache-")
+if os.environ[_CACHE_ENV] != "off":
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_max_size", 8 << 30)
+
 
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    """The run's compilation cache goes with the process that made it (the controller, after its workers)."""
+    if _OWN_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_jax_caches():
     """Each test module starts with empty JAX caches: a test worker runs many modules in one process, and the
-    compiled programs of earlier modules would otherwise stay resident (they are never reused across modules)."""
+    compiled programs of earlier modules would otherwise stay resident (a later module that compiles one of them
+    again loads it from the run's persistent compilation cache above)."""
     jax.clear_caches()
     yield
 
