@@ -49,19 +49,29 @@ def _fresh_jax_caches():
     yield
 
 
-# Test files by measured wall time, longest first (whole suite, 2 workers; files not listed follow in collection
-# order). `make test` hands out whole files (--dist loadfile) in collection order (--no-loadscope-reorder; xdist's
-# default order, most tests first, put the long few-test files last and left one core idle at the end): longest
-# first keeps both workers busy until the short files even out the finish. Only the speed depends on this list.
+# Test files by measured wall time, longest first (2 workers; files not listed follow in collection order), one
+# list per tier: the whole suite (`make test`) and the tests not marked slow (`make test-fast`, `-m "not slow"`).
+# Both hand out whole files (--dist loadfile) in collection order (--no-loadscope-reorder; xdist's default order,
+# most tests first, put the long few-test files last and left one core idle at the end): longest first keeps both
+# workers busy until the short files even out the finish. Only the speed depends on these lists.
 LONGEST_FIRST = ("test_groups.py", "test_sharding_glm.py", "test_models.py", "test_glm52.py", "test_lora.py",
                  "test_float64.py", "test_faults.py", "test_multiprocess.py", "test_rollout.py", "test_engine.py",
                  "test_bench.py", "test_evaluate.py", "test_run.py", "test_sharding_sequence.py",
-                 "test_sharding_grpo.py", "test_sharding_sample.py", "test_qwen36_hf_parity.py", "test_convert.py",
+                 "test_sharding_grpo.py", "test_sharding_sample.py", "test_capacity.py", "test_qwen36_hf_parity.py",
+                 "test_convert.py",
                  "test_qwen36.py", "test_experts.py", "test_glm52_hf_parity.py", "test_train.py", "test_ops.py",
                  "test_naive.py", "test_logprobs.py", "test_orbax_io.py")
+LONGEST_FIRST_FAST = ("test_rollout.py", "test_engine.py", "test_lora.py", "test_faults.py", "test_models.py",
+                      "test_glm52.py", "test_sharding_sequence.py", "test_sharding_glm.py", "test_bench.py",
+                      "test_run.py", "test_evaluate.py", "test_qwen36_hf_parity.py", "test_sharding_grpo.py",
+                      "test_glm52_hf_parity.py", "test_experts.py", "test_convert.py", "test_train.py",
+                      "test_qwen36.py", "test_grpo.py", "test_naive.py", "test_groups.py", "test_ops.py",
+                      "test_orbax_io.py", "test_sharding_rules.py", "test_imports.py", "test_logprobs.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files in LONGEST_FIRST order, then the rest; the tests of a file keep their order (module-scoped set-ups)."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    """Files in the tier's longest-first order, then the rest; the tests of a file keep their order (module-scoped
+    set-ups)."""
+    fast = config.getoption("markexpr", "").replace(" ", "") == "notslow"
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST_FAST if fast else LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
