@@ -21,7 +21,8 @@ run: $(STAMP)
 	$(PY) -m longstraw_jax.run
 
 # two workers (2 cores; compiles are single-threaded), whole test files per worker (module-scoped compiled set-ups),
-# handed out longest first (tests/conftest.py LONGEST_FIRST; xdist's own reorder would undo that order)
+# handed out longest first (tests/conftest.py LONGEST_FIRST, LONGEST_FIRST_FAST for -m "not slow"; xdist's own
+# reorder would undo that order); one persistent XLA compilation cache per run, shared by both workers (conftest.py)
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 test: $(STAMP)

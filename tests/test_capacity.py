@@ -45,6 +45,7 @@ def normalised(plan: dict) -> str:
     return json.dumps(dict(plan, rows=rows), indent=1) + "\n"
 
 
+@pytest.mark.slow  # a planner subprocess: AOT compiles of two whole update steps and a capture at P = 4096 (~50 s)
 def test_plan_json_matches_the_golden_file(tmp_path):
     """Tiny Qwen3.6 on a simulated 1x8 mesh, P = 4096, G = 2, R = 64, exact and detached (bfloat16, one round):
     two AOT compiles of the trainer's update and one of the sharded capture; every byte as before the move."""

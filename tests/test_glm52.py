@@ -86,8 +86,9 @@ def test_sparse_latent_attention_matches_masked_dense_attention_and_its_gradient
         out = jnp.einsum("ths,sd->thd", jax.nn.softmax(s, axis=-1), rows[:, :dv])
         return jnp.sum(out * weights), out
 
-    (_, got), got_grads = jax.value_and_grad(ours, argnums=(0, 1, 2), has_aux=True)(q, cache, new)
-    (_, want), want_grads = jax.value_and_grad(dense, argnums=(0, 1, 2), has_aux=True)(q, cache, new)
+    # jitted whole: one compile each, not one per primitive (eager op-by-op dispatch)
+    (_, got), got_grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2), has_aux=True))(q, cache, new)
+    (_, want), want_grads = jax.jit(jax.value_and_grad(dense, argnums=(0, 1, 2), has_aux=True))(q, cache, new)
     np.testing.assert_allclose(got, want, atol=1e-5)
     chex.assert_trees_all_close(got_grads, want_grads, rtol=1e-7, atol=1e-5)  # rtol: numpy's default
     assert np.abs(np.asarray(got_grads[1])[layer, :cached]).max() > 0.01
@@ -129,14 +130,16 @@ def test_grouped_experts_and_router_match_a_per_expert_loop(grouped, monkeypatch
         group = chosen[0] // 4
         assert (chosen // 4 == group).all()
         assert set(chosen) == set(np.argsort(-row[group * 4 : group * 4 + 4])[:topk] + group * 4)
+    # each computation jitted whole (one compile, not one per primitive as eager op-by-op dispatch does)
+    ours, loop = jax.jit(ours), jax.jit(loop)
     args = (x, gate, up, down, router)
     np.testing.assert_allclose(ours(*args), loop(*args), atol=1e-5)
     probe = jax.random.normal(key[0], (n, d))
-    grads = jax.grad(lambda *a: jnp.sum(ours(*a) * probe), argnums=range(5))(*args)
-    want = jax.grad(lambda *a: jnp.sum(loop(*a) * probe), argnums=range(5))(*args)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * probe), argnums=range(5)))(*args)
+    want = jax.jit(jax.grad(lambda *a: jnp.sum(loop(*a) * probe), argnums=range(5)))(*args)
     chex.assert_trees_all_close(grads, want, rtol=1e-7, atol=1e-5)  # rtol: numpy's default
     batched = jnp.stack([x, probe])  # vmap over tokens' batches with shared (unbatched) weights
-    np.testing.assert_allclose(jax.vmap(ours, in_axes=(0, None, None, None, None))(batched, *args[1:]),
+    np.testing.assert_allclose(jax.jit(jax.vmap(ours, in_axes=(0, None, None, None, None)))(batched, *args[1:]),
                                jnp.stack([ours(x, *args[1:]), ours(probe, *args[1:])]), atol=1e-5)
 
 

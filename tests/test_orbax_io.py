@@ -61,9 +61,9 @@ def test_init_dir_mismatch_is_reported(tmp_path, model_params):
 def test_train_checkpoints_round_trip(tmp_path, model_params):
     model, params = model_params
     optimizer = make_optimizer(1e-3)
-    opt_state = optimizer.init(params)
+    opt_state = jax.jit(optimizer.init)(params)  # jitted: one compile, not one per leaf shape and primitive
     grads = jax.tree.map(jnp.ones_like, params)
-    _, opt_state = optimizer.update(grads, opt_state, params)  # non-trivial moments and count
+    _, opt_state = jax.jit(optimizer.update)(grads, opt_state, params)  # non-trivial moments and count
     key = jax.random.fold_in(jax.random.key(5), 3)
     checkpoints = TrainCheckpoints(tmp_path, max_to_keep=2)
     assert checkpoints.latest_step() is None
