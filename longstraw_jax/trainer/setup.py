@@ -53,7 +53,11 @@ def load_model(config: RunConfig):
         except UserWarning as w:
             raise RunError(str(w)) from None
     model = models.build(model_config)
-    return model, jax.jit(model.init, static_argnums=1)(jax.random.key(config.seed), dtype)
+    return model, _init(model, jax.random.key(config.seed), dtype)
+
+
+# one jitted init for every run in a process (a `jax.jit(model.init)` made per call compiled again each time)
+_init = jax.jit(lambda model, key, dtype: model.init(key, dtype), static_argnums=(0, 2))
 
 
 def place(tree, mesh, params=None):
