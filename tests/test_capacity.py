@@ -86,6 +86,7 @@ def test_planner_does_not_import_the_trainer_or_io():
     assert f"{PACKAGE}.train" in seen and f"{PACKAGE}.sharding.prompt" in seen  # the graph does reach the library
 
 
+@pytest.mark.slow  # a planner subprocess compiling the capture, a decode step and two updates
 def test_plan_time_reports_each_phase_and_the_decode_step(tmp_path):
     """--time --hardware h200 on the golden's configuration (detached only): every phase has positive seconds, the
     decode step's per-device FLOPs, HBM bytes and collective bytes are positive and sit under the new "time" key with

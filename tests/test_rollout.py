@@ -130,7 +130,7 @@ def test_stop_token_masks_and_pads(setup):
     assert out.mask[1].sum() <= 3
 
 
-@pytest.mark.parametrize("family", ["qwen36", "glm52"])
+@pytest.mark.parametrize("family", ["qwen36", pytest.param("glm52", marks=pytest.mark.slow)])
 def test_one_branch_at_a_time_samples_what_all_together_do(setup, family):
     """decode_batch=1 (G batches of one branch, one after another) == all G branches decoding together, with a stop
     token that ends one branch early (the others keep going) and top-p; decode_batch must divide G."""
