@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from longstraw_jax.parallel.rules import STACKED_ROOTS, expert_parallel
+from longstraw_jax.parallel.tensor import applied_as_shard
 
 
 def local_bytes(abstract_tree) -> int:
@@ -41,16 +42,27 @@ def largest_layer_bytes(params) -> int:
     (under `blocks` / `layers`, [stack, per_stack, ...]) are grouped by their kind (the path up to the stacked
     leaves: Qwen3.6 `blocks/linear`, GLM-5.x `layers/<segment>/<group>`); one layer of a kind is the sum of its
     leaves with both stacked axes indexed away. LoRA nodes count base + a + b."""
+    def held(path, leaf):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and expert_parallel(path, sharding.spec, 2):
+            return sharding.shard_shape(leaf.shape)  # this device's experts stay local
+        return leaf.shape
+
+    return _largest_layer(params, held)
+
+
+def _largest_layer(params, held) -> int:
+    """Bytes of the largest layer: stacked leaves (under `blocks` / `layers`, [stack, per_stack, ...]) grouped by
+    kind (the path up to the stacked leaves), each counted at `held(path, leaf)` (a shape with the two stacked axes
+    still leading, or None: not held) with both stacked axes indexed away."""
     kinds: dict[tuple, int] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
         if keys and keys[0] in STACKED_ROOTS:
             kind = keys[:2] if keys[0] == "blocks" else keys[:3]
-            shape = leaf.shape
-            sharding = getattr(leaf, "sharding", None)
-            if sharding is not None and expert_parallel(path, sharding.spec, 2):
-                shape = sharding.shard_shape(leaf.shape)  # this device's experts stay local
-            kinds[kind] = kinds.get(kind, 0) + math.prod(shape[2:]) * leaf.dtype.itemsize
+            shape = held(path, leaf)
+            if shape is not None:
+                kinds[kind] = kinds.get(kind, 0) + math.prod(shape[2:]) * leaf.dtype.itemsize
     return max(kinds.values(), default=0)
 
 
@@ -59,15 +71,11 @@ def decode_gathered_bytes(params, linear_leaves: frozenset) -> int:
     leaves the layer code applies through `linear` (named in `linear_leaves`, a LoRA node's base included) stay
     this device's shards (counted in the params already), expert-parallel experts too; the rest is gathered whole.
     Stacked leaves grouped by kind as `largest_layer_bytes` does."""
-    kinds: dict[tuple, int] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path)
-        if not keys or keys[0] not in STACKED_ROOTS:
-            continue
-        kind = keys[:2] if keys[0] == "blocks" else keys[:3]
+    def held(path, leaf):
         sharding = getattr(leaf, "sharding", None)
-        matrix = keys[-1] in linear_leaves or (keys[-1] == "base" and keys[-2] in linear_leaves)
-        if (matrix and len(leaf.shape) == 4) or (sharding is not None and expert_parallel(path, sharding.spec, 2)):
-            continue
-        kinds[kind] = kinds.get(kind, 0) + math.prod(leaf.shape[2:]) * leaf.dtype.itemsize
-    return max(kinds.values(), default=0)
+        if (leaf.ndim == 4 and applied_as_shard(path, linear_leaves)) or \
+                (sharding is not None and expert_parallel(path, sharding.spec, 2)):
+            return None
+        return leaf.shape
+
+    return _largest_layer(params, held)

@@ -4,6 +4,7 @@ The update is the trainer's step AOT-compiled (`train.jitted_train_step_donated`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -27,6 +28,7 @@ from longstraw_jax.capacity.timing import decode_steps_per_group, phase_costs, s
 from longstraw_jax.grpo import GroupBatch, GRPOConfig
 from longstraw_jax.parallel import rules
 from longstraw_jax.parallel.rules import SEQ_AXES
+from longstraw_jax.sampling.branches import batched_step
 from longstraw_jax.sampling.mesh import ShardedCaptured
 from longstraw_jax.sharding import prompt as sharded_prompt
 
@@ -34,14 +36,10 @@ GIB = 2**30
 
 
 def decode_step(model, params, sstate, tails, tokens, position, mesh):
-    """The mesh sampler's per-token program for N branches (`sampling/branches.py:sample_after_prompt`'s step): the
-    family's `decode` vmapped over the tails (leaves [N, ...]) and tokens int32 [N] at `position` after the sharded
-    prompt, then the float32 logits -> (logits [N, vocab], the new tails)."""
-    def one(tail, token):
-        hidden, tail = model.sequence_parallel().decode(params, sstate, tail, token, position, mesh)
-        return model.logits(params, hidden)[0], tail
-
-    return jax.vmap(one)(tails, tokens)
+    """The mesh sampler's per-token program for N branches (`sampling.branches.batched_step` over the family's
+    `decode` after the sharded prompt): tails [N, ...], tokens int32 [N] -> (tails, logits [N, vocab])."""
+    decode = functools.partial(model.sequence_parallel().decode, params, sstate, mesh=mesh)
+    return batched_step(model, params, decode)(tails, tokens, position)
 
 
 _decode_step = jax.jit(decode_step, static_argnums=(0, 6), donate_argnums=(3,))

@@ -49,11 +49,10 @@ from longstraw_jax.ops.moe import grouped_swiglu
 from longstraw_jax.ops.norms import rms_norm
 from longstraw_jax.parallel import rules, sequence
 from longstraw_jax.parallel.experts import routed_swiglu
-from longstraw_jax.parallel.groups import DATA
 from longstraw_jax.parallel.layout import RoundLayout, SeqLayout, ShardedPromptState
 from longstraw_jax.parallel.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
 from longstraw_jax.parallel.sequence import SEQ
-from longstraw_jax.parallel.tensor import tensor_parallel_layer
+from longstraw_jax.parallel.tensor import tensor_parallel_layer, varying_axes
 
 _ROWS = P(None, SEQ)  # latent rows / indexer keys [layers, S, Dk] or [F, S, Di], positions split along seq
 _NEVER = jnp.iinfo(jnp.int32).max  # key position of a padding slot: never visible to any query
@@ -393,7 +392,7 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
     rounds = sstate.layout
     slot = position - rounds.length
     k = min(c.index_topk, rounds.length + tail.kv.shape[1])  # >= every visible key count, as on one device
-    varying = tuple(a for a in (DATA,) if a in rules.manual_axes())  # over_data: each slice decodes its own groups
+    varying = varying_axes()  # over_data: each slice decodes its own groups
 
     def local(layers, state, tail, h, position, slot):
         reader = DecodeReader(state.kv, state.index_keys, tail, slot, position[None], rounds,

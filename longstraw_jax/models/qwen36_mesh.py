@@ -39,11 +39,10 @@ from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
 from longstraw_jax.parallel import rules, sequence
-from longstraw_jax.parallel.groups import DATA
 from longstraw_jax.parallel.layout import RoundLayout, SeqLayout, ShardedPromptState
 from longstraw_jax.parallel.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
 from longstraw_jax.parallel.sequence import SEQ, each_round, round_slots
-from longstraw_jax.parallel.tensor import tensor_parallel_layer
+from longstraw_jax.parallel.tensor import tensor_parallel_layer, varying_axes
 
 ROWS = 4096  # position-wise work (projections, norms, MLP) runs over at most this many local positions at a time
 _KV = P(None, None, SEQ)  # a KV cache or its cotangent: [blocks (or 1), nf, S, Hkv, hd], S split along seq
@@ -352,7 +351,7 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
     specs = param_specs(params, mesh)["blocks"]
     rounds = sstate.layout
     slot = position - rounds.length
-    varying = tuple(a for a in (DATA,) if a in rules.manual_axes())  # over_data: each slice decodes its own groups
+    varying = varying_axes()  # over_data: each slice decodes its own groups
 
     def local(blocks, state, tail, h, position, slot):
         positions = position[None]

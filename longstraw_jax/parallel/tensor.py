@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from longstraw_jax.parallel.rules import expert_parallel
+from longstraw_jax.parallel.rules import expert_parallel, manual_axes
 
 
 @jax.tree_util.register_pytree_node_class
@@ -63,12 +63,24 @@ class ShardedMatrix:
         return y[jax.lax.axis_index(self.varying)] if self.varying else y
 
 
+def applied_as_shard(path, linear_leaves: frozenset) -> bool:
+    """Whether the parameter leaf at `path` (a key path) is a matrix decoding applies as a `ShardedMatrix`: named in
+    `linear_leaves`, or the base of a LoRA node that is."""
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return names[-1] in linear_leaves or (names[-1] == "base" and len(names) > 1 and names[-2] in linear_leaves)
+
+
+def varying_axes() -> tuple:
+    """The mesh axes over which a decode step's tokens differ where it is traced: ("data",) inside
+    `groups.over_data` (each slice decodes its own groups), else ()."""
+    return tuple(a for a in ("data",) if a in manual_axes())
+
+
 def tensor_parallel_layer(layer, layer_specs, linear_leaves: frozenset, varying: tuple = (), skip: int = 2):
     """Inside `shard_map`: one layer's parameter shards (the `skip` stacked axes indexed away) for a decode step:
     leaves named in `linear_leaves` (a LoRA node's base included) that FSDP splits become `ShardedMatrix`es, the
     rest is all-gathered as `rules.gather_layer` does (expert-parallel experts stay this device's)."""
     def place(path, spec, x):
-        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
         if expert_parallel(path, spec, skip):
             return x
         split = [(d - skip, axes) for d, axes in enumerate(spec) if axes is not None]
@@ -76,8 +88,7 @@ def tensor_parallel_layer(layer, layer_specs, linear_leaves: frozenset, varying:
             return x
         dim, axes = split[0]
         axes = axes if isinstance(axes, tuple) else (axes,)
-        matrix = names[-1] in linear_leaves or (names[-1] == "base" and names[-2:-1] and names[-2] in linear_leaves)
-        if matrix and x.ndim == 2:
+        if x.ndim == 2 and applied_as_shard(path, linear_leaves):
             return ShardedMatrix(x, dim, axes, varying)
         return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
 

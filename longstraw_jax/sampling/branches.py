@@ -213,6 +213,17 @@ def sample_captured(model, params, state, prompt, key, group_size: int, sampling
 _sample_group = jax.jit(sample_traced, static_argnums=(0, 4, 5, 6, 7))
 
 
+def batched_step(model, params, decode):
+    """One decode step of N branches: (tails [N, ...], tokens int32 [N], position) -> (tails, float32 logits [N, V]),
+    `decode` (as `sample_after_prompt` takes it) vmapped over the tails and tokens; what is closed over in decode
+    (the prompt state, params) is read once for all N."""
+    def step(tail, token, position):
+        hidden, tail = decode(tail, token, position)
+        return tail, model.logits(params, hidden)[0]
+
+    return jax.vmap(step, in_axes=(0, 0, None))
+
+
 def sample_after_prompt(model, params, decode, tail, prompt, key, group_size: int, sampling: SamplingConfig) -> Rollout:
     """The branch loop of every sampler (one device: `sample_traced`; on a mesh: `sampling/mesh.py`).
 
@@ -232,11 +243,7 @@ def sample_after_prompt(model, params, decode, tail, prompt, key, group_size: in
     hidden, tail = decode(tail, prompt[-1], p - 1)
     first_logits = model.logits(params, hidden)[0]
 
-    def step(tail, token, position):
-        hidden, tail = decode(tail, token, position)
-        return tail, model.logits(params, hidden)[0]
-
-    step_all = jax.vmap(step, in_axes=(0, 0, None))
+    step_all = batched_step(model, params, decode)
     # Inside `parallel/groups.over_data` each data slice samples its own group, but a decode step's collectives
     # (e.g. the FSDP all-gather of a layer over ("data", "seq")) need every slice: the loops then run in lockstep,
     # as long as any slice's branch is still sampling, and a slice whose branches have stopped discards its results.
