@@ -18,7 +18,7 @@ $(STAMP): $(PY) pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m longstraw_jax.run
+	$(PY) -m longstraw_jax.run --config configs/demo.toml
 
 # two workers (2 cores; compiles are single-threaded), whole test files per worker (module-scoped compiled set-ups),
 # handed out longest first (tests/conftest.py LONGEST_FIRST, LONGEST_FIRST_FAST for -m "not slow"; xdist's own

@@ -14,6 +14,7 @@ All runs share one model / optimizer / sampling setting, so the sampler and the 
 import dataclasses
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -271,6 +272,33 @@ def test_parse_args_defaults_and_explicit_options():
     assert explicit == {"group_size", "lr", "resume", "mesh"}
     with pytest.raises(ValueError, match="--steps=0 must be >= 1"):
         parse_args(["--steps", "0"])
+
+
+def test_config_file_options_and_command_line_overrides(tmp_path):
+    """--config FILE.toml: its options count as given (explicit), the command line overrides them; the demo's file
+    (`make run`) parses; an unknown name, a wrong type, bad TOML or a missing file is one error naming the file."""
+    path = tmp_path / "run.toml"
+    path.write_text('group-size = 4\nlr = 1\nmode = "detached"\nsft_steps = 3\n')
+    config, explicit = parse_args(["--config", str(path), "--lr", "0.5"])
+    assert (config.group_size, config.lr, config.mode, config.sft_steps) == (4, 0.5, "detached", 3)
+    assert isinstance(config.lr, float) and explicit == {"config", "group_size", "lr", "mode", "sft_steps"}
+    demo, _ = parse_args(["--config", os.path.join(os.path.dirname(__file__), "..", "configs", "demo.toml")])
+    assert (demo.sft_steps, demo.eval_every, demo.response_len, demo.steps) == (60, 20, 2, 40)
+    defaults = RunConfig()  # a real run's defaults: no warm-up, no held-out evaluation unless asked
+    assert (defaults.sft_steps, defaults.eval_every) == (0, 0)
+    for text, message in (("bogus = 1", "unknown option 'bogus'"),
+                          ("group_size = 2.5", "group_size = 2.5 must be an int"),
+                          ("lr = \"fast\"", "lr = 'fast' must be a float"), ("steps = true", "must be an int"),
+                          ("config = \"x.toml\"", "unknown option 'config'"), ("steps =", "not valid TOML"),
+                          ("[sampling]\ngroup_size = 2", "unknown option 'sampling'")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(f"--config {path}: ") + ".*" + re.escape(message)):
+            parse_args(["--config", str(path)])
+    with pytest.raises(ValueError, match="no such file"):
+        parse_args(["--config", str(tmp_path / "missing.toml")])
+    path.write_text("steps = 0")
+    with pytest.raises(ValueError, match="--steps=0 must be >= 1"):  # the file's values are checked like flags
+        parse_args(["--config", str(path)])
 
 
 def test_resume_merge():

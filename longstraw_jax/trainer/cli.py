@@ -9,9 +9,11 @@ evaluation and warm-up step), metrics.png (reward, held-out accuracy, entropy, K
 checkpoints/ (Orbax: params, optimizer state, RNG key, data position), eval_start.npy (the start's first-token
 distribution on the held-out prompts), and with --export-hf a safetensors checkpoint of the final params.
 
-With no arguments: the embedded default, a tiny Qwen3.6 (vocabulary 32) on the synthetic retrieval task (a 32-token tool
-log with the queried fact and a distractor at random depths): held-out accuracy of the random init, a 60-step supervised
-warm-up (lr 1e-3), then 40 exact-mode GRPO steps, evaluated on 128 held-out prompts every 20 steps (CPU, ~2 min).
+Defaults serve a real run (no warm-up, no held-out evaluation unless asked). The demo, `make run`, is
+`--config configs/demo.toml`: a tiny Qwen3.6 (vocabulary 32) on the synthetic retrieval task (a 32-token tool log
+with the queried fact and a distractor at random depths): held-out accuracy of the random init, a short supervised
+warm-up, then exact-mode GRPO steps evaluated on held-out prompts (CPU, ~2 min). `--config FILE.toml` keeps any run's
+options in a file; flags on the command line override it.
 
 The parts (trainer/): config.py (RunConfig: the options, their checks, the merge on --resume), outdir.py (what may be
 written where: --out, the checkpoint to resume, --export-hf; incomplete saves and damaged checkpoints), setup.py (mesh,

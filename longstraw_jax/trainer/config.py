@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import math
 import re
+import tomllib
 from typing import Collection
 
 from longstraw_jax.parallel.mesh import parse_mesh_spec
@@ -23,8 +24,8 @@ DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`
                "checkpoints/ (Orbax: params, optimizer state, RNG key, data position), and with --export-hf a "
                "safetensors checkpoint of the final params.")
 # Options that may differ when resuming (everything else must match the checkpointed run's configuration).
-RESUMABLE = frozenset({"steps", "resume", "resume_step", "out", "export_hf", "export_peft", "force", "log_every",
-                       "save_every", "coordinator", "num_processes", "process_id"})
+RESUMABLE = frozenset({"config", "steps", "resume", "resume_step", "out", "export_hf", "export_peft", "force",
+                       "log_every", "save_every", "coordinator", "num_processes", "process_id"})
 # Options a checkpoint records and a resumed run adopts, but that may be given differently on --resume (a run saved by
 # 2 processes on a 2x4 mesh continues on one process, on 2x4 or 1x8; evaluations may come more or less often).
 CHANGEABLE = frozenset({"mesh", "eval_every", "decode_batch"})
@@ -41,6 +42,10 @@ def _option(default, help: str | None = None, *, group: str | None = None, short
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
+    config: str | None = _option(None, "read options from a TOML file: one `name = value` per option (names as "
+                                 "the flags' without dashes, e.g. group_size = 8 or \"group-size\" = 8; "
+                                 "configs/demo.toml is `make run`'s); options given on the command line override it",
+                                 metavar="FILE.toml")
     # model
     model: str = _option("tiny", "'tiny' (Qwen36Config.tiny with --vocab-size) or a config.json path (random init; "
                          "unknown fields are an error)", group="model (default: a random tiny Qwen3.6)")
@@ -68,7 +73,7 @@ class RunConfig:
     groups_per_step: int | None = _option(None, "B, groups (prompts) per step, side by side on the mesh's data axis "
                                           "(a multiple of its size; default: the data size, 1 without --mesh)",
                                           short="-B", metavar="B")
-    response_len: int = _option(2, "max new tokens per branch", short="-R")
+    response_len: int = _option(256, "max new tokens per branch", short="-R")
     temperature: float = _option(1.0)
     top_p: float = _option(1.0)
     stop_token: int | None = _option(None, "default: the task's stop token, if it has one")
@@ -76,7 +81,8 @@ class RunConfig:
                                        "are the same, fewer need less memory: N tails live at once)", metavar="N")
     # training
     steps: int = _option(40, "total GRPO steps (a resumed run continues up to this)", group="training")
-    lr: float = _option(3e-4, "AdamW learning rate")
+    lr: float = _option(1e-6, "AdamW learning rate (1e-6 suits full training of a pretrained model; LoRA usually "
+                        "takes 1e-5 to 1e-4)")
     weight_decay: float = _option(0.0)
     max_grad_norm: float = _option(1.0, "global-norm clip (0: none)")
     mode: str = _option("exact", "exact: gradient through the prompt (== full graph); detached: prompt state "
@@ -98,12 +104,14 @@ class RunConfig:
                                "to A*B before JAX starts", metavar="AxB")
     seed: int = _option(0)
     # held-out evaluation and supervised warm-up (trainer/evaluate.py, trainer/warmup.py)
-    eval_every: int = _option(20, "score K held-out prompts (greedy) before step 1, every N steps and after the last "
-                              "step; 0: never (each evaluation captures K prompts: at long prompts raise N)",
-                              group="held-out evaluation and warm-up (defaults: the embedded demo's)", metavar="N")
+    eval_every: int = _option(0, "score K held-out prompts (greedy) before step 1, every N steps and after the last "
+                              "step; 0: never (each evaluation captures K prompts: at long prompts choose N and K "
+                              "with that in mind)",
+                              group="held-out evaluation and warm-up (off unless asked; configs/demo.toml asks)",
+                              metavar="N")
     eval_prompts: int = _option(128, "K held-out prompts: the task built with --seed's bit 31 flipped, a stream "
                                 "training never draws (a multiple of the mesh's data size)", metavar="K")
-    sft_steps: int = _option(60, "supervised warm-up steps before GRPO: cross-entropy on the task's target response "
+    sft_steps: int = _option(0, "supervised warm-up steps before GRPO: cross-entropy on the task's target response "
                              "(retrieval: the answer), full-graph autograd (short prompts); not on --resume; task "
                              "runs only (0 for a task without target(info))", metavar="N")
     sft_batch: int = _option(32, "prompts per warm-up step")
@@ -256,8 +264,39 @@ def build_parser(explicit_only: bool = False) -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> tuple[RunConfig, frozenset[str]]:
-    """Command line -> (RunConfig, names of the options given explicitly). Bad values raise ValueError (argparse's
-    own errors, e.g. an unknown option, exit with status 2 as usual)."""
-    values = vars(build_parser().parse_args(argv))
-    explicit = frozenset(vars(build_parser(explicit_only=True).parse_args(argv)))
-    return RunConfig(**values), explicit
+    """Command line -> (RunConfig, names of the options given explicitly: on the command line or in the --config
+    file, whose values the command line overrides). Bad values raise ValueError (argparse's own errors, e.g. an
+    unknown option, exit with status 2 as usual)."""
+    given = vars(build_parser(explicit_only=True).parse_args(argv))
+    from_file = read_config_file(given["config"]) if given.get("config") else {}
+    parser = build_parser()
+    parser.set_defaults(**from_file)
+    return RunConfig(**vars(parser.parse_args(argv))), frozenset(given) | frozenset(from_file)
+
+
+def read_config_file(path: str) -> dict:
+    """A --config TOML file -> {field name: value}: flat `name = value` lines whose names are RunConfig's fields
+    (dashes or underscores); an unknown name, a nested table, `config` itself or a value of the wrong type is a
+    ValueError naming the file and the option."""
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path}: not valid TOML ({e})") from None
+    fields = {f.name: f for f in dataclasses.fields(RunConfig) if f.name != "config"}
+    values = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in fields:
+            raise ValueError(f"--config {path}: unknown option {key!r} (options are the flags' names, e.g. "
+                             "group_size or group-size; see --help)")
+        kind = fields[name].type.split(" | ")[0]
+        ok = {"bool": isinstance(value, bool), "int": isinstance(value, int) and not isinstance(value, bool),
+              "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+              "str": isinstance(value, str)}[kind]
+        if not ok:
+            raise ValueError(f"--config {path}: {key} = {value!r} must be a{'n' if kind == 'int' else ''} {kind}")
+        values[name] = float(value) if kind == "float" else value
+    return values
