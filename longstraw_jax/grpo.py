@@ -28,6 +28,7 @@ from longstraw_jax.validation import is_concrete, is_int, is_real
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # the largest reward magnitude a GroupBatch holds
 ADV_NORMS = ("std", "none")
+RATIOS = ("token", "sequence")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,9 @@ class GRPOConfig:
     loss_agg: token-mean (all tokens of the group equal), seq-mean-token-mean (each branch equal, tokens averaged
       within it), seq-mean-token-sum-norm (Dr. GRPO: token sums over a constant normaliser G * R).
     adv_norm: "std" -> (r - mean) / (std + eps) with the population std; "none" -> r - mean.
+    ratio: "token" (PPO / GRPO: one importance ratio per token) or "sequence" (GSPO: one ratio per branch, the
+      geometric mean of its tokens' ratios, clipped as a whole; with loss_agg="seq-mean-token-mean" the loss is
+      GSPO's objective exactly; GSPO's clip ranges are much narrower than the token ratio's, e.g. 3e-4 / 4e-4).
     logprob_chunk: tokens per chunk when computing log-probs, so [chunk, vocab] is the largest logits array.
     """
 
@@ -47,6 +51,7 @@ class GRPOConfig:
     kl_coef: float = 0.0
     loss_agg: str = "token-mean"
     adv_norm: str = "std"
+    ratio: str = "token"
     eps: float = 1e-6
     logprob_chunk: int = 1024
 
@@ -72,6 +77,8 @@ class GRPOConfig:
             errors.append(f"loss_agg={self.loss_agg!r}; allowed: {', '.join(map(repr, LOSS_AGGS))}")
         if self.adv_norm not in ADV_NORMS:
             errors.append(f"adv_norm={self.adv_norm!r}; allowed: {', '.join(map(repr, ADV_NORMS))}")
+        if self.ratio not in RATIOS:
+            errors.append(f"ratio={self.ratio!r}; allowed: {', '.join(map(repr, RATIOS))}")
         chunk = self.logprob_chunk
         if not is_int(chunk) or chunk < 1:
             errors.append(f"logprob_chunk={chunk!r} must be a positive int")
@@ -297,15 +304,24 @@ def batch_advantages(rewards: jax.Array, cfg: GRPOConfig) -> jax.Array:
 
 
 def per_token_loss(logp: jax.Array, old_logp: jax.Array | None, ref_logp: jax.Array | None, advantage,
-                   cfg: GRPOConfig) -> tuple[jax.Array, dict]:
-    """Clipped surrogate (+ kl_coef * k3 KL) per token of one branch. logp, old_logp, ref_logp: [R]; advantage: [].
+                   cfg: GRPOConfig, mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """Clipped surrogate (+ kl_coef * k3 KL) per token of one branch. logp, old_logp, ref_logp, mask: [R];
+    advantage: [].
 
-    ratio = exp(logp - old_logp), with old_logp = stop_gradient(logp) when None (on-policy: ratio 1, gradient A).
+    log_ratio = logp - old_logp, with old_logp = stop_gradient(logp) when None (on-policy: ratio 1, gradient A);
+    cfg.ratio "sequence" (GSPO) replaces it on every token by the branch's mean sum(mask * log_ratio) / sum(mask)
+    (needs `mask`), so ratio and clip are the branch's.
     loss = -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A) + kl_coef * (exp(ref - logp) - (ref - logp) - 1).
     Returns (loss [R], {"clipped": [R] 1.0 where the clip is active (zero gradient), "kl": [R] k3, 0 without ref}).
     """
     old = jax.lax.stop_gradient(logp) if old_logp is None else old_logp
-    ratio = jnp.exp(logp - old)
+    log_ratio = logp - old
+    if cfg.ratio == "sequence":
+        if mask is None:
+            raise ValueError("GRPOConfig.ratio='sequence' needs the branch's mask (which tokens are real)")
+        mean = jnp.sum(mask * log_ratio) / jnp.maximum(jnp.sum(mask), 1.0)
+        log_ratio = jnp.broadcast_to(mean, logp.shape)
+    ratio = jnp.exp(log_ratio)
     surrogate = jnp.minimum(ratio * advantage,
                             jnp.clip(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * advantage)
     clipped = (((ratio > 1.0 + cfg.clip_eps_high) & (advantage > 0))
@@ -337,7 +353,7 @@ def branch_loss(logp: jax.Array, old_logp: jax.Array | None, ref_logp: jax.Array
     mask = mask.astype(logp.dtype)
     real = mask > 0
     sanitise = lambda x: None if x is None else jnp.where(real, x, jax.lax.stop_gradient(logp))
-    loss, stats = per_token_loss(logp, sanitise(old_logp), sanitise(ref_logp), advantage, cfg)
+    loss, stats = per_token_loss(logp, sanitise(old_logp), sanitise(ref_logp), advantage, cfg, mask)
     sums = {
         "clipped": jnp.sum(stats["clipped"] * mask),
         "kl": jnp.sum(stats["kl"] * mask),

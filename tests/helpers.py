@@ -97,6 +97,11 @@ CASES = {
               cfg=GRPOConfig(kl_coef=0.0, loss_agg="seq-mean-token-mean", adv_norm="none", logprob_chunk=3)),
     "C": dict(lengths=[6], rewards=[1.0], chunk=8, old=True, ref=True,
               cfg=GRPOConfig(kl_coef=0.5, loss_agg="seq-mean-token-sum-norm")),
+    # GSPO: one ratio per branch, narrow clip (some branches clipped as a whole)
+    # (the branches' mean log-ratios are -0.098, 0.070, -0.026: only branch 0, A < 0 and ratio 0.907, is clipped)
+    "D": dict(lengths=[4, 8, 2], rewards=[-1.0, 1.0, 0.5], chunk=5, old=True, ref=False,
+              cfg=GRPOConfig(ratio="sequence", loss_agg="seq-mean-token-mean", clip_eps_low=0.05,
+                             clip_eps_high=0.1)),
 }
 
 

@@ -44,13 +44,15 @@ def numpy_loss(logp, batch, cfg):
     if cfg.adv_norm == "std":
         adv = adv / (r.std() + cfg.eps)
     old = logp if batch.old_logprobs is None else batch.old_logprobs
+    m = batch.mask
     ratio = np.exp(logp - old)
+    if cfg.ratio == "sequence":  # GSPO: each branch's geometric mean of its real tokens' ratios, on every token
+        ratio = np.exp(((logp - old) * m).sum(1, keepdims=True) / m.sum(1, keepdims=True)) * np.ones_like(logp)
     a = adv[:, None]
     per = -np.minimum(ratio * a, np.clip(ratio, 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high) * a)
     if batch.ref_logprobs is not None:
         d = batch.ref_logprobs - logp
         per = per + cfg.kl_coef * (np.exp(d) - d - 1)
-    m = batch.mask
     if cfg.loss_agg == "token-mean":
         return (per * m).sum() / m.sum()
     if cfg.loss_agg == "seq-mean-token-mean":
@@ -107,10 +109,11 @@ def test_single_branch_gets_zero_advantage():
 
 # ----- aggregation ------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
 @pytest.mark.parametrize("loss_agg", LOSS_AGGS)
 @pytest.mark.parametrize("off_policy, ref, kl_coef", [(True, True, 0.3), (False, False, 0.0), (True, True, 0.0)])
-def test_loss_matches_numpy_formula(loss_agg, off_policy, ref, kl_coef):
-    cfg = GRPOConfig(loss_agg=loss_agg, kl_coef=kl_coef)
+def test_loss_matches_numpy_formula(loss_agg, off_policy, ref, kl_coef, ratio):
+    cfg = GRPOConfig(loss_agg=loss_agg, kl_coef=kl_coef, ratio=ratio)
     logp, batch = make_batch(seed=1, off_policy=off_policy, ref=ref)
     f = jax.jit(jax.value_and_grad(lambda lp: grpo_loss(lp, batch, cfg)[0]))
     loss, grad = f(jnp.asarray(logp))
@@ -126,6 +129,28 @@ def test_loss_matches_numpy_formula(loss_agg, off_policy, ref, kl_coef):
         want[index] = (numpy_loss(logp64 + e, fixed, cfg) - numpy_loss(logp64 - e, fixed, cfg)) / (2 * step)
     assert np.abs(want).max() > 1e-2 and (want[batch.mask == 0] == 0).all()
     np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-7)
+
+
+def test_sequence_ratio_by_hand():
+    """GSPO on one branch of 2 real tokens (and one pad): of the token ratios 2 and 1/2 the first is clipped (A > 0),
+    their geometric mean 1 is not; on-policy the gradient is A / len on each real token (seq-mean-token-mean over 2
+    branches: weight 1 / (2 * 2))."""
+    cfg = GRPOConfig(ratio="sequence", loss_agg="seq-mean-token-mean")
+    logp = jnp.log(jnp.array([[0.4, 0.1, 0.5], [0.3, 0.3, 0.3]], jnp.float32))
+    old = jnp.log(jnp.array([[0.2, 0.2, 0.9], [0.3, 0.3, 0.3]], jnp.float32))
+    batch = GroupBatch(prompt=np.zeros(3, np.int32), responses=np.zeros((2, 3), np.int32),
+                       mask=np.array([[1, 1, 0], [1, 1, 1]], np.float32), rewards=np.array([1.0, 0.0], np.float32),
+                       old_logprobs=old)
+    adv = float(group_advantages(batch.rewards, cfg)[0])  # (1 - 0.5) / (0.5 + eps) ~ 1
+    loss, metrics = grpo_loss(logp, batch, cfg)
+    assert float(metrics["clip_frac"]) == 0.0  # the token ratio would clip both tokens of branch 0
+    token = grpo_loss(logp, batch, dataclasses.replace(cfg, ratio="token"))[1]["clip_frac"]
+    assert float(token) == pytest.approx(1 / 5)
+    np.testing.assert_allclose(loss, -(adv * 1.0 - adv * 1.0) / 2, atol=1e-6)  # ratios 1: -A1 / 2 - A2 / 2 = 0
+    on_policy = batch.replace(old_logprobs=None)
+    grad = jax.grad(lambda lp: grpo_loss(lp, on_policy, cfg)[0])(logp)
+    want = np.array([[-adv / 4, -adv / 4, 0.0], [adv / 6, adv / 6, adv / 6]])  # branch 1: A = -adv, 3 tokens
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7)
 
 
 def test_aggregations_differ_and_weights_are_zero_on_padding():

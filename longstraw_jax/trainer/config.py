@@ -90,6 +90,19 @@ class RunConfig:
     chunk_size: int = _option(256, "prompt chunk length for capture / prompt backward")
     loss_agg: str = _option("token-mean", choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
     kl_coef: float = _option(0.0, "k3 KL weight (needs ref_logprobs in --rollouts)")
+    ratio: str = _option("token", "importance ratio: token (PPO / GRPO) or sequence (GSPO: one ratio per branch, the "
+                         "geometric mean of its tokens'; with --loss-agg seq-mean-token-mean exactly GSPO's objective; "
+                         "it wants much narrower --clip-low / --clip-high, e.g. 3e-4 / 4e-4)",
+                         choices=("token", "sequence"))
+    clip_low: float = _option(0.2, "the ratio is clipped to [1 - clip_low, 1 + clip_high]")
+    clip_high: float = _option(0.28, "(DAPO's clip-higher default)")
+    updates_per_batch: int = _option(1, "mu: updates from each sampled batch; updates after the first see a ratio != "
+                                     "1 (clip fraction informative) and each captures the prompts afresh (the "
+                                     "captured state depends on the params)", metavar="MU")
+    drop_uniform_groups: bool = _option(False, "leave out of the update the groups whose G rewards are all equal "
+                                        "(zero advantage; counted as uniform_groups; a step where every group is "
+                                        "uniform makes no update); on a mesh the kept groups are rounded up to a "
+                                        "multiple of the data size with uniform ones")
     # which parameters train (docs/architecture.md 10, lora.py): frozen leaves get no gradient and no optimizer state
     train: str = _option("full", "full: every parameter (or those --trainable selects); lora: frozen base matrices "
                          "with low-rank adapters B A (--lora-*)", choices=("full", "lora"))
@@ -141,15 +154,19 @@ class RunConfig:
 
     def __post_init__(self):
         errors = []
-        for name, low in (("group_size", 1), ("response_len", 1), ("steps", 1), ("chunk_size", 1), ("prompt_len", 2),
+        for name, low in (("group_size", 1), ("response_len", 1), ("steps", 1), ("updates_per_batch", 1),
+                          ("chunk_size", 1), ("prompt_len", 2),
                           ("save_every", 1), ("log_every", 1), ("vocab_size", 1), ("lora_rank", 1),
                           ("eval_every", 0), ("eval_prompts", 1), ("sft_steps", 0), ("sft_batch", 1)):
             if getattr(self, name) < low:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be >= {low}")
-        for name in ("lr", "weight_decay", "kl_coef", "temperature", "top_p", "max_grad_norm", "sft_lr"):
+        for name in ("lr", "weight_decay", "kl_coef", "temperature", "top_p", "max_grad_norm", "sft_lr", "clip_low",
+                     "clip_high"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be a finite number >= 0")
         errors += _train_errors(self)
+        if self.clip_low >= 1:
+            errors.append(f"--clip-low={self.clip_low} must be < 1 (the lower clip bound is 1 - clip_low)")
         if self.temperature == 0:
             errors.append("--temperature=0.0 must be > 0: the G branches of a group must be sampled (greedy makes "
                           "them equal; the held-out evaluation is greedy)")

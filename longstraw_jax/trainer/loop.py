@@ -31,6 +31,7 @@ from longstraw_jax.trainer import (
     metrics,
     outdir as run_outdir,
     setup as run_setup,
+    updates,
     warmup,
 )
 from longstraw_jax.trainer.config import RunConfig, RunError
@@ -53,7 +54,8 @@ class Trainer:
             self.model.sequence_parallel()  # a family without a sharded path says so here
         self.params = run_setup.place(params, self.mesh)
         self.data = run_setup.data_source(config, self.model.config.vocab_size, self.mesh)
-        self.grpo = GRPOConfig(loss_agg=config.loss_agg, kl_coef=config.kl_coef)
+        self.grpo = GRPOConfig(loss_agg=config.loss_agg, kl_coef=config.kl_coef, ratio=config.ratio,
+                               clip_eps_low=config.clip_low, clip_eps_high=config.clip_high)
         self.optimizer = run_setup.optimizer(config.lr, config.weight_decay, config.max_grad_norm or None)
         self.plan = self.plan or run_outdir.plan(config, explicit, self.out)
         # committed like the params: a jit output built from an uncommitted init would be committed after step 1
@@ -101,17 +103,22 @@ class Trainer:
                 np.save(os.path.join(self.out, evaluate.REFERENCE_FILE), self.evaluator.reference)
 
     def train_one(self) -> dict:
-        """One step: a batch from the data source, one train_step, one metrics.jsonl line (returned)."""
+        """One step: a batch from the data source, --updates-per-batch train_steps (none when --drop-uniform-groups
+        leaves no group), one metrics.jsonl line (returned)."""
         start = time.perf_counter()
         batch, extra, captured = self.data.batch(self.model, self.params, self.key, self.step, self.data_position)
         sampled = time.perf_counter()
         fault_hooks.fire("step", self.step + 1)
-        params, frozen = self.split()
-        params, self.opt_state, step_metrics = train_step(
-            self.model, params, self.opt_state, batch, self.optimizer, self.grpo, self.config.mode,
-            self.config.chunk_size, mesh=self.mesh, captured=captured, donate=True, frozen=frozen)
-        self.params = trainable.merge(params, frozen)
-        step_metrics = distributed.to_host(step_metrics)
+        updated, updated_captured = batch, captured
+        if self.config.drop_uniform_groups:
+            updated, updated_captured, uniform = updates.without_uniform_groups(batch, captured, self.mesh)
+            extra = dict(extra, uniform_groups=uniform)
+        if updated is None:  # every group uniform: no gradient to follow
+            step_metrics = updates.no_update_metrics(batch)
+        else:
+            step_metrics = updates.mean_metrics([self.update(updated, updated_captured if k == 0 else None)
+                                                 for k in range(self.config.updates_per_batch)])
+            step_metrics.update(updates.reward_metrics(batch))  # over every sampled group, kept or not
         done = time.perf_counter()
         self.step += 1
         self.data_position += 1
@@ -120,6 +127,16 @@ class Trainer:
             self._start_writing()
         self.log.write(record)
         return record
+
+    def update(self, batch, captured) -> dict:
+        """One train_step on `batch` (captured: the sampler's capture of its prompts, or None: the step captures
+        them with the current params) -> its metrics on the host."""
+        params, frozen = self.split()
+        params, self.opt_state, step_metrics = train_step(
+            self.model, params, self.opt_state, batch, self.optimizer, self.grpo, self.config.mode,
+            self.config.chunk_size, mesh=self.mesh, captured=captured, donate=True, frozen=frozen)
+        self.params = trainable.merge(params, frozen)
+        return distributed.to_host(step_metrics)
 
     def run(self) -> int:
         """Train to config.steps -> 0; Ctrl-C -> 130 (after saying which checkpoint is the last complete one)."""
