@@ -35,7 +35,7 @@ def supervised() -> bool:
 
 
 def report(who: str, during: str, checkpoint: str) -> None:
-    """The supervised child says where it stands ("process 1 of 2", " during step 3" or "", "the last complete
+    """The supervised child says where it stands ("process 1 of 2", "during step 3" or "", "the last complete
     checkpoint is ..."); the supervisor uses it if the child dies by a signal. No supervisor: nothing."""
     global _status_fd
     if _status_fd is None:
@@ -55,17 +55,18 @@ def signal_line(context: tuple[str, str, str] | None, signum: int) -> str:
     why = {signal.SIGABRT: "the JAX runtime aborted: it lost the coordinator or another process, see the lines above",
            signal.SIGKILL: "killed: out of memory, or by the scheduler or a user",
            signal.SIGSEGV: "a crash in native code"}.get(signum, "")
-    who, during, checkpoint = context or ("the trainer", " before it joined the other processes", "")
-    return (f"error: {who}: ended by {name}{f' ({why})' if why else ''}{during}"
+    who, during, checkpoint = context or ("the trainer", "before it joined the other processes", "")
+    return (f"error: {who}: ended by {name}{f' ({why})' if why else ''}{' ' + during if during else ''}"
             + (f"; {checkpoint}" if checkpoint else ""))
 
 
-def run(argv: list[str]) -> int:
-    """Run `python -m longstraw_jax.run argv` as a supervised child -> its exit status (a child ended by signal N:
-    the one line, then this process ends by N too; 128 + N for a signal that would dump core)."""
+def run(argv: list[str], command: list[str] | None = None) -> int:
+    """Run `python -m longstraw_jax.run argv` (or `command`) as a supervised child -> its exit status (a child ended
+    by signal N: the one line, then this process ends by N too; 128 + N for a signal that would dump core)."""
     read_end, write_end = os.pipe()
     env = dict(os.environ, **{STATUS_FD_ENV: str(write_end), PARENT_ENV: f"{os.getpid()}:SIGKILL"})
-    child = subprocess.Popen([sys.executable, "-m", "longstraw_jax.run", *argv], env=env, pass_fds=(write_end,),
+    command = command or [sys.executable, "-m", "longstraw_jax.run", *argv]
+    child = subprocess.Popen(command, env=env, pass_fds=(write_end,),
                              process_group=0)  # own group: signals reach it only through forward()
     os.close(write_end)
     latest = []
@@ -99,7 +100,8 @@ def run(argv: list[str]) -> int:
         print(signal_line(latest[0] if latest else None, signum), file=sys.stderr, flush=True)
     if signum in (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGQUIT):
         return 128 + signum  # no second core dump
-    signal.signal(signum, signal.SIG_DFL)
+    with contextlib.suppress(OSError, ValueError):  # SIGKILL's cannot be set (it is the default anyway)
+        signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     time.sleep(5)  # a signal that does not end the process by default (e.g. SIGCHLD): the status instead
     return 128 + signum

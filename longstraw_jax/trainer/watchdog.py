@@ -100,16 +100,16 @@ class Watchdog:
         _report_context(self.context())
 
     def context(self) -> tuple[str, str, str]:
-        """(who, during, checkpoint): ("process 1 of 2", " during step 3" or "", "the last complete checkpoint
+        """(who, during, checkpoint): ("process 1 of 2", "during step 3" or "", "the last complete checkpoint
         is ...") for messages."""
         with self.lock:
-            during = f" during step {self.current_step}" if self.current_step is not None else ""
+            during = f"during step {self.current_step}" if self.current_step is not None else ""
             return f"process {self.me} of {self.n}", during, self.checkpoint
 
     def line(self, what: str) -> str:
         """"process 0 of 2: <what> during step 3; the last complete checkpoint is ..."."""
         who, during, checkpoint = self.context()
-        return f"{who}: {what}{during}; {checkpoint}"
+        return f"{who}: {what}{' ' + during if during else ''}; {checkpoint}"
 
     # ----- threads ----------------------------------------------------------------------------------------------
 
