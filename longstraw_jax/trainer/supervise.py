@@ -7,7 +7,8 @@ child dies by a signal (the runtime's abort when the coordinator or another proc
 the kernel's out-of-memory killer or a user; ...), the supervisor prints one line naming the process, the signal, the
 step and the last complete checkpoint (the child reports where it stands through a pipe: `report`), then ends by the
 same signal. SIGINT, SIGTERM and SIGHUP are forwarded to the child (which has its own process group, so a
-terminal's Ctrl-C reaches it once).
+terminal's Ctrl-C reaches it once); after SIGTERM or SIGHUP a child still running TERM_GRACE_S later is killed (JAX's
+preemption notifier catches SIGTERM in a multi-process run, so the trainer would not end by it).
 
 `die_with_parent`: a process started by the local launcher or by a supervisor (LONGSTRAW_PARENT="PID:SIGNAL") gets
 SIGNAL when its parent dies (Linux: prctl PR_SET_PDEATHSIG; elsewhere a thread polls the parent's pid).
@@ -25,6 +26,7 @@ import time
 STATUS_FD_ENV = "LONGSTRAW_STATUS_FD"  # set in the supervised child: where it reports where it stands
 PARENT_ENV = "LONGSTRAW_PARENT"  # "PID:SIGNAL": end with SIGNAL when process PID (the parent) is gone
 _PR_SET_PDEATHSIG = 1
+TERM_GRACE_S = 10.0  # after a forwarded SIGTERM or SIGHUP, the child is killed if still running
 
 _status_fd: int | None = None
 
@@ -84,6 +86,10 @@ def run(argv: list[str], command: list[str] | None = None) -> int:
     def forward(signum, frame):
         with contextlib.suppress(ProcessLookupError):
             child.send_signal(signum)
+        if signum != signal.SIGINT:  # JAX's preemption notifier catches SIGTERM: the child gets TERM_GRACE_S
+            timer = threading.Timer(TERM_GRACE_S, lambda: child.poll() is None and child.kill())
+            timer.daemon = True
+            timer.start()
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
