@@ -9,15 +9,23 @@
   round-off differences grow through AdamW, whose update is +-lr for near-zero gradients: 2x2 -> 2x4 gave a 0.5% grad
   norm difference at step 3.)
 - a bad coordinator address: a clear error naming it, exit status 2, within the init timeout (no JAX abort);
+- processes started with different options stop at once with one line naming every differing option; a process
+  whose peer never starts says so in one line within the init timeout (both started by hand, side by side);
+- a process stopped (SIGSTOP) in the middle of step 3: the other ends within the step bound with one line naming it
+  and the last complete checkpoint, which is unchanged;
+- the launcher owns its workers: SIGHUP or SIGKILL to it ends every worker within seconds;
 - the pure parts: how a process joins (flags, JAX_* variables, SLURM incl. one task per 8-GPU node), the device
   split, the launcher's checks and command lines, host <-> global arrays, --mesh changeable on --resume.
 """
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -95,7 +103,15 @@ def test_two_processes_killed_then_resumed_in_one(tmp_path):
     tail = "\n".join(line[:200] for line in errors[:8] + ["..."] + lines[-30:])
     assert proc.returncode == 128 + 9, tail
     assert "[launch] process 1 ended with signal SIGKILL" in proc.stdout, tail
-    assert any(line.startswith("[launch] process 0 ended by itself") for line in lines), tail  # no hang, no kill
+    assert any(line.startswith("[launch] process 0 ended by itself with status 2") for line in lines), tail  # no hang
+    # one line each: the killed process's (from its supervisor), the survivor's (its watchdog, after the heartbeat
+    # timeout: the runtime's abort does not come first)
+    last = {p: [line for line in lines if line.startswith(f"[p{p}] ")][-1] for p in (0, 1)}
+    checkpoint = f"the last complete checkpoint is step 2 ({out}/checkpoints/2); continue with --out {out} --resume"
+    assert last[1] == ("[p1] error: process 1 of 2: ended by SIGKILL (killed: out of memory, or by the scheduler or "
+                       f"a user) during step 3; {checkpoint}"), tail
+    assert last[0] == ("[p0] error: process 0 of 2: process 1 stopped answering (no heartbeat for 20 s: killed, "
+                       f"stopped or its host lost) during step 3; {checkpoint}"), tail
     assert all(line.startswith(("[p0] ", "[p1] ", "[launch] ")) for line in lines), tail
     # process 0 alone prints progress and writes metrics.jsonl; both joined the same coordinator
     assert [line for line in lines if "/3 reward" in line and line.startswith("[p0] ")] and \
@@ -124,6 +140,119 @@ def test_two_processes_killed_then_resumed_in_one(tmp_path):
                                    [w["reward_mean"], w["loss"], w["grad_norm"]], rtol=1e-4, atol=1e-6)
     assert all(w["grad_norm"] > 0 for w in want)  # the comparison saw real gradients
     print(f"whole test: {time.perf_counter() - start:.1f} s")
+
+
+def start(args, port, process_id, processes=2, **extra):
+    """`python -m longstraw_jax.run args` as process `process_id` of `processes` at 127.0.0.1:port -> Popen."""
+    return subprocess.Popen([sys.executable, "-m", "longstraw_jax.run", *args, "--coordinator", f"127.0.0.1:{port}",
+                             "--num-processes", str(processes), "--process-id", str(process_id)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(**extra))
+
+
+@pytest.mark.slow  # three trainer processes (each a supervisor and its trainer) that stop before any compile
+def test_start_up_failures_are_one_line(tmp_path):
+    out = str(tmp_path / "never")
+    common = ["--vocab-size", "32", "--prompt-len", "32", "--chunk-size", "16", "--eval-every", "0", "--sft-steps",
+              "0", "--out", out]
+    begin = time.perf_counter()
+    port, lonely_port = launch.free_port(), launch.free_port()
+    procs = [start([*common, "--steps", "3", "--seed", "3", "--mesh", "2x4", "-G", "3"], port, 0),
+             start([*common, "--steps", "4", "--seed", "5", "--mesh", "2x2", "--mode", "detached", "-G", "4"], port, 1),
+             start([*common, "--mesh", "2x4"], lonely_port, 0, LONGSTRAW_INIT_TIMEOUT_S="3")]  # process 1 never comes
+    results = [(p.communicate(timeout=120)[1], p.returncode, time.perf_counter() - begin) for p in procs]
+    disagree = ("error: processes disagree on --group-size (process 0: 3, process 1: 4), --steps (process 0: 3, "
+                "process 1: 4), --mode (process 0: exact, process 1: detached), --mesh (process 0: 2x4, process 1: "
+                "2x2), --seed (process 0: 3, process 1: 5); every process must be started with the same options")
+    for stderr, returncode, took in results[:2]:
+        assert returncode == 2 and stderr.splitlines()[-1] == disagree, stderr[-2000:]
+        assert took < 60, took  # at once (imports and joining), no hang
+    stderr, returncode, took = results[2]
+    assert returncode == 2, stderr[-2000:]
+    assert stderr.splitlines()[-1] == ("error: process 1 of 2 did not join within 3 s (not started, failed before "
+                                       "joining, or started with another --coordinator or --num-processes)")
+    assert "Check failure" not in stderr and "Traceback" not in stderr and took < 60
+    assert not os.path.exists(out)
+    print(f"disagreeing processes stopped after {max(r[2] for r in results[:2]):.1f} s, the lonely one after "
+          f"{took:.1f} s")
+
+
+@pytest.mark.slow  # a 2-process launch of 3 steps
+def test_stopped_process_ends_the_run_within_the_step_bound(tmp_path):
+    out = str(tmp_path / "mp")
+    proc = subprocess.run([sys.executable, "-m", "longstraw_jax.launch", "--processes", "2", "--grace", "5", "--",
+                           *SMALL, "--steps", "4", "--out", out, "--step-timeout", "30"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env=env(LONGSTRAW_TEST_FAULT="step:3:SIGSTOP:1",
+                                                          LONGSTRAW_HEARTBEAT_TIMEOUT_S="300"))
+    lines = proc.stdout.splitlines()
+    tail = "\n".join(line[:300] for line in lines[-30:])
+    assert proc.returncode == 2, tail  # process 0's status; process 1 (stopped) is killed by the launcher
+    assert "[launch] process 0 ended with status 2" in proc.stdout, tail
+    assert "[launch] process 1 still running after 5 s: killing it" in proc.stdout, tail
+    last = [line for line in lines if line.startswith("[p0] ")][-1]
+    checkpoint = f"the last complete checkpoint is step 2 ({out}/checkpoints/2); continue with --out {out} --resume"
+    match = re.fullmatch(r"\[p0\] error: process 0 of 2: step 3 did not finish within (\d+) s \(10 x the median "
+                         r"step \S+ s; --step-timeout 30\): process 1 stopped answering; " + re.escape(checkpoint),
+                         last)
+    assert match and int(match[1]) < 300, tail  # the step bound (from the measured step 2), not the heartbeat's
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["2"]
+    assert [r["step"] for r in read(out)] == [1, 2]
+
+
+def descendants(pid):
+    """Every process below `pid` (from /proc), living ones only."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow  # two 2-process launches, ended while they compile
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL])
+def test_launcher_owns_its_workers(tmp_path, sig):
+    launcher = subprocess.Popen([sys.executable, "-m", "longstraw_jax.launch", "--processes", "2", "--", *SMALL,
+                                 "--steps", "1000", "--out", str(tmp_path / "mp")], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env(), start_new_session=True)
+    joined = []
+
+    def read():
+        for line in launcher.stdout:
+            joined.extend([line] if "joining the JAX coordinator" in line else [])
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 120
+    while len(joined) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    workers = descendants(launcher.pid)
+    assert len(joined) == 2 and len(workers) == 4, (joined, workers)  # 2 supervisors, 2 trainers
+    launcher.send_signal(sig)
+    ended = time.monotonic()
+    while any(alive(p) for p in workers) and time.monotonic() < ended + 30:
+        time.sleep(0.2)
+    left = [p for p in workers if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    launcher.wait(timeout=30)
+    assert not left, f"{signal.Signals(sig).name}: workers {left} outlived the launcher"
+    print(f"{signal.Signals(sig).name}: every worker ended {time.monotonic() - ended:.1f} s after the launcher's end")
 
 
 @pytest.mark.slow  # a trainer subprocess that waits out its init timeout

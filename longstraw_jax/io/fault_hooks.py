@@ -8,7 +8,9 @@ trainer sends itself `<signal>` when it reaches `<point>` during step `<step>`:
 - `step`: in the middle of step N, after its batch is sampled and scored, before the update.
 
 `<point>:<step>:<signal>:<process>` fires only in process number `<process>` of a multi-process run (every process
-of a launch inherits the variable).
+of a launch inherits the variable). `<signal>` is a signal's name (SIGKILL, SIGINT, SIGSTOP: the process stops, as if
+its host froze), or HANG: the main thread sleeps for ever while the process's other threads (its heartbeat) go on,
+as in a collective that never completes.
 
 Unset (the normal case) nothing happens: each point costs one dictionary lookup. Never set it outside tests.
 """
@@ -17,12 +19,16 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 
 ENV = "LONGSTRAW_TEST_FAULT"
 
 
-def armed(point: str, step: int) -> signal.Signals | None:
-    """The signal the test asked for at `point` of `step`, or None."""
+HANG = "HANG"
+
+
+def armed(point: str, step: int) -> signal.Signals | str | None:
+    """The signal (or HANG) the test asked for at `point` of `step`, or None."""
     spec = os.environ.get(ENV)
     if not spec:
         return None
@@ -34,12 +40,15 @@ def armed(point: str, step: int) -> signal.Signals | None:
 
         if jax.process_index() != int(process[0]):
             return None
-    return signal.Signals[sig]
+    return HANG if sig == HANG else signal.Signals[sig]
 
 
 def fire(point: str, step: int) -> None:
-    """Send this process the signal armed for `point` of `step`, if any."""
+    """Send this process the signal armed for `point` of `step` (HANG: sleep for ever), if any."""
     sig = armed(point, step)
+    if sig == HANG:
+        while True:
+            time.sleep(3600)
     if sig is not None:
         os.kill(os.getpid(), sig)
 

@@ -24,9 +24,11 @@ cluster's environment; docs/cluster.md; launch.py starts them on one machine).
 from __future__ import annotations
 
 import sys
+import traceback
 
+from longstraw_jax.trainer import supervise, watchdog
 from longstraw_jax.trainer.config import RunConfig, RunError, build_parser, parse_args
-from longstraw_jax.trainer.distributed import DistributedError, start_jax
+from longstraw_jax.trainer.distributed import DistributedError, resolve, start_jax
 
 __all__ = ["main", "RunConfig", "RunError", "build_parser", "parse_args"]
 
@@ -34,19 +36,29 @@ __all__ = ["main", "RunConfig", "RunError", "build_parser", "parse_args"]
 def main(argv=None) -> int:
     """Train as the command line says; 0 when done, 2 (with a one-line error) on bad input or a file that cannot be
     read or written, 130 on Ctrl-C. The arguments are parsed and JAX's processes joined before the trainer is
-    imported."""
+    imported. A process of a multi-process run runs the trainer as a supervised child (trainer/supervise.py: one
+    line even when the runtime aborts natively); every failure there ends every process (trainer/watchdog.py)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    supervise.die_with_parent()
     try:
         config, explicit = parse_args(argv)
-        start_jax(config)
+        multi = config.mesh is not None and resolve(config.coordinator, config.num_processes, config.process_id)
+        if multi and not supervise.supervised():
+            return supervise.run(argv)
+        start_jax(config, explicit)
         from longstraw_jax.trainer.loop import Trainer
 
-        return Trainer(config, explicit).run()
+        status = Trainer(config, explicit).run()
     except (RunError, DistributedError, ValueError, OSError, NotImplementedError) as e:  # OSError: FileNotFound..
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
+        return watchdog.leave(2, f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     except KeyboardInterrupt:  # before the run started writing (Trainer.run handles it after)
-        print("interrupted (Ctrl-C) before the run wrote anything: --out is as it was", file=sys.stderr)
-        return 130
+        return watchdog.leave(130, "interrupted (Ctrl-C) before the run wrote anything: --out is as it was")
+    except Exception as e:
+        if not watchdog.active():
+            raise
+        traceback.print_exc()  # a bug: its traceback, then the one line the other processes get too
+        return watchdog.leave(1, f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+    return watchdog.leave(status, None)
 
 
 def __getattr__(name):  # `run.Trainer` without importing the training loop before JAX is set up

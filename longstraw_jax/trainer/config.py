@@ -25,7 +25,7 @@ DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`
                "safetensors checkpoint of the final params.")
 # Options that may differ when resuming (everything else must match the checkpointed run's configuration).
 RESUMABLE = frozenset({"config", "steps", "resume", "resume_step", "out", "export_hf", "export_peft", "force",
-                       "log_every", "save_every", "coordinator", "num_processes", "process_id"})
+                       "log_every", "save_every", "coordinator", "num_processes", "process_id", "step_timeout"})
 # Options a checkpoint records and a resumed run adopts, but that may be given differently on --resume (a run saved by
 # 2 processes on a 2x4 mesh continues on one process, on 2x4 or 1x8; evaluations may come more or less often).
 CHANGEABLE = frozenset({"mesh", "eval_every", "decode_batch"})
@@ -151,6 +151,9 @@ class RunConfig:
     num_processes: int | None = _option(None, "processes in the run; --mesh's A*B devices are split evenly over them",
                                         metavar="N")
     process_id: int | None = _option(None, "this process's number in [0, N)", metavar="I")
+    step_timeout: float = _option(600.0, "a step running longer than max(S, 10 x the median step so far) (the first, "
+                                  "which compiles: 10 x S) stops every process with one line (trainer/watchdog.py)",
+                                  metavar="S")
 
     def __post_init__(self):
         errors = []
@@ -183,6 +186,8 @@ class RunConfig:
             errors.append(f"--num-processes={self.num_processes} must be >= 1")
         if self.process_id is not None and not 0 <= self.process_id < (self.num_processes or 1):
             errors.append(f"--process-id={self.process_id} must be in [0, --num-processes={self.num_processes})")
+        if not (math.isfinite(self.step_timeout) and self.step_timeout > 0):
+            errors.append(f"--step-timeout={self.step_timeout} must be a finite number of seconds > 0")
         if self.resume_step is not None and (self.resume_step < 1 or not self.resume):
             errors.append(f"--resume-step={self.resume_step} needs --resume and a step >= 1")
         if sum(x is not None for x in (self.hf, self.init_from)) + (self.model != "tiny") > 1:

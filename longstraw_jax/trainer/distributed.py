@@ -220,14 +220,48 @@ def check_coordinator(address: str, process_id: int, timeout: float) -> None:
         time.sleep(0.2)
 
 
-def initialize(cluster: Cluster, mesh_size: int | None, environ=os.environ) -> None:
+def not_joined(process_id: int | None, num_processes: int | None, timeout: float) -> str:
+    """The one line for a join that timed out: with 2 processes it names the other one; otherwise this one."""
+    why = "not started, failed before joining, or started with another --coordinator or --num-processes"
+    if num_processes == 2 and process_id in (0, 1):
+        return f"process {1 - process_id} of 2 did not join within {timeout:g} s ({why})"
+    who = "" if process_id is None else f"; this is process {process_id}"
+    return f"not every one of the {num_processes or '?'} processes joined within {timeout:g} s ({why}{who})"
+
+
+# JAX's own limits are set this much beyond ours, so that our one-line message comes first (JAX aborts natively)
+_JAX_MARGIN_S = 30.0
+
+
+def exit_with(text: str | None, status: int = 2) -> None:
+    """Print `text` (one line, stderr) and end the process at once (os._exit: from a watchdog thread while the main
+    thread is stuck in native code, and without JAX's exit handlers, which would wait for the other processes)."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+    with contextlib.suppress(OSError, ValueError):
+        if text is not None:
+            print(text, file=sys.stderr, flush=True)
+    os._exit(status)
+
+
+def initialize(cluster: Cluster, mesh_size: int | None, environ=os.environ) -> str | None:
     """Join the distributed system (before anything touches a JAX backend) and, for CPU, ask for mesh_size / N
-    simulated devices per process. Prints one line on stderr naming the address first, so that a failure JAX
-    reports by aborting still has it in the log."""
+    simulated devices per process. Prints one line on stderr naming the address first. A join that does not complete
+    within LONGSTRAW_INIT_TIMEOUT_S ends the process with one line (`not_joined`, exit status 2) before JAX's own
+    limit (which aborts natively). Returns the device-split error of a mesh N does not divide (None when it divides):
+    the process joins with one device so that `check_agreement` can first say whether the processes disagree on
+    --mesh."""
+    import threading
+
     import jax
 
+    split_error = None
     if cluster.num_processes is not None and mesh_size is not None:
-        jax.config.update("jax_num_cpu_devices", devices_per_process(mesh_size, cluster.num_processes))
+        try:
+            per_process = devices_per_process(mesh_size, cluster.num_processes)
+        except DistributedError as e:
+            split_error, per_process = str(e), 1
+        jax.config.update("jax_num_cpu_devices", per_process)
     timeouts = {name: env_timeout(name, environ) for name in ("init", "heartbeat", "shutdown")}
     if cluster.coordinator is not None:
         check_coordinator(cluster.coordinator, cluster.process_id, timeouts["init"])
@@ -235,14 +269,73 @@ def initialize(cluster: Cluster, mesh_size: int | None, environ=os.environ) -> N
     who = "?" if cluster.process_id is None else cluster.process_id
     print(f"joining the JAX coordinator at {where} as process {who} of {cluster.num_processes or '?'} "
           f"({cluster.source}; timeout {timeouts['init']:g} s)", file=sys.stderr, flush=True)
+    joined = threading.Event()
+
+    def watch_join():
+        if not joined.wait(timeouts["init"]):
+            exit_with("error: " + not_joined(cluster.process_id, cluster.num_processes, timeouts["init"]))
+
+    threading.Thread(target=watch_join, name="longstraw-join-watchdog", daemon=True).start()
     jax.distributed.initialize(
         coordinator_address=cluster.coordinator, num_processes=cluster.num_processes, process_id=cluster.process_id,
         local_device_ids=list(cluster.local_device_ids) if cluster.local_device_ids else None,
-        cluster_detection_method=cluster.detection, initialization_timeout=math.ceil(timeouts["init"]),
-        heartbeat_timeout_seconds=math.ceil(timeouts["heartbeat"]),
+        cluster_detection_method=cluster.detection,
+        initialization_timeout=math.ceil(timeouts["init"] + _JAX_MARGIN_S),
+        # our watchdog (trainer/watchdog.py) declares a silent process dead after the heartbeat timeout, JAX later
+        heartbeat_timeout_seconds=math.ceil(2 * timeouts["heartbeat"] + _JAX_MARGIN_S),
         shutdown_timeout_seconds=math.ceil(timeouts["shutdown"]))
+    joined.set()
     if mesh_size is not None and cluster.num_processes is None:  # detected: the count is known only now
-        devices_per_process(mesh_size, jax.process_count())
+        try:
+            devices_per_process(mesh_size, _client_state().num_processes)
+        except DistributedError as e:
+            split_error = str(e)
+    return split_error
+
+
+def _client_state():
+    """JAX's distributed state (client, process_id, num_processes); usable before any backend starts."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state
+
+
+def exchange(name: str, value: str, timeout: float) -> list[str]:
+    """Every process posts `value` under `name` in the coordinator's key-value store and reads everyone's ->
+    the values of processes 0..N-1. Touches no device (works before the backends start). A process that has not
+    posted within `timeout` seconds is a DistributedError naming it."""
+    state = _client_state()
+    me, n = state.process_id, state.num_processes
+    n_round = _rounds[name] = _rounds.get(name, 0) + 1
+    state.client.key_value_set(f"longstraw/{name}/{n_round}/{me}", value)
+    values = []
+    for p in range(n):
+        if p == me:
+            values.append(value)
+            continue
+        try:
+            values.append(state.client.blocking_key_value_get(f"longstraw/{name}/{n_round}/{p}", int(timeout * 1000)))
+        except Exception:  # XlaRuntimeError DEADLINE_EXCEEDED: the process is stuck or gone
+            raise DistributedError(f"process {p} of {n} did not report its {name} within {timeout:g} s") from None
+    return values
+
+
+def check_agreement(config, explicit=frozenset()) -> None:
+    """After joining, before any device is used or anything compiles: the processes compare their
+    `agreement.fingerprint`s through the coordinator; a difference is one DistributedError on every process naming
+    the differing fields and processes. Nothing to do in a single-process run."""
+    import json
+
+    from longstraw_jax.trainer import agreement
+
+    state = _client_state()
+    if state.client is None:
+        return
+    mine = json.dumps(agreement.fingerprint(config, explicit))
+    prints = [json.loads(v) for v in exchange("agreement", mine, env_timeout("init"))]
+    message = agreement.disagreement(prints)
+    if message is not None:
+        raise DistributedError(message)
 
 
 # ----- after initialisation --------------------------------------------------------------------------------------
@@ -259,11 +352,13 @@ def raise_cpu_device_count(mesh: str) -> None:
         pass
 
 
-def start_jax(config) -> None:
+def start_jax(config, explicit=frozenset()) -> None:
     """Before anything touches a JAX backend (the trainer and `evaluate` call it first): join a multi-process run
     (config.coordinator / num_processes / process_id, the JAX_* variables, or a detected SLURM / Open MPI job) with
-    config.mesh's A*B devices split over the processes, or in one process raise the simulated CPU device count to
-    A*B. config: a RunConfig (or anything with those four fields)."""
+    config.mesh's A*B devices split over the processes, check that every process was started alike
+    (`check_agreement`) and start this process's watchdog (trainer/watchdog.py); or in one process raise the
+    simulated CPU device count to A*B. config: a RunConfig (or anything with those four fields); explicit: the
+    options given on the command line."""
     from longstraw_jax.parallel.mesh import parse_mesh_spec
 
     cluster = resolve(config.coordinator, config.num_processes, config.process_id)
@@ -274,7 +369,13 @@ def start_jax(config) -> None:
     if config.mesh is None:
         raise DistributedError(f"{cluster.source}: a multi-process run needs --mesh AxB (the global mesh, its A*B "
                                "devices split evenly over the processes)")
-    initialize(cluster, math.prod(parse_mesh_spec(config.mesh)))
+    split_error = initialize(cluster, math.prod(parse_mesh_spec(config.mesh)))
+    check_agreement(config, explicit)
+    if split_error is not None:
+        raise DistributedError(split_error)
+    from longstraw_jax.trainer import watchdog
+
+    watchdog.start(getattr(config, "step_timeout", watchdog.DEFAULT_STEP_TIMEOUT_S), cluster.coordinator)
 
 
 def process_index() -> int:

@@ -8,12 +8,15 @@ simulated devices; trainer/distributed.py), so `--processes 2 -- --mesh 2x4` is 
 Every output line of process I is printed with the prefix `[pI] ` (stdout and stderr merged, in order per process);
 the launcher's own lines start with `[launch] `. When a process ends with a non-zero status, the others get
 `--grace` seconds to end by themselves (JAX's heartbeat stops them when a peer died) and are then killed; the
-launcher exits with that first non-zero status (128 + N for a process killed by signal N). Ctrl-C (SIGINT) and
-SIGTERM are forwarded to every process (each runs in its own process group, so it gets the signal once).
+launcher exits with that first non-zero status (128 + N for a process killed by signal N). Ctrl-C (SIGINT), SIGTERM
+and SIGHUP (a dropped ssh session) are forwarded to every process (each runs in its own process group, so it gets
+the signal once). The processes never outlive the launcher: each gets SIGTERM when it dies, even by SIGKILL
+(trainer/supervise.py:die_with_parent).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import signal
@@ -24,6 +27,9 @@ import threading
 import time
 
 from longstraw_jax.parallel.mesh import parse_mesh_spec
+from longstraw_jax.trainer import supervise
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -82,20 +88,29 @@ def _describe(returncode: int) -> str:
 
 
 def _pump(stream, prefix: str, lock) -> None:
+    """Copy a process's lines to stdout with `prefix`; reading on when stdout is gone (a closed terminal), so that
+    the process never blocks on a full pipe."""
     for line in iter(stream.readline, ""):
-        with lock:
+        with lock, contextlib.suppress(OSError, ValueError):
             sys.stdout.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
             sys.stdout.flush()
     stream.close()
+
+
+def _say(lock, text: str) -> None:
+    with lock, contextlib.suppress(OSError, ValueError):
+        print(f"[launch] {text}", flush=True)
 
 
 def launch(processes: int, run_args: list[str], grace: float = 10.0, env=None) -> int:
     """Run the N processes to the end -> the exit status (0, or the first non-zero one)."""
     check_args(processes, run_args)
     lock = threading.RLock()  # reentrant: the signal handler may print while the main thread prints
-    say = lambda text: (lock.acquire(), print(f"[launch] {text}", flush=True), lock.release())
+    say = lambda text: _say(lock, text)
     port = free_port()
-    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+    # the workers end with SIGTERM when the launcher dies, however it dies
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1",
+               **{supervise.PARENT_ENV: f"{os.getpid()}:SIGTERM"})
     procs, pumps = [], []
     for i, cmd in enumerate(commands(processes, run_args, port)):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -112,7 +127,7 @@ def launch(processes: int, run_args: list[str], grace: float = 10.0, env=None) -
             if proc.poll() is None:
                 proc.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
     first_failure = None
     try:
         while [p.poll() for p in procs].count(None):  # poll every process (any() would stop at the first)

@@ -33,6 +33,7 @@ from longstraw_jax.trainer import (
     setup as run_setup,
     updates,
     warmup,
+    watchdog,
 )
 from longstraw_jax.trainer.config import RunConfig, RunError
 
@@ -147,8 +148,10 @@ class Trainer:
         wall = time.perf_counter()
         try:
             self.before_first_step(say)
+            watchdog.note_checkpoint(self.last_checkpoint())  # several processes: a step that hangs ends them all
             while self.step < config.steps:
-                record = self.train_one()
+                with watchdog.step(self.step + 1):
+                    record = self.train_one()
                 records.append(record)
                 if self.step % config.log_every == 0 or self.step == config.steps:
                     say(run_log.progress(record, config.steps), flush=True)
@@ -158,6 +161,7 @@ class Trainer:
                     with _sigint_deferred():
                         self.checkpoints.save(self.step, self.params, self.opt_state, self.key, self.data_position,
                                               config.saved())
+                    watchdog.note_checkpoint(self.last_checkpoint())
             wall = time.perf_counter() - wall
             self.checkpoints.close()
             # a collective: all processes
@@ -217,22 +221,27 @@ class Trainer:
             + evaluate.describe(result, getattr(evaluator.task, "chance_accuracy", None)), flush=True)
         return {"step": self.step, "kind": "eval", **result}
 
-    def interrupted(self) -> int:
-        """After Ctrl-C: say where the run stands on stderr -> 130."""
+    def last_checkpoint(self) -> str:
+        """Where the run stands: "the last complete checkpoint is step N (PATH); continue with --out OUT --resume",
+        or that none was saved."""
         if self.checkpoints is not None:
-            self.checkpoints.close()
             last = self.checkpoints.latest_step()
             where = self.checkpoints.directory
         else:  # nothing written yet: the resumed checkpoint, if any, is still the newest
             last = self.start_step if self.plan.resuming else None
             where = os.path.join(self.plan.out, "checkpoints")
         if last is None:
-            state = "no checkpoint was saved (a new run with the same --out starts over)"
-        else:
-            state = (f"the last complete checkpoint is step {last} ({os.path.join(where, str(last))}); continue "
-                     f"with --out {self.plan.out} --resume")
+            return "no checkpoint was saved (a new run with the same --out starts over)"
+        return (f"the last complete checkpoint is step {last} ({os.path.join(where, str(last))}); continue with --out "
+                f"{self.plan.out} --resume")
+
+    def interrupted(self) -> int:
+        """After Ctrl-C: say where the run stands on stderr -> 130."""
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         if distributed.is_primary():
-            print(f"interrupted (Ctrl-C) after {self.step} completed steps: {state}", file=sys.stderr, flush=True)
+            print(f"interrupted (Ctrl-C) after {self.step} completed steps: {self.last_checkpoint()}",
+                  file=sys.stderr, flush=True)
         return 130
 
 
