@@ -30,6 +30,8 @@ def load_rollouts(path: str | os.PathLike, vocab_size: int, tokenizer_path: str 
     it is an error naming the line and the reason.
     """
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"rollout file {path} is a directory; --rollouts takes one JSONL file (one group per line)")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"rollout file {path} does not exist")
     tokenizer = None
@@ -60,7 +62,12 @@ def load_rollouts(path: str | os.PathLike, vocab_size: int, tokenizer_path: str 
 def _token_list(value, field: str, vocab_size: int) -> np.ndarray:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ValueError(f"'{field}' must be a list of integer token ids")
-    ids = np.asarray(value, np.int64)
+    try:
+        ids = np.asarray(value, np.int64)
+    except OverflowError:  # beyond int64: found in Python (only on this error path)
+        where = next(i for i, t in enumerate(value) if not 0 <= t < vocab_size)
+        raise ValueError(f"'{field}'[{where}] = {value[where]} is out of range: token ids must be in "
+                         f"[0, vocab_size={vocab_size})") from None
     bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
     if bad.size:
         raise ValueError(f"'{field}'[{bad[0]}] = {ids[bad[0]]} is out of range: token ids must be in "

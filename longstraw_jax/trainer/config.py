@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import math
 import re
+import sys
 import tomllib
 from typing import Collection
 
@@ -29,6 +30,9 @@ RESUMABLE = frozenset({"config", "steps", "resume", "resume_step", "out", "expor
 # Options a checkpoint records and a resumed run adopts, but that may be given differently on --resume (a run saved by
 # 2 processes on a 2x4 mesh continues on one process, on 2x4 or 1x8; evaluations may come more or less often).
 CHANGEABLE = frozenset({"mesh", "eval_every", "decode_batch"})
+
+
+MAX_EVAL_PROMPTS = 65536
 
 
 class RunError(Exception):
@@ -168,6 +172,12 @@ class RunConfig:
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be a finite number >= 0")
         errors += _train_errors(self)
+        if self.group_size == 1:
+            errors.append("--group-size=1 must be >= 2: a GRPO advantage is a reward's difference from its group's "
+                          "mean, so a group of one branch always has advantage 0 and nothing is learned")
+        if self.eval_prompts > MAX_EVAL_PROMPTS:
+            errors.append(f"--eval-prompts={self.eval_prompts} must be <= {MAX_EVAL_PROMPTS}: every evaluation "
+                          "captures and answers each held-out prompt")
         if self.clip_low >= 1:
             errors.append(f"--clip-low={self.clip_low} must be < 1 (the lower clip bound is 1 - clip_low)")
         if self.temperature == 0:
@@ -289,11 +299,33 @@ def parse_args(argv=None) -> tuple[RunConfig, frozenset[str]]:
     """Command line -> (RunConfig, names of the options given explicitly: on the command line or in the --config
     file, whose values the command line overrides). Bad values raise ValueError (argparse's own errors, e.g. an
     unknown option, exit with status 2 as usual)."""
+    argv = negative_values_attached(sys.argv[1:] if argv is None else list(argv))
     given = vars(build_parser(explicit_only=True).parse_args(argv))
     from_file = read_config_file(given["config"]) if given.get("config") else {}
     parser = build_parser()
     parser.set_defaults(**from_file)
     return RunConfig(**vars(parser.parse_args(argv))), frozenset(given) | frozenset(from_file)
+
+
+_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
+
+
+def negative_values_attached(argv: list[str]) -> list[str]:
+    """`--lr -1e3` -> `--lr=-1e3`: argparse takes a value that starts with '-' for an option unless it looks like
+    a plain negative number (-1, -0.5); a number in exponent form (or -inf / -nan) after an option of RunConfig that
+    takes a value is attached to it, so that the bound check names it instead of argparse saying "expected one
+    argument"."""
+    takes_value = {flag(f.name) for f in dataclasses.fields(RunConfig) if f.type != "bool"}
+    takes_value |= {f.metadata["short"] for f in dataclasses.fields(RunConfig) if f.metadata["short"]}
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in takes_value and i + 1 < len(argv) and _NUMBER.match(argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def read_config_file(path: str) -> dict:

@@ -80,7 +80,10 @@ class Evaluator:
         from longstraw_jax.sampling.branches import SamplingConfig
 
         if num_prompts < 1:
-            raise ValueError(f"num_prompts={num_prompts} must be >= 1")
+            raise ValueError(f"--eval-prompts={num_prompts} must be >= 1")
+        if mesh is not None and num_prompts % mesh.shape["data"]:
+            raise ValueError(f"--eval-prompts={num_prompts} must be a multiple of the mesh's data size "
+                             f"{mesh.shape['data']}: each data slice scores the same number of prompts")
         self.task, self.reward_fn, self.chunk_size, self.mesh = task, reward_fn, chunk_size, mesh
         self.prompts = [task.prompt(i) for i in range(num_prompts)]
         self.tokens = np.stack([p.tokens for p in self.prompts]).astype(np.int32)  # [K, P]

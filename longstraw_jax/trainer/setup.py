@@ -53,7 +53,39 @@ def load_model(config: RunConfig):
         except UserWarning as w:
             raise RunError(str(w)) from None
     model = models.build(model_config)
+    check_fits(model, dtype, "--model " + config.model if config.model != "tiny" else
+               f"--model tiny --vocab-size {config.vocab_size}")
     return model, _init(model, jax.random.key(config.seed), dtype)
+
+
+def available_bytes() -> int:
+    """Memory the params may use: the sum of the local accelerators' `bytes_limit`, or on CPU the host's available
+    memory (/proc/meminfo MemAvailable, else physical pages)."""
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
+    if all(limits):
+        return int(sum(limits))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(model, dtype, what: str, available: int | None = None) -> None:
+    """Before a random init allocates anything: the params (at `dtype`) and AdamW's two float32 moments must fit in
+    `available` bytes (default `available_bytes()`), else a RunError naming `what` and both sizes (the shapes come
+    from `jax.eval_shape`: nothing is allocated)."""
+    shapes = jax.eval_shape(lambda key: model.init(key, dtype), jax.random.key(0))
+    count = sum(x.size for x in jax.tree.leaves(shapes))
+    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)) + 8 * count
+    available = available_bytes() if available is None else available
+    if need > available:
+        raise RunError(f"{what}: {count / 1e9:.3g} B parameters need {need / 2**30:.1f} GiB (params + AdamW "
+                       f"moments) before any activation; {available / 2**30:.1f} GiB available on "
+                       f"{jax.local_device_count()} local device(s)")
 
 
 # one jitted init for every run in a process (a `jax.jit(model.init)` made per call compiled again each time)
