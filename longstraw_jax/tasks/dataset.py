@@ -45,7 +45,16 @@ def read_dataset(path: str, option: str = "--data"):
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.utils.logging.set_verbosity_error()
+    log = datasets.utils.logging
+    previous = log.get_verbosity()
+    log.set_verbosity(log.CRITICAL)  # its own "failed to load" lines: the ValueError below says it in one line
+    try:
+        return _read(datasets, path, option)
+    finally:
+        log.set_verbosity(previous)
+
+
+def _read(datasets, path: str, option: str):
     if not os.path.exists(path):
         raise ValueError(f"{option} {path}: no such file or directory")
     builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
