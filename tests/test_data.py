@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from longstraw_jax.tasks import dataset, tokenizer as tokenizers
-from longstraw_jax.trainer import cli as run
-from longstraw_jax.trainer import setup
+from longstraw_jax.trainer import cli as run, setup
 
 WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system", "nothink", "the", "answer",
          "is", "blue", "red", "green", "what", "colour", "sky", "grass", "sea", "log", "tool", "ok", "?"]
@@ -296,7 +295,8 @@ def test_bad_data_one_line_error_nothing_written(tmp_path, tok_dir, capsys):
         (["--eval-fraction", "1.5"], r"--eval-fraction=1.5 must be in \(0, 1\)"),
         (["--eval-fraction", "0"], r"--eval-fraction=0.0 must be in \(0, 1\)"),
         (["--prompt-field", "question"], r"--prompt-field question: no such column"),
-        (["--reward", "nonesuch", "--reward-weights", "1,0,0.5,1"], r"--reward 'nonesuch': unknown; built-ins: exact_match, contains, f1, math"),
+        (["--reward", "nonesuch", "--reward-weights", "1,0,0.5,1"],
+         r"--reward 'nonesuch': unknown; built-ins: exact_match, contains, f1, math"),
         (["--answer-field", "solution"], r"--reward contains reads the reference answer from the column 'solution'"),
         (["--chat-template-kwargs", "[1]"], r"--chat-template-kwargs='\[1\]' must be a JSON object"),
         (["--sft-steps", "4"], r"--sft-steps=4: the supervised warm-up needs a task's target responses"),

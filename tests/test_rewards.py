@@ -179,7 +179,8 @@ def test_a_bad_text_reward_stops_the_trainer_naming_it(tmp_path, capsys, monkeyp
     data = write_jsonl(tmp_path / "d.jsonl", rows_of(4))
     for name, message in (("raising_reward", "raised RuntimeError: judge offline"),
                           ("short_reward", "returned 1 value(s) for 3 completions"),
-                          ("nan_reward", "returned nan for completion 0; rewards must be finite")):
+                          ("nan_reward", "returned nan for completion 0; rewards must be finite (or None: does not "
+                                         "apply)")):
         out = str(tmp_path / name)
         argv = data_args(data, tok, "--steps", "2", "--out", out, "--eval-every", "0", "--reward",
                          f"tests.test_rewards:{name}", "--reward-weights", "1,0,0.5,1")
