@@ -212,6 +212,7 @@ def records(out, kind=None):
 TIMING = {"tokens_per_s", "rollout_s", "update_s", "step_s", "peak_mem_bytes", "peak_mem_source", "eval_s"}
 
 
+@pytest.mark.slow
 def test_data_run_equals_two_steps_and_resume(tmp_path, tok_dir, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", rows_of(12, messages=True))
     args = data_args(data, tok_dir, "--eval-fraction", "0.25", "--eval-every", "2", "--eval-prompts", "2",
@@ -238,6 +239,7 @@ def test_data_run_equals_two_steps_and_resume(tmp_path, tok_dir, capsys):
     assert {int(r["eval_reward/row_id"] * 2) for r in evals} == {int(held[0] + held[1])}  # the first 2 held-out
 
 
+@pytest.mark.slow
 def test_prompts_of_different_lengths(tmp_path, tok_dir, capsys):
     rows = [{"prompt": "what is the answer ?", "answer": "red", "id": 0},
             {"prompt": "tool log ok what is the answer ?", "answer": "red", "id": 1}]
@@ -313,3 +315,18 @@ def test_bad_data_one_line_error_nothing_written(tmp_path, tok_dir, capsys):
         assert not os.path.exists(out), extra
     assert run.main(["--eval-fraction", "0.5"]) == 2
     assert "--eval-fraction needs --data" in capsys.readouterr().err
+
+
+def test_datasets_and_transformers_are_imported_only_when_used():
+    """`import longstraw_jax` and the data / reward / tokenizer modules stay light: datasets, transformers and
+    math-verify load inside the functions that need them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, longstraw_jax, longstraw_jax.trainer.setup, longstraw_jax.trainer.evaluate\n"
+            "from longstraw_jax.tasks import dataset, rewards, tokenizer\n"
+            "print(sorted(m for m in ('datasets', 'transformers', 'math_verify', 'pyarrow') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
