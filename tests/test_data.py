@@ -237,6 +237,16 @@ def test_data_run_equals_two_steps_and_resume(tmp_path, tok_dir, capsys):
     assert [r["step"] for r in evals] == [0, 2, 3] and clean(records(part, "eval")) == clean(evals)
     assert all({"eval_reward/contains", "eval_reward/row_id"} <= set(r) and r["eval_prompts"] == 2 for r in evals)
     assert {int(r["eval_reward/row_id"] * 2) for r in evals} == {int(held[0] + held[1])}  # the first 2 held-out
+    # python -m longstraw_jax.evaluate scores the checkpoint with the run's data options: the last evaluation again
+    from longstraw_jax.trainer import evaluate
+
+    report = str(tmp_path / "eval.json")
+    assert evaluate.main(["--resume", whole, "--json", report]) == 0
+    with open(report) as f:
+        scored = json.load(f)
+    assert {k: v for k, v in scored["metrics"].items() if k not in TIMING | {"eval_kl_to_start"}} == {
+        k: v for k, v in evals[-1].items() if k not in TIMING | {"step", "kind", "eval_kl_to_start"}}
+    assert [a["info"]["id"] for a in scored["answers"]] == held[:2].tolist()
 
 
 @pytest.mark.slow

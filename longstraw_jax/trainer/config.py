@@ -16,8 +16,8 @@ from typing import Collection
 
 from longstraw_jax.parallel.mesh import parse_mesh_spec
 
-DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`, or the next group of a rollout "
-               "file), capture it once and sample G branches from the captured state (sampling/), score them with "
+DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`, a --data row in the shuffled "
+               "order, or the next group of a rollout file), capture it once and sample G branches from the captured state (sampling/), score them with "
                "the reward function, then one GRPO update (engine gradients, exact or detached; clipped AdamW). "
                "Writes to --out: metrics.jsonl (one line per step, held-out evaluation and warm-up step), metrics.png "
                "(reward, held-out accuracy, entropy, KL, grad norm, clip fraction), "
@@ -98,7 +98,7 @@ class RunConfig:
                                     metavar="PATH")
     eval_fraction: float | None = _option(None, "--data: hold out this fraction of the rows, in (0, 1) (the same rows "
                                           "whatever --seed; never trained on)", metavar="F")
-    prompt_len: int = _option(32, "prompt tokens per group (task prompts)")
+    prompt_len: int = _option(32, "prompt tokens per group (task prompts; --data prompts keep their own length)")
     depth: float | None = _option(None, "retrieval task: depth of the planted fact in [0, 1] (default: random per "
                                   "prompt)")
     facts: int | None = _option(None, "retrieval task: facts per prompt, the queried one and N-1 distractors with "

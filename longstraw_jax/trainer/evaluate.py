@@ -237,7 +237,9 @@ def describe(metrics: dict, chance: float | None = None) -> str:
 # ---------------------------------------------------------------------------------------------------------- CLI
 
 _OVERRIDES = ("task", "reward", "prompt_len", "depth", "seed", "eval_prompts", "response_len", "stop_token",
-              "chunk_size", "mesh", "dtype", "vocab_size", "model", "eval_data", "tokenizer")
+              "chunk_size", "mesh", "dtype", "vocab_size", "model", "data", "eval_data", "eval_fraction", "tokenizer",
+              "prompt_field", "messages_field", "answer_field", "chat_template_kwargs", "max_prompt_len", "truncate",
+              "reward_weights")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -252,9 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the metrics and every prompt's answer to FILE")
     argparse_types = {"task": str, "reward": str, "prompt_len": int, "depth": float, "seed": int, "eval_prompts": int,
                       "response_len": int, "stop_token": int, "chunk_size": int, "mesh": str, "dtype": str,
-                      "vocab_size": int, "model": str, "eval_data": str, "tokenizer": str}
+                      "vocab_size": int, "model": str, "eval_fraction": float, "max_prompt_len": int}
     for name in _OVERRIDES:  # default: the run's option (--resume) or the trainer's default
-        p.add_argument("--" + name.replace("_", "-"), type=argparse_types[name], default=argparse.SUPPRESS,
+        p.add_argument("--" + name.replace("_", "-"), type=argparse_types.get(name, str), default=argparse.SUPPRESS,
                        help="as the trainer's option (default: the resumed run's, else the trainer's default)")
     return p
 
