@@ -17,12 +17,12 @@ from typing import Collection
 from longstraw_jax.parallel.mesh import parse_mesh_spec
 
 DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`, a --data row in the shuffled "
-               "order, or the next group of a rollout file), capture it once and sample G branches from the captured state (sampling/), score them with "
-               "the reward function, then one GRPO update (engine gradients, exact or detached; clipped AdamW). "
-               "Writes to --out: metrics.jsonl (one line per step, held-out evaluation and warm-up step), metrics.png "
-               "(reward, held-out accuracy, entropy, KL, grad norm, clip fraction), "
-               "checkpoints/ (Orbax: params, optimizer state, RNG key, data position), and with --export-hf a "
-               "safetensors checkpoint of the final params.")
+               "order, or the next group of a rollout file), capture it once and sample G branches from the captured "
+               "state (sampling/), score them with the reward function(s), then one GRPO update (engine gradients, "
+               "exact or detached; clipped AdamW). Writes to --out: metrics.jsonl (one line per step, held-out "
+               "evaluation and warm-up step), metrics.png (reward, held-out accuracy, entropy, KL, grad norm, clip "
+               "fraction), checkpoints/ (Orbax: params, optimizer state, RNG key, data position), and with "
+               "--export-hf a safetensors checkpoint of the final params.")
 # Options that may differ when resuming (everything else must match the checkpointed run's configuration).
 RESUMABLE = frozenset({"steps", "resume", "resume_step", "out", "export_hf", "export_peft", "force", "log_every",
                        "save_every", "coordinator", "num_processes", "process_id"})
