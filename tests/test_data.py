@@ -283,6 +283,25 @@ def test_hf_directory_gives_the_tokenizer_and_stop_ids(tmp_path, capsys):
     assert source.task.prompt(0).tokens.size == 6
 
 
+def test_held_out_rows_from_eval_data_or_eval_fraction(tmp_path, tok_dir):
+    """The trainer's held-out task: --eval-data's rows in file order, or the --eval-fraction split's; training
+    draws only the other rows."""
+    data = write_jsonl(tmp_path / "d.jsonl", rows_of(8))
+    held_file = write_jsonl(tmp_path / "h.jsonl", [dict(r, id=100 + r["id"]) for r in rows_of(3, messages=True)])
+    base = ["--vocab-size", str(VOCAB), "--tokenizer", tok_dir, "--data", data, "--reward", "f1"]
+    config, _ = run.parse_args(base + ["--eval-data", held_file])
+    held, _, stops, _ = setup.dataset_task(config, VOCAB, held_out=True)
+    assert [held.prompt(i).info["id"] for i in range(4)] == [100, 101, 102, 100]  # in order, not shuffled
+    assert held.format.messages_field == "messages" and held.path == held_file and stops == (3, 1)
+    assert sorted(setup.dataset_task(config, VOCAB)[0].row_of(i) for i in range(8)) == list(range(8))
+    config, _ = run.parse_args(base + ["--eval-fraction", "0.25"])
+    train, held = setup.dataset_task(config, VOCAB)[0], setup.dataset_task(config, VOCAB, held_out=True)[0]
+    assert sorted(train.row_of(i) for i in range(6)) == dataset.split_rows(8, 0.25)[0].tolist()
+    assert [held.row_of(i) for i in range(2)] == dataset.split_rows(8, 0.25)[1].tolist()
+    config, _ = run.parse_args(base)
+    assert setup.dataset_task(config, VOCAB, held_out=True)[0] is None
+
+
 # ----- bad input -----------------------------------------------------------------------------------------------------
 
 

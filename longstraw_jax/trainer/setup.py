@@ -257,7 +257,7 @@ def sampling_config(config: RunConfig, stops, pad: int, vocab_size: int, tempera
     (None entries dropped; the first is `stop_token`, the others `stop_tokens`) and the pad id, checked against the
     vocabulary."""
     stops = [s for s in stops if s is not None]
-    for name, values in (("stop token", stops), ("pad_token", [pad])):
+    for name, values in (("stop_token", stops), ("pad_token", [pad])):
         for value in values:
             if value >= vocab_size:
                 raise RunError(f"{name}={value} is out of range: ids must be in [0, vocab_size={vocab_size})")
@@ -285,25 +285,17 @@ def dataset_task(config: RunConfig, vocab_size: int, held_out: bool = False):
     if held_out and config.eval_data is None and config.eval_fraction is None:
         return None, None, (), 0
     tokenizer = tokenizers.load_tokenizer(tokenizer_dir(config), vocab_size)
-    rows = dataset.read_dataset(config.data)
+    if held_out and config.eval_data is not None:
+        path, rows = config.eval_data, dataset.read_dataset(config.eval_data, "--eval-data")
+        chosen = np.arange(len(rows))
+    else:
+        path, rows = config.data, dataset.read_dataset(config.data)
+        chosen = (np.arange(len(rows)) if config.eval_fraction is None
+                  else dataset.split_rows(len(rows), config.eval_fraction, path)[1 if held_out else 0])
     fmt = dataset.choose_format(rows.column_names, config.prompt_field, config.messages_field,
                                 chat_template_kwargs=dataset.template_kwargs(config.chat_template_kwargs),
                                 max_prompt_len=config.max_prompt_len, truncate=config.truncate)
-    path, seed, shuffle = config.data, config.seed, True
-    if config.eval_fraction is not None:
-        train, held = dataset.split_rows(len(rows), config.eval_fraction, config.data)
-        chosen = held if held_out else train
-    else:
-        chosen = np.arange(len(rows))
-    if held_out:
-        shuffle = False
-        if config.eval_data is not None:
-            path, rows = config.eval_data, dataset.read_dataset(config.eval_data, "--eval-data")
-            fmt = dataset.choose_format(rows.column_names, config.prompt_field, config.messages_field,
-                                        **{k: getattr(fmt, k) for k in ("chat_template_kwargs", "max_prompt_len",
-                                                                        "truncate")})
-            chosen = np.arange(len(rows))
-    task = dataset.DatasetTask(rows, path, chosen, tokenizer, fmt, seed=seed, shuffle=shuffle,
+    task = dataset.DatasetTask(rows, path, chosen, tokenizer, fmt, seed=config.seed, shuffle=not held_out,
                                name=f"{'held-out ' if held_out else ''}data {path}")
     functions = rewards.load_rewards(config.reward, config.reward_weights, task.columns, config.answer_field)
     stops = ((config.stop_token,) if config.stop_token is not None
