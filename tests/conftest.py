@@ -56,7 +56,7 @@ def _fresh_jax_caches():
 # workers busy until the short files even out the finish. Only the speed depends on these lists.
 LONGEST_FIRST = ("test_groups.py", "test_sharding_glm.py", "test_models.py", "test_glm52.py", "test_lora.py",
                  "test_float64.py", "test_faults.py", "test_multiprocess.py", "test_rollout.py", "test_engine.py",
-                 "test_bench.py", "test_evaluate.py", "test_run.py", "test_sharding_sequence.py",
+                 "test_bench.py", "test_evaluate.py", "test_data.py", "test_run.py", "test_sharding_sequence.py",
                  "test_sharding_grpo.py", "test_sharding_sample.py", "test_capacity.py", "test_qwen36_hf_parity.py",
                  "test_convert.py",
                  "test_qwen36.py", "test_experts.py", "test_glm52_hf_parity.py", "test_train.py", "test_ops.py",

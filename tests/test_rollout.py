@@ -5,7 +5,8 @@
   share one state (each overwrites the previous branch's tail), so this also shows no branch sees another's tokens;
 - the recorded log-probs equal the full-graph oracle's (naive.response_logprobs, what grpo_grads scores) at
   temperature 1, and the sampling log-probs reflect temperature / top-p;
-- stop token: kept with mask 1, then padding with mask 0, and the tokens before it are unchanged;
+- stop token: kept with mask 1, then padding with mask 0, and the tokens before it are unchanged; several stop ids
+  (stop_tokens): a branch ends at the first it samples;
 - top-p keeps exactly the nucleus; bad inputs raise on the host;
 - branches decode together (`decode_batch`, default all G): one branch at a time gives the same tokens, masks and
   log-probs (stop token, top-p; both families);
@@ -128,6 +129,34 @@ def test_stop_token_masks_and_pads(setup):
         assert np.all(np.asarray(out.logprobs[g, length:]) == 0)
         np.testing.assert_allclose(out.logprobs[g, :length], free.logprobs[g, :length], rtol=1e-6, atol=1e-6)
     assert out.mask[1].sum() <= 3
+
+
+def test_several_stop_tokens_end_a_branch_at_the_first_of_them(setup):
+    """SamplingConfig.stop_tokens (a chat model's end-of-turn and EOS ids): each branch ends at whichever stop id it
+    samples first, exactly as with that id alone; `stops` is stop_token then stop_tokens, without repeats."""
+    model, params, prompt = setup
+    key = jax.random.key(7)
+    free = sample_group(model, params, prompt, G, SamplingConfig(response_len=R), key, chunk_size=CHUNK)
+    first, second = int(free.responses[0, 3]), int(free.responses[2, 1])
+    sampling = SamplingConfig(response_len=R, stop_token=first, stop_tokens=[second, np.int64(first)], pad_token=63)
+    assert sampling.stop_tokens == (second, first) and sampling.stops == tuple(dict.fromkeys((first, second)))
+    assert hash(sampling) == hash(dataclasses.replace(sampling, stop_tokens=(second, first)))
+    out = sample_group(model, params, prompt, G, sampling, key, chunk_size=CHUNK)
+    for g in range(G):
+        row = np.asarray(free.responses[g])
+        hits = np.flatnonzero((row == first) | (row == second))
+        length = hits[0] + 1 if hits.size else R
+        np.testing.assert_array_equal(out.mask[g], np.arange(R) < length)
+        np.testing.assert_array_equal(out.responses[g, :length], row[:length])
+        assert np.all(np.asarray(out.responses[g, length:]) == 63)
+    assert out.mask[0].sum() <= 4 and out.mask[2].sum() <= 2
+    only = SamplingConfig(response_len=R, stop_tokens=(second,), pad_token=63)  # no stop_token, one stop id
+    np.testing.assert_array_equal(sample_group(model, params, prompt, G, only, key, chunk_size=CHUNK).mask[2],
+                                  np.arange(R) < np.flatnonzero(np.asarray(free.responses[2]) == second)[0] + 1)
+    with pytest.raises(ValueError, match=r"stop_tokens=\(-1,\) must be a tuple of non-negative int token ids"):
+        SamplingConfig(stop_tokens=(-1,))
+    with pytest.raises(ValueError, match=r"stop_tokens holds 64, out of range"):
+        sample_group(model, params, prompt, 2, SamplingConfig(response_len=2, stop_tokens=(64,)), key)
 
 
 @pytest.mark.parametrize("family", ["qwen36", pytest.param("glm52", marks=pytest.mark.slow)])

@@ -21,8 +21,8 @@ results are discarded) until every branch of the batch has stopped. Replay conve
 prompt[:-1] and replays [prompt[-1]] + response, so at temperature 1 the recorded log-probs are the ones
 `grpo_grads` computes for the same tokens (up to float round-off).
 
-Stop token: the stop token itself is a real token (mask 1); after it the branch is padded with `pad_token` and
-mask 0.
+Stop tokens (`SamplingConfig.stops`: `stop_token` and `stop_tokens`, e.g. a chat model's end-of-turn and EOS ids):
+the stop token itself is a real token (mask 1); after it the branch is padded with `pad_token` and mask 0.
 
 keep_capture=True also returns `Captured`: the capture of prompt[:-1] (length P - 1) and its chunk boundaries, so
 a training step captures its prompt once. `sample_after_prompt` is the branch loop every sampler runs (one device:
@@ -53,7 +53,8 @@ class SamplingConfig:
     first one on ties; top_p then plays no part). top_p: in (0, 1]; nucleus sampling keeps the smallest set of most
     likely tokens whose probability reaches top_p (the most likely token is always kept).
     response_len: R, the response length (the arrays are [G, R]). stop_token: None or a token id that ends a
-    branch (it is kept, with mask 1). pad_token: written after the stop token (mask 0). decode_batch: how many
+    branch (it is kept, with mask 1). stop_tokens: more ids that end a branch the same way (a tuple; a list is
+    turned into one): `stops` is the union. pad_token: written after the stop token (mask 0). decode_batch: how many
     branches decode together (None: all G of a group; N must divide G: G / N batches one after another, each R
     steps). The tokens do not depend on it; memory does (N tails live at once, `capacity` package docstring).
     """
@@ -64,6 +65,7 @@ class SamplingConfig:
     stop_token: int | None = None
     pad_token: int = 0
     decode_batch: int | None = None
+    stop_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
         errors = []
@@ -78,6 +80,8 @@ class SamplingConfig:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 0):
                 errors.append(f"{name}={value!r} must be a non-negative int token id")
+        if not isinstance(self.stop_tokens, (tuple, list)) or any(not is_int(t) or t < 0 for t in self.stop_tokens):
+            errors.append(f"stop_tokens={self.stop_tokens!r} must be a tuple of non-negative int token ids")
         if self.decode_batch is not None and (not is_int(self.decode_batch) or self.decode_batch < 1):
             errors.append(f"decode_batch={self.decode_batch!r} must be a positive int (branches decoded together) "
                           "or None (all G)")
@@ -86,8 +90,14 @@ class SamplingConfig:
                                ("stop_token", int), ("pad_token", int), ("decode_batch", int)):
                 if getattr(self, name) is not None:
                     object.__setattr__(self, name, kind(getattr(self, name)))
+            object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
         if errors:
             raise ValueError("invalid SamplingConfig: " + "; ".join(errors))
+
+    @property
+    def stops(self) -> tuple[int, ...]:
+        """Every id that ends a branch: stop_token (if any), then stop_tokens, without repeats."""
+        return tuple(dict.fromkeys(((self.stop_token,) if self.stop_token is not None else ()) + self.stop_tokens))
 
 
 @struct.dataclass
@@ -154,6 +164,10 @@ def check_sampling_inputs(model, prompt, group_size, sampling: SamplingConfig):
         value = getattr(sampling, name)
         if value is not None and value >= vocab:
             raise ValueError(f"SamplingConfig.{name}={value} is out of range: ids must be in [0, vocab_size={vocab})")
+    for value in sampling.stop_tokens:
+        if value >= vocab:
+            raise ValueError(f"SamplingConfig.stop_tokens holds {value}, out of range: ids must be in [0, "
+                             f"vocab_size={vocab})")
     decode_batch(sampling, group_size)
     return prompt, int(group_size)
 
@@ -235,10 +249,10 @@ def sample_after_prompt(model, params, decode, tail, prompt, key, group_size: in
     over G / N batches) each run a `lax.while_loop` over t < R that stops when every branch of the batch has
     stopped: token t of branch g ~ categorical(fold_in(keys[g], t), sampling_logits), keys = jax.random.split(key,
     G); at temperature 0 token t = argmax(logits) (every branch the same). A branch is decoded at position P + t for
-    token t unless t is its last (t = R - 1, or its stop token).
+    token t unless t is its last (t = R - 1, or one of its stop tokens `sampling.stops`).
     """
     length, p = sampling.response_len, prompt.shape[0]
-    stop = -1 if sampling.stop_token is None else sampling.stop_token
+    stops = jnp.asarray(sampling.stops or (-1,), jnp.int32)  # [S]; -1: no token stops a branch
     n = decode_batch(sampling, group_size)
     hidden, tail = decode(tail, prompt[-1], p - 1)
     first_logits = model.logits(params, hidden)[0]
@@ -270,7 +284,7 @@ def sample_after_prompt(model, params, decode, tail, prompt, key, group_size: in
             logp = keep(logp.at[:, t].set(pick(jax.nn.log_softmax(logits))), logp)
             point = jnp.zeros(n, jnp.float32) if sampling.temperature == 0 else pick(jax.nn.log_softmax(shaped))
             sample_logp = keep(sample_logp.at[:, t].set(point), sample_logp)
-            done = done | (live & (token == stop))
+            done = done | (live & jnp.any(token[:, None] == stops[None, :], axis=-1))
             # the last token (or a stop) needs no successor: no step once no branch needs one
             need = jnp.any(~done) & (t + 1 < length)
             tails, logits = jax.lax.cond(anywhere(need), lambda: step_all(tails, token, p + t),

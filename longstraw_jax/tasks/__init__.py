@@ -9,6 +9,12 @@ arguments prompt_len, vocab_size, seed and returning a task).
 Built-ins (`BUILTIN_TASKS`): `retrieval` (tasks/retrieval.py: a synthetic agent log with a fact planted at a chosen
 depth). `Prompt` and the `Task` protocol live in tasks/base.py.
 Externally generated rollouts (JSONL, e.g. from vLLM or SGLang) are read by tasks/rollout_file.py.
+Datasets of text prompts or chat messages (`--data`): tasks/dataset.py, with the checkpoint's tokenizer
+(tasks/tokenizer.py) and rewards over text (tasks/rewards.py).
+
+A group scorer has `score_group(prompt, responses [G, R], mask [G, R]) -> (rewards float32 [G], parts)`, parts
+{function name: (values float64 [G], applies bool [G])} for per-function metrics: `TokenReward` wraps a token-level
+reward function (no parts), `rewards.TextRewards` several text ones; `as_scorer` gives either.
 """
 from __future__ import annotations
 
@@ -91,6 +97,22 @@ def score(reward_fn: Callable, prompt: Prompt, responses: np.ndarray, mask: np.n
     return np.asarray(rewards, np.float32)
 
 
+class TokenReward:
+    """The group scorer of one token-level reward function `fn(prompt_tokens, response_tokens, info) -> float`."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def score_group(self, prompt: Prompt, responses: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, dict]:
+        """-> (rewards float32 [G] from `score`, no per-function parts)."""
+        return score(self.fn, prompt, responses, mask), {}
+
+
+def as_scorer(reward):
+    """A group scorer (anything with `score_group`) as it is; a plain token-level reward function wrapped."""
+    return reward if hasattr(reward, "score_group") else TokenReward(reward)
+
+
 def make_task(spec: str, prompt_len: int, vocab_size: int, seed: int, **options) -> Task:
     """A built-in task by name ("retrieval") or a factory "module:function" called with keyword arguments
     prompt_len, vocab_size, seed and any `options` (e.g. the retrieval task's depth)."""
@@ -100,5 +122,5 @@ def make_task(spec: str, prompt_len: int, vocab_size: int, seed: int, **options)
     return factory(prompt_len=prompt_len, vocab_size=vocab_size, seed=seed, **options)
 
 
-__all__ = ["BUILTIN_TASKS", "Prompt", "RewardError", "Task", "callable_name", "load_callable",
-           "make_task", "reward_problem", "score"]
+__all__ = ["BUILTIN_TASKS", "Prompt", "RewardError", "Task", "TokenReward", "as_scorer", "callable_name",
+           "load_callable", "make_task", "reward_problem", "score"]

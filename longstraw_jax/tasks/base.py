@@ -11,10 +11,12 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-    """tokens: int32 [P]; info: whatever the reward needs (e.g. the answer), JSON-serialisable values."""
+    """tokens: int32 [P]; info: whatever the reward needs (e.g. the answer), JSON-serialisable values; text: the
+    prompt as text, for rewards over text (tasks/rewards.py; None for token-only tasks)."""
 
     tokens: np.ndarray
     info: dict
+    text: str | None = None
 
 
 class Task(Protocol):

@@ -6,7 +6,8 @@
      "old_logprobs": [[...], ...],   optional, one per response token (log-probs <= 0 under the sampling policy)
      "ref_logprobs": [[...], ...]}   optional, likewise (for the k3 KL: required on every line when kl_coef > 0)
 
-Text fields need a `tokenizer.json` (Hugging Face `tokenizers`; encoded without added special tokens). Responses
+Text fields need a `tokenizer.json` (Hugging Face `tokenizers`; encoded without added special tokens), given as the
+file or as a directory holding it (a checkpoint's). Responses
 are right-padded with `pad_token` (mask 0) to the longest response in the file, so every group of one prompt length
 and group size compiles to the same step. Every line is checked when the file is read; a bad line raises a
 ValueError naming the file, the line number and the field.
@@ -26,6 +27,7 @@ def load_rollouts(path: str | os.PathLike, vocab_size: int, tokenizer_path: str 
                   pad_token: int = 0, required: dict[str, str] | None = None) -> list[GroupBatch]:
     """Every line of `path` as a GroupBatch (numpy arrays), in file order. Blank lines are skipped.
 
+    tokenizer_path: tokenizer.json, or a directory holding one (needed for text fields).
     required: optional field -> why it is needed (e.g. {"ref_logprobs": "--kl-coef=0.1 needs it"}); a line without
     it is an error naming the line and the reason.
     """
@@ -38,6 +40,8 @@ def load_rollouts(path: str | os.PathLike, vocab_size: int, tokenizer_path: str 
     if tokenizer_path is not None:
         from tokenizers import Tokenizer  # only text fields need it: not imported for id-only files
 
+        if os.path.isdir(tokenizer_path):  # a checkpoint's (or tokenizer's) directory: its tokenizer.json
+            tokenizer_path = os.path.join(tokenizer_path, "tokenizer.json")
         if not os.path.isfile(tokenizer_path):
             raise FileNotFoundError(f"tokenizer file {tokenizer_path} does not exist")
         tokenizer = Tokenizer.from_file(tokenizer_path)

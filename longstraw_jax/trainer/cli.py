@@ -1,13 +1,14 @@
 """`python -m longstraw_jax.run`: GRPO training on long shared prompts, end to end.
 
-Each step: take a prompt (a task's prompt number `data_position`, or the next group of a rollout file), capture it once
-and sample G branches from the captured state (sampling/branches.py), score them with the reward function, then one GRPO
-update (engine gradients, exact or detached; clipped AdamW). Before step 1, optionally a supervised warm-up
-(--sft-steps, trainer/warmup.py); before step 1, every --eval-every steps and after the last, a held-out evaluation
-(greedy, K prompts training never draws; trainer/evaluate.py). Writes to --out: metrics.jsonl (one line per step,
-evaluation and warm-up step), metrics.png (reward, held-out accuracy, entropy, KL, grad norm, clip fraction),
-checkpoints/ (Orbax: params, optimizer state, RNG key, data position), eval_start.npy (the start's first-token
-distribution on the held-out prompts), and with --export-hf a safetensors checkpoint of the final params.
+Each step: take a prompt (a task's prompt number `data_position`, a --data row in the shuffled order, or the next group
+of a rollout file), capture it once and sample G branches from the captured state (sampling/branches.py), score them
+with the reward function(s), then one GRPO update (engine gradients, exact or detached; clipped AdamW). Before step 1,
+optionally a supervised warm-up (--sft-steps, trainer/warmup.py); before step 1, every --eval-every steps and after the
+last, a held-out evaluation (greedy, K prompts training never draws; trainer/evaluate.py). Writes to --out:
+metrics.jsonl (one line per step, evaluation and warm-up step), metrics.png (reward, held-out accuracy, entropy, KL,
+grad norm, clip fraction), checkpoints/ (Orbax: params, optimizer state, RNG key, data position), eval_start.npy (the
+start's first-token distribution on the held-out prompts), and with --export-hf a safetensors checkpoint of the final
+params.
 
 Defaults serve a real run (no warm-up, no held-out evaluation unless asked). The demo, `make run`, is
 `--config configs/demo.toml`: a tiny Qwen3.6 (vocabulary 32) on the synthetic retrieval task (a 32-token tool log

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import re
 import sys
@@ -17,13 +18,13 @@ from typing import Collection
 
 from longstraw_jax.parallel.mesh import parse_mesh_spec
 
-DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`, or the next group of a rollout "
-               "file), capture it once and sample G branches from the captured state (sampling/), score them with "
-               "the reward function, then one GRPO update (engine gradients, exact or detached; clipped AdamW). "
-               "Writes to --out: metrics.jsonl (one line per step, held-out evaluation and warm-up step), metrics.png "
-               "(reward, held-out accuracy, entropy, KL, grad norm, clip fraction), "
-               "checkpoints/ (Orbax: params, optimizer state, RNG key, data position), and with --export-hf a "
-               "safetensors checkpoint of the final params.")
+DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`, a --data row in the shuffled "
+               "order, or the next group of a rollout file), capture it once and sample G branches from the captured "
+               "state (sampling/), score them with the reward function(s), then one GRPO update (engine gradients, "
+               "exact or detached; clipped AdamW). Writes to --out: metrics.jsonl (one line per step, held-out "
+               "evaluation and warm-up step), metrics.png (reward, held-out accuracy, entropy, KL, grad norm, clip "
+               "fraction), checkpoints/ (Orbax: params, optimizer state, RNG key, data position), and with "
+               "--export-hf a safetensors checkpoint of the final params.")
 # Options that may differ when resuming (everything else must match the checkpointed run's configuration).
 RESUMABLE = frozenset({"config", "steps", "resume", "resume_step", "out", "export_hf", "export_peft", "force",
                        "log_every", "save_every", "coordinator", "num_processes", "process_id", "step_timeout"})
@@ -37,6 +38,15 @@ MAX_EVAL_PROMPTS = 65536
 
 class RunError(Exception):
     """A user-facing error: run.main() prints it on one line and exits with status 2."""
+
+
+class _JoinAction(argparse.Action):
+    """A repeatable option kept as one comma-separated string (`--reward a --reward b` == `--reward a,b`), so that
+    the saved configuration holds a plain string."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        previous = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, values if previous in (None, argparse.SUPPRESS) else f"{previous},{values}")
 
 
 def _option(default, help: str | None = None, *, group: str | None = None, short: str | None = None, **argparse_kw):
@@ -61,13 +71,43 @@ class RunConfig:
     # data
     task: str = _option("retrieval", "built-in task name ('retrieval') or 'module:function' factory called with "
                         "prompt_len, vocab_size, seed", group="data")
-    reward: str | None = _option(None, "reward function (prompt_tokens, response_tokens, info) -> float; default: "
-                                 "the task's", metavar="MODULE:FUNCTION")
+    reward: str | None = _option(None, "reward function(s). With --task: one fn(prompt_tokens, response_tokens, info) "
+                                 "-> float (default: the task's). With --data (needed there): text rewards fn(prompts, "
+                                 "completions, **columns) -> list[float | None], built-ins exact_match, contains, f1, "
+                                 "math or MODULE:FUNCTION; repeat the option or give a comma list",
+                                 metavar="NAME|MODULE:FUNCTION", action=_JoinAction)
+    reward_weights: str | None = _option(None, "--data: weights of the --reward functions, one each (default 1 each); "
+                                         "the reward is sum_i w_i * r_i over the functions that apply",
+                                         metavar="W1,W2,...")
     rollouts: str | None = _option(None, "train on externally generated rollouts (one group per line) instead of "
                                    "sampling; --task/--reward and the sampling options are then unused",
                                    metavar="FILE.jsonl")
-    tokenizer: str | None = _option(None, "for text fields in --rollouts", metavar="tokenizer.json")
-    prompt_len: int = _option(32, "prompt tokens per group (task prompts)")
+    tokenizer: str | None = _option(None, "tokenizer directory (transformers AutoTokenizer) for --data, default the "
+                                    "--hf / --init-from directory; for text fields in --rollouts a tokenizer.json or "
+                                    "a directory holding one", metavar="DIR|tokenizer.json")
+    data: str | None = _option(None, "train on a dataset of prompts instead of --task: JSONL, Parquet or a directory "
+                               "written by datasets' save_to_disk; each row one prompt (--prompt-field or "
+                               "--messages-field), its other columns go to the reward functions; shuffled per "
+                               "--seed and epoch", metavar="PATH")
+    prompt_field: str | None = _option(None, "--data: the column holding the prompt as text (default 'prompt' when "
+                                       "there is one)", metavar="NAME")
+    messages_field: str | None = _option(None, "--data: the column holding the prompt as chat messages (a list of "
+                                         "{role, content}), rendered with the tokenizer's chat template (default "
+                                         "'messages' when there is no 'prompt' column)", metavar="NAME")
+    answer_field: str = _option("answer", "--data: the column the built-in rewards read the reference answer from "
+                                "(a string, a number or a list of acceptable answers)", metavar="NAME")
+    chat_template_kwargs: str | None = _option(None, "--data: JSON object of extra chat template arguments, e.g. "
+                                               "'{\"enable_thinking\": false}'", metavar="JSON")
+    max_prompt_len: int | None = _option(None, "--data: the most tokens a prompt may have (default: no limit)",
+                                         metavar="N")
+    truncate: str = _option("error", "--data: a prompt over --max-prompt-len: left drops its oldest tokens (keeps the "
+                            "question at the end), right its last ones, error stops the run",
+                            choices=("left", "right", "error"))
+    eval_data: str | None = _option(None, "--data: held-out prompts from this file / directory (same format)",
+                                    metavar="PATH")
+    eval_fraction: float | None = _option(None, "--data: hold out this fraction of the rows, in (0, 1) (the same rows "
+                                          "whatever --seed; never trained on)", metavar="F")
+    prompt_len: int = _option(32, "prompt tokens per group (task prompts; --data prompts keep their own length)")
     depth: float | None = _option(None, "retrieval task: depth of the planted fact in [0, 1] (default: random per "
                                   "prompt)")
     facts: int | None = _option(None, "retrieval task: facts per prompt, the queried one and N-1 distractors with "
@@ -80,7 +120,8 @@ class RunConfig:
     response_len: int = _option(256, "max new tokens per branch", short="-R")
     temperature: float = _option(1.0)
     top_p: float = _option(1.0)
-    stop_token: int | None = _option(None, "default: the task's stop token, if it has one")
+    stop_token: int | None = _option(None, "default: the task's stop token, if it has one; with --data the "
+                                     "checkpoint's end-of-turn / EOS ids (generation_config.json, the tokenizer's EOS)")
     decode_batch: int | None = _option(None, "branches decoded together, a divisor of G (default: all G; the tokens "
                                        "are the same, fewer need less memory: N tails live at once)", metavar="N")
     # training
@@ -183,6 +224,7 @@ class RunConfig:
         if self.temperature == 0:
             errors.append("--temperature=0.0 must be > 0: the G branches of a group must be sampled (greedy makes "
                           "them equal; the held-out evaluation is greedy)")
+        errors += _data_errors(self)
         if self.sft_prompt_len is not None and self.sft_prompt_len < 2:
             errors.append(f"--sft-prompt-len={self.sft_prompt_len} must be >= 2")
         if self.facts is not None and self.facts < 1:
@@ -244,6 +286,44 @@ class RunConfig:
                                f"only {sorted(RESUMABLE | CHANGEABLE)} may change on --resume")
         adopted = {k: v for k, v in saved.items() if k not in RESUMABLE and not (k in CHANGEABLE and k in explicit)}
         return dataclasses.replace(self, **adopted)
+
+
+def _data_errors(config: RunConfig) -> list[str]:
+    """--data and its options (the data-dependent checks, e.g. columns and rows: trainer/setup.py:data_source)."""
+    errors = []
+    needs_data = ("prompt_field", "messages_field", "chat_template_kwargs", "max_prompt_len", "eval_data",
+                  "eval_fraction", "reward_weights")
+    if config.data is None:
+        errors += [f"{flag(name)} needs --data" for name in needs_data if getattr(config, name) is not None]
+        return errors
+    if config.rollouts is not None:
+        errors.append("--data and --rollouts are alternatives: give one")
+    if config.prompt_field is not None and config.messages_field is not None:
+        errors.append("give one of --prompt-field (text) and --messages-field (chat messages)")
+    if config.eval_fraction is not None and not (math.isfinite(config.eval_fraction)
+                                                 and 0 < config.eval_fraction < 1):
+        errors.append(f"--eval-fraction={config.eval_fraction} must be in (0, 1)")
+    if config.eval_fraction is not None and config.eval_data is not None:
+        errors.append("give one of --eval-data and --eval-fraction")
+    if config.max_prompt_len is not None and config.max_prompt_len < 2:
+        errors.append(f"--max-prompt-len={config.max_prompt_len} must be >= 2")
+    if config.reward is None:
+        errors.append("--data needs --reward: built-ins exact_match, contains, f1, math, or MODULE:FUNCTION")
+    elif config.reward_weights is not None:
+        count = len([r for r in config.reward.split(",") if r.strip()])
+        given = len(config.reward_weights.split(","))
+        if given != count:
+            errors.append(f"--reward-weights={config.reward_weights!r} has {given} weight(s); need one per --reward "
+                          f"function ({count})")
+    if config.chat_template_kwargs is not None:
+        try:
+            value = json.loads(config.chat_template_kwargs)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            errors.append(f"--chat-template-kwargs={config.chat_template_kwargs!r} must be a JSON object, e.g. "
+                          "'{\"enable_thinking\": false}'")
+    return errors
 
 
 def _train_errors(config: RunConfig) -> list[str]:

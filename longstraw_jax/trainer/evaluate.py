@@ -70,14 +70,17 @@ def summarize(rewards: np.ndarray, correct: np.ndarray | None) -> dict:
 class Evaluator:
     """K fixed held-out prompts of `task` (already the held-out task: `held_out_task`), answered greedily.
 
-    task: prompt(i) -> Prompt; reward_fn(prompt_tokens, response_tokens, info) -> float; num_prompts: K;
-    response_len: R; stop_token / pad_token as in sampling; chunk_size: the capture's chunk (round length on a
-    mesh); mesh: None or the ("data", "seq") mesh (K must then be a multiple of its data size).
+    task: prompt(i) -> Prompt; reward_fn: a token-level reward function (prompt_tokens, response_tokens, info) ->
+    float, or a group scorer (`tasks.as_scorer`, e.g. text rewards: then the mean of each function is reported too);
+    num_prompts: K; response_len: R; stop_token / stop_tokens / pad_token as in sampling; chunk_size: the capture's
+    chunk (round length on a mesh); mesh: None or the ("data", "seq") mesh (K must then be a multiple of its data
+    size). Prompts of different lengths are answered one length at a time (`setup.length_batches`).
     """
 
     def __init__(self, task, reward_fn, num_prompts: int, response_len: int, chunk_size: int,
-                 stop_token: int | None = None, pad_token: int = 0, mesh=None):
+                 stop_token: int | None = None, pad_token: int = 0, mesh=None, stop_tokens: tuple[int, ...] = ()):
         from longstraw_jax.sampling.branches import SamplingConfig
+        from longstraw_jax.trainer.setup import length_batches
 
         if num_prompts < 1:
             raise ValueError(f"--eval-prompts={num_prompts} must be >= 1")
@@ -86,14 +89,19 @@ class Evaluator:
                              f"{mesh.shape['data']}: each data slice scores the same number of prompts")
         self.task, self.reward_fn, self.chunk_size, self.mesh = task, reward_fn, chunk_size, mesh
         self.prompts = [task.prompt(i) for i in range(num_prompts)]
-        self.tokens = np.stack([p.tokens for p in self.prompts]).astype(np.int32)  # [K, P]
+        self.batches = length_batches(self.prompts, 1 if mesh is None else mesh.shape["data"])  # [(indices, [k, P])]
         self.sampling = SamplingConfig(response_len=response_len, temperature=0.0, stop_token=stop_token,
-                                       pad_token=pad_token)
+                                       pad_token=pad_token, stop_tokens=tuple(stop_tokens))
         self.reference = None  # [K, V] log-probs of the first response token at the reference (start) evaluation
 
     @property
     def num_prompts(self) -> int:
         return len(self.prompts)
+
+    @property
+    def prompt_len(self) -> int:
+        """P of the prompts (their mean, rounded, when they differ in length)."""
+        return int(round(np.mean([len(p.tokens) for p in self.prompts])))
 
     def answers(self, model, params) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Greedy answers -> (responses int32 [K, R], mask float32 [K, R], first-token log-probs float32 [K, V]),
@@ -104,31 +112,41 @@ class Evaluator:
         from longstraw_jax.trainer import distributed
         from longstraw_jax.trainer.setup import place_key
 
-        keys = place_key(jax.random.split(jax.random.key(0), self.num_prompts), self.mesh)  # unused by greedy
-        rollouts = sample_groups(model, params, self.tokens, keys, 1, self.sampling, self.chunk_size, mesh=self.mesh,
-                                 keep_capture=False)
-        responses, mask, first = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.first_logprobs))
-        return responses[:, 0], mask[:, 0], first
+        out = None
+        for indices, tokens in self.batches:
+            keys = place_key(jax.random.split(jax.random.key(0), len(indices)), self.mesh)  # unused by greedy
+            rollouts = sample_groups(model, params, tokens, keys, 1, self.sampling, self.chunk_size, mesh=self.mesh,
+                                     keep_capture=False)
+            parts = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.first_logprobs))
+            parts = (parts[0][:, 0], parts[1][:, 0], parts[2])  # the one branch of each prompt
+            if out is None:
+                out = [np.zeros((self.num_prompts,) + np.shape(x)[1:], np.asarray(x).dtype) for x in parts]
+            for whole, part in zip(out, parts):
+                whole[indices] = part
+        return tuple(out)
 
     def __call__(self, model, params, reference: bool = False) -> dict:
-        """Score the K prompts -> metrics: eval_accuracy (tasks with is_correct), eval_reward, eval_entropy (first
-        response token), eval_kl_to_start (when a reference is set), eval_prompts (K), eval_prompt_len (P),
-        eval_s (wall time). reference=True: these answers' first-token distribution becomes the reference."""
-        from longstraw_jax.trainer.setup import score_groups
+        """Score the K prompts -> metrics: eval_accuracy (tasks with is_correct), eval_reward, eval_reward/<name>
+        (per text reward function: its mean over the answers it applies to), eval_entropy (first response token),
+        eval_kl_to_start (when a reference is set), eval_prompts (K), eval_prompt_len (P, the mean when prompts
+        differ), eval_s (wall time). reference=True: these answers' first-token distribution becomes the
+        reference."""
+        from longstraw_jax.trainer.setup import part_means, score_groups
 
         start = time.perf_counter()
         responses, mask, first = self.answers(model, params)
-        rewards, correct = score_groups(self.task, self.reward_fn, self.prompts, responses[:, None], mask[:, None],
-                                        self.mesh)  # K groups of one branch, each scored by its owner
+        rewards, correct, parts = score_groups(self.task, self.reward_fn, self.prompts, responses[:, None],
+                                               mask[:, None], self.mesh)  # K groups of one branch, each by its owner
         rewards, correct = rewards[:, 0], None if correct is None else correct[:, 0] > 0
         if reference:
             self.reference = np.asarray(first, np.float32)
         stats = first_token_stats(first, self.reference)
         out = summarize(rewards, correct)
+        out.update(part_means(parts, "eval_reward/"))
         out["eval_entropy"] = stats["entropy"]
         if "kl" in stats:
             out["eval_kl_to_start"] = stats["kl"]
-        out.update(eval_prompts=self.num_prompts, eval_prompt_len=int(self.tokens.shape[1]),
+        out.update(eval_prompts=self.num_prompts, eval_prompt_len=self.prompt_len,
                    eval_s=time.perf_counter() - start)
         self.last = {"responses": responses, "mask": mask, "rewards": rewards, "correct": correct}
         return out
@@ -144,19 +162,34 @@ def held_out_task(config, vocab_size: int):
 
 def for_config(config, vocab_size: int, mesh=None) -> Evaluator:
     """The Evaluator of a RunConfig: --eval-prompts held-out prompts of its task, its reward (default the task's),
-    -R, stop token (default the task's) and chunk size."""
-    from longstraw_jax.tasks import load_callable
+    -R, stop token (default the task's) and chunk size. With --data: the first --eval-prompts rows of --eval-data /
+    the --eval-fraction split (all of them when there are fewer; a multiple of the mesh's data size), scored by the
+    text rewards, stopping on the checkpoint's stop ids (RunError without --eval-data or --eval-fraction)."""
+    from longstraw_jax.trainer import setup
+    from longstraw_jax.trainer.config import RunError
 
+    if config.data:
+        task, scorer, stops, pad = setup.dataset_task(config, vocab_size, held_out=True)
+        if task is None:
+            raise RunError("a held-out evaluation of --data needs --eval-data PATH or --eval-fraction F (or pass "
+                           "--eval-every 0)")
+        data_size = 1 if mesh is None else mesh.shape["data"]
+        count = min(config.eval_prompts, len(task)) // data_size * data_size
+        if count < 1:
+            raise RunError(f"{task.path}: {len(task)} held-out row(s), fewer than the mesh's data size {data_size}")
+        sampling = setup.sampling_config(config, stops, pad, vocab_size, temperature=0.0)
+        return Evaluator(task, scorer, count, config.response_len, config.chunk_size, stop_token=sampling.stop_token,
+                         pad_token=pad, mesh=mesh, stop_tokens=sampling.stop_tokens)
     task = held_out_task(config, vocab_size)
-    reward_fn = load_callable(config.reward) if config.reward else task.reward
+    reward_fn = setup.token_reward(config, task)
     stop = config.stop_token if config.stop_token is not None else getattr(task, "stop_token", None)
     return Evaluator(task, reward_fn, config.eval_prompts, config.response_len, config.chunk_size, stop_token=stop,
                      pad_token=getattr(task, "pad_token", 0), mesh=mesh)
 
 
 def for_run(config, explicit, data, vocab_size: int, mesh=None) -> Evaluator | None:
-    """The trainer's Evaluator, or None: --eval-every 0, or a --rollouts run (no task to hold prompts out of; an
-    explicit --eval-every N > 0 there is a RunError)."""
+    """The trainer's Evaluator, or None: --eval-every 0, a --rollouts run (no task to hold prompts out of), or a
+    --data run without --eval-data / --eval-fraction (in both an explicit --eval-every N > 0 is a RunError)."""
     from longstraw_jax.trainer.config import RunError
 
     if config.eval_every == 0:
@@ -165,6 +198,11 @@ def for_run(config, explicit, data, vocab_size: int, mesh=None) -> Evaluator | N
         if "eval_every" in explicit:
             raise RunError(f"--eval-every={config.eval_every} needs a task to hold prompts out of; a --rollouts file "
                            "has none (pass --eval-every 0)")
+        return None
+    if config.data and config.eval_data is None and config.eval_fraction is None:
+        if "eval_every" in explicit:
+            raise RunError(f"--eval-every={config.eval_every} needs held-out rows of --data: --eval-data PATH or "
+                           "--eval-fraction F (or pass --eval-every 0)")
         return None
     return for_config(config, vocab_size, mesh)
 
@@ -202,7 +240,9 @@ def describe(metrics: dict, chance: float | None = None) -> str:
 # ---------------------------------------------------------------------------------------------------------- CLI
 
 _OVERRIDES = ("task", "reward", "prompt_len", "depth", "seed", "eval_prompts", "response_len", "stop_token",
-              "chunk_size", "mesh", "dtype", "vocab_size", "model")
+              "chunk_size", "mesh", "dtype", "vocab_size", "model", "data", "eval_data", "eval_fraction", "tokenizer",
+              "prompt_field", "messages_field", "answer_field", "chat_template_kwargs", "max_prompt_len", "truncate",
+              "reward_weights")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,9 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the metrics and every prompt's answer to FILE")
     argparse_types = {"task": str, "reward": str, "prompt_len": int, "depth": float, "seed": int, "eval_prompts": int,
                       "response_len": int, "stop_token": int, "chunk_size": int, "mesh": str, "dtype": str,
-                      "vocab_size": int, "model": str}
+                      "vocab_size": int, "model": str, "eval_fraction": float, "max_prompt_len": int}
     for name in _OVERRIDES:  # default: the run's option (--resume) or the trainer's default
-        p.add_argument("--" + name.replace("_", "-"), type=argparse_types[name], default=argparse.SUPPRESS,
+        p.add_argument("--" + name.replace("_", "-"), type=argparse_types.get(name, str), default=argparse.SUPPRESS,
                        help="as the trainer's option (default: the resumed run's, else the trainer's default)")
     return p
 

@@ -40,11 +40,12 @@ def step_record(step: int, step_metrics: dict, extra: dict, batch, start: float,
 def header(trainer) -> str:
     """Two lines: the model and devices; the data, mode and the steps to run."""
     config, c, from_file = trainer.config, trainer.model.config, trainer.data.task is None
+    length = "from file" if from_file else "from data" if config.data else config.prompt_len
     return (f"model: {type(c).__name__} {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}"
             f" ({sum(x.size for x in jax.tree.leaves(trainer.params)) / 1e6:.2f} M params, {config.dtype}); "
             f"devices: {len(jax.devices())} x {jax.devices()[0].platform}"
             f"{f' in {jax.process_count()} processes' if jax.process_count() > 1 else ''}\n"
-            f"data: {trainer.data.description}; prompt {'from file' if from_file else config.prompt_len} tokens, "
+            f"data: {trainer.data.description}; prompt {length} tokens, "
             f"G={'from file' if from_file else config.group_size}, mode={config.mode}, chunk {config.chunk_size}"
             f"; steps {trainer.step + 1}..{config.steps}; out: {trainer.out}")
 
@@ -78,6 +79,11 @@ def summary(records: list[dict], history: list[dict], wall: float, trainer) -> s
              f"{mean(tail, 'reward_mean'):.3f}"]
     if task is not None and hasattr(task, "chance_reward"):
         lines[-1] += f" (uniform guessing among answers: {task.chance_reward:.3f})"
+    functions = sorted({k for r in history for k in r if k.startswith("reward/")})
+    if functions:  # text rewards: each function's mean over the completions it applies to
+        shown = lambda rows, k: f"{mean(rows, k):.3f}" if any(r.get(k) is not None for r in rows) else "n/a"
+        lines.append("reward per function: " + "; ".join(f"{k[len('reward/'):]} {shown(head, k)} -> {shown(tail, k)}"
+                                                          for k in functions))
     if "accuracy" in history[-1]:
         chance = getattr(task, "chance_accuracy", None)
         lines.append(f"accuracy: first {n} {mean(head, 'accuracy'):.3f} -> last {n} {mean(tail, 'accuracy'):.3f}"

@@ -74,6 +74,9 @@ class Trainer:
         if config.sft_steps and self.data.task is None and "sft_steps" in explicit:
             raise RunError(f"--sft-steps={config.sft_steps} needs task prompts: a --rollouts file has none (pass "
                            "--sft-steps 0)")
+        if config.sft_steps and config.data and "sft_steps" in explicit:
+            raise RunError(f"--sft-steps={config.sft_steps}: the supervised warm-up needs a task's target responses; "
+                           "--data has none (pass --sft-steps 0)")
         # the warm-up trains every parameter: not with a frozen part (by default it is skipped there)
         self.freezes = config.train == "lora" or config.trainable is not None
         if config.sft_steps and self.freezes and "sft_steps" in explicit:
@@ -194,7 +197,7 @@ class Trainer:
                 self.evaluator.reference = evaluate.load_reference(self.out, self.evaluator)
             return
         # (a --rollouts run has no task to imitate; a run with frozen parameters skips it)
-        if config.sft_steps and self.data.task is not None and not self.freezes:
+        if config.sft_steps and self.data.task is not None and not self.freezes and not config.data:
             if self.evaluator is not None:  # the policy before the warm-up (a random init: what the warm-up adds)
                 self.pending.append(dict(self.evaluate(say, label="before the warm-up"), before_warm_up=True))
             task = warmup.warm_up_task(config, self.model.config.vocab_size)

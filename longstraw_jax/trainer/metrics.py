@@ -200,14 +200,19 @@ def _warm_up(ax, warm: list[dict], smooth: int) -> None:
 
 
 def _training_reward(ax, steps: list[dict], smooth: int) -> None:
-    """Training reward per step (group mean: points, and a `smooth`-step mean) and training accuracy (`smooth`-step
-    mean, when the records have it)."""
+    """Training reward per step (group mean: points, and a `smooth`-step mean), each text reward function's mean
+    (`reward/<name>`, `smooth`-step mean) and training accuracy (`smooth`-step mean, when the records have it)."""
     x = [r["step"] for r in steps]
     reward = [_value(r, "reward_mean") for r in steps]
     ax.plot(x, reward, ".", alpha=0.3, color="C0", label="training reward (group mean)")
     if len(reward) >= smooth:
         ax.plot(x[smooth - 1 :], moving_mean(reward, smooth), "-", color="C0",
                 label=f"training reward ({smooth}-step mean)")
+    for i, key in enumerate(sorted({k for r in steps for k in r if k.startswith("reward/")})):  # text rewards
+        values = [_value(r, key) for r in steps]
+        window = max(1, min(smooth, len(values)))
+        ax.plot(x[window - 1 :], moving_mean(values, window), ":", color=f"C{6 + i % 4}",
+                label=f"{key} ({window}-step mean)")
     accuracy = [_value(r, "accuracy") for r in steps]
     if steps and "accuracy" in steps[-1] and len(accuracy) >= smooth:
         ax.plot(x[smooth - 1 :], moving_mean(accuracy, smooth), "-", color="C1", alpha=0.7,

@@ -22,7 +22,7 @@ from longstraw_jax.parallel.mesh import parse_mesh_spec
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sampling.groups import sample_groups
 from longstraw_jax.sharding import make_mesh
-from longstraw_jax.tasks import load_callable, make_task, score
+from longstraw_jax.tasks import as_scorer, load_callable, make_task
 from longstraw_jax.tasks.rollout_file import load_rollouts
 from longstraw_jax.train import make_optimizer
 from longstraw_jax.trainer import distributed
@@ -162,27 +162,69 @@ def stack_groups(groups: list[GroupBatch]) -> GroupBatch:
 
 
 def score_groups(task, reward_fn, prompts, responses: np.ndarray, mask: np.ndarray, mesh=None):
-    """Rewards float32 [B, G] and, when the task has `is_correct`, correctness float32 [B, G] (else None) of
-    responses [B, G, R] (mask [B, G, R]) to `prompts` [B]. Each group is scored by the process that owns its data
+    """(rewards float32 [B, G], correctness float32 [B, G] when the task has `is_correct` else None, parts) of
+    responses [B, G, R] (mask [B, G, R]) to `prompts` [B]. reward_fn: a token-level reward function or a group scorer
+    (`tasks.as_scorer`); parts: {function name: (values float64 [B, G], 0 where it does not apply; applies float64
+    [B, G])} of a scorer of several text rewards, else {}. Each group is scored by the process that owns its data
     slice (`distributed.group_owners`); the rows are summed over processes, so every process gets every value. A
     reward function raising on one process stops all of them (`distributed.agreed`)."""
     owners, me = distributed.group_owners(mesh, len(prompts)), distributed.process_index()
-    judged = hasattr(task, "is_correct")
-    rewards, correct = np.zeros(mask.shape[:2], np.float32), np.zeros(mask.shape[:2], np.float32)
+    judged, scorer = hasattr(task, "is_correct"), as_scorer(reward_fn)
+    shape = mask.shape[:2]
+    rewards, correct = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    parts = {name: (np.zeros(shape), np.zeros(shape)) for name in getattr(scorer, "names", ())}
     with distributed.agreed("reward", (Exception,)):
         for b in (b for b in range(len(prompts)) if owners[b] == me):
-            rewards[b] = score(reward_fn, prompts[b], responses[b], mask[b])
+            rewards[b], group_parts = scorer.score_group(prompts[b], responses[b], mask[b])
+            for name, (values, applies) in group_parts.items():
+                parts[name][0][b], parts[name][1][b] = values, applies
             if judged:
                 correct[b] = [task.is_correct(r[m > 0], prompts[b].info) for r, m in zip(responses[b], mask[b])]
-    rewards, correct = distributed.sum_over_processes((rewards, correct))
-    return rewards, (correct if judged else None)
+    rewards, correct, parts = distributed.sum_over_processes((rewards, correct, parts))
+    return rewards, (correct if judged else None), parts
+
+
+def part_means(parts: dict, prefix: str = "reward/") -> dict:
+    """{name: (values, applies)} of `score_groups` -> {prefix + name: mean over the completions the function
+    applies to}; a function that applied to none is left out."""
+    return {prefix + name: float(values.sum() / applies.sum()) for name, (values, applies) in parts.items()
+            if applies.sum() > 0}
+
+
+# ------------------------------------------------------------------------------------ prompts of different lengths
+# The one place where a step's (or an evaluation's) prompts become arrays. Until the models take left-padded prompts
+# (a per-group start offset), prompts of one array must have one length: B = 1 groups of any length are fine (one
+# compile per distinct length); B > 1 groups of different lengths are refused here.
+
+
+def stack_prompts(prompts) -> np.ndarray:
+    """Prompts (tasks.Prompt) -> int32 [B, P]: their tokens side by side, which needs one length. RunError
+    ("needs padded prompts") when B > 1 prompts differ in length."""
+    lengths = sorted({len(p.tokens) for p in prompts})
+    if len(lengths) > 1:
+        raise RunError(f"{len(prompts)} prompts of different lengths ({', '.join(map(str, lengths[:8]))}"
+                       f"{', ...' if len(lengths) > 8 else ''} tokens) in one batch needs padded prompts, which the "
+                       "trainer does not do yet: pass -B 1 (and a mesh with data size 1), or prompts of one length")
+    return np.stack([np.asarray(p.tokens, np.int32) for p in prompts])
+
+
+def length_batches(prompts, data_size: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Prompts -> [(their indices int [k], tokens int32 [k, P])], one batch per distinct length (in the prompts'
+    order when they share one length). Several lengths on a mesh whose data size is > 1 go through
+    `stack_prompts` (refused): a batch there must hold a multiple of the data size."""
+    lengths = np.array([len(p.tokens) for p in prompts])
+    if len(set(lengths.tolist())) == 1 or data_size > 1:
+        return [(np.arange(len(prompts)), stack_prompts(prompts))]
+    return [(idx, stack_prompts([prompts[i] for i in idx]))
+            for idx in (np.flatnonzero(lengths == n) for n in sorted(set(lengths.tolist())))]
 
 
 class TaskSampler:
     """B groups per step: group b of step position p is the task's prompt number p * B + b, with G branches sampled from
     the policy (key = fold_in(fold_in(run key, step), b)) by `sampling.groups.sample_groups` (on the mesh when there is
-    one) and scored by the reward function; extra metric "accuracy" (over all B * G branches) when the task has
-    `is_correct`. The sampler's captures go to the update: each prompt is captured once per step."""
+    one) and scored by the reward function (or group scorer); extra metrics "accuracy" (over all B * G branches) when
+    the task has `is_correct`, and "reward/<name>" per text reward function. The sampler's captures go to the update:
+    each prompt is captured once per step."""
 
     def __init__(self, task, reward_fn, sampling: SamplingConfig, group_size: int, chunk_size: int,
                  groups_per_step: int = 1, mesh=None):
@@ -194,23 +236,24 @@ class TaskSampler:
     def batch(self, model, params, key, step: int, position: int) -> tuple[GroupBatch, dict, object]:
         """-> (the step's batch [B, ...], extra metrics, the sampler's captures for the update)."""
         prompts = [self.task.prompt(position * self.groups_per_step + b) for b in range(self.groups_per_step)]
+        tokens = stack_prompts(prompts)
         step_key = jax.random.fold_in(key, step)
         keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(np.arange(self.groups_per_step))
-        rollouts, captured = sample_groups(model, params, np.stack([p.tokens for p in prompts]), keys,
-                                           self.group_size, self.sampling, self.chunk_size, mesh=self.mesh)
+        rollouts, captured = sample_groups(model, params, tokens, keys, self.group_size, self.sampling,
+                                           self.chunk_size, mesh=self.mesh)
         # the full values on every process (gathered when sharded over several); each group is scored by the
         # process that owns its data slice, and the rewards are summed over processes (zero where not owned)
         responses, mask, logprobs = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.logprobs))
-        rewards, correct = score_groups(self.task, self.reward_fn, prompts, responses, mask, self.mesh)
+        rewards, correct, parts = score_groups(self.task, self.reward_fn, prompts, responses, mask, self.mesh)
         extra = {"accuracy": float(correct.mean())} if correct is not None else {}
-        batch = GroupBatch(prompt=np.stack([p.tokens for p in prompts]), responses=responses, mask=mask,
-                           rewards=rewards, old_logprobs=logprobs)
+        extra.update(part_means(parts))
+        batch = GroupBatch(prompt=tokens, responses=responses, mask=mask, rewards=rewards, old_logprobs=logprobs)
         return batch, extra, captured
 
 
 def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | TaskSampler:
-    """--rollouts, or --task with its reward and sampling options (ids checked against `vocab_size`); a task samples
-    on `mesh` when given."""
+    """--rollouts, --data (a dataset with its tokenizer and text rewards) or --task with its reward, and the sampling
+    options (ids checked against `vocab_size`); a task samples on `mesh` when given."""
     if config.rollouts:
         required = {"ref_logprobs": f"--kl-coef={config.kl_coef} needs reference log-probs on every line"}
         return RolloutFile(config.rollouts, load_rollouts(config.rollouts, vocab_size, config.tokenizer,
@@ -219,19 +262,78 @@ def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | 
     if config.kl_coef > 0:
         raise RunError(f"--kl-coef={config.kl_coef}: sampled rollouts have no reference log-probs; the KL term "
                        "needs a --rollouts file with ref_logprobs")
-    task = make_task(config.task, prompt_len=config.prompt_len, vocab_size=vocab_size, seed=config.seed,
-                     **config.task_options())
-    reward_fn = load_callable(config.reward) if config.reward else task.reward
-    stop = config.stop_token if config.stop_token is not None else getattr(task, "stop_token", None)
-    sampling = SamplingConfig(response_len=config.response_len, temperature=config.temperature,
-                              top_p=config.top_p, stop_token=stop, pad_token=getattr(task, "pad_token", 0),
-                              decode_batch=config.decode_batch)
-    for name in ("stop_token", "pad_token"):
-        value = getattr(sampling, name)
-        if value is not None and value >= vocab_size:
-            raise RunError(f"{name}={value} is out of range: ids must be in [0, vocab_size={vocab_size})")
-    return TaskSampler(task, reward_fn, sampling, config.group_size, config.chunk_size, groups_per_step(config),
-                       mesh)
+    if config.data:
+        task, scorer, stops, pad = dataset_task(config, vocab_size)
+    else:
+        task = make_task(config.task, prompt_len=config.prompt_len, vocab_size=vocab_size, seed=config.seed,
+                         **config.task_options())
+        scorer = token_reward(config, task)
+        stops = (config.stop_token if config.stop_token is not None else getattr(task, "stop_token", None),)
+        pad = getattr(task, "pad_token", 0)
+    sampling = sampling_config(config, stops, pad, vocab_size)
+    return TaskSampler(task, scorer, sampling, config.group_size, config.chunk_size, groups_per_step(config), mesh)
+
+
+def token_reward(config: RunConfig, task):
+    """--task's reward: --reward MODULE:FUNCTION (one token-level function) or the task's own."""
+    if config.reward is None:
+        return task.reward
+    if "," in config.reward:
+        raise RunError(f"--reward={config.reward!r}: a --task takes one token-level reward function; several (text) "
+                       "rewards need --data")
+    return load_callable(config.reward)
+
+
+def sampling_config(config: RunConfig, stops, pad: int, vocab_size: int, temperature: float | None = None):
+    """The SamplingConfig of a run: -R, --temperature (or `temperature`), --top-p, --decode-batch, the stop ids
+    (None entries dropped; the first is `stop_token`, the others `stop_tokens`) and the pad id, checked against the
+    vocabulary."""
+    stops = [s for s in stops if s is not None]
+    for name, values in (("stop_token", stops), ("pad_token", [pad])):
+        for value in values:
+            if value >= vocab_size:
+                raise RunError(f"{name}={value} is out of range: ids must be in [0, vocab_size={vocab_size})")
+    return SamplingConfig(response_len=config.response_len,
+                          temperature=config.temperature if temperature is None else temperature,
+                          top_p=config.top_p, stop_token=stops[0] if stops else None, pad_token=pad,
+                          decode_batch=config.decode_batch, stop_tokens=tuple(stops[1:]))
+
+
+def tokenizer_dir(config: RunConfig) -> str:
+    """--tokenizer, else the --hf / --init-from directory (RunError when there is none)."""
+    path = config.tokenizer or config.hf or config.init_from
+    if path is None:
+        raise RunError("--data needs a tokenizer: --tokenizer DIR, or --hf / --init-from a directory with the "
+                       "tokenizer files")
+    return path
+
+
+def dataset_task(config: RunConfig, vocab_size: int, held_out: bool = False):
+    """--data -> (the DatasetTask of the training rows, or with held_out those of --eval-data / --eval-fraction
+    (None when neither is given); its TextRewards scorer; the stop ids; the pad id). Tokenizer: `tokenizer_dir`,
+    checked against `vocab_size`; stop ids: --stop-token, else the checkpoint's (`tasks.tokenizer.stop_ids`)."""
+    from longstraw_jax.tasks import dataset, rewards, tokenizer as tokenizers
+
+    if held_out and config.eval_data is None and config.eval_fraction is None:
+        return None, None, (), 0
+    tokenizer = tokenizers.load_tokenizer(tokenizer_dir(config), vocab_size)
+    if held_out and config.eval_data is not None:
+        path, rows = config.eval_data, dataset.read_dataset(config.eval_data, "--eval-data")
+        chosen = np.arange(len(rows))
+    else:
+        path, rows = config.data, dataset.read_dataset(config.data)
+        chosen = (np.arange(len(rows)) if config.eval_fraction is None
+                  else dataset.split_rows(len(rows), config.eval_fraction, path)[1 if held_out else 0])
+    fmt = dataset.choose_format(rows.column_names, config.prompt_field, config.messages_field,
+                                chat_template_kwargs=dataset.template_kwargs(config.chat_template_kwargs),
+                                max_prompt_len=config.max_prompt_len, truncate=config.truncate)
+    task = dataset.DatasetTask(rows, path, chosen, tokenizer, fmt, seed=config.seed, shuffle=not held_out,
+                               name=f"{'held-out ' if held_out else ''}data {path}")
+    functions = rewards.load_rewards(config.reward, config.reward_weights, task.columns, config.answer_field)
+    stops = ((config.stop_token,) if config.stop_token is not None
+             else tokenizers.stop_ids(tokenizer, tokenizer_dir(config), config.hf or config.init_from))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None and tokenizer.pad_token_id < vocab_size else 0
+    return task, rewards.TextRewards(functions, tokenizer), stops, pad
 
 
 def prepare_training(config: RunConfig, model, params):
