@@ -236,3 +236,15 @@ def test_step_timeout_option():
     assert RunConfig(step_timeout=30).step_timeout == 30 and "step_timeout" not in RunConfig().saved()
     with pytest.raises(ValueError, match="--step-timeout=0.0 must be a finite number of seconds > 0"):
         RunConfig(step_timeout=0.0)
+
+
+def test_a_collective_that_lost_a_peer_is_recognised():
+    """The runtime's gloo error in the main thread (a peer killed mid-collective) is left to the watchdog's verdict
+    (which names the process) instead of a traceback; other runtime errors are not."""
+    from longstraw_jax.trainer import watchdog
+
+    JaxRuntimeError = type("JaxRuntimeError", (RuntimeError,), {})
+    assert watchdog.is_peer_lost(JaxRuntimeError("UNKNOWN: Gloo AllGather failed: Read error: Connection reset by "
+                                                 "peer"))
+    assert not watchdog.is_peer_lost(JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory"))
+    assert not watchdog.is_peer_lost(ValueError("gloo"))

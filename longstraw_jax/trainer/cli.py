@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     except Exception as e:
         if not watchdog.active():
             raise
+        if watchdog.is_peer_lost(e):  # a peer died mid-collective: the watchdog names it (no traceback)
+            return watchdog.peer_lost(e)
         traceback.print_exc()  # a bug: its traceback, then the one line the other processes get too
         return watchdog.leave(1, f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
     return watchdog.leave(status, None)

@@ -283,6 +283,30 @@ def step(number: int):
     _current.end_step(number)
 
 
+_PEER_LOST = ("gloo", "connection reset", "connection refused", "connection closed", "broken pipe",
+              "deadline_exceeded", "socket closed")
+
+
+def is_peer_lost(error: BaseException) -> bool:
+    """Whether `error` is the runtime's report of a collective that lost a peer (gloo's connection reset, a deadline
+    in a collective, ...): the watchdog can say which process went away."""
+    return (type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+            and any(word in str(error).lower() for word in _PEER_LOST))
+
+
+def peer_lost(error: BaseException) -> int:
+    """The main thread's collective failed because a peer went away (`is_peer_lost`): wait for the watchdog, which
+    names the silent process within the heartbeat limit and ends this process with that line; if it has not within
+    that limit + 5 s, end with one line saying the collective failed -> 2."""
+    watchdog = _current
+    deadline = time.monotonic() + watchdog.heartbeat_s + 5.0
+    while time.monotonic() < deadline and not watchdog.stopped.is_set():
+        time.sleep(0.2)
+    me, during, checkpoint = watchdog.context()
+    return leave(2, f"error: {me}: a collective failed{' ' + during if during else ''} ({_first_line(error)}); "
+                    f"{checkpoint}")
+
+
 def active() -> bool:
     """Whether this process runs a watchdog (a multi-process run that has joined)."""
     return _current is not None
