@@ -117,7 +117,7 @@ def check_available(report_to: str) -> None:
     run does any work)."""
     for target in report_targets(report_to):
         module, install = _PACKAGES[target]
-        if importlib.util.find_spec(module) is None and module not in sys.modules:
+        if module not in sys.modules and importlib.util.find_spec(module) is None:
             raise RunError(f"--report-to {target} needs the {module} package, which is not installed: {install}")
 
 
