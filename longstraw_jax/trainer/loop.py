@@ -135,8 +135,9 @@ class Trainer:
         if updated is None:  # every group uniform: no gradient to follow
             step_metrics = updates.no_update_metrics(batch)
         else:
-            step_metrics = updates.mean_metrics([self.update(updated, updated_captured if k == 0 else None, k)
-                                                 for k in range(self.config.updates_per_batch)])
+            with self.ticker.phase(self.step + 1, self.config.steps, "update"):
+                step_metrics = updates.mean_metrics([self.update(updated, updated_captured if k == 0 else None)
+                                                     for k in range(self.config.updates_per_batch)])
             step_metrics.update(updates.reward_metrics(batch))  # over every sampled group, kept or not
         done = time.perf_counter()
         self.step += 1
@@ -150,17 +151,15 @@ class Trainer:
             self.samples.write_many(report.step_samples(self.step, batch, self.grpo, self.data))
         return record
 
-    def update(self, batch, captured, k: int = 0) -> dict:
-        """The k-th (0-based) train_step on `batch` (captured: the sampler's capture of its prompts, or None: the
-        step captures them with the current params) -> its metrics on the host."""
-        mu = self.config.updates_per_batch
-        with self.ticker.phase(self.step + 1, self.config.steps, f"update {k + 1}/{mu}" if mu > 1 else "update"):
-            params, frozen = self.split()
-            params, self.opt_state, step_metrics = train_step(
-                self.model, params, self.opt_state, batch, self.optimizer, self.grpo, self.config.mode,
-                self.config.chunk_size, mesh=self.mesh, captured=captured, donate=True, frozen=frozen)
-            self.params = trainable.merge(params, frozen)
-            return distributed.to_host(step_metrics)
+    def update(self, batch, captured) -> dict:
+        """One train_step on `batch` (captured: the sampler's capture of its prompts, or None: the step captures
+        them with the current params) -> its metrics on the host."""
+        params, frozen = self.split()
+        params, self.opt_state, step_metrics = train_step(
+            self.model, params, self.opt_state, batch, self.optimizer, self.grpo, self.config.mode,
+            self.config.chunk_size, mesh=self.mesh, captured=captured, donate=True, frozen=frozen)
+        self.params = trainable.merge(params, frozen)
+        return distributed.to_host(step_metrics)
 
     def run(self) -> int:
         """Train to config.steps -> 0; Ctrl-C -> 130 (after saying which checkpoint is the last complete one)."""

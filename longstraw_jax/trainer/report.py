@@ -68,6 +68,11 @@ def prompt_view(prompt_ids: np.ndarray, text: str | None) -> dict:
     return view
 
 
+def _float32(value) -> float:
+    """A float32 value as the shortest decimal that reads back to it (0.9, not 0.8999999761581421)."""
+    return float(str(np.float32(value)))
+
+
 def sample_rows(step: int, batch, advantages: np.ndarray, tokenizer=None, prompts=None, parts=None,
                 correct=None) -> list[dict]:
     """The samples.jsonl lines of one step: one per group of `batch` (a GroupBatch [B, ...]: prompt int [B, P],
@@ -78,7 +83,7 @@ def sample_rows(step: int, batch, advantages: np.ndarray, tokenizer=None, prompt
     parts: {function: (values float [B, G], applies [B, G])} of `setup.score_groups` (None or {}: no per-function
     rewards); correct: float [B, G] or None."""
     responses, mask = np.asarray(batch.responses), np.asarray(batch.mask)
-    rewards, advantages = np.asarray(batch.rewards, np.float64), np.asarray(advantages, np.float64)
+    rewards, advantages = np.asarray(batch.rewards), np.asarray(advantages)
     prompt_ids = np.asarray(batch.prompt)
     rows = []
     for b in range(responses.shape[0]):
@@ -87,13 +92,13 @@ def sample_rows(step: int, batch, advantages: np.ndarray, tokenizer=None, prompt
         completions = []
         for g, ids in enumerate(kept):
             completion = {"text": texts[g]} if texts is not None else {"ids": ids}
-            completion.update(tokens=len(ids), reward=float(rewards[b, g]))
+            completion.update(tokens=len(ids), reward=_float32(rewards[b, g]))
             if parts:
                 completion["rewards"] = {name: float(values[b, g]) if applies[b, g] else None
                                          for name, (values, applies) in parts.items()}
             if correct is not None:
                 completion["correct"] = bool(correct[b, g])
-            completion["advantage"] = float(advantages[b, g])
+            completion["advantage"] = _float32(advantages[b, g])
             completions.append(completion)
         text = prompts[b].text if prompts is not None else None
         rows.append({"step": step, "group": b, **prompt_view(prompt_ids[b], text), "completions": completions})
