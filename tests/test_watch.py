@@ -143,6 +143,12 @@ def test_samples_log_keeps_until_the_checkpoint(tmp_path):
     assert lines[0]["completions"][0] == {"advantage": None, "reward": 1.0}  # nested NaN -> null
 
 
+def test_no_log_has_the_metrics_log_interface():
+    """Processes other than 0 hold a NoLog where process 0 holds a MetricsLog: the same methods."""
+    public = lambda cls: {n for n in vars(cls) if not n.startswith("_") and callable(getattr(cls, n))}
+    assert public(metrics.MetricsLog) == public(run_log.NoLog) == {"keep_until", "write", "write_many", "close"}
+
+
 # ----- tensorboard / wandb -------------------------------------------------------------------------------------------
 
 

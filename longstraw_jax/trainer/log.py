@@ -14,7 +14,8 @@ from longstraw_jax.trainer import metrics
 
 
 class NoLog:
-    """metrics.jsonl on the processes other than 0: they compute the same records, process 0 writes them."""
+    """metrics.jsonl (samples.jsonl) on the processes other than 0: they compute the same records, process 0 writes
+    them. The interface of metrics.MetricsLog."""
 
     path = None
 
@@ -22,6 +23,9 @@ class NoLog:
         return []
 
     def write(self, record: dict) -> None:
+        pass
+
+    def write_many(self, records: list[dict]) -> None:
         pass
 
     def close(self) -> None:

@@ -110,7 +110,7 @@ class Trainer:
             if self.plan.resuming:
                 for note in self.log.keep_until(self.start_step) + samples.keep_until(self.start_step):
                     run_outdir.warn(note)
-            self.samples = samples if self.config.log_samples_every else None
+            self.samples = samples if self.config.log_samples_every and distributed.is_primary() else None
             if distributed.is_primary():  # --report-to: the same records go to tensorboard / wandb
                 self.log = report.ReportedLog(self.log, report.open_reporters(
                     self.config.report_to, self.out, self.config.saved(),
