@@ -27,7 +27,8 @@ DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`
                "--export-hf a safetensors checkpoint of the final params.")
 # Options that may differ when resuming (everything else must match the checkpointed run's configuration).
 RESUMABLE = frozenset({"config", "steps", "resume", "resume_step", "out", "export_hf", "export_peft", "force",
-                       "log_every", "save_every", "coordinator", "num_processes", "process_id", "step_timeout"})
+                       "log_every", "save_every", "coordinator", "num_processes", "process_id", "step_timeout",
+                       "log_samples_every", "report_to", "profile_steps", "progress_every"})
 # Options a checkpoint records and a resumed run adopts, but that may be given differently on --resume (a run saved by
 # 2 processes on a 2x4 mesh continues on one process, on 2x4 or 1x8; evaluations may come more or less often).
 CHANGEABLE = frozenset({"mesh", "eval_every", "decode_batch"})
@@ -190,6 +191,20 @@ class RunConfig:
     force: bool = _option(False, "with --export-hf / --export-peft: replace a non-empty DIR as a whole (written "
                           "beside it, then renamed over it)")
     log_every: int = _option(1, "print a progress line every N steps")
+    # watching a run (trainer/report.py)
+    log_samples_every: int = _option(10, "append the prompts' tails, completions, rewards (total and per function) and "
+                                     "advantages of step 1, every N-th step and the last to <out>/samples.jsonl "
+                                     "(one line per group; 0: never)", metavar="N")
+    report_to: str = _option("none", "also send the metrics.jsonl scalars (steps, evaluations, warm-up) to "
+                             "tensorboard (<out>/tensorboard, needs tensorboardX: the [report] extra) and / or wandb "
+                             "(needs wandb; offline with WANDB_MODE=offline), as a comma list; process 0 only",
+                             metavar="none|tensorboard,wandb")
+    profile_steps: str | None = _option(None, "write a jax.profiler trace of GRPO steps A..B into <out>/profile/ "
+                                        "(XProf / TensorBoard's profile plugin: *.xplane.pb; Perfetto: "
+                                        "perfetto_trace.json.gz); those steps' timings include the tracing",
+                                        metavar="A:B")
+    progress_every: float = _option(30.0, "while a step's phase (sampling, update) runs longer than S seconds, print "
+                                    "a line naming it with the elapsed time every S seconds (0: never)", metavar="S")
     # several processes (docs/cluster.md; trainer/distributed.py: also from JAX_* variables or SLURM / Open MPI)
     coordinator: str | None = _option(None, "join a multi-process run: process 0's address (all processes give the "
                                       "same)", group="multi-process (docs/cluster.md)", metavar="HOST:PORT")
@@ -261,6 +276,7 @@ class RunConfig:
             choices = field.metadata["argparse"].get("choices")
             if choices is not None and getattr(self, field.name) not in choices:
                 errors.append(f"{flag(field.name)}={getattr(self, field.name)!r} must be one of {', '.join(choices)}")
+        errors += _watch_errors(self)
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -323,6 +339,50 @@ def _data_errors(config: RunConfig) -> list[str]:
         if not isinstance(value, dict):
             errors.append(f"--chat-template-kwargs={config.chat_template_kwargs!r} must be a JSON object, e.g. "
                           "'{\"enable_thinking\": false}'")
+    return errors
+
+
+REPORT_TARGETS = ("tensorboard", "wandb")
+
+
+def report_targets(text: str) -> tuple[str, ...]:
+    """--report-to: "none" (or empty) -> (); else the comma list's names, each once, in order; ValueError naming the
+    option and the choices for any other name."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["none"] or not names:
+        return ()
+    bad = [n for n in names if n not in REPORT_TARGETS]
+    if bad:
+        raise ValueError(f"--report-to={text!r}: {', '.join(map(repr, bad))} must be one of {', '.join(REPORT_TARGETS)}"
+                         " (a comma list) or none")
+    return tuple(dict.fromkeys(names))
+
+
+def profile_window(text: str) -> tuple[int, int]:
+    """--profile-steps "A:B" (or "A": A:A) -> (A, B) with 1 <= A <= B; ValueError naming the option otherwise."""
+    parts = text.split(":")
+    try:
+        first, last = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        first, last = 0, -1
+    if not 1 <= first <= last:
+        raise ValueError(f"--profile-steps={text!r} must be A:B with 1 <= A <= B (GRPO steps, e.g. 3:5)")
+    return first, last
+
+
+def _watch_errors(config: RunConfig) -> list[str]:
+    """--log-samples-every, --report-to, --profile-steps, --progress-every."""
+    errors = []
+    if config.log_samples_every < 0:
+        errors.append(f"--log-samples-every={config.log_samples_every} must be >= 0")
+    if not (math.isfinite(config.progress_every) and config.progress_every >= 0):
+        errors.append(f"--progress-every={config.progress_every} must be a finite number of seconds >= 0")
+    for parse, value in ((report_targets, config.report_to), (profile_window, config.profile_steps)):
+        try:
+            if value is not None:
+                parse(value)
+        except ValueError as e:
+            errors.append(str(e))
     return errors
 
 

@@ -1,8 +1,11 @@
 """What a run reports: the metrics.jsonl record of one step, and the lines it prints (a header, a progress line
-per step, a summary at the end)."""
+per step, lines while a long phase of a step runs (`PhaseTicker`), a summary at the end)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+import time
 
 import jax
 import numpy as np
@@ -11,7 +14,8 @@ from longstraw_jax.trainer import metrics
 
 
 class NoLog:
-    """metrics.jsonl on the processes other than 0: they compute the same records, process 0 writes them."""
+    """metrics.jsonl (samples.jsonl) on the processes other than 0: they compute the same records, process 0 writes
+    them. The interface of metrics.MetricsLog."""
 
     path = None
 
@@ -20,6 +24,44 @@ class NoLog:
 
     def write(self, record: dict) -> None:
         pass
+
+    def write_many(self, records: list[dict]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class PhaseTicker:
+    """Progress inside a step: while a phase (sampling, update) runs, a daemon thread prints "step S/T: <phase>,
+    X s so far" every `every` seconds, and "step S/T: <phase> done in X s" when a phase that printed ends; a phase
+    shorter than `every` prints nothing. Host-side: it only sees when the phase (a compiled call) starts and ends,
+    nothing inside it. every = 0 or say = None: silent (processes other than 0)."""
+
+    def __init__(self, say, every: float, clock=time.monotonic):
+        self.say, self.every, self.clock = say, every, clock
+
+    @contextlib.contextmanager
+    def phase(self, step: int, total: int, name: str):
+        if not self.every or self.say is None:
+            yield
+            return
+        start, stop, printed = self.clock(), threading.Event(), []
+
+        def tick():
+            while not stop.wait(self.every):
+                printed.append(True)
+                self.say(f"  step {step}/{total}: {name}, {self.clock() - start:.0f} s so far", flush=True)
+
+        thread = threading.Thread(target=tick, name=f"progress {name}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            if printed:
+                self.say(f"  step {step}/{total}: {name} done in {self.clock() - start:.1f} s", flush=True)
 
 
 def step_record(step: int, step_metrics: dict, extra: dict, batch, start: float, sampled: float,
@@ -112,6 +154,13 @@ def summary(records: list[dict], history: list[dict], wall: float, trainer) -> s
         files.append(trainer.config.export_hf)
     if getattr(trainer.config, "export_peft", None):
         files.append(trainer.config.export_peft)
+    samples = os.path.join(trainer.out, "samples.jsonl")
+    if getattr(trainer.config, "log_samples_every", 0) and os.path.exists(samples):
+        files.append(samples)
+    if "tensorboard" in getattr(trainer.config, "report_to", ""):
+        files.append(os.path.join(trainer.out, "tensorboard"))
+    if getattr(trainer.config, "profile_steps", None):
+        files.append(os.path.join(trainer.out, "profile"))
     lines.append("wrote: " + ", ".join(files))
     lines.append(f"plot: {os.path.join(trainer.out, 'metrics.png')}")
     return "\n".join(lines)

@@ -30,18 +30,20 @@ from longstraw_jax.trainer import (
     log as run_log,
     metrics,
     outdir as run_outdir,
+    report,
     setup as run_setup,
     updates,
     warmup,
     watchdog,
 )
-from longstraw_jax.trainer.config import RunConfig, RunError
+from longstraw_jax.trainer.config import RunConfig, RunError, profile_window
 
 
 class Trainer:
     def __init__(self, config: RunConfig, explicit=frozenset()):
         """explicit: the options given on the command line (a resumed run's saved options must not contradict
         them)."""
+        report.check_available(config.report_to)  # --report-to's packages, before any work
         self.out = config.out or run_setup.default_out()
         # --out, --resume, --export-hf (reads only): first on --resume (the checkpoint has the options), else after
         # the model and data checks
@@ -82,8 +84,12 @@ class Trainer:
         if config.sft_steps and self.freezes and "sft_steps" in explicit:
             raise RunError(f"--sft-steps={config.sft_steps}: the supervised warm-up trains every parameter, but "
                            "--train lora / --trainable keep some frozen (pass --sft-steps 0)")
+        # watching (trainer/report.py)
+        self.ticker = run_log.PhaseTicker(print if distributed.is_primary() else None, config.progress_every)
+        self.profile = (report.ProfileWindow(*profile_window(config.profile_steps), report.profile_dir(self.out))
+                        if config.profile_steps else None)
         # opened by _start_writing, after the first step: until then the output directory is as it was
-        self.checkpoints, self.log = None, None
+        self.checkpoints, self.log, self.samples = None, None, None
         self.pending = []  # records computed before the run writes (warm-up, the start's evaluation)
 
     def split(self):
@@ -98,9 +104,17 @@ class Trainer:
             # several processes: process 0 writes metrics.jsonl (every process computes the same records)
             self.log = (metrics.MetricsLog(os.path.join(self.out, "metrics.jsonl")) if distributed.is_primary()
                         else run_log.NoLog())
+            # samples.jsonl, also when this run logs none: a resumed run never lists a step twice
+            samples = (metrics.MetricsLog(os.path.join(self.out, report.SAMPLES_FILE)) if distributed.is_primary()
+                       else run_log.NoLog())
             if self.plan.resuming:
-                for note in self.log.keep_until(self.start_step):
+                for note in self.log.keep_until(self.start_step) + samples.keep_until(self.start_step):
                     run_outdir.warn(note)
+            self.samples = samples if self.config.log_samples_every and distributed.is_primary() else None
+            if distributed.is_primary():  # --report-to: the same records go to tensorboard / wandb
+                self.log = report.ReportedLog(self.log, report.open_reporters(
+                    self.config.report_to, self.out, self.config.saved(),
+                    self.start_step if self.plan.resuming else None))
             for record in self.pending:
                 self.log.write(record)
             if self.evaluator is not None and not self.plan.resuming and distributed.is_primary():
@@ -110,7 +124,8 @@ class Trainer:
         """One step: a batch from the data source, --updates-per-batch train_steps (none when --drop-uniform-groups
         leaves no group), one metrics.jsonl line (returned)."""
         start = time.perf_counter()
-        batch, extra, captured = self.data.batch(self.model, self.params, self.key, self.step, self.data_position)
+        with self.ticker.phase(self.step + 1, self.config.steps, "sampling"):
+            batch, extra, captured = self.data.batch(self.model, self.params, self.key, self.step, self.data_position)
         sampled = time.perf_counter()
         fault_hooks.fire("step", self.step + 1)
         updated, updated_captured = batch, captured
@@ -120,8 +135,9 @@ class Trainer:
         if updated is None:  # every group uniform: no gradient to follow
             step_metrics = updates.no_update_metrics(batch)
         else:
-            step_metrics = updates.mean_metrics([self.update(updated, updated_captured if k == 0 else None)
-                                                 for k in range(self.config.updates_per_batch)])
+            with self.ticker.phase(self.step + 1, self.config.steps, "update"):
+                step_metrics = updates.mean_metrics([self.update(updated, updated_captured if k == 0 else None)
+                                                     for k in range(self.config.updates_per_batch)])
             step_metrics.update(updates.reward_metrics(batch))  # over every sampled group, kept or not
         done = time.perf_counter()
         self.step += 1
@@ -130,6 +146,9 @@ class Trainer:
         if self.log is None:
             self._start_writing()
         self.log.write(record)
+        if self.samples is not None and report.sample_step(self.step, self.config.log_samples_every,
+                                                           self.config.steps):
+            self.samples.write_many(report.step_samples(self.step, batch, self.grpo, self.data))
         return record
 
     def update(self, batch, captured) -> dict:
@@ -153,8 +172,12 @@ class Trainer:
             self.before_first_step(say)
             watchdog.note_checkpoint(self.last_checkpoint())  # several processes: a step that hangs ends them all
             while self.step < config.steps:
+                if self.profile is not None:
+                    self.profile.before(self.step + 1)
                 with watchdog.step(self.step + 1):
                     record = self.train_one()
+                if self.profile is not None:
+                    self.profile.after(self.step)
                 records.append(record)
                 if self.step % config.log_every == 0 or self.step == config.steps:
                     say(run_log.progress(record, config.steps), flush=True)
@@ -167,6 +190,7 @@ class Trainer:
                     watchdog.note_checkpoint(self.last_checkpoint())
             wall = time.perf_counter() - wall
             self.checkpoints.close()
+            self.close_watchers()
             # a collective: all processes
             final = distributed.to_host(self.params) if config.export_hf or config.export_peft else None
             with distributed.agreed("finish", (RunError, OSError, ValueError)):
@@ -238,10 +262,19 @@ class Trainer:
         return (f"the last complete checkpoint is step {last} ({os.path.join(where, str(last))}); continue with --out "
                 f"{self.plan.out} --resume")
 
+    def close_watchers(self) -> None:
+        """Stop a --profile-steps trace still running (a window beyond --steps) and close the --report-to
+        reporters."""
+        if self.profile is not None:
+            self.profile.close()
+        if self.log is not None:
+            self.log.close()
+
     def interrupted(self) -> int:
         """After Ctrl-C: say where the run stands on stderr -> 130."""
         if self.checkpoints is not None:
             self.checkpoints.close()
+        self.close_watchers()
         if distributed.is_primary():
             print(f"interrupted (Ctrl-C) after {self.step} completed steps: {self.last_checkpoint()}",
                   file=sys.stderr, flush=True)

@@ -1,4 +1,5 @@
-"""Training metrics: one JSON object per step in `<out>/metrics.jsonl`, a PNG plot at the end, peak memory.
+"""Training metrics: one JSON object per step in `<out>/metrics.jsonl`, a PNG plot at the end, peak memory. (The
+same append-only log keeps `<out>/samples.jsonl`, trainer/report.py.)
 
 Each JSONL line is a flat object of numbers (see `trainer/log.py:step_record` for the fields). Each line is appended
 with one write and fsync'd before the step is reported, so a crash can damage at most the line being written, never an
@@ -57,11 +58,29 @@ class MetricsLog:
         return notes
 
     def write(self, record: dict) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self.write_many([record])
+
+    def write_many(self, records: list[dict]) -> None:
+        """Append `records` (objects with an integer "step"), one line each, in one write (fsync'd); non-finite
+        floats, also nested ones, become null."""
         with open(self.path, "a") as f:
-            f.write(json.dumps(clean) + "\n")
+            f.write("".join(json.dumps(_finite(record)) + "\n" for record in records))
             f.flush()
             os.fsync(f.fileno())
+
+    def close(self) -> None:
+        pass
+
+
+def _finite(value):
+    """`value` with every non-finite float (in dicts and lists too) replaced by None (JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _parse(path: str, allow_partial_last: bool = False) -> tuple[list[dict], int | None]:

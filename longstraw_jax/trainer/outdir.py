@@ -6,8 +6,9 @@ changes it announced (removing incomplete saves, setting checkpoints aside), whe
 its first step has been computed. The rules:
 
 - a new run writes into a new or empty directory, or over the remains of a run of this trainer that completed no
-  checkpoint (config.json, metrics.jsonl, checkpoints/ with only incomplete saves: what a kill during the first
-  steps or the first save leaves); anything else that is not empty is refused;
+  checkpoint (config.json, metrics.jsonl, samples.jsonl, tensorboard/, wandb/, profile/, checkpoints/ with only
+  incomplete saves: what a kill during the first steps or the first save leaves); anything else that is not empty is
+  refused;
 - `--resume` restores the newest checkpoint that reads back intact; a damaged newer one is reported and moved to
   `<out>/checkpoints-set-aside/<step>`, never deleted (also the checkpoints newer than `--resume-step N`), since the
   resumed run saves those steps again; a run that completed no checkpoint starts again from step 0;
@@ -35,7 +36,7 @@ from longstraw_jax.trainer.config import CHANGEABLE, RunConfig, RunError
 SET_ASIDE_DIR = "checkpoints-set-aside"
 # what a run writes before its first checkpoint completes (*.tmp: a kill while one was being rewritten)
 EARLY_RUN_FILES = frozenset({"config.json", "config.json.tmp", "metrics.jsonl", "metrics.jsonl.tmp", CHECKPOINT_DIR,
-                             "eval_start.npy"})
+                             "eval_start.npy", "samples.jsonl", "samples.jsonl.tmp", "tensorboard", "wandb", "profile"})
 
 
 def warn(message: str) -> None:
@@ -160,7 +161,8 @@ class OutPlan:
     def _make_changes(self) -> None:
         os.makedirs(self.out, exist_ok=True)
         if self.restart:
-            for name in ("metrics.jsonl", "metrics.jsonl.tmp", "config.json.tmp", "eval_start.npy"):
+            for name in ("metrics.jsonl", "metrics.jsonl.tmp", "config.json.tmp", "eval_start.npy", "samples.jsonl",
+                         "samples.jsonl.tmp"):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(self.out, name))
         if not self.resuming:

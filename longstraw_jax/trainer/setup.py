@@ -232,6 +232,7 @@ class TaskSampler:
         self.group_size, self.chunk_size, self.mesh = group_size, chunk_size, mesh
         self.groups_per_step = groups_per_step
         self.description = f"task {task.name}"
+        self.last_scored = None  # the last batch's (prompts, parts, correct) of score_groups, for samples.jsonl
 
     def batch(self, model, params, key, step: int, position: int) -> tuple[GroupBatch, dict, object]:
         """-> (the step's batch [B, ...], extra metrics, the sampler's captures for the update)."""
@@ -245,6 +246,7 @@ class TaskSampler:
         # process that owns its data slice, and the rewards are summed over processes (zero where not owned)
         responses, mask, logprobs = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.logprobs))
         rewards, correct, parts = score_groups(self.task, self.reward_fn, prompts, responses, mask, self.mesh)
+        self.last_scored = (prompts, parts, correct)
         extra = {"accuracy": float(correct.mean())} if correct is not None else {}
         extra.update(part_means(parts))
         batch = GroupBatch(prompt=tokens, responses=responses, mask=mask, rewards=rewards, old_logprobs=logprobs)
