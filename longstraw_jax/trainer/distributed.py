@@ -375,7 +375,11 @@ def start_jax(config, explicit=frozenset()) -> None:
         raise DistributedError(split_error)
     from longstraw_jax.trainer import watchdog
 
-    watchdog.start(getattr(config, "step_timeout", watchdog.DEFAULT_STEP_TIMEOUT_S), cluster.coordinator)
+    state = _client_state()
+    if state.client is not None and (state.num_processes or 1) >= 2:
+        watchdog.start(state.client, state.process_id, state.num_processes, env_timeout("heartbeat"),
+                       getattr(config, "step_timeout", watchdog.DEFAULT_STEP_TIMEOUT_S), cluster.coordinator,
+                       exit=exit_with)
 
 
 def process_index() -> int:

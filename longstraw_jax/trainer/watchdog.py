@@ -258,16 +258,12 @@ def _report_context(context: tuple[str, str, str]) -> None:
     supervise.report(*context)
 
 
-def start(step_timeout: float, coordinator: str | None) -> Watchdog | None:
-    """This process's watchdog of a joined multi-process run (None in one process), started."""
+def start(client, me: int, n: int, heartbeat_s: float, step_timeout: float, coordinator: str | None,
+          exit) -> Watchdog:
+    """This process's watchdog of a joined multi-process run (process `me` of `n` >= 2; client: JAX's
+    DistributedRuntimeClient; exit(text, status) ends the process), started (trainer/distributed.py:start_jax)."""
     global _current
-    from longstraw_jax.trainer import distributed
-
-    state = distributed._client_state()
-    if state.client is None or (state.num_processes or 1) < 2:
-        return None
-    _current = Watchdog(state.client, state.process_id, state.num_processes, distributed.env_timeout("heartbeat"),
-                        step_timeout, coordinator, exit=distributed.exit_with).start()
+    _current = Watchdog(client, me, n, heartbeat_s, step_timeout, coordinator, exit=exit).start()
     _report_context(_current.context())
     return _current
 
