@@ -16,7 +16,7 @@ from longstraw_jax.capacity.cost import (
     trip_count,
     xla_cost,
 )
-from longstraw_jax.capacity.hardware import HARDWARE, breakdown, hardware, roofline
+from longstraw_jax.capacity.hardware import HARDWARE, breakdown, for_device, hardware, roofline
 
 F32 = 4
 N_DEV = 8
@@ -287,6 +287,11 @@ def test_roofline_arithmetic():
         assert hw.source and hw.flops_per_s > 0 and hw.hbm_per_s > 0 and hw.link_per_s > 0 and hw.hbm_bytes > 0
     with pytest.raises(ValueError, match="h100"):
         hardware("a100")
+    # a JAX device's entry (tools/bench_device.py): by device kind, H200 before H20; XLA:CPU the rough cpu entry
+    assert for_device("NVIDIA H200", "gpu") is HARDWARE["h200"] and for_device("NVIDIA H20", "gpu") is HARDWARE["h20"]
+    assert for_device("NVIDIA H100 80GB HBM3", "gpu") is HARDWARE["h100"] and for_device("cpu", "cpu").name == "cpu"
+    assert for_device("NVIDIA H100 PCIe", "gpu") is None and for_device("NVIDIA A100-SXM4-80GB", "gpu") is None
+    assert "ROUGH" in HARDWARE["cpu"].source
 
 
 def test_a_model_forward_costs_its_analytic_flops_with_every_loop_counted():
