@@ -330,11 +330,13 @@ def _expert_costs(compiled, routed, fraction=1.0):
     return program_cost(compiled), program_cost(compiled, experts=ExpertModel(routed, fraction))
 
 
-def test_glm_forward_experts_cost_their_analytic_grouped_matmul_and_nothing_else_changes():
-    """Tiny GLM-5.x `model.forward` on one device (4 MoE layers, E = 8 experts, top-2, T tokens): XLA:CPU runs every
-    row through each of the E experts (`ops/moe._grouped_scan`), so the compiled expert FLOPs are E x the analytic
-    T k x 6 D I per layer; the GPU model counts the analytic FLOPs and, per layer and projection, the rows read and
-    written plus the matrices of the min(E, T k) experts hit, and leaves every other FLOP and byte as compiled."""
+@pytest.mark.parametrize("gradient", [False, True], ids=["forward", "gradient"])
+def test_glm_experts_cost_their_analytic_grouped_matmul_and_nothing_else_changes(gradient):
+    """Tiny GLM-5.x `model.forward` on one device (4 MoE layers, E = 8 experts, top-2, T tokens), and its gradient:
+    XLA:CPU runs every row through each of the E experts (`ops/moe._grouped_scan`), so the compiled expert FLOPs are
+    E x the analytic T k x 6 D I per layer (x 3 with the backward: two grouped matmuls per projection); the GPU model
+    counts the analytic FLOPs and, per layer and projection, the rows read and written plus the matrices of the
+    min(E, T k) experts hit (read, or their gradient written), and leaves every other FLOP and byte as compiled."""
     from longstraw_jax import models
     from longstraw_jax.models.glm52 import Glm52Config
 
@@ -342,16 +344,18 @@ def test_glm_forward_experts_cost_their_analytic_grouped_matmul_and_nothing_else
     cfg = Glm52Config.tiny()
     model = models.build(cfg)
     params = jax.eval_shape(model.init, jax.random.key(0))
-    compiled = _compile(model.forward, params, jax.ShapeDtypeStruct((tokens,), jnp.int32))
+    program = (lambda p, t: jax.grad(lambda p: model.forward(p, t).sum())(p)) if gradient else model.forward
+    compiled = _compile(program, params, jax.ShapeDtypeStruct((tokens,), jnp.int32))
     cpu, gpu = _expert_costs(compiled, cfg.n_routed_experts)
     d, i, k, e, layers = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.n_routed_experts,
                           cfg.num_hidden_layers)
-    rows = tokens * k
-    analytic = layers * rows * 3 * 2 * d * i  # gate, up, down: each 2 x rows x D x I
+    rows, passes = tokens * k, 3 if gradient else 1  # grouped matmuls per projection: forward (+ d rows, d matrix)
+    analytic = passes * layers * rows * 3 * 2 * d * i  # gate, up, down: each 2 x rows x D x I
     assert cpu.expert_flops == pytest.approx(e * analytic, rel=1e-12)
     assert gpu.expert_flops == pytest.approx(analytic, rel=1e-12)
-    # bytes: per layer and projection, the rows in and out ((D + I) elements each) and min(E, rows) matrices, f32
-    assert gpu.expert_hbm_bytes == pytest.approx(layers * 3 * (rows * (d + i) + min(e, rows) * d * i) * F32,
+    # bytes: per layer, projection and grouped matmul, the rows in and out ((D + I) elements each) and min(E, rows)
+    # matrices, float32
+    assert gpu.expert_hbm_bytes == pytest.approx(passes * layers * 3 * (rows * (d + i) + min(e, rows) * d * i) * F32,
                                                  rel=1e-12)
     assert cpu.expert_hbm_bytes > gpu.expert_hbm_bytes
     assert gpu.flops - gpu.expert_flops == pytest.approx(cpu.flops - cpu.expert_flops, rel=1e-12)

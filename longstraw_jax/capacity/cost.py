@@ -52,6 +52,34 @@ Per-device quantities (the HLO is the per-device SPMD program):
   Async pairs (`all-gather-start` / `-done`, ...) are counted at their start. A float32 collective whose operand
   was converted up from bf16 (XLA:CPU's float normalization runs bf16 collectives in float32, with converts around
   them) counts at bf16, what a GPU moves.
+
+**Routed experts** (`ExpertModel`; MoE models). XLA:CPU has no grouped GEMM, so `ops/moe._grouped_scan` runs every
+row of a block through each expert in turn (a scan over the L experts of the device: L times the FLOPs of a GPU's
+`ragged_dot`, which runs each row through its own expert), and the gathered exchange (`parallel/experts.py`,
+`local_experts`) runs the rows of all n devices in fixed blocks, skipped at run time past the device's own rows but
+counted here at their bound (a conditional's costliest branch). The instructions are recognised by the functions in
+their stack frames (the module's FunctionNames / StackFrames tables, `stack_functions`): an *expert loop* is a
+while loop with dots under `EXPERT_LOOP_FUNCTIONS` (`ops/moe.py:_grouped`: one grouped matmul, forward or
+backward), an *expert call* a while loop of `EXPERT_CALL_FUNCTIONS` (`local_experts`: one MoE layer's block loop).
+Without a model they are counted as compiled, and
+`Cost.expert_flops` / `expert_hbm_bytes` say how much of the totals they are (the calls' bytes, or a bare expert
+loop's). With `ExpertModel(routed=E, row_fraction=f)` they are costed as a GPU's grouped matmul would run them,
+assuming balanced routing (every device's experts receive the same share of the rows):
+
+      FLOPs      compiled expert FLOPs x f / E      (each real row through its own expert once, this device's
+                                                     share L / E of the gathered rows; on one device L = E)
+      rows       those FLOPs / (2 x out x in x dots per step)      (the rows each grouped matmul multiplies)
+      HBM bytes  per grouped matmul: rows x (out + in) x bytes per dot (rows read, results written), plus per call
+                 (one MoE layer's experts, all its blocks) the matrices of the experts hit, min(L, rows) of them,
+                 once per dot (read, or its gradient written); the call's own traffic (gathering rows into blocks,
+                 adding them to their tokens, at every block's bound) is replaced by this
+      collectives as compiled (the gathered exchange's all-gather / reduce-scatter of the tokens, about n / k
+                 times the rows a GPU's ragged all-to-all sends: an upper bound)
+
+Everything outside the expert loops and calls is unchanged (tests/test_cost.py: a tiny GLM forward and the gathered
+exchange on 8 devices, against the analytic count). f: padding rows a GPU sends nowhere (the planner's decode step:
+1 / seq, `Planner.expert_model`). min(L, rows) is an upper bound of the experts hit by few rows (each row a new
+expert).
 """
 from __future__ import annotations
 
@@ -76,11 +104,13 @@ _SLICING = {"slice", "dynamic-slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode -> index of the update operand (scatter: the first)
 
 # The routed experts' CPU lowering, recognised by the functions in an instruction's stack frames (the module's
-# FileNames / FunctionNames / StackFrames tables): `ops/moe.py` runs a grouped matmul as a scan over the experts, each
-# step multiplying every row (`_grouped_scan`, its backward `_grouped_scan_bwd`): an *expert loop*;
-# `parallel/experts.py:local_experts` runs the gathered exchange's rows through them in fixed blocks: an *expert call*.
-EXPERT_LOOP_FUNCTIONS = ("_grouped_scan", "_grouped_scan_bwd")
-EXPERT_CALL_FUNCTIONS = ("local_experts",)
+# FileNames / FunctionNames / FileLocations / StackFrames tables), as "file:function" suffixes. `ops/moe.py:_grouped`
+# (the backend's grouped matmul) runs it on XLA:CPU as a scan over the experts, each step multiplying every row
+# (`_grouped_scan`; its backward `_grouped_scan_bwd`; under autodiff the frames below `_grouped` are not recorded):
+# its while loops are *expert loops*. `parallel/experts.py:local_experts` runs the gathered exchange's rows through
+# them in fixed blocks: its while loops are *expert calls*.
+EXPERT_LOOP_FUNCTIONS = ("ops/moe.py:_grouped",)
+EXPERT_CALL_FUNCTIONS = ("parallel/experts.py:local_experts",)
 
 _ARRAY = re.compile(r"([a-z]\w*)\[([^\]]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
@@ -263,10 +293,10 @@ def parse_module(text: str) -> tuple[dict[str, list[Instruction]], str, int]:
 
 
 def stack_functions(text: str) -> dict[int, tuple[str, ...]]:
-    """{stack_frame_id: the function names of that frame and its callers, innermost first} from an HLO module's
-    FunctionNames / FileLocations / StackFrames tables (XLA prints them before the computations; a frame's
-    `parent_frame_id` is its caller's id + 1, 0 for none). Empty when the text has no tables."""
-    tables: dict[str, dict[int, str]] = {"FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
+    """{stack_frame_id: "file:function" of that frame and its callers, innermost first} from an HLO module's
+    FileNames / FunctionNames / FileLocations / StackFrames tables (XLA prints them before the computations; a
+    frame's `parent_frame_id` is its caller's id + 1, 0 for none). Empty when the text has no tables."""
+    tables: dict[str, dict[int, str]] = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
     section = None
     for line in text.splitlines():
         if line in tables:
@@ -282,7 +312,9 @@ def stack_functions(text: str) -> dict[int, tuple[str, ...]]:
             tables[section][int(m.group(1))] = m.group(2)
     field = lambda text, key: int(re.search(rf"{key}=(\d+)", text).group(1))
     name = {i: v.strip('"') for i, v in tables["FunctionNames"].items()}
-    location = {i: name.get(field(v, "function_name_id"), "") for i, v in tables["FileLocations"].items()}
+    file = {i: v.strip('"') for i, v in tables["FileNames"].items()}
+    location = {i: f'{file.get(field(v, "file_name_id"), "")}:{name.get(field(v, "function_name_id"), "")}'
+                for i, v in tables["FileLocations"].items()}
     frames = {i: (location.get(field(v, "file_location_id"), ""), field(v, "parent_frame_id") - 1)
               for i, v in tables["StackFrames"].items()}
     out: dict[int, tuple[str, ...]] = {}
@@ -864,16 +896,26 @@ class _Module:
     # -- routed experts (module docstring, "Routed experts")
 
     def functions(self, instr: Instruction) -> tuple[str, ...]:
-        """The function names of `instr`'s stack frame and its callers (empty without stack frames)."""
+        """"file:function" of `instr`'s stack frame and its callers (empty without stack frames)."""
         m = re.search(r"stack_frame_id=(\d+)", instr.attrs)
         return self.frames.get(int(m.group(1)), ()) if m else ()
 
+    def _in_stack(self, instr: Instruction, names: tuple[str, ...]) -> bool:
+        return any(f == n or f.endswith("/" + n) for f in self.functions(instr) for n in names)
+
     def _expert_loop(self, instr: Instruction) -> bool:
-        return instr.opcode == "while" and any(f in EXPERT_LOOP_FUNCTIONS for f in self.functions(instr))
+        """A while loop under `EXPERT_LOOP_FUNCTIONS` that multiplies (its body has dots; the lowering's integer
+        bookkeeping loops are counted as compiled)."""
+        return instr.opcode == "while" and self._in_stack(instr, EXPERT_LOOP_FUNCTIONS) and self._dots(instr) > 0
+
+    def _dots(self, instr: Instruction) -> int:
+        """Dot instructions in a while loop's body (fusions and nested calls included)."""
+        body = self._reachable(_called(instr, "body"))
+        return sum(i.opcode == "dot" for c in body for i in self.computations.get(c, []))
 
     def _expert_call(self, instr: Instruction) -> bool:
         return instr.opcode == "while" and not self._expert_loop(instr) and \
-            any(f in EXPERT_CALL_FUNCTIONS for f in self.functions(instr))
+            self._in_stack(instr, EXPERT_CALL_FUNCTIONS)
 
     def _reachable(self, roots: list[str]) -> set[str]:
         """The computations `roots` call, transitively (control flow and fusions), roots included."""
@@ -905,9 +947,7 @@ class _Module:
         carried = self.by_name[comp].get(instr.operands[0])
         if carried is not None and carried.opcode == "tuple" and j < len(carried.operands):
             itemsize = _widened_from(carried.operands[j], self.by_name[comp], self.computations) or itemsize
-        body = self._reachable(_called(instr, "body"))
-        dots = sum(i.opcode == "dot" for c in body for i in self.computations.get(c, []))
-        return int(trips), dims[-2], dims[-1], itemsize, max(dots, 1)
+        return int(trips), dims[-2], dims[-1], itemsize, self._dots(instr)
 
     def _weights(self, rows: Mapping[str, float]) -> float:
         """Bytes of the expert matrices one call touches: per expert loop, each dot reads (or writes the gradient
