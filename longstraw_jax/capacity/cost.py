@@ -76,10 +76,11 @@ assuming balanced routing (every device's experts receive the same share of the 
       collectives as compiled (the gathered exchange's all-gather / reduce-scatter of the tokens, about n / k
                  times the rows a GPU's ragged all-to-all sends: an upper bound)
 
-Everything outside the expert loops and calls is unchanged (tests/test_cost.py: a tiny GLM forward and the gathered
-exchange on 8 devices, against the analytic count). f: padding rows a GPU sends nowhere (the planner's decode step:
-1 / seq, `Planner.expert_model`). min(L, rows) is an upper bound of the experts hit by few rows (each row a new
-expert).
+Everything outside the expert loops and calls is unchanged (tests/test_cost.py: a tiny GLM forward and gradient and
+the gathered exchange on 8 devices, against the analytic count). f: padding rows a GPU sends nowhere (the planner's
+decode step: 1 / seq, `Planner.expert_model`). min(L, rows) is an upper bound of the experts hit by few rows (each
+row a new expert). The decode step vmaps its N branches and XLA:CPU broadcasts the expert matrices to them
+(`ops/moe._broadcast_batched`); the model reads each hit matrix once per call for all N.
 """
 from __future__ import annotations
 
@@ -1037,7 +1038,10 @@ def hlo_cost(text: str, trip_counts: Mapping[str, float] | None = None, experts:
     grouped matmul (`ExpertModel`); None: as compiled (`Cost.expert_flops` / `expert_hbm_bytes` still say how much
     of the totals they are)."""
     module = _Module(text, dict(trip_counts or {}), experts)
-    return module.walk(module.entry, False)
+    cost = module.walk(module.entry, False)
+    if cost.expert_rows:  # every expert loop inside a call is charged by that call: never reached
+        raise ValueError(f"expert loops {sorted(cost.expert_rows)} were not charged by an expert call")
+    return cost
 
 
 def program_cost(compiled, trip_counts: Mapping[str, int] | None = None, experts: ExpertModel | None = None) -> Cost:
