@@ -341,7 +341,8 @@ def format_model_table(rows: list[dict]) -> str:
     estimated ("n/a" without an entry; "*": loops without a trip count, the estimate a lower bound)."""
     head = ["measurement", "hardware", "model GFLOP", "model HBM GB", "model collective GB", "bound", "estimate s",
             "measured s", "measured / estimate"]
-    lines = ["| " + " | ".join(head) + " |", "| --- | --- | " + " | ".join(["---:"] * (len(head) - 2)) + " |"]
+    align = ["---", "---", "---:", "---:", "---:", "---", "---:", "---:", "---:"]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
     for row in rows:
         c, terms = row["model_cost"], row["model_terms"]
         bound = max(("compute", "memory", "collectives"), key=terms.get) if terms else "n/a"
