@@ -236,16 +236,28 @@ def test_model_flops_match_cost_analysis_on_a_loop_free_config():
 def test_bench_device_tiny(tmp_path):
     """tools/bench_device.py --tiny on CPU (one train_step mode and one capture length, to stay fast): the table and
     the JSON hold the capture and detached rows with positive times, throughputs, compiled and planner bytes; the
-    CPU has no peak memory statistics and no peak FLOP/s ("n/a")."""
+    CPU has no peak memory statistics and no peak FLOP/s ("n/a"). The time-model table holds both programs, costed
+    on the rough `cpu` entry: a positive estimate from positive model FLOPs and bytes, and measured / estimated =
+    the measured median over the estimate (the JSON, and the table to its printed digits)."""
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "bench_device.py"), "--tiny", "--modes", "detached",
          "--capture-len", "256", "--json", str(tmp_path / "bench.json")], capture_output=True, text=True,
         timeout=600, cwd=ROOT, env=dict(os.environ, XLA_FLAGS="--xla_cpu_use_fusion_emitters=false "
                                                               "--xla_backend_optimization_level=0"))
     assert result.returncode == 0, result.stderr[-3000:]
-    table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-             for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+    first, _, second = result.stdout.partition("Time model")
+    parse = lambda text: {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+                          for line in text.splitlines() if line.startswith("| ") and "---" not in line}
+    table, model = parse(first), parse(second)
     assert set(table) == {"measurement", "capture", "detached"}, result.stdout
+    assert set(model) == {"measurement", "capture", "detached"}, result.stdout
+    assert model["measurement"][-3:] == ["estimate s", "measured s", "measured / estimate"]
+    for name in ("capture", "detached"):
+        hw, gflop, hbm_gb, estimate, measured, ratio = (model[name][0], float(model[name][1]), float(model[name][2]),
+                                                         float(model[name][5]), float(model[name][6]),
+                                                         float(model[name][7]))
+        assert hw == "cpu" and gflop > 0 and hbm_gb > 0 and estimate > 0 and model[name][4] in ("compute", "memory")
+        assert ratio == pytest.approx(measured / estimate, rel=0.02)  # three printed digits each
     for name in ("capture", "detached"):
         median_s, tokens_per_s = float(table[name][2]), float(table[name][4].replace(",", ""))
         assert median_s > 0 and tokens_per_s > 0 and table[name][7] == "n/a"  # no peak_bytes_in_use on CPU
@@ -258,3 +270,11 @@ def test_bench_device_tiny(tmp_path):
         assert row["seconds"] > 0 and row["tokens_per_s"] > 0 and len(row["times"]) == 2
         assert row["compiled_bytes"] > 0 and row["planner_bytes"] > 0 and row["peak_bytes"] is None
     assert rows["capture"]["flops"] > 0 and rows["detached"]["G"] == 2
+    cpu = capacity.HARDWARE["cpu"]
+    for row in rows.values():
+        cost = row["model_cost"]
+        assert row["model_hardware"] == "cpu" and cost["flops"] > 0 and cost["hbm_bytes"] > 0
+        assert row["model_s"] == pytest.approx(max(cost["flops"] / cpu.flops_per_s, cost["hbm_bytes"] / cpu.hbm_per_s)
+                                               + cost["collective_bytes"] / cpu.link_per_s, rel=1e-12)
+        assert row["model_s"] == row["model_terms"]["total"] > 0
+        assert row["model_ratio"] == pytest.approx(row["seconds"] / row["model_s"], rel=1e-12)

@@ -90,15 +90,22 @@ def test_planner_does_not_import_the_trainer_or_io():
 def test_plan_time_reports_each_phase_and_the_decode_step(tmp_path):
     """--time --hardware h200 on the golden's configuration (detached only): every phase has positive seconds, the
     decode step's per-device FLOPs, HBM bytes and collective bytes are positive and sit under the new "time" key with
-    the decode steps per group (timing.decode_steps_per_group), and the memory rows are the golden's, unchanged."""
+    the decode steps per group (timing.decode_steps_per_group), and the memory rows are the golden's, unchanged.
+    --hlo-dir writes the three costed programs' HLO, which cost.py costs again to the JSON's figures."""
+    from longstraw_jax.capacity.cost import hlo_cost
     from longstraw_jax.capacity.timing import PHASES, decode_steps_per_group
 
     modes = GOLDEN_ARGS.index("--modes")
     args = GOLDEN_ARGS[:modes] + ["--modes", "detached", "--time", "--hardware", "h200"]
-    result = _planner(*args, "--json", str(tmp_path / "plan.json"))
+    result = _planner(*args, "--json", str(tmp_path / "plan.json"), "--hlo-dir", str(tmp_path / "hlo"))
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads((tmp_path / "plan.json").read_text())
     timing = plan.pop("time")
+    files = {"capture": "capture_P4096", "decode_step": "decode_step_P4096_N2", "update": "update_P4096_G2_detached"}
+    assert sorted(os.listdir(tmp_path / "hlo")) == sorted(f"{name}.hlo.txt" for name in files.values())
+    for program, name in files.items():
+        again = hlo_cost((tmp_path / "hlo" / f"{name}.hlo.txt").read_text()).as_dict()
+        assert again == timing["rows"][0]["programs"][program]
     with open(GOLDEN) as f:
         golden = json.load(f)
     assert json.loads(normalised(plan))["rows"] == [r for r in golden["rows"] if r["mode"] == "detached"]
@@ -118,6 +125,27 @@ def test_plan_time_reports_each_phase_and_the_decode_step(tmp_path):
     # sampling = decode steps per group x one decode step (B / data = 1)
     assert row["phases"]["sampling"]["flops"] == pytest.approx(row["decode_steps_per_group"] * step["flops"])
     assert "Time per step (per device, h200" in result.stdout and "decode steps / group" in result.stdout
+
+
+def test_the_planner_costs_routed_experts_as_a_gpus_grouped_matmul():
+    """`Planner.expert_model`: None for Qwen3.6 (no routed experts); GLM-5.x's E routed experts, with 1 / seq of the
+    decode step's rows real where the experts are expert-parallel (each seq shard sends a padded 1 / seq slice of a
+    branch's one token), all of them in the capture and the update and where the experts are not expert-parallel."""
+    import jax
+
+    from longstraw_jax.capacity.cost import ExpertModel
+    from longstraw_jax.capacity.planner import Planner
+    from longstraw_jax.models.glm52 import Glm52Config
+
+    qwen = Planner(os.path.join(ROOT, "configs", "qwen3.6-tiny.json"), "1x8", "bfloat16", 8, 64,
+                   devices=jax.devices()[:8])
+    assert qwen.expert_model("decode_step") is None and qwen.expert_model("update") is None
+    for mesh, experts, decode in (("2x4", 8, ExpertModel(8, 1 / 4)), ("1x8", 8, ExpertModel(8, 1 / 8)),
+                                  ("2x2", 6, ExpertModel(6, 1.0))):  # 4 devices do not divide 6 experts
+        glm = Planner(Glm52Config.tiny(n_routed_experts=experts, n_group=1, topk_group=1), mesh, "bfloat16", 8, 64,
+                      devices=jax.devices()[:8 if mesh != "2x2" else 4])
+        assert glm.expert_model("decode_step") == decode
+        assert glm.expert_model("capture") == glm.expert_model("update") == ExpertModel(experts, 1.0)
 
 
 @pytest.mark.slow  # two planners' decode and update programs (R = 64 and 128)

@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from longstraw_jax.capacity.cost import (
     Cost,
+    ExpertModel,
     group_size,
     hlo_cost,
     parse_instruction,
@@ -15,7 +16,7 @@ from longstraw_jax.capacity.cost import (
     trip_count,
     xla_cost,
 )
-from longstraw_jax.capacity.hardware import HARDWARE, breakdown, hardware, roofline
+from longstraw_jax.capacity.hardware import HARDWARE, breakdown, for_device, hardware, roofline
 
 F32 = 4
 N_DEV = 8
@@ -286,6 +287,11 @@ def test_roofline_arithmetic():
         assert hw.source and hw.flops_per_s > 0 and hw.hbm_per_s > 0 and hw.link_per_s > 0 and hw.hbm_bytes > 0
     with pytest.raises(ValueError, match="h100"):
         hardware("a100")
+    # a JAX device's entry (tools/bench_device.py): by device kind, H200 before H20; XLA:CPU the rough cpu entry
+    assert for_device("NVIDIA H200", "gpu") is HARDWARE["h200"] and for_device("NVIDIA H20", "gpu") is HARDWARE["h20"]
+    assert for_device("NVIDIA H100 80GB HBM3", "gpu") is HARDWARE["h100"] and for_device("cpu", "cpu").name == "cpu"
+    assert for_device("NVIDIA H100 PCIe", "gpu") is None and for_device("NVIDIA A100-SXM4-80GB", "gpu") is None
+    assert "ROUGH" in HARDWARE["cpu"].source
 
 
 def test_a_model_forward_costs_its_analytic_flops_with_every_loop_counted():
@@ -314,3 +320,88 @@ def test_a_model_forward_costs_its_analytic_flops_with_every_loop_counted():
     square = analytic["attention"] * 2 * tokens // (tokens + 1)
     assert cost.unknown_loops == () and cost.bounded_loops == ()
     assert cost.flops == pytest.approx(analytic["dense"] + analytic["head"] + square, rel=1e-9)
+
+
+# ----- routed experts: costed as a GPU's grouped matmul (cost.ExpertModel) ----------------------------------------
+
+
+def _expert_costs(compiled, routed, fraction=1.0):
+    """(as compiled, as a GPU's grouped matmul) costs of one program."""
+    return program_cost(compiled), program_cost(compiled, experts=ExpertModel(routed, fraction))
+
+
+@pytest.mark.parametrize("gradient", [False, True], ids=["forward", "gradient"])
+def test_glm_experts_cost_their_analytic_grouped_matmul_and_nothing_else_changes(gradient):
+    """Tiny GLM-5.x `model.forward` on one device (4 MoE layers, E = 8 experts, top-2, T tokens), and its gradient:
+    XLA:CPU runs every row through each of the E experts (`ops/moe._grouped_scan`), so the compiled expert FLOPs are
+    E x the analytic T k x 6 D I per layer (x 3 with the backward: two grouped matmuls per projection); the GPU model
+    counts the analytic FLOPs and, per layer and projection, the rows read and written plus the matrices of the
+    min(E, T k) experts hit (read, or their gradient written), and leaves every other FLOP and byte as compiled."""
+    from longstraw_jax import models
+    from longstraw_jax.models.glm52 import Glm52Config
+
+    tokens = 64
+    cfg = Glm52Config.tiny()
+    model = models.build(cfg)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    program = (lambda p, t: jax.grad(lambda p: model.forward(p, t).sum())(p)) if gradient else model.forward
+    compiled = _compile(program, params, jax.ShapeDtypeStruct((tokens,), jnp.int32))
+    cpu, gpu = _expert_costs(compiled, cfg.n_routed_experts)
+    d, i, k, e, layers = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.n_routed_experts,
+                          cfg.num_hidden_layers)
+    rows, passes = tokens * k, 3 if gradient else 1  # grouped matmuls per projection: forward (+ d rows, d matrix)
+    analytic = passes * layers * rows * 3 * 2 * d * i  # gate, up, down: each 2 x rows x D x I
+    assert cpu.expert_flops == pytest.approx(e * analytic, rel=1e-12)
+    assert gpu.expert_flops == pytest.approx(analytic, rel=1e-12)
+    # bytes: per layer, projection and grouped matmul, the rows in and out ((D + I) elements each) and min(E, rows)
+    # matrices, float32
+    assert gpu.expert_hbm_bytes == pytest.approx(passes * layers * 3 * (rows * (d + i) + min(e, rows) * d * i) * F32,
+                                                 rel=1e-12)
+    assert cpu.expert_hbm_bytes > gpu.expert_hbm_bytes
+    assert gpu.flops - gpu.expert_flops == pytest.approx(cpu.flops - cpu.expert_flops, rel=1e-12)
+    assert gpu.hbm_bytes - gpu.expert_hbm_bytes == pytest.approx(cpu.hbm_bytes - cpu.expert_hbm_bytes, rel=1e-12)
+    assert 0 < cpu.flops - cpu.expert_flops < cpu.flops  # attention, router, shared expert, head: counted, not experts
+    assert gpu.collective_bytes == cpu.collective_bytes
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+def test_the_gathered_exchange_costs_this_devices_share_of_the_rows(fraction):
+    """`parallel/experts.routed_swiglu` (XLA:CPU's gathered exchange) on 8 devices, E = 16 experts (L = 2 local),
+    top-4, T tokens per device: the compiled program runs all 8 devices' T k rows in blocks through both local
+    experts (blocks past the local rows skipped at run time, counted at their bound); the GPU model counts this
+    device's T k rows (x fraction: the real rows) once each, their bytes and the L local matrices per projection
+    (bf16), once per call."""
+    from longstraw_jax.parallel import experts
+
+    mesh = _mesh()
+    t, d, i, e, k = 16, 64, 32, 16, 4
+    local = e // N_DEV
+
+    def layer(x, ids, weights, gate, up, down):
+        return experts.routed_swiglu(x, ids, weights, gate, up, down, axes="x", exchange=experts.gathered)
+
+    f = jax.shard_map(layer, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"), check_vma=False)
+    shaped = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P("x")))
+    compiled = _compile(f, shaped((N_DEV * t, d), jnp.bfloat16), shaped((N_DEV * t, k), jnp.int32),
+                        shaped((N_DEV * t, k), jnp.float32), shaped((e, i, d), jnp.bfloat16),
+                        shaped((e, i, d), jnp.bfloat16), shaped((e, d, i), jnp.bfloat16))
+    cpu, gpu = _expert_costs(compiled, e, fraction)
+    rows = t * k * fraction
+    assert cpu.expert_flops == pytest.approx(N_DEV * t * k * local * 3 * 2 * d * i, rel=1e-12)
+    assert gpu.expert_flops == pytest.approx(rows * 3 * 2 * d * i, rel=1e-12)
+    assert gpu.expert_hbm_bytes == pytest.approx(3 * (rows * (d + i) + min(local, rows) * d * i) * 2, rel=1e-12)
+    assert gpu.flops - gpu.expert_flops == pytest.approx(cpu.flops - cpu.expert_flops, rel=1e-12)
+    assert gpu.hbm_bytes - gpu.expert_hbm_bytes == pytest.approx(cpu.hbm_bytes - cpu.expert_hbm_bytes, rel=1e-12)
+    assert gpu.collective_bytes == cpu.collective_bytes  # the exchange's collectives: as compiled (module docstring)
+
+
+def test_the_expert_model_rejects_bad_input_and_a_program_without_experts_is_unchanged():
+    with pytest.raises(ValueError, match="routed"):
+        ExpertModel(0)
+    with pytest.raises(ValueError, match="row_fraction"):
+        ExpertModel(8, 0.0)
+    b, d = 4, 32
+    compiled = _compile(_matmuls, jax.ShapeDtypeStruct((b, d), jnp.float32), jax.ShapeDtypeStruct((3, d, d),
+                                                                                                   jnp.float32))
+    cpu, gpu = _expert_costs(compiled, 8)
+    assert cpu == gpu and cpu.expert_flops == 0 and cpu.expert_hbm_bytes == 0

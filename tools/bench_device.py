@@ -25,8 +25,16 @@ head per token); not counted: elementwise work and implementation overhead (flas
 delta rule's intra-chunk products). XLA's `cost_analysis()` counts a loop body once, so it is only a check on a
 loop-free config (tests/test_bench.py).
 
-One markdown table (medians and ratios) on stdout; `--json FILE` writes every measurement. The parent process only
-orchestrates (no JAX backend of its own); each measurement is this script run with a hidden `--one` flag.
+**Time model vs measured**: each program timed (the capture reported, each train_step) is also costed by the
+planner's time model (`longstraw_jax.capacity`: `cost.program_cost` of the compiled executable that ran, loops
+multiplied by their trip counts, and `hardware.breakdown`, the roofline max(FLOPs / FLOP/s, HBM bytes / HBM B/s) +
+collective bytes / link B/s) on the device's entry (`hardware.for_device`: h200 / h100 / h20 by the device kind; on
+XLA:CPU the `cpu` entry, whose peaks are rough round numbers; "n/a" for any other device); a second table prints the
+estimate next to the measured median and measured / estimated.
+
+Two markdown tables (medians and ratios; the time model) on stdout; `--json FILE` writes every measurement. The
+parent process only orchestrates (no JAX backend of its own); each measurement is this script run with a hidden
+`--one` flag.
 """
 from __future__ import annotations
 
@@ -124,6 +132,28 @@ def _timed(fn, reps: int) -> list[float]:
     return times
 
 
+def time_model(compiled, device) -> dict:
+    """The planner's time model of one compiled program on `device`: {"model_cost": its per-device cost
+    (`capacity.cost.program_cost`, as a dict), "model_hardware": the device's entry (`capacity.hardware.for_device`)
+    or None, "model_terms": the roofline's terms in seconds (compute, memory, collectives, total) or None}."""
+    from longstraw_jax.capacity.cost import program_cost
+    from longstraw_jax.capacity.hardware import breakdown, for_device
+
+    hw = for_device(device.device_kind, device.platform)
+    c = program_cost(compiled)
+    return dict(model_cost=c.as_dict(), model_hardware=None if hw is None else hw.name,
+                model_terms=None if hw is None else breakdown(c, hw))
+
+
+def with_time_model(row: dict, compiled, device) -> dict:
+    """`row` (a measurement with its median "seconds") plus `time_model` of the executable that ran and
+    "model_s" (the estimate) and "model_ratio" (measured / estimated), None without a hardware entry."""
+    row.update(time_model(compiled, device))
+    row["model_s"] = row["model_terms"]["total"] if row["model_terms"] else None
+    row["model_ratio"] = row["seconds"] / row["model_s"] if row["model_s"] else None
+    return row
+
+
 class _Child:
     def __init__(self, opts: dict):
         import jax
@@ -195,8 +225,9 @@ class _Child:
             times = _timed(lambda: compiled(self.params, tokens), o["reps"])
             seconds = statistics.median(times)
             flops = qwen36_flops(self.cfg, n)["total"]
-            last = dict(name="capture", P=n + 1, tokens=n, seconds=seconds, times=times, tokens_per_s=n / seconds,
-                        flops=flops, compiled_bytes=memory["total"], compile_s=compile_s)
+            last = with_time_model(dict(name="capture", P=n + 1, tokens=n, seconds=seconds, times=times,
+                                        tokens_per_s=n / seconds, flops=flops, compiled_bytes=memory["total"],
+                                        compile_s=compile_s), compiled, self.device)
             search.append(dict(last))
             elapsed = time.perf_counter() - start_time
             next_s = compile_s + (o["reps"] + 1) * 4 * seconds  # at most quadratic in N
@@ -245,9 +276,10 @@ class _Child:
         run()  # warm-up
         times = _timed(run, o["reps"])
         seconds = statistics.median(times)
-        row = dict(name=mode, P=p, G=g, R=r, seconds=seconds, times=times, tokens_per_s=(p + g * r) / seconds,
-                   flops=None, compiled_bytes=memory["total"], compile_s=compile_s,
-                   peak_bytes=_device_memory(self.device)["peak"])
+        row = with_time_model(dict(name=mode, P=p, G=g, R=r, seconds=seconds, times=times,
+                                   tokens_per_s=(p + g * r) / seconds, flops=None, compiled_bytes=memory["total"],
+                                   compile_s=compile_s, peak_bytes=_device_memory(self.device)["peak"]),
+                              compiled, self.device)
         row["planner_bytes"] = self.planner(r).compile(p, g, mode)["total"] if o["planner"] else None
         return row
 
@@ -300,6 +332,25 @@ def format_table(rows: list[dict], peak: float | None) -> str:
                  _fmt(row["compiled_bytes"], ".2f", scale), _fmt(row.get("planner_bytes"), ".2f", scale),
                  _fmt(ratio, ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_model_table(rows: list[dict]) -> str:
+    """The time model next to the measurements: per program its per-device model cost (GFLOP, HBM GB, collective
+    GB), the roofline's bound and estimate on the device's hardware entry, the measured median and measured /
+    estimated ("n/a" without an entry; "*": loops without a trip count, the estimate a lower bound)."""
+    head = ["measurement", "hardware", "model GFLOP", "model HBM GB", "model collective GB", "bound", "estimate s",
+            "measured s", "measured / estimate"]
+    align = ["---", "---", "---:", "---:", "---:", "---", "---:", "---:", "---:"]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
+    for row in rows:
+        c, terms = row["model_cost"], row["model_terms"]
+        bound = max(("compute", "memory", "collectives"), key=terms.get) if terms else "n/a"
+        star = "*" if c["unknown_loops"] else ""
+        lines.append("| " + " | ".join([
+            row["name"], row["model_hardware"] or "n/a", f"{c['flops'] / 1e9:.4g}", f"{c['hbm_bytes'] / 1e9:.4g}",
+            f"{c['collective_bytes'] / 1e9:.4g}", bound, _fmt(row["model_s"], ".3g") + star,
+            f"{row['seconds']:.3g}", _fmt(row["model_ratio"], ".3g")]) + " |")
     return "\n".join(lines)
 
 
@@ -356,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
           f"mesh {opts['mesh'] or 'none (one device)'}; chunk {opts['chunk_size']:,}; "
           f"{time.perf_counter() - start:.0f} s")
     print(format_table(rows, peak))
+    print("\nTime model (longstraw_jax.capacity: per-device roofline of the compiled program) vs measured")
+    print(format_model_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=device, platform=capture["platform"], peak_flops=peak, options=opts, rows=rows), f,

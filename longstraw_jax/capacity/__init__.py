@@ -72,7 +72,9 @@ worst case).
 compiled programs' costs with every loop's trip count applied (`cost.py`: FLOPs, HBM bytes and collective bytes
 from the compiled HLO; `hardware.py`: the device kinds' peaks and `roofline`; `timing.py`: the phases,
 `decode_steps_per_group`). Besides the capture and the update it compiles one decode step of the mesh sampler
-(`planner.decode_step`) and the update given the sampler's capture (no capture of its own). docs/architecture.md 6.
+(`planner.decode_step`) and the update given the sampler's capture (no capture of its own). Routed experts (GLM-5.x)
+are costed as a GPU's grouped matmul, not as XLA:CPU runs them (`cost.ExpertModel`, `Planner.expert_model`);
+`--hlo-dir DIR` writes each costed program's HLO text (to cost it again without compiling). docs/architecture.md 6.
 
 Caveats: sizes come from XLA:CPU's buffer assignment for the per-device SPMD program; a GPU compile differs
 (fusion, scheduling, collective buffers), so read them as estimates. The sampling phase's tail and decode terms are

@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "the sampler's capture")
     ap.add_argument("--hardware", choices=sorted(HARDWARE), default="h200",
                     help="--time: the device kind whose peaks the roofline uses (default h200; capacity/hardware.py)")
+    ap.add_argument("--hlo-dir", metavar="DIR", help="--time: also write each costed program's compiled HLO text "
+                    "into DIR (capacity/cost.py can cost it again: `hlo_cost(open(file).read())`)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--unit", choices=("GiB", "MiB"), default="GiB", help="table unit (default GiB)")
     ap.add_argument("--json", metavar="FILE", help="also write every row as JSON (bytes per phase; 'fits' per row)")
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_jax(data * seq)
         planner = Planner(args.config, args.mesh, args.dtype, args.response_len, args.chunk_size, train_mode=args.train,
                           lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
-                          decode_batch=args.decode_batch)
+                          decode_batch=args.decode_batch, hlo_dir=args.hlo_dir)
         for group in args.group_size:
             planner.branches_together(group)  # --decode-batch must divide every G
     except (ValueError, NotImplementedError) as e:

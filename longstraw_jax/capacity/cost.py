@@ -52,6 +52,35 @@ Per-device quantities (the HLO is the per-device SPMD program):
   Async pairs (`all-gather-start` / `-done`, ...) are counted at their start. A float32 collective whose operand
   was converted up from bf16 (XLA:CPU's float normalization runs bf16 collectives in float32, with converts around
   them) counts at bf16, what a GPU moves.
+
+**Routed experts** (`ExpertModel`; MoE models). XLA:CPU has no grouped GEMM, so `ops/moe._grouped_scan` runs every
+row of a block through each expert in turn (a scan over the L experts of the device: L times the FLOPs of a GPU's
+`ragged_dot`, which runs each row through its own expert), and the gathered exchange (`parallel/experts.py`,
+`local_experts`) runs the rows of all n devices in fixed blocks, skipped at run time past the device's own rows but
+counted here at their bound (a conditional's costliest branch). The instructions are recognised by the functions in
+their stack frames (the module's FunctionNames / StackFrames tables, `stack_functions`): an *expert loop* is a
+while loop with dots under `EXPERT_LOOP_FUNCTIONS` (`ops/moe.py:_grouped`: one grouped matmul, forward or
+backward), an *expert call* a while loop of `EXPERT_CALL_FUNCTIONS` (`local_experts`: one MoE layer's block loop).
+Without a model they are counted as compiled, and
+`Cost.expert_flops` / `expert_hbm_bytes` say how much of the totals they are (the calls' bytes, or a bare expert
+loop's). With `ExpertModel(routed=E, row_fraction=f)` they are costed as a GPU's grouped matmul would run them,
+assuming balanced routing (every device's experts receive the same share of the rows):
+
+      FLOPs      compiled expert FLOPs x f / E      (each real row through its own expert once, this device's
+                                                     share L / E of the gathered rows; on one device L = E)
+      rows       those FLOPs / (2 x out x in x dots per step)      (the rows each grouped matmul multiplies)
+      HBM bytes  per grouped matmul: rows x (out + in) x bytes per dot (rows read, results written), plus per call
+                 (one MoE layer's experts, all its blocks) the matrices of the experts hit, min(L, rows) of them,
+                 once per dot (read, or its gradient written); the call's own traffic (gathering rows into blocks,
+                 adding them to their tokens, at every block's bound) is replaced by this
+      collectives as compiled (the gathered exchange's all-gather / reduce-scatter of the tokens, about n / k
+                 times the rows a GPU's ragged all-to-all sends: an upper bound)
+
+Everything outside the expert loops and calls is unchanged (tests/test_cost.py: a tiny GLM forward and gradient and
+the gathered exchange on 8 devices, against the analytic count). f: padding rows a GPU sends nowhere (the planner's
+decode step: 1 / seq, `Planner.expert_model`). min(L, rows) is an upper bound of the experts hit by few rows (each
+row a new expert). The decode step vmaps its N branches and XLA:CPU broadcasts the expert matrices to them
+(`ops/moe._broadcast_batched`); the model reads each hit matrix once per call for all N.
 """
 from __future__ import annotations
 
@@ -75,6 +104,15 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "whil
 _SLICING = {"slice", "dynamic-slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode -> index of the update operand (scatter: the first)
 
+# The routed experts' CPU lowering, recognised by the functions in an instruction's stack frames (the module's
+# FileNames / FunctionNames / FileLocations / StackFrames tables), as "file:function" suffixes. `ops/moe.py:_grouped`
+# (the backend's grouped matmul) runs it on XLA:CPU as a scan over the experts, each step multiplying every row
+# (`_grouped_scan`; its backward `_grouped_scan_bwd`; under autodiff the frames below `_grouped` are not recorded):
+# its while loops are *expert loops*. `parallel/experts.py:local_experts` runs the gathered exchange's rows through
+# them in fixed blocks: its while loops are *expert calls*.
+EXPERT_LOOP_FUNCTIONS = ("ops/moe.py:_grouped",)
+EXPERT_CALL_FUNCTIONS = ("parallel/experts.py:local_experts",)
+
 _ARRAY = re.compile(r"([a-z]\w*)\[([^\]]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -91,6 +129,10 @@ class Cost:
     collective_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
     unknown_loops: tuple[str, ...] = ()
     bounded_loops: tuple[str, ...] = ()
+    expert_flops: float = 0.0       # the routed experts' part of flops (module docstring, "Routed experts")
+    expert_hbm_bytes: float = 0.0   # ... and of hbm_bytes
+    expert_rows: Mapping[str, float] = dataclasses.field(default_factory=dict)  # internal: rows per expert loop
+    # whose weight reads are charged at the enclosing expert call (`ExpertModel`)
 
     @property
     def collective_total(self) -> float:
@@ -99,31 +141,56 @@ class Cost:
     def scaled(self, k: float) -> "Cost":
         """This cost executed k times."""
         return Cost(self.flops * k, self.hbm_bytes * k, {c: b * k for c, b in self.collective_bytes.items()},
-                    self.unknown_loops, self.bounded_loops)
+                    self.unknown_loops, self.bounded_loops, self.expert_flops * k, self.expert_hbm_bytes * k,
+                    {n: r * k for n, r in self.expert_rows.items()})
 
     def __add__(self, other: "Cost") -> "Cost":
-        kinds = dict(self.collective_bytes)
-        for c, b in other.collective_bytes.items():
-            kinds[c] = kinds.get(c, 0.0) + b
-        return Cost(self.flops + other.flops, self.hbm_bytes + other.hbm_bytes, kinds,
+        return Cost(self.flops + other.flops, self.hbm_bytes + other.hbm_bytes,
+                    _merge(self.collective_bytes, other.collective_bytes, combine=sum),
                     tuple(dict.fromkeys(self.unknown_loops + other.unknown_loops)),
-                    tuple(dict.fromkeys(self.bounded_loops + other.bounded_loops)))
+                    tuple(dict.fromkeys(self.bounded_loops + other.bounded_loops)),
+                    self.expert_flops + other.expert_flops, self.expert_hbm_bytes + other.expert_hbm_bytes,
+                    _merge(self.expert_rows, other.expert_rows, combine=sum))
 
     def as_dict(self) -> dict:
         """JSON-ready: flops, hbm_bytes, collective_bytes (total), collectives ({kind: bytes}), unknown_loops,
-        bounded_loops."""
+        bounded_loops, expert_flops, expert_hbm_bytes."""
         return dict(flops=self.flops, hbm_bytes=self.hbm_bytes, collective_bytes=self.collective_total,
                     collectives=dict(sorted(self.collective_bytes.items())), unknown_loops=list(self.unknown_loops),
-                    bounded_loops=list(self.bounded_loops))
+                    bounded_loops=list(self.bounded_loops), expert_flops=self.expert_flops,
+                    expert_hbm_bytes=self.expert_hbm_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertModel:
+    """Cost the routed experts as a GPU's grouped matmul instead of as compiled (module docstring, "Routed
+    experts"). routed: E, a MoE layer's routed experts (all devices together); row_fraction: the share of the rows
+    entering the experts that are real tokens (the rest padding that a GPU's ragged exchange sends nowhere), in
+    (0, 1]."""
+
+    routed: int
+    row_fraction: float = 1.0
+
+    def __post_init__(self):
+        if isinstance(self.routed, bool) or not isinstance(self.routed, int) or self.routed < 1:
+            raise ValueError(f"ExpertModel.routed {self.routed!r} must be a positive integer (experts per layer)")
+        if not 0 < self.row_fraction <= 1:
+            raise ValueError(f"ExpertModel.row_fraction {self.row_fraction!r} must be in (0, 1]")
+
+
+def _merge(*maps, combine) -> dict:
+    """{key: combine(the maps' values for key, 0 where absent)}."""
+    return {k: combine([m.get(k, 0.0) for m in maps]) for k in dict.fromkeys(k for m in maps for k in m)}
 
 
 def _maximum(costs: list[Cost]) -> Cost:
     """Each quantity's largest value over `costs` (a conditional's branches)."""
-    kinds = {k for c in costs for k in c.collective_bytes}
     return Cost(max(c.flops for c in costs), max(c.hbm_bytes for c in costs),
-                {k: max(c.collective_bytes.get(k, 0.0) for c in costs) for k in kinds},
+                _merge(*(c.collective_bytes for c in costs), combine=max),
                 tuple(dict.fromkeys(u for c in costs for u in c.unknown_loops)),
-                tuple(dict.fromkeys(u for c in costs for u in c.bounded_loops)))
+                tuple(dict.fromkeys(u for c in costs for u in c.bounded_loops)),
+                max(c.expert_flops for c in costs), max(c.expert_hbm_bytes for c in costs),
+                _merge(*(c.expert_rows for c in costs), combine=max))
 
 
 # ----- parsing ---------------------------------------------------------------------------------------------------
@@ -224,6 +291,45 @@ def parse_module(text: str) -> tuple[dict[str, list[Instruction]], str, int]:
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return computations, entry, devices
+
+
+def stack_functions(text: str) -> dict[int, tuple[str, ...]]:
+    """{stack_frame_id: "file:function" of that frame and its callers, innermost first} from an HLO module's
+    FileNames / FunctionNames / FileLocations / StackFrames tables (XLA prints them before the computations; a
+    frame's `parent_frame_id` is its caller's id + 1, 0 for none). Empty when the text has no tables."""
+    tables: dict[str, dict[int, str]] = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
+    section = None
+    for line in text.splitlines():
+        if line in tables:
+            section = line
+            continue
+        m = re.match(r"^(\d+) (.*)$", line)
+        if m is None:
+            if _HEADER.match(line):
+                break  # the computations start
+            section = None if not line.strip() or section is None else section
+            continue
+        if section is not None:
+            tables[section][int(m.group(1))] = m.group(2)
+    field = lambda text, key: int(re.search(rf"{key}=(\d+)", text).group(1))
+    name = {i: v.strip('"') for i, v in tables["FunctionNames"].items()}
+    file = {i: v.strip('"') for i, v in tables["FileNames"].items()}
+    location = {i: f'{file.get(field(v, "file_name_id"), "")}:{name.get(field(v, "function_name_id"), "")}'
+                for i, v in tables["FileLocations"].items()}
+    frames = {i: (location.get(field(v, "file_location_id"), ""), field(v, "parent_frame_id") - 1)
+              for i, v in tables["StackFrames"].items()}
+    out: dict[int, tuple[str, ...]] = {}
+
+    def stack(i: int) -> tuple[str, ...]:
+        if i not in out:
+            out[i] = ()  # recursion guard
+            function, parent = frames[i]
+            out[i] = (function,) + (stack(parent) if parent in frames else ())
+        return out[i]
+
+    for i in frames:
+        stack(i)
+    return out
 
 
 def array_shapes(shape: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -540,10 +646,15 @@ def _interval(op: str, xs: list[tuple[float, float]], instr: Instruction) -> tup
 class _Module:
     """A parsed HLO module and the walk of `hlo_cost` over it (module docstring)."""
 
-    def __init__(self, text: str, trip_counts: Mapping[str, float]):
+    def __init__(self, text: str, trip_counts: Mapping[str, float], experts: ExpertModel | None = None):
         self.computations, self.entry, self.devices = parse_module(text)
         self.by_name = {c: {i.name: i for i in instrs} for c, instrs in self.computations.items()}
         self.trip_counts = trip_counts
+        self.experts = experts
+        self.loops: dict[str, tuple[str, Instruction]] = {}  # expert loops by name, with their computation
+        self.frames = stack_functions(text)
+        self.in_call = self._reachable([_called(i, "body")[0] for instrs in self.computations.values()
+                                        for i in instrs if self._expert_call(i)])
         self._static: dict[tuple[str, bool], Cost] = {}
         self._dynamic: dict[str, bool] = {}
         self._walks: dict[tuple, Cost] = {}
@@ -783,7 +894,112 @@ class _Module:
             return cost(0 if i else 1)
         return cost(i if 0 <= i < len(branches) else len(branches) - 1)
 
+    # -- routed experts (module docstring, "Routed experts")
+
+    def functions(self, instr: Instruction) -> tuple[str, ...]:
+        """"file:function" of `instr`'s stack frame and its callers (empty without stack frames)."""
+        m = re.search(r"stack_frame_id=(\d+)", instr.attrs)
+        return self.frames.get(int(m.group(1)), ()) if m else ()
+
+    def _in_stack(self, instr: Instruction, names: tuple[str, ...]) -> bool:
+        return any(f == n or f.endswith("/" + n) for f in self.functions(instr) for n in names)
+
+    def _expert_loop(self, instr: Instruction) -> bool:
+        """A while loop under `EXPERT_LOOP_FUNCTIONS` that multiplies (its body has dots; the lowering's integer
+        bookkeeping loops are counted as compiled)."""
+        return instr.opcode == "while" and self._in_stack(instr, EXPERT_LOOP_FUNCTIONS) and self._dots(instr) > 0
+
+    def _dots(self, instr: Instruction) -> int:
+        """Dot instructions in a while loop's body (fusions and nested calls included)."""
+        body = self._reachable(_called(instr, "body"))
+        return sum(i.opcode == "dot" for c in body for i in self.computations.get(c, []))
+
+    def _expert_call(self, instr: Instruction) -> bool:
+        return instr.opcode == "while" and not self._expert_loop(instr) and \
+            self._in_stack(instr, EXPERT_CALL_FUNCTIONS)
+
+    def _reachable(self, roots: list[str]) -> set[str]:
+        """The computations `roots` call, transitively (control flow and fusions), roots included."""
+        seen, todo = set(), list(roots)
+        while todo:
+            comp = todo.pop()
+            if comp in seen:
+                continue
+            seen.add(comp)
+            for instr in self.computations.get(comp, []):
+                todo += self._control_calls(instr) + _called(instr, "calls")
+        return seen
+
+    def expert_matrix(self, comp: str, instr: Instruction) -> tuple[int, int, int, float, int]:
+        """(L, out, in, bytes per element, dots per step) of an expert loop's expert matrices: the stacked
+        weights [..., L, out, in] are the largest array of its carried tuple whose third-last dimension is the
+        trip count L (bytes per element: of the bf16 they were widened from, where XLA:CPU converted them to
+        float32 first); the dots are those of its body (a forward step multiplies by the matrix, a backward step
+        also forms its gradient)."""
+        trips = self._fixed_trips(instr)
+        arrays = array_shapes(instr.shape)
+        stacks = [(math.prod(dims), j) for j, (_, dims) in enumerate(arrays) if len(dims) >= 3 and dims[-3] == trips]
+        if trips is None or not stacks:
+            raise ValueError(f"expert loop {instr.name}: no stacked expert weights [..., L, out, in] with L = its "
+                             f"trip count {trips} in its carried tuple {instr.shape[:200]}")
+        j = max(stacks)[1]
+        dtype, dims = arrays[j]
+        itemsize = float(_ITEMSIZE[dtype])
+        carried = self.by_name[comp].get(instr.operands[0])
+        if carried is not None and carried.opcode == "tuple" and j < len(carried.operands):
+            itemsize = _widened_from(carried.operands[j], self.by_name[comp], self.computations) or itemsize
+        return int(trips), dims[-2], dims[-1], itemsize, self._dots(instr)
+
+    def _weights(self, rows: Mapping[str, float]) -> float:
+        """Bytes of the expert matrices one call touches: per expert loop, each dot reads (or writes the gradient
+        of) the matrices of the experts its rows hit, min(L, rows) of them (every row a different expert: an upper
+        bound for few rows, all L for many)."""
+        total = 0.0
+        for name, r in rows.items():
+            trips, out, in_, itemsize, dots = self.expert_matrix(*self.loops[name])
+            total += dots * min(trips, r) * out * in_ * itemsize
+        return total
+
+    def _expert_loop_cost(self, comp: str, instr: Instruction, cpu: Cost) -> Cost:
+        """An expert loop's cost. As compiled (no ExpertModel): unchanged, its FLOPs marked as the experts' (and
+        its bytes, where no expert call encloses it). As a GPU's grouped matmul: FLOPs = compiled x row_fraction /
+        E (each real row through its own expert, once, instead of through each of the loop's L experts, the
+        gathered exchange's L / E share of the rows being this device's), rows = those FLOPs / (2 x matrix x
+        dots), HBM = the rows read and written ((out + in) elements per dot and row) plus, where no expert call
+        encloses the loop, the matrices touched (`_weights`); inside one the rows are charged there."""
+        inside = comp in self.in_call
+        if self.experts is None:
+            return dataclasses.replace(cpu, expert_flops=cpu.flops, expert_hbm_bytes=0.0 if inside else cpu.hbm_bytes)
+        _, out, in_, itemsize, dots = self.expert_matrix(comp, instr)
+        flops = cpu.flops * self.experts.row_fraction / self.experts.routed
+        rows = flops / (2.0 * out * in_ * dots)
+        hbm = rows * dots * (out + in_) * itemsize
+        self.loops[instr.name] = (comp, instr)
+        if not inside:
+            hbm += self._weights({instr.name: rows})
+        return Cost(flops, hbm, cpu.collective_bytes, cpu.unknown_loops, cpu.bounded_loops, flops, hbm,
+                    {instr.name: rows} if inside else {})
+
+    def _expert_call_cost(self, cpu: Cost) -> Cost:
+        """An expert call's cost (its expert loops already costed). As compiled: its bytes marked as the experts'.
+        As a GPU's: its HBM bytes are its expert loops' rows plus the matrices their rows hit in this call
+        (`_weights`; the call's own traffic, gathering rows into blocks and adding them to their tokens at every
+        block's bound, is not a GPU's and is dropped); FLOPs and collectives as counted."""
+        if self.experts is None:
+            return dataclasses.replace(cpu, expert_hbm_bytes=cpu.hbm_bytes)
+        hbm = cpu.expert_hbm_bytes + self._weights(cpu.expert_rows)
+        return dataclasses.replace(cpu, hbm_bytes=hbm, expert_hbm_bytes=hbm, expert_rows={})
+
     def _loop(self, comp: str, instr: Instruction, fused: bool, args: tuple) -> Cost:
+        """`_loop_cost`, routed experts costed by `_expert_loop_cost` / `_expert_call_cost`."""
+        cost = self._loop_cost(comp, instr, fused, args)
+        if self._expert_loop(instr):
+            return self._expert_loop_cost(comp, instr, cost)
+        if self._expert_call(instr):
+            return self._expert_call_cost(cost)
+        return cost
+
+    def _loop_cost(self, comp: str, instr: Instruction, fused: bool, args: tuple) -> Cost:
         """A while loop: body x trips + condition x (trips + 1). Trips: the caller's override, XLA's known trip
         count, else simulated from the carried scalars (exact, or an upper bound where the condition's value is
         uncertain: the loop is then listed in `bounded_loops`), else unknown (counted once, `unknown_loops`)."""
@@ -814,18 +1030,23 @@ class _Module:
         return total + Cost(bounded_loops=(instr.name,)) if bounded else total
 
 
-def hlo_cost(text: str, trip_counts: Mapping[str, float] | None = None) -> Cost:
+def hlo_cost(text: str, trip_counts: Mapping[str, float] | None = None, experts: ExpertModel | None = None) -> Cost:
     """Per-device Cost of one execution of an HLO module's text (`compiled.as_text()`), loops multiplied by their
     trip counts (module docstring). trip_counts: {while instruction name: n} for loops XLA has no
     `known_trip_count` for (overrides it where both exist; for a body without data-dependent loops of its own, a
-    mean over the enclosing loops' iterations gives exact totals)."""
-    module = _Module(text, dict(trip_counts or {}))
-    return module.walk(module.entry, False)
+    mean over the enclosing loops' iterations gives exact totals). experts: cost the routed experts as a GPU's
+    grouped matmul (`ExpertModel`); None: as compiled (`Cost.expert_flops` / `expert_hbm_bytes` still say how much
+    of the totals they are)."""
+    module = _Module(text, dict(trip_counts or {}), experts)
+    cost = module.walk(module.entry, False)
+    if cost.expert_rows:  # every expert loop inside a call is charged by that call: never reached
+        raise ValueError(f"expert loops {sorted(cost.expert_rows)} were not charged by an expert call")
+    return cost
 
 
-def program_cost(compiled, trip_counts: Mapping[str, int] | None = None) -> Cost:
+def program_cost(compiled, trip_counts: Mapping[str, int] | None = None, experts: ExpertModel | None = None) -> Cost:
     """`hlo_cost` of a compiled JAX program (`jax.jit(f).lower(...).compile()`): its per-device HLO."""
-    return hlo_cost(compiled.as_text(), trip_counts)
+    return hlo_cost(compiled.as_text(), trip_counts, experts)
 
 
 def xla_cost(compiled) -> dict[str, float]:
@@ -836,5 +1057,6 @@ def xla_cost(compiled) -> dict[str, float]:
     return {k: float(analysis.get(k, 0.0)) for k in ("flops", "bytes accessed")}
 
 
-__all__ = ["COLLECTIVES", "Cost", "array_shapes", "group_size", "hlo_cost", "parse_module", "program_cost",
-           "shape_bytes", "trip_count", "xla_cost"]
+__all__ = ["COLLECTIVES", "Cost", "EXPERT_CALL_FUNCTIONS", "EXPERT_LOOP_FUNCTIONS", "ExpertModel", "array_shapes",
+           "group_size", "hlo_cost", "parse_module", "program_cost", "shape_bytes", "stack_functions", "trip_count",
+           "xla_cost"]

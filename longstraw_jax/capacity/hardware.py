@@ -49,15 +49,33 @@ HARDWARE = {
         "h20", flops_per_s=148e12, hbm_per_s=4.0e12, link_per_s=_NVLINK4_PER_DIRECTION, hbm_bytes=96e9,
         source="NVIDIA HGX H20 specifications as published by NVIDIA partners (no public NVIDIA datasheet): "
                "FP16/BF16 Tensor Core 148 TFLOPS dense (INT8 / FP8 296), 96 GB HBM3, 4.0 TB/s, NVLink 900 GB/s"),
+    "cpu": Hardware(
+        "cpu", flops_per_s=100e9, hbm_per_s=20e9, link_per_s=10e9, hbm_bytes=16e9,
+        source="ROUGH round numbers, not a datasheet: a few x86 cores with AVX2 FMA (~100 GFLOP/s float32 together), "
+               "~20 GB/s DRAM, ~10 GB/s memcpy between simulated devices; for smoke runs of tools/bench_device.py "
+               "on XLA:CPU, where the ratio measured / estimated says how far XLA:CPU is from these numbers"),
 }
+
+# device_kind substrings -> entry, first match wins (H200 before H20, as in tools/bench_device.py's PEAK_BF16)
+_DEVICE_KINDS = (("H200", "h200"), ("H100", "h100"), ("H20", "h20"))
 
 
 def hardware(name: str) -> Hardware:
-    """The Hardware of a device kind (h20, h100, h200; case-insensitive)."""
+    """The Hardware of a device kind (h20, h100, h200, or the rough cpu; case-insensitive)."""
     try:
         return HARDWARE[name.lower()]
     except KeyError:
         raise ValueError(f"--hardware {name!r}: expected one of {', '.join(sorted(HARDWARE))}") from None
+
+
+def for_device(device_kind: str, platform: str) -> Hardware | None:
+    """The entry of a JAX device (`device.device_kind`, `device.platform`): h200 / h100 / h20 by the kind's name,
+    the rough `cpu` entry on XLA:CPU, None for any other device (PCIe cards too: the entries are SXM peaks)."""
+    if platform == "cpu":
+        return HARDWARE["cpu"]
+    if "pcie" in device_kind.lower():
+        return None
+    return next((HARDWARE[key] for name, key in _DEVICE_KINDS if name.lower() in device_kind.lower()), None)
 
 
 def roofline(cost: Cost, hw: Hardware) -> float:
@@ -77,4 +95,4 @@ def breakdown(cost: Cost, hw: Hardware) -> dict[str, float]:
                 collectives=cost.collective_total / hw.link_per_s, total=roofline(cost, hw))
 
 
-__all__ = ["HARDWARE", "Hardware", "breakdown", "hardware", "roofline"]
+__all__ = ["HARDWARE", "Hardware", "breakdown", "for_device", "hardware", "roofline"]

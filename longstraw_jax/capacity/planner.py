@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longstraw_jax import lora, models, sharding, train, trainable
-from longstraw_jax.capacity.cost import Cost, program_cost
+from longstraw_jax.capacity.cost import Cost, ExpertModel, program_cost
 from longstraw_jax.capacity.footprint import (
     decode_gathered_bytes,
     largest_layer_bytes,
@@ -51,13 +51,14 @@ class Planner:
 
     def __init__(self, config, mesh_spec: str, dtype: str, response_len: int, chunk: int, devices=None,
                  train_mode: str = "full", lora_rank: int = 64, lora_alpha: float | None = None,
-                 lora_targets: str = "all", decode_batch: int | None = None):
+                 lora_targets: str = "all", decode_batch: int | None = None, hlo_dir: str | None = None):
         """`config`: an HF config.json path or a model config object; `devices`: the mesh's devices (default all of
         jax.devices(); a process with more passes a subset). train_mode "lora": LoRA adapters of `lora_rank` on
         `lora_targets` (`lora.resolve_targets`), built abstractly, and the trainer's split (`trainable.split` by
         `trainable.adapter_leaf`): the update compiles `train_step(..., frozen=base)`, so gradients and AdamW state
         exist for the adapters only, while params (and the sampling phase) hold base + adapters. decode_batch: the
-        sampler's (branches decoded together; None: all G)."""
+        sampler's (branches decoded together; None: all G). hlo_dir: where the time model writes each costed
+        program's HLO text (`<program>_P<P>[_G<G>_<mode>|_N<N>].hlo.txt`), to be costed again without compiling."""
         self.model = models.build(models.config_from_hf(config) if isinstance(config, (str, os.PathLike)) else config)
         self.model.sequence_parallel()  # a family without a sharded path says so here
         self.mesh = sharding.make_mesh(mesh_spec, devices)
@@ -101,6 +102,7 @@ class Planner:
         self._updates: dict[tuple, dict] = {}
         self._programs: dict[tuple, object] = {}  # compiled executables, for the time model's costs
         self._costs: dict[tuple, Cost] = {}
+        self.hlo_dir = hlo_dir
 
     @property
     def data(self) -> int:
@@ -280,13 +282,32 @@ class Planner:
             key = (name, prompt_len) + {"update": (group, mode), "decode_step": (self.branches_together(group),),
                                          "capture": ()}[name]
             if key not in self._costs:
-                cost = program_cost(program())
+                compiled = program()
+                if self.hlo_dir:
+                    os.makedirs(self.hlo_dir, exist_ok=True)
+                    tag = {"update": f"_G{group}_{mode}", "decode_step": f"_N{self.branches_together(group)}",
+                           "capture": ""}[name]
+                    with open(os.path.join(self.hlo_dir, f"{name}_P{prompt_len}{tag}.hlo.txt"), "w") as f:
+                        f.write(compiled.as_text())
+                cost = program_cost(compiled, experts=self.expert_model(name))
                 if cost.unknown_loops:
                     raise ValueError(f"{name} program: while loops without a known trip count "
                                      f"{list(cost.unknown_loops)}; its time would be a lower bound")
                 self._costs[key] = cost
             out[name] = self._costs[key]
         return out
+
+    def expert_model(self, program: str) -> ExpertModel | None:
+        """How the time model costs a program's routed experts: as a GPU's grouped matmul (`cost.ExpertModel`), E
+        = the config's routed experts; None for a model without them. In the decode step each branch's one token is
+        the same on every seq shard and, where the experts are expert-parallel, each shard sends a 1 / seq slice of
+        it, padded to one row per shard (`parallel/experts.py`, replicated_over_seq): 1 of the seq rows is real."""
+        routed = getattr(self.model.config, "n_routed_experts", 0)
+        if not routed:
+            return None
+        seq = self.mesh.shape["seq"]
+        padded = program == "decode_step" and routed % self.mesh.size == 0
+        return ExpertModel(routed, 1.0 / seq if padded else 1.0)
 
     def timing(self, prompt_len: int, group: int, mode: str, groups_per_step: int, hw: Hardware) -> dict:
         """The time model of one step (timing.py) for one row: {"mode", "G", "P", "B", "decode_steps_per_group",

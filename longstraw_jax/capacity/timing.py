@@ -14,7 +14,8 @@ Approximations, all stated: the decode step is the sampler's per-token program f
 `decode` vmapped over N tails and the logits; the token draw over [vocab] is left out); B / data > 1 multiplies
 single-group programs by B / data, an upper bound where the slice's groups share a program (the trainer's sampler
 decodes a slice's groups together: each decode step reads each layer's weights once for all of them; AdamW runs once
-per step, not once per group).
+per step, not once per group). MoE models' routed experts are costed as a GPU's grouped matmul, not as XLA:CPU's
+lowering (`cost.ExpertModel`, chosen per program by `Planner.expert_model`).
 """
 from __future__ import annotations
 
