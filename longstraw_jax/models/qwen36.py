@@ -526,7 +526,8 @@ def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, reader):
 def _layers(cfg: Qwen36Config, params: dict, state: Qwen36State, tokens: jax.Array, start, cache_length,
             remat: bool = False, left_pad=None):
     """All layers over tokens [T] at positions start.., reading `state` (a scan const: never copied or written);
-    positions < left_pad (int32 [] or None) are a left-padded prompt's pads (`PromptReader`). Returns (h [T, D] before the final norm, new state entries stacked [num_blocks, per_block, ...]).
+    positions < left_pad (int32 [] or None) are a left-padded prompt's pads (`PromptReader`).
+    Returns (h [T, D] before the final norm, new state entries stacked [num_blocks, per_block, ...]).
 
     remat: under autodiff keep only each block's input h [T, D] and recompute the block in the backward pass, so
     activation memory is one block's, not all layers' (costs one more forward of each block).
