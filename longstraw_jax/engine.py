@@ -146,11 +146,11 @@ def prompt_backward(model, params, tokens: jax.Array, chunk_size: int, state, bo
     """
     full_boundaries, last_boundary = boundaries
     num_full, remainder = chunk_layout(tokens.shape[0], chunk_size)
-    pad = {} if left_pad is None else {"left_pad": left_pad}
 
     def chunk_vjp(carry, chunk_tokens, start, boundary):
         grads, cot = carry
-        return model.chunk_grads(params, model.with_carried(state, boundary), chunk_tokens, start, grads, cot, **pad)
+        return model.chunk_grads(params, model.with_carried(state, boundary), chunk_tokens, start, grads, cot,
+                                 left_pad=left_pad)
 
     carry = (grads, state_cot)
     if remainder:

@@ -80,11 +80,6 @@ def _positions(start, length: int) -> jax.Array:
     return start + jnp.arange(length, dtype=jnp.int32)
 
 
-def _pad(left_pad) -> dict:
-    """The keyword a block gets for a left-padded prompt: none without padding (the unpadded call is unchanged)."""
-    return {} if left_pad is None else {"left_pad": left_pad}
-
-
 @runtime_checkable
 class Stage(Protocol):
     """One kind of block, repeated `num_blocks` times. `block_params` leaves are stacked [num_blocks, ...]; `block`
@@ -124,7 +119,7 @@ class _Uniform(NamedTuple):
         return self.model.with_block_params(params, blocks)
 
     def block(self, bp, h, state_block, positions, cache_length, left_pad=None):
-        return self.model.block(bp, h, state_block, positions, cache_length, **_pad(left_pad))
+        return self.model.block(bp, h, state_block, positions, cache_length, left_pad=left_pad)
 
     def at(self, tree, b):
         return _at(tree, b)
@@ -144,7 +139,7 @@ def _forward(model, stages, params, state, tokens, start, cache_length, left_pad
     for stage in stages:
         def body(h, xs, stage=stage):
             bp, b = xs
-            return stage.block(bp, h, stage.at(state, b), positions, cache_length, **_pad(left_pad))[0], h
+            return stage.block(bp, h, stage.at(state, b), positions, cache_length, left_pad=left_pad)[0], h
 
         h, stage_inputs = jax.lax.scan(body, h, (stage.block_params(params), jnp.arange(stage.num_blocks)))
         inputs.append(stage_inputs)
@@ -158,7 +153,7 @@ def _backward_stage(model, stage, params, state, positions, cache_length, inputs
         dh, acc, grads_blocks = carry
         bp, b, h_in, entries_cot = xs
         state_block = stage.at(state, b)
-        run = lambda bp, h, s: stage.block(bp, _fill(h, h_in), s, positions, cache_length, **_pad(left_pad))
+        run = lambda bp, h, s: stage.block(bp, _fill(h, h_in), s, positions, cache_length, left_pad=left_pad)
         # with respect to the trainable leaves of the block only (grads_blocks has their structure: trainable.py)
         vjp_of = lambda fn, *primals: trainable.vjp(fn, bp, grads_blocks, *primals)
         if acc is None:
@@ -270,7 +265,7 @@ def branch_grads_autodiff(extend_hidden, params, state, tokens, head, grads, acc
 
 def chunk_grads_autodiff(model, params, state, tokens, start, grads, acc, left_pad=None):
     """As `chunk_grads`, by autodiff of `model.chunk_entries` (a full-size state cotangent for the chunk)."""
-    entries, vjp = trainable.vjp(lambda p, s: model.chunk_entries(p, s, tokens, start, **_pad(left_pad)), params,
+    entries, vjp = trainable.vjp(lambda p, s: model.chunk_entries(p, s, tokens, start, left_pad=left_pad), params,
                                  grads, state)
     entries_cot = jax.tree.map(lambda c, e: c.astype(e.dtype), model.read_entries(acc, start, tokens.shape[0]),
                                entries)

@@ -43,9 +43,8 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
     Returns (loss, param grads (float32), state cotangent summed over branches (float32, the leaves of
     `model.differentiable_state(state)`; None unless with_state_grad), metric sums).
     """
-    branch_grads = model.branch_grads if branch_grads is None else branch_grads
-    if batch.left_pad is not None:
-        branch_grads = functools.partial(branch_grads, left_pad=batch.left_pad)
+    branch_grads = functools.partial(model.branch_grads if branch_grads is None else branch_grads,
+                                     left_pad=batch.left_pad)
     responses = batch.responses.astype(jnp.int32)
     group_size, length = responses.shape
     inputs = jnp.concatenate([jnp.full((group_size, 1), batch.prompt[-1], jnp.int32), responses[:, :-1]], axis=1)

@@ -9,6 +9,8 @@ boundaries. Each comparison first checks that the same padded prompt *without* l
 makes them equal. float32 here (tolerances of float round-off: RoPE at shifted absolute positions and other chunk
 boundaries are exact only in exact arithmetic); float64 (slow) holds one device to 1e-10.
 """
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,6 +136,22 @@ def test_bad_left_pad_is_refused_by_name():
                               left_pad=N - 1)
     with pytest.raises(ValueError, match="left_pad = 21 is out of range"):
         model.capture(params, batch.prompt, 8, left_pad=N)
+
+
+def test_every_reader_of_a_prompt_takes_left_pad():
+    """The contract (models/base.py): each family's methods that read a prompt, its mesh adapter's and its layerwise
+    stages' blocks accept `left_pad` (a method without it would silently read pads)."""
+    for config in (models.Qwen36Config.tiny(), Glm52Config.tiny()):
+        model = models.build(config)
+        adapter = model.sequence_parallel()
+        stages = model.block_stages() if hasattr(model, "block_stages") else (model,)
+        methods = [getattr(model, name) for name in ("capture", "extend", "extend_hidden", "forward", "capture_chunk",
+                                                     "chunk_entries", "advance", "decode", "branch_grads",
+                                                     "chunk_grads")]
+        methods += [getattr(adapter, name) for name in ("capture", "extend_hidden", "prompt_backward", "decode")]
+        methods += [stage.block for stage in stages]
+        for method in methods:
+            assert "left_pad" in inspect.signature(method).parameters, f"{type(model).__name__}: {method.__name__}"
 
 
 # ----- one device --------------------------------------------------------------------------------------------------

@@ -186,7 +186,6 @@ def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, kee
     4.6): never attended, and Qwen3.6's GDN state passes them unchanged. The state of the real tokens then
     equals the unpadded prompt's, shifted by left_pad positions. None: no padding (the same program as before).
     """
-    pad = {} if left_pad is None else {"left_pad": left_pad}
     state = model.init_state(tokens.shape[0], dtype, capacity=capacity)
     num_full, remainder = chunk_layout(tokens.shape[0], chunk_size)
     full_boundaries = last_boundary = None
@@ -196,12 +195,13 @@ def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, kee
         def step(state, xs):
             index, chunk = xs
             boundary = model.carried(state) if keep_boundaries else None
-            return model.capture_chunk(params, state, chunk, index * chunk_size, **pad), boundary
+            return model.capture_chunk(params, state, chunk, index * chunk_size, left_pad=left_pad), boundary
 
         state, full_boundaries = jax.lax.scan(step, state, (jnp.arange(num_full, dtype=jnp.int32), chunks))
     if remainder:
         last_boundary = model.carried(state) if keep_boundaries else None
-        state = model.capture_chunk(params, state, tokens[num_full * chunk_size :], num_full * chunk_size, **pad)
+        state = model.capture_chunk(params, state, tokens[num_full * chunk_size :], num_full * chunk_size,
+                                    left_pad=left_pad)
     return (state, (full_boundaries, last_boundary)) if keep_boundaries else state
 
 
@@ -285,8 +285,7 @@ class CausalLM:
         """Process tokens [C] at positions start.. (start may be traced) and write them into `state`, which must
         hold positions < start and have room for start + C. Layers only read the state; entries are written once,
         after the last layer, so the cache is updated in place. left_pad: positions < left_pad are pads."""
-        pad = {} if left_pad is None else {"left_pad": left_pad}
-        return self.write_entries(state, self.chunk_entries(params, state, tokens, start, **pad), start)
+        return self.write_entries(state, self.chunk_entries(params, state, tokens, start, left_pad), start)
 
     def differentiable_state(self, state):
         """Every leaf of the state can receive a gradient (a family overrides this when some cannot)."""

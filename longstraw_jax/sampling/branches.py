@@ -216,8 +216,7 @@ def sample_captured(model, params, state, prompt, key, group_size: int, sampling
     """G branches after `state`, the capture of prompt[:-1] (one device; its pads < left_pad hidden). Under
     `jax.vmap` over groups (state, prompt, key, left_pad batched) the groups' branches decode together: one decode
     step per token position for all."""
-    pad = {} if left_pad is None else {"left_pad": left_pad}
-    return sample_after_prompt(model, params, functools.partial(model.decode, params, state, **pad),
+    return sample_after_prompt(model, params, functools.partial(model.decode, params, state, left_pad=left_pad),
                                model.init_tail(params, state, sampling.response_len), prompt, key, group_size,
                                sampling)
 

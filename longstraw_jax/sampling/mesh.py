@@ -69,9 +69,8 @@ def sample_traced(model, params, prompt, key, group_size: int, sampling: Samplin
 def capture_prompt(model, params, prompt, mesh, layout: RoundLayout, attention: str = "ring",
                    left_pad=None) -> ShardedCaptured:
     """The engine's sharded capture of prompt[:-1] in `layout`'s rounds (prompt[:left_pad] pads; None: none)."""
-    pad = {} if left_pad is None else {"left_pad": left_pad}
     sstate, capture_aux = model.sequence_parallel().capture(params, layout.to_stored(prompt[:-1]), mesh, layout,
-                                                            attention, **pad)
+                                                            attention, left_pad)
     return ShardedCaptured(sstate, capture_aux)
 
 
@@ -80,8 +79,7 @@ def sample_captured(model, params, sstate: ShardedPromptState, prompt, key, grou
     """G branches after sstate, the sharded capture of prompt[:-1] (its pads < left_pad hidden). Under `jax.vmap`
     over groups (sstate, prompt, key and left_pad batched) the groups' branches decode together."""
     family = model.sequence_parallel()
-    pad = {} if left_pad is None else {"left_pad": left_pad}
-    decode = functools.partial(family.decode, params, sstate, mesh=mesh, **pad)
+    decode = functools.partial(family.decode, params, sstate, mesh=mesh, left_pad=left_pad)
     return sample_after_prompt(model, params, decode, family.init_tail(params, sstate, sampling.response_len),
                                prompt, key, group_size, sampling)
 

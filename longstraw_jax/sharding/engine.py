@@ -93,9 +93,9 @@ def _group_grads(model, params, batch, cfg, mode, mesh, layout, attention, weigh
     """One group: capture (unless `captured`), replay, and in exact mode the prompt's backward, adding into grads."""
     family = model.sequence_parallel()
     stored = layout.to_stored(batch.prompt[:-1].astype("int32"))
-    pad = {} if batch.left_pad is None else {"left_pad": batch.left_pad}  # the prompt's left pads (first shards)
     if captured is None:
-        sstate, capture_aux = family.capture(jax.lax.stop_gradient(params), stored, mesh, layout, attention, **pad)
+        sstate, capture_aux = family.capture(jax.lax.stop_gradient(params), stored, mesh, layout, attention,
+                                              batch.left_pad)
     else:
         sstate, capture_aux = captured.sstate, captured.capture_aux
     state_specs = model.differentiable_state(sstate.replace(state=prompt_state_specs(sstate.state)))  # like the acc
@@ -106,5 +106,5 @@ def _group_grads(model, params, batch, cfg, mode, mesh, layout, attention, weigh
         grads=grads)
     if mode == "exact":
         grads = family.prompt_backward(params, stored, mesh, layout, attention, sstate, capture_aux, state_cot.state,
-                                       grads, **pad)
+                                       grads, batch.left_pad)
     return loss, grads, sums

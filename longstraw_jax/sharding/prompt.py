@@ -42,8 +42,7 @@ def jitted_capture(model, params, stored_tokens, mesh, layout: RoundLayout, atte
     are the prompt in `layout`'s stored order (`layout.to_stored`, valid ids) -> (ShardedPromptState, what the family's
     exact backward needs from the capture: e.g. Qwen3.6's GDN states carried into each round). What ahead-of-time
     tools lower (the capacity planner, tools/bench_seq_attention.py)."""
-    pad = {} if left_pad is None else {"left_pad": left_pad}
-    return model.sequence_parallel().capture(params, stored_tokens, mesh, layout, attention, **pad)
+    return model.sequence_parallel().capture(params, stored_tokens, mesh, layout, attention, left_pad)
 
 
 def extend_hidden(model, params: dict, sstate: ShardedPromptState, tokens, mesh, left_pad=None) -> jax.Array:
@@ -55,8 +54,7 @@ def extend_hidden(model, params: dict, sstate: ShardedPromptState, tokens, mesh,
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _extend_hidden(model, params, sstate, tokens, mesh, left_pad=None):
-    pad = {} if left_pad is None else {"left_pad": left_pad}
-    return model.sequence_parallel().extend_hidden(params, sstate, tokens, mesh, **pad)
+    return model.sequence_parallel().extend_hidden(params, sstate, tokens, mesh, left_pad)
 
 
 def extend(model, params: dict, sstate: ShardedPromptState, tokens, mesh, left_pad=None) -> jax.Array:
