@@ -39,12 +39,12 @@ class PromptState(Protocol):
 @runtime_checkable
 class Model(Protocol):
     """The state protocol. A chunk writes tokens [C] at positions start.. into a state that holds positions < start:
-    (every method that reads a prompt takes `left_pad`, int32 [] or None: positions < left_pad are a left-padded
-    prompt's pads, which no real position may depend on; docs/architecture.md 4.6)
     `chunk_entries` reads the state (never writes it) and returns the chunk's entries; `write_entries` puts them in
     (in place: appended parts at start.., carried parts replaced); `read_entries` is its transpose (used on
     cotangents). `carried` / `with_carried` get and set the carried part: before each chunk it is all that a
-    backward pass needs to recompute the chunk, since appended parts are final after the chunk that writes them."""
+    backward pass needs to recompute the chunk, since appended parts are final after the chunk that writes them.
+    Every method that reads a prompt takes `left_pad` (int32 [] or None): positions < left_pad are a left-padded
+    prompt's pads, on which no real position may depend (docs/architecture.md 4.6)."""
 
     config: Any
     state_type: type
