@@ -6,8 +6,8 @@ index_topk 16 < the real prompt: DSA selection is sparse, and 16 > the real keys
 leave slots empty rather than take a pad). The pads are random ids (not a pad id) and span whole capture chunks, a
 chunk that mixes pads and real tokens, GDN chunks (Qwen gdn_chunk_size 8) and, on a mesh, the first shards and round
 boundaries. Each comparison first checks that the same padded prompt *without* left_pad differs: the masks are what
-makes them equal. float32 here (tolerances of float round-off: RoPE at shifted absolute positions and other chunk
-boundaries are exact only in exact arithmetic); float64 (slow) holds one device to 1e-10.
+makes them equal. float32 here (tolerances of float round-off: the pads move chunk, GDN-chunk and attention-block
+boundaries, exact only in exact arithmetic); float64 (slow) holds one device to 1e-10.
 """
 import inspect
 

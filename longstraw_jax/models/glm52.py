@@ -40,7 +40,7 @@ from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attenti
 from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.moe import grouped_swiglu, route
 from longstraw_jax.ops.norms import layer_norm, rms_norm
-from longstraw_jax.ops.rope import RopeConfig, apply_rope_interleaved, cos_sin, inverse_frequencies
+from longstraw_jax.ops.rope import RopeConfig, apply_rope_interleaved, cos_sin, inverse_frequencies, rope_positions
 from longstraw_jax.validation import check_tokens
 
 FULL, SHARED = "full", "shared"
@@ -493,7 +493,7 @@ def mla_attention(c: Glm52Config, p: dict, x, reader, layer, full, selected):
     q_resid = rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], LATENT_NORM_EPS)
     q = linear(q_resid, p["q_b_proj"]).reshape(t, heads, c.qk_head_dim)  # per head [q_nope | q_pe]
     ckv = linear(x, p["kv_a_proj"])  # [T, lora + rope] = [latent | k_pe]
-    cos, sin = _rope_tables(c, reader.positions, x.dtype)
+    cos, sin = _rope_tables(c, rope_positions(reader.positions, reader.left_pad), x.dtype)  # pads: shifted
     rows = jnp.concatenate([rms_norm(ckv[:, :lora], p["kv_a_norm"], LATENT_NORM_EPS),
                             apply_rope_interleaved(ckv[:, None, lora:], cos, sin)[:, 0]], axis=-1)
     # per head [W_UK (nope) | W_UV (v)]; an adapted kv_b_proj is merged here (one layer, transient: it is reshaped

@@ -33,7 +33,7 @@ from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.ops.gated_delta import gated_delta_rule_chunked, gated_delta_rule_sequential
 from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.norms import l2_normalise, rms_norm_1p, rms_norm_gated
-from longstraw_jax.ops.rope import RopeConfig, apply_partial_rope, cos_sin, inverse_frequencies
+from longstraw_jax.ops.rope import RopeConfig, apply_partial_rope, cos_sin, inverse_frequencies, rope_positions
 
 LINEAR, FULL = "linear_attention", "full_attention"
 GROUP = {LINEAR: "linear", FULL: "full"}  # the params/entries key of each layer kind
@@ -386,7 +386,8 @@ def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, reader, j):
     tokens themselves. Returns (y [T, D], (keys [T, Hkv, hd] after norm + RoPE, values [T, Hkv, hd])): what the
     caller caches.
     """
-    q, gate, k, v = reader.rowwise(lambda x, pos: attention_inputs(cfg, p, x, pos), x, reader.positions)
+    positions = rope_positions(reader.positions, reader.left_pad)  # real tokens at the unpadded prompt's positions
+    q, gate, k, v = reader.rowwise(lambda x, pos: attention_inputs(cfg, p, x, pos), x, positions)
     attended = reader.attend(q, k, v, j, scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size)
     return reader.rowwise(lambda out, gate: attention_output(cfg, p, out, gate, x.dtype), attended.out, gate), (k, v)
 
