@@ -30,6 +30,7 @@ N, R, PAD = 21, 5, 11  # real prompt tokens, response tokens, pads: the padded p
 N2, PAD2 = 14, 18  # a second group of the same padded length
 CHUNK = 6  # capture chunks: padded prompt[:-1] = 31 positions -> chunks 0 (all pads), 1 (pads and real), ...
 CFG = GRPOConfig(kl_coef=0.1, loss_agg="seq-mean-token-mean")  # the batch loss is the mean of the groups' losses
+slow = pytest.mark.slow  # compiles of several engines or samplers each (> ~20 s)
 
 
 def build(family: str, dtype=jnp.float32):
@@ -173,9 +174,6 @@ def test_padded_capture_and_extend_equal_unpadded(setup):
                                model.forward(params, tokens[PAD:]), atol=1e-5 * scale)
 
 
-slow = pytest.mark.slow
-
-
 @pytest.mark.parametrize("family,mode", [("qwen36", "exact"), pytest.param("glm52", "exact", marks=slow),
                                          pytest.param("qwen36", "detached", marks=slow),
                                          pytest.param("glm52", "detached", marks=slow)])
@@ -187,6 +185,7 @@ def test_padded_grads_equal_unpadded(family, mode):
     assert_same(got, want, f"{family} {mode} padded vs unpadded")
 
 
+@slow
 def test_stacked_groups_with_different_pads_equal_each_alone():
     """Two groups of different real lengths stacked [2, 32] with their own left_pad == each group alone, unpadded
     (seq-mean-token-mean: the batch loss and gradient are the mean of the groups')."""
@@ -226,6 +225,7 @@ def test_padded_sampling_equals_unpadded(setup):
     assert_same_rollout(got, want, family)
 
 
+@slow
 def test_sample_groups_with_different_pads_equal_each_alone():
     model, params = build("qwen36")
     first, second = group(512, N, seed=0), group(512, N2, seed=1)
