@@ -115,22 +115,23 @@ def _group_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, c
     """One group: capture prompt[:-1] (unless `captured`), replay its branches, and in exact mode backpropagate into
     the prompt, adding into the float32 `grads` (shaped like the trainable parameters: `trainable.vjp`). -> (loss,
     grads, metric sums)."""
-    prompt = batch.prompt.astype(jnp.int32)
+    prompt, left_pad = batch.prompt.astype(jnp.int32), batch.left_pad
     if captured is not None:
         state, boundaries = captured.state, captured.boundaries
     else:
         exact = mode == "exact"
         state = capture_chunks(model, jax.lax.stop_gradient(params), prompt[:-1], chunk_size,
-                               model.lm_head(params).dtype, keep_boundaries=exact)
+                               model.lm_head(params).dtype, keep_boundaries=exact, left_pad=left_pad)
         state, boundaries = state if exact else (state, None)
     loss, grads, state_cot, sums = replay_branches(model, params, state, batch, cfg, with_state_grad=mode == "exact",
                                                    weights=weights, advantages=advantages, grads=grads)
     if mode == "exact":
-        grads = prompt_backward(model, params, prompt[:-1], chunk_size, state, boundaries, state_cot, grads)
+        grads = prompt_backward(model, params, prompt[:-1], chunk_size, state, boundaries, state_cot, grads, left_pad)
     return loss, grads, sums
 
 
-def prompt_backward(model, params, tokens: jax.Array, chunk_size: int, state, boundaries, state_cot, grads):
+def prompt_backward(model, params, tokens: jax.Array, chunk_size: int, state, boundaries, state_cot, grads,
+                    left_pad=None):
     """grads + the parameter gradient of the prompt's computation, given the cotangent of the captured state
     (grads: the replay's float32 gradient, added to in place).
 
@@ -141,13 +142,15 @@ def prompt_backward(model, params, tokens: jax.Array, chunk_size: int, state, bo
     gradient and to cotangents of what the chunk read: cache reads are added into the running KV cotangent (they
     belong to earlier chunks), the carried input's cotangent becomes chunk i - 1's carried cotangent. Both happen
     block by block inside `model.chunk_grads` (`layerwise.chunk_grads`), in place in `state_cot`.
+    left_pad: the prompt's pads (int32 [] or None); no cotangent reaches them, so they add exactly nothing.
     """
     full_boundaries, last_boundary = boundaries
     num_full, remainder = chunk_layout(tokens.shape[0], chunk_size)
 
     def chunk_vjp(carry, chunk_tokens, start, boundary):
         grads, cot = carry
-        return model.chunk_grads(params, model.with_carried(state, boundary), chunk_tokens, start, grads, cot)
+        return model.chunk_grads(params, model.with_carried(state, boundary), chunk_tokens, start, grads, cot,
+                                 left_pad=left_pad)
 
     carry = (grads, state_cot)
     if remainder:

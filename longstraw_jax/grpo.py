@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from longstraw_jax.validation import is_concrete, is_int, is_real
+from longstraw_jax.validation import check_left_pad, is_concrete, is_int, is_real
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # the largest reward magnitude a GroupBatch holds
@@ -100,6 +100,10 @@ class GroupBatch:
     old_logprobs: None (on-policy: ratio 1) or float32 [G, R], log-probs (<= 0) under the sampling policy.
     ref_logprobs: None or float32 [G, R], log-probs (<= 0) under the reference policy (for the k3 KL; required
                   when kl_coef > 0).
+    left_pad:     None (no padding) or int32 [] ([B]: one per group), in [0, P-2]: the prompt is left-padded,
+                  prompt[:left_pad] are pads and prompt[left_pad:] the real prompt (at least 2 tokens). Pads change
+                  nothing: loss, metrics and gradients equal the unpadded prompt's (docs/architecture.md 4.6); so
+                  B groups of different lengths stack as [B, L] (`sampling.padding.pad_left`).
     Values at padded positions (mask = 0) are never used, whatever they are (NaN included).
     """
 
@@ -109,6 +113,7 @@ class GroupBatch:
     rewards: jax.Array
     old_logprobs: jax.Array | None = None
     ref_logprobs: jax.Array | None = None
+    left_pad: jax.Array | None = None
 
     @property
     def groups_per_step(self) -> int | None:
@@ -206,6 +211,8 @@ def _check_shapes(batch: GroupBatch, cfg: GRPOConfig | None) -> None:
     for name in ("old_logprobs", "ref_logprobs"):
         if getattr(batch, name) is not None and not np.issubdtype(dtype(name), np.floating):
             raise TypeError(f"GroupBatch.{name} must be a float array (float32), got dtype {dtype(name)}")
+    # shape, dtype and (concrete) range: pads in [0, P-2], so prompt[:-1] keeps at least one real position
+    check_left_pad(batch.left_pad, p - 2, "GroupBatch.left_pad", lead[0] if grouped else None)
 
 
 def _check_values(batch: GroupBatch, vocab_size: int, cfg: GRPOConfig | None) -> None:

@@ -93,7 +93,7 @@ class Stage(Protocol):
 
     def with_block_params(self, params: dict, blocks: dict) -> dict: ...
 
-    def block(self, bp: dict, h, state_block, positions: jax.Array, cache_length) -> tuple: ...
+    def block(self, bp: dict, h, state_block, positions: jax.Array, cache_length, left_pad=None) -> tuple: ...
 
     def at(self, tree, b): ...
 
@@ -118,8 +118,8 @@ class _Uniform(NamedTuple):
     def with_block_params(self, params, blocks):
         return self.model.with_block_params(params, blocks)
 
-    def block(self, bp, h, state_block, positions, cache_length):
-        return self.model.block(bp, h, state_block, positions, cache_length)
+    def block(self, bp, h, state_block, positions, cache_length, left_pad=None):
+        return self.model.block(bp, h, state_block, positions, cache_length, left_pad=left_pad)
 
     def at(self, tree, b):
         return _at(tree, b)
@@ -131,7 +131,7 @@ class _Uniform(NamedTuple):
         return entries
 
 
-def _forward(model, stages, params, state, tokens, start, cache_length):
+def _forward(model, stages, params, state, tokens, start, cache_length, left_pad=None):
     """The stages' blocks in order over tokens [T]: (the carry after the last block, per stage each block's input
     carry stacked [nb, ...])."""
     positions = _positions(start, tokens.shape[0])
@@ -139,7 +139,7 @@ def _forward(model, stages, params, state, tokens, start, cache_length):
     for stage in stages:
         def body(h, xs, stage=stage):
             bp, b = xs
-            return stage.block(bp, h, stage.at(state, b), positions, cache_length)[0], h
+            return stage.block(bp, h, stage.at(state, b), positions, cache_length, left_pad=left_pad)[0], h
 
         h, stage_inputs = jax.lax.scan(body, h, (stage.block_params(params), jnp.arange(stage.num_blocks)))
         inputs.append(stage_inputs)
@@ -147,13 +147,13 @@ def _forward(model, stages, params, state, tokens, start, cache_length):
 
 
 def _backward_stage(model, stage, params, state, positions, cache_length, inputs, entries_cot, dh, grads, acc,
-                    chunk_entries: bool):
+                    chunk_entries: bool, left_pad=None):
     """Reverse scan over one stage's blocks (see `_backward`). Returns (dh, grads, acc)."""
     def body(carry, xs):
         dh, acc, grads_blocks = carry
         bp, b, h_in, entries_cot = xs
         state_block = stage.at(state, b)
-        run = lambda bp, h, s: stage.block(bp, _fill(h, h_in), s, positions, cache_length)
+        run = lambda bp, h, s: stage.block(bp, _fill(h, h_in), s, positions, cache_length, left_pad=left_pad)
         # with respect to the trainable leaves of the block only (grads_blocks has their structure: trainable.py)
         vjp_of = lambda fn, *primals: trainable.vjp(fn, bp, grads_blocks, *primals)
         if acc is None:
@@ -185,7 +185,7 @@ def _backward_stage(model, stage, params, state, positions, cache_length, inputs
 
 
 def _backward(model, stages, params, state, tokens, start, cache_length, inputs, dh, grads, acc,
-              chunk_entries: bool, embed_grads=None):
+              chunk_entries: bool, embed_grads=None, left_pad=None):
     """Reverse scans over the stages' blocks, last stage first. dh: cotangent of the last block's output carry
     (floating leaves). grads: float32 params-shaped gradient accumulator. acc: float32 state cotangent (or None: no
     gradient into the state). With `chunk_entries`, each block's new entries also receive their cotangent, read
@@ -201,14 +201,14 @@ def _backward(model, stages, params, state, tokens, start, cache_length, inputs,
     entries_cot = model.read_entries(acc, start, tokens.shape[0]) if chunk_entries else None
     for stage, stage_inputs in zip(reversed(stages), reversed(inputs)):
         dh, grads, acc = _backward_stage(model, stage, params, state, positions, cache_length, stage_inputs,
-                                         entries_cot, dh, grads, acc, chunk_entries)
+                                         entries_cot, dh, grads, acc, chunk_entries, left_pad)
     if embed_grads is not None:
         return embed_grads(grads, tokens, dh), acc
     _, vjp = trainable.vjp(lambda p: _floats(model.embed(p, tokens)), params, grads)
     return _add(grads, vjp(dh)[0]), acc
 
 
-def branch_grads(model, params, state, tokens, head, grads, acc, stages=None, embed_grads=None):
+def branch_grads(model, params, state, tokens, head, grads, acc, stages=None, embed_grads=None, left_pad=None):
     """One branch replayed after `state`: tokens [R] at positions state.length.. attend over the state's positions
     < state.length (a state with spare capacity keeps whatever it holds beyond its length out of sight).
 
@@ -216,29 +216,31 @@ def branch_grads(model, params, state, tokens, head, grads, acc, stages=None, em
     acc: the float32 state cotangent accumulator (None: detached, no state gradient); a None leaf in it (a state
     leaf that receives no gradient) is never differentiated. stages: the kinds of blocks (`Stage`s) in order; None:
     the model's own blocks (`BlockModel`). embed_grads(grads, tokens, dh) -> grads + the embedding's gradient given
-    dh, the cotangent of `embed`'s output (floating leaves); None: by vjp of `model.embed`. Returns (loss, aux,
+    dh, the cotangent of `embed`'s output (floating leaves); None: by vjp of `model.embed`. left_pad (int32 [] or
+    None): the state's prompt positions < left_pad are pads (every block hides them). Returns (loss, aux,
     grads + this branch's parameter gradient, acc + the state cotangent of this branch).
     """
     stages = (_Uniform(model),) if stages is None else stages
-    h, inputs = _forward(model, stages, params, state, tokens, state.length, state.length)
+    h, inputs = _forward(model, stages, params, state, tokens, state.length, state.length, left_pad)
     loss, vjp, aux = trainable.vjp(lambda p, hf: head(p, model.final_norm(p, _fill(hf, h))), params, grads,
                                    _floats(h), has_aux=True)
     d_head, dh = vjp(jnp.ones_like(loss))
     grads, acc = _backward(model, stages, params, state, tokens, state.length, state.length, inputs, dh,
-                           _add(grads, d_head), acc, chunk_entries=False, embed_grads=embed_grads)
+                           _add(grads, d_head), acc, chunk_entries=False, embed_grads=embed_grads, left_pad=left_pad)
     return loss, aux, grads, acc
 
 
-def chunk_grads(model, params, state, tokens, start, grads, acc, stages=None, embed_grads=None):
+def chunk_grads(model, params, state, tokens, start, grads, acc, stages=None, embed_grads=None, left_pad=None):
     """The prompt chunk tokens [C] at positions start.., recomputed from `state` (the final cache, with the carried
     part as it was before this chunk). acc holds the cotangent of everything the chunk wrote (its keys/values at
     start.., the carried state after it). Returns (grads + the chunk's parameter gradient, acc with the chunk's cache
     reads added and its carried part now the cotangent of the carried state before the chunk). stages,
-    embed_grads: as in `branch_grads`."""
+    embed_grads, left_pad: as in `branch_grads` (the chunk's own rows at positions < left_pad are pads too)."""
     stages = (_Uniform(model),) if stages is None else stages
-    h, inputs = _forward(model, stages, params, state, tokens, start, start)
+    h, inputs = _forward(model, stages, params, state, tokens, start, start, left_pad)
     return _backward(model, stages, params, state, tokens, start, start, inputs,
-                     jax.tree.map(jnp.zeros_like, _floats(h)), grads, acc, chunk_entries=True, embed_grads=embed_grads)
+                     jax.tree.map(jnp.zeros_like, _floats(h)), grads, acc, chunk_entries=True, embed_grads=embed_grads,
+                     left_pad=left_pad)
 
 
 # ----- models without the block protocol: autodiff of the whole layer stack -----
@@ -261,9 +263,10 @@ def branch_grads_autodiff(extend_hidden, params, state, tokens, head, grads, acc
     return loss, aux, _add(grads, d_params), acc
 
 
-def chunk_grads_autodiff(model, params, state, tokens, start, grads, acc):
+def chunk_grads_autodiff(model, params, state, tokens, start, grads, acc, left_pad=None):
     """As `chunk_grads`, by autodiff of `model.chunk_entries` (a full-size state cotangent for the chunk)."""
-    entries, vjp = trainable.vjp(lambda p, s: model.chunk_entries(p, s, tokens, start), params, grads, state)
+    entries, vjp = trainable.vjp(lambda p, s: model.chunk_entries(p, s, tokens, start, left_pad=left_pad), params,
+                                 grads, state)
     entries_cot = jax.tree.map(lambda c, e: c.astype(e.dtype), model.read_entries(acc, start, tokens.shape[0]),
                                entries)
     d_params, d_state = vjp(entries_cot)

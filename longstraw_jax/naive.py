@@ -12,16 +12,18 @@ from longstraw_jax.trainable import merge
 
 
 def response_logprobs(model, params, prompt: jax.Array, responses: jax.Array,
-                      remat: bool = False) -> tuple[jax.Array, jax.Array]:
+                      remat: bool = False, left_pad=None) -> tuple[jax.Array, jax.Array]:
     """prompt [P], responses [G, R] -> (logp [G, R], entropy [G, R]) of each response token under `model`.
 
     Token t of branch g is scored by the logits at position P - 1 + t of concat(prompt, responses[g]).
     remat: recompute each block in the backward pass instead of storing its activations (same values).
+    left_pad: prompt[:left_pad] are pads (int32 [] or None; `GroupBatch.left_pad`).
     """
     p, r = prompt.shape[0], responses.shape[1]
     tokens = jnp.concatenate([jnp.broadcast_to(prompt, (responses.shape[0], p)), responses], axis=1)
     # model._forward is model.forward minus its host-side token check (ids are checked by validate_batch).
-    logits = jax.vmap(lambda t: model._forward(params, t, remat=remat))(tokens)[:, p - 1 : p - 1 + r]  # [G, R, V]
+    forward = lambda t: model._forward(params, t, remat=remat, left_pad=left_pad)
+    logits = jax.vmap(forward)(tokens)[:, p - 1 : p - 1 + r]  # [G, R, V]
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     logp = jnp.take_along_axis(logp_all, responses[..., None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
@@ -45,9 +47,10 @@ def naive_grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig,
     def loss_fn(params):
         params = merge(params, frozen)
         if batch.groups_per_step is None:
-            logp, entropy = response_logprobs(model, params, prompt, responses, remat)
+            logp, entropy = response_logprobs(model, params, prompt, responses, remat, batch.left_pad)
         else:
-            logp, entropy = jax.vmap(lambda p, r: response_logprobs(model, params, p, r, remat))(prompt, responses)
+            logp, entropy = jax.vmap(lambda p, r, pad: response_logprobs(model, params, p, r, remat, pad))(
+                prompt, responses, batch.left_pad)
         return grpo_loss(logp, batch, cfg, entropy=jax.lax.stop_gradient(entropy))
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)

@@ -6,6 +6,8 @@ response, so every scored logit comes from the replay and the capture never touc
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -36,10 +38,13 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
     `batch_advantages` (default: those of this group alone). grads: the float32 accumulator to add into (default
     zeros; an engine running several groups passes its running sum).
 
+    batch.left_pad (None or int32 []): the state's prompt is left-padded; every branch hides its pads.
+
     Returns (loss, param grads (float32), state cotangent summed over branches (float32, the leaves of
     `model.differentiable_state(state)`; None unless with_state_grad), metric sums).
     """
-    branch_grads = model.branch_grads if branch_grads is None else branch_grads
+    branch_grads = functools.partial(model.branch_grads if branch_grads is None else branch_grads,
+                                     left_pad=batch.left_pad)
     responses = batch.responses.astype(jnp.int32)
     group_size, length = responses.shape
     inputs = jnp.concatenate([jnp.full((group_size, 1), batch.prompt[-1], jnp.int32), responses[:, :-1]], axis=1)

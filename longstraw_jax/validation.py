@@ -83,3 +83,28 @@ def check_tokens(tokens, vocab_size: int, name: str = "tokens") -> jax.Array:
             raise ValueError(f"{name}[{bad}] = {int(host[bad])} is out of range: ids must be in "
                              f"[0, vocab_size={vocab_size})")
     return jax.numpy.asarray(tokens, dtype=np.int32)
+
+
+def check_left_pad(left_pad, maximum: int, name: str = "left_pad", groups: int | None = None):
+    """A left-padded prompt's pad count: None (no padding), or an integer (int32 [] for one prompt; [B] with
+    `groups` = B) in [0, maximum], `maximum` being the last position that may still be a pad (at least one real
+    position must remain). Returns None or an int32 array; ValueError / TypeError naming `name` and the bound.
+    Under tracing only dtype and shape are checked."""
+    if left_pad is None:
+        return None
+    if isinstance(left_pad, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got {left_pad!r}")
+    dtype = np.dtype(left_pad.dtype if hasattr(left_pad, "dtype") else np.asarray(left_pad).dtype)
+    if not np.issubdtype(dtype, np.integer):
+        raise TypeError(f"{name} must be an integer (int32), got dtype {dtype}")
+    shape, expected = np.shape(left_pad), (() if groups is None else (groups,))
+    if shape != expected:
+        raise ValueError(f"{name} must have shape {list(expected)} ({'one per group' if groups else 'a scalar'}), "
+                         f"got shape {list(shape)}")
+    if is_concrete(left_pad):
+        host = np.asarray(left_pad)
+        if host.size and (host.min() < 0 or host.max() > maximum):
+            bad = host.reshape(-1)[np.argmax(((host < 0) | (host > maximum)).reshape(-1))]
+            raise ValueError(f"{name} = {int(bad)} is out of range: need 0 <= {name} <= {maximum} (pads come first "
+                             "and at least one real prompt position must remain)")
+    return jax.numpy.asarray(left_pad, dtype=np.int32)

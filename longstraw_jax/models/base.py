@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from longstraw_jax import layerwise
 from longstraw_jax.ops.dtypes import accum_dtype
-from longstraw_jax.validation import check_size, check_tokens
+from longstraw_jax.validation import check_left_pad, check_size, check_tokens
 
 
 @runtime_checkable
@@ -42,7 +42,9 @@ class Model(Protocol):
     `chunk_entries` reads the state (never writes it) and returns the chunk's entries; `write_entries` puts them in
     (in place: appended parts at start.., carried parts replaced); `read_entries` is its transpose (used on
     cotangents). `carried` / `with_carried` get and set the carried part: before each chunk it is all that a
-    backward pass needs to recompute the chunk, since appended parts are final after the chunk that writes them."""
+    backward pass needs to recompute the chunk, since appended parts are final after the chunk that writes them.
+    Every method that reads a prompt takes `left_pad` (int32 [] or None): positions < left_pad are a left-padded
+    prompt's pads, on which no real position may depend (docs/architecture.md 4.6)."""
 
     config: Any
     state_type: type
@@ -53,9 +55,10 @@ class Model(Protocol):
         """Zero state of `length` valid positions; appended parts sized `capacity` (default length; see
         `state_capacity`). Whatever reads a whole state (`extend`, `branch_grads`) reads positions < length only."""
 
-    def capture_chunk(self, params: dict, state: PromptState, tokens: jax.Array, start) -> PromptState: ...
+    def capture_chunk(self, params: dict, state: PromptState, tokens: jax.Array, start,
+                      left_pad=None) -> PromptState: ...
 
-    def chunk_entries(self, params: dict, state: PromptState, tokens: jax.Array, start) -> dict: ...
+    def chunk_entries(self, params: dict, state: PromptState, tokens: jax.Array, start, left_pad=None) -> dict: ...
 
     def write_entries(self, state: PromptState, entries: dict, start) -> PromptState: ...
 
@@ -65,7 +68,8 @@ class Model(Protocol):
 
     def with_carried(self, state: PromptState, carried) -> PromptState: ...
 
-    def advance(self, params: dict, state: PromptState, tokens: jax.Array, start) -> tuple[jax.Array, PromptState]:
+    def advance(self, params: dict, state: PromptState, tokens: jax.Array, start,
+                left_pad=None) -> tuple[jax.Array, PromptState]:
         """capture_chunk that also returns the tokens' final-normed hidden states [C, D] (decoding)."""
 
     def lm_head(self, params: dict) -> jax.Array: ...
@@ -76,9 +80,12 @@ class Model(Protocol):
         """`state` with the leaves that never receive a gradient set to None: the structure of the state cotangent
         accumulator (`replay.py`), so that none is allocated for them."""
 
-    def branch_grads(self, params, state, tokens, head, grads, acc): ...
+    def branch_grads(self, params, state, tokens, head, grads, acc, left_pad=None): ...
 
-    def chunk_grads(self, params, state, tokens, start, grads, acc): ...
+    def chunk_grads(self, params, state, tokens, start, grads, acc, left_pad=None): ...
+
+    def decode(self, params: dict, state: PromptState, tail: PromptState, token, position, left_pad=None):
+        """One decoded token after the prompt `state` (sampling: `sampling/branches.py`)."""
 
     def sequence_parallel(self) -> "SequenceParallel": ...
 
@@ -100,7 +107,8 @@ class BlockModel(Protocol):
 
     def with_block_params(self, params: dict, blocks: dict) -> dict: ...
 
-    def block(self, bp: dict, h: jax.Array, state_block, positions: jax.Array, cache_length) -> tuple: ...
+    def block(self, bp: dict, h: jax.Array, state_block, positions: jax.Array, cache_length,
+              left_pad=None) -> tuple: ...
 
     def final_norm(self, params: dict, h: jax.Array) -> jax.Array: ...
 
@@ -113,24 +121,27 @@ class SequenceParallel(Protocol):
     min_segment: int  # the shortest segment a layout may use (e.g. a conv halo must fit in the previous segment)
     linear_leaves: frozenset  # the layers' matrices applied only through `ops.mlp.linear`: decoded as shards
 
-    def capture(self, params, stored_tokens, mesh, rounds, attention: str) -> tuple[Any, Any]:
-        """-> (ShardedPromptState, capture_aux: what the exact backward needs from the capture, or None)."""
+    def capture(self, params, stored_tokens, mesh, rounds, attention: str, left_pad=None) -> tuple[Any, Any]:
+        """-> (ShardedPromptState, capture_aux: what the exact backward needs from the capture, or None).
+        left_pad (int32 [] or None): the prompt's first left_pad natural positions are pads (they sit in the first
+        shard(s); positions are global)."""
 
-    def extend_hidden(self, params, sstate, tokens, mesh) -> jax.Array:
+    def extend_hidden(self, params, sstate, tokens, mesh, left_pad=None) -> jax.Array:
         """tokens [T] after the sharded state -> final-normed hidden [T, D]."""
 
     def branch_grads(self, mesh, rounds, specs) -> Callable:
-        """The replay's `branch_grads(params, sstate, tokens, head, grads, acc)` on the mesh (`replay.py`)."""
+        """The replay's `branch_grads(params, sstate, tokens, head, grads, acc, left_pad=None)` on the mesh
+        (`replay.py`)."""
 
     def prompt_backward(self, params, stored_tokens, mesh, rounds, attention: str, sstate, capture_aux, state_cot,
-                        grads) -> dict:
+                        grads, left_pad=None) -> dict:
         """grads + the gradient of the sharded capture given the float32 state cotangent (exact mode)."""
 
     def init_tail(self, params, sstate, capacity: int) -> PromptState:
         """The decoding state after the sharded prompt (sampling on the mesh, `sampling/mesh.py`): replicated, room
         for `capacity` decoded positions P.. and the prompt's carried part. Nothing of size P."""
 
-    def decode(self, params, sstate, tail, token, position, mesh) -> tuple[jax.Array, PromptState]:
+    def decode(self, params, sstate, tail, token, position, mesh, left_pad=None) -> tuple[jax.Array, PromptState]:
         """One token (int32 []) at `position` (traced, P <= position < P + capacity) after the sharded prompt
         (read-only, seq-sharded) and the tail's positions P..position-1 -> (final-normed hidden [1, D], the tail
         with the token written at slot position - P). Equals `advance` on one device on the whole state."""
@@ -162,7 +173,7 @@ def state_capacity(length: int, capacity: int | None) -> int:
 
 
 def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, keep_boundaries: bool = False,
-                   capacity: int | None = None):
+                   capacity: int | None = None, left_pad=None):
     """Capture tokens [P] in chunks of `chunk_size` (a `lax.scan` over full chunks, then one remainder chunk) into a
     state of length P with room for `capacity` positions (default P; more leaves room to decode after the prompt:
     `advance` at positions P.. writes there, and nothing that reads the state as a whole looks past its length).
@@ -170,6 +181,10 @@ def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, kee
     Returns the state, and with keep_boundaries also `(full, last)`: `model.carried(state)` before each full chunk
     (leaves stacked [N, ...]) and before the remainder chunk (None when chunk_size divides P). The computation (and
     so the state on positions < P and the boundaries) does not depend on `capacity`.
+
+    left_pad (int32 [], traced, or None): tokens[:left_pad] are pads of a left-padded prompt (docs/architecture.md
+    4.6): never attended, and Qwen3.6's GDN state passes them unchanged. The state of the real tokens then
+    equals the unpadded prompt's, shifted by left_pad positions. None: no padding (the same program as before).
     """
     state = model.init_state(tokens.shape[0], dtype, capacity=capacity)
     num_full, remainder = chunk_layout(tokens.shape[0], chunk_size)
@@ -180,12 +195,13 @@ def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, kee
         def step(state, xs):
             index, chunk = xs
             boundary = model.carried(state) if keep_boundaries else None
-            return model.capture_chunk(params, state, chunk, index * chunk_size), boundary
+            return model.capture_chunk(params, state, chunk, index * chunk_size, left_pad=left_pad), boundary
 
         state, full_boundaries = jax.lax.scan(step, state, (jnp.arange(num_full, dtype=jnp.int32), chunks))
     if remainder:
         last_boundary = model.carried(state) if keep_boundaries else None
-        state = model.capture_chunk(params, state, tokens[num_full * chunk_size :], num_full * chunk_size)
+        state = model.capture_chunk(params, state, tokens[num_full * chunk_size :], num_full * chunk_size,
+                                    left_pad=left_pad)
     return (state, (full_boundaries, last_boundary)) if keep_boundaries else state
 
 
@@ -232,24 +248,30 @@ class CausalLM:
     dtype)`, `_extend_hidden(params, state, tokens, remat=False)` (final-normed hidden states, jitted),
     `chunk_entries` and `write_entries`; the public methods validate tokens on the host, then call jitted code."""
 
-    def forward(self, params: dict, tokens) -> jax.Array:
-        """Reference path: tokens int32 [T] -> float32 logits [T, vocab]."""
-        return self._forward(params, check_tokens(tokens, self.config.vocab_size))
+    def forward(self, params: dict, tokens, left_pad=None) -> jax.Array:
+        """Reference path: tokens int32 [T] -> float32 logits [T, vocab]. left_pad: tokens[:left_pad] are pads
+        (int in [0, T-1]; their logits are meaningless, the others equal those of tokens[left_pad:] alone)."""
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        return self._forward(params, tokens, left_pad=check_left_pad(left_pad, tokens.shape[0] - 1))
 
-    def capture(self, params: dict, tokens, chunk_size: int = 2048):
-        """Prompt tokens int32 [P] -> the model's state, in chunks of `chunk_size` (need not divide P); no logits."""
+    def capture(self, params: dict, tokens, chunk_size: int = 2048, left_pad=None):
+        """Prompt tokens int32 [P] -> the model's state, in chunks of `chunk_size` (need not divide P); no logits.
+        left_pad: tokens[:left_pad] are pads (int in [0, P-1]; `capture_chunks`)."""
         tokens = check_tokens(tokens, self.config.vocab_size)
         chunk_layout(tokens.shape[0], chunk_size)  # validates chunk_size
-        return self._capture(params, tokens, chunk_size)
+        return self._capture(params, tokens, chunk_size, check_left_pad(left_pad, tokens.shape[0] - 1))
 
-    def extend(self, params: dict, state, tokens) -> jax.Array:
-        """Continue after `state` without modifying it: tokens int32 [T] -> float32 logits [T, vocab]."""
-        return self._extend(params, state, check_tokens(tokens, self.config.vocab_size))
+    def extend(self, params: dict, state, tokens, left_pad=None) -> jax.Array:
+        """Continue after `state` without modifying it: tokens int32 [T] -> float32 logits [T, vocab]. left_pad:
+        the state's prompt was captured with that many left pads (int in [0, state.length - 1])."""
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        return self._extend(params, state, tokens, left_pad=check_left_pad(left_pad, state.length - 1))
 
-    def extend_hidden(self, params: dict, state, tokens) -> jax.Array:
+    def extend_hidden(self, params: dict, state, tokens, left_pad=None) -> jax.Array:
         """As `extend`, but returns the final-normed hidden states [T, D] (model dtype): no vocabulary projection,
         so callers can compute log-probs in token chunks."""
-        return self._extend_hidden(params, state, check_tokens(tokens, self.config.vocab_size))
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        return self._extend_hidden(params, state, tokens, left_pad=check_left_pad(left_pad, state.length - 1))
 
     def lm_head(self, params: dict) -> jax.Array:
         """The output projection [vocab, D] (the embedding matrix when tied)."""
@@ -259,38 +281,39 @@ class CausalLM:
         """hidden [T, D] (after the final norm) -> float32 logits [T, vocab]."""
         return jnp.einsum("td,yd->ty", hidden, self.lm_head(params), preferred_element_type=accum_dtype(hidden.dtype))
 
-    def capture_chunk(self, params: dict, state, tokens: jax.Array, start):
+    def capture_chunk(self, params: dict, state, tokens: jax.Array, start, left_pad=None):
         """Process tokens [C] at positions start.. (start may be traced) and write them into `state`, which must
         hold positions < start and have room for start + C. Layers only read the state; entries are written once,
-        after the last layer, so the cache is updated in place."""
-        return self.write_entries(state, self.chunk_entries(params, state, tokens, start), start)
+        after the last layer, so the cache is updated in place. left_pad: positions < left_pad are pads."""
+        return self.write_entries(state, self.chunk_entries(params, state, tokens, start, left_pad), start)
 
     def differentiable_state(self, state):
         """Every leaf of the state can receive a gradient (a family overrides this when some cannot)."""
         return state
 
-    def branch_grads(self, params: dict, state, tokens: jax.Array, head, grads, acc):
+    def branch_grads(self, params: dict, state, tokens: jax.Array, head, grads, acc, left_pad=None):
         """One replayed branch (`replay.replay_branches`): tokens [R] after `state`; head(params, hidden) -> (loss,
         aux). Returns (loss, aux, grads + its parameter gradient, acc + its state cotangent (acc None: detached)).
         Here by autodiff of the whole layer stack; a family with the block protocol backpropagates block by block."""
-        return layerwise.branch_grads_autodiff(self._extend_hidden, params, state, tokens, head, grads, acc)
+        extend_hidden = functools.partial(self._extend_hidden, left_pad=left_pad)
+        return layerwise.branch_grads_autodiff(extend_hidden, params, state, tokens, head, grads, acc)
 
-    def chunk_grads(self, params: dict, state, tokens: jax.Array, start, grads, acc):
+    def chunk_grads(self, params: dict, state, tokens: jax.Array, start, grads, acc, left_pad=None):
         """One prompt chunk of exact mode's backward (`engine.prompt_backward`); see `layerwise.chunk_grads`."""
-        return layerwise.chunk_grads_autodiff(self, params, state, tokens, start, grads, acc)
+        return layerwise.chunk_grads_autodiff(self, params, state, tokens, start, grads, acc, left_pad=left_pad)
 
     def sequence_parallel(self) -> SequenceParallel:
         raise NotImplementedError(f"{type(self).__name__} has no sequence-parallel path (mesh=...): pass mesh=None")
 
     # remat=True: rematerialise each block/repeat in the backward pass (same values, less memory).
     @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
-    def _forward(self, params, tokens, remat: bool = False):
-        return self._extend(params, self.init_state(0, params["embed"].dtype), tokens, remat=remat)
+    def _forward(self, params, tokens, remat: bool = False, left_pad=None):
+        return self._extend(params, self.init_state(0, params["embed"].dtype), tokens, remat=remat, left_pad=left_pad)
 
     @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
-    def _extend(self, params, state, tokens, remat: bool = False):
-        return self.logits(params, self._extend_hidden(params, state, tokens, remat=remat))
+    def _extend(self, params, state, tokens, remat: bool = False, left_pad=None):
+        return self.logits(params, self._extend_hidden(params, state, tokens, remat=remat, left_pad=left_pad))
 
     @functools.partial(jax.jit, static_argnums=(0, 3))
-    def _capture(self, params, tokens, chunk_size):
-        return capture_chunks(self, params, tokens, chunk_size, params["embed"].dtype)
+    def _capture(self, params, tokens, chunk_size, left_pad=None):
+        return capture_chunks(self, params, tokens, chunk_size, params["embed"].dtype, left_pad=left_pad)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attenti
 from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.moe import grouped_swiglu, route
 from longstraw_jax.ops.norms import layer_norm, rms_norm
-from longstraw_jax.ops.rope import RopeConfig, apply_rope_interleaved, cos_sin, inverse_frequencies
+from longstraw_jax.ops.rope import RopeConfig, apply_rope_interleaved, cos_sin, inverse_frequencies, rope_positions
 from longstraw_jax.validation import check_tokens
 
 FULL, SHARED = "full", "shared"
@@ -398,11 +398,13 @@ def _rope_tables(c: Glm52Config, positions: jax.Array, dtype):
 class PromptReader(NamedTuple):
     """How a layer reads what came before its tokens, on one device: `state` at positions < start (docs/models.md 2.6,
     2.8). tokens sit at `positions` [T] = start + arange(T). The sequence-parallel engine (`models/glm52_mesh.py`)
-    passes its own reader with the same four methods, so the layer code below is shared."""
+    passes its own reader with the same four methods, so the layer code below is shared. left_pad (int32 [] or
+    None): positions < left_pad are a left-padded prompt's pads, never selected (so never attended)."""
 
     state: Glm52State
     positions: jax.Array
     start: jax.Array | int
+    left_pad: Any = None
 
     def layer_params(self, lp: dict, segment: int, group: str) -> dict:
         """One layer's parameters, whole (identity here; FSDP all-gathers them)."""
@@ -418,7 +420,7 @@ class PromptReader(NamedTuple):
         [T, k] positions (-1: unused slot) among the cache's keys of full layer `full` and the causal new keys."""
         return select_topk(q, w, jax.lax.stop_gradient(self.state.index_keys), full, keys, self.positions,
                            self.start, k=k, scale=c.index_head_dim**-0.5, query_block=c.query_block_size,
-                           key_block=c.index_key_block_size)
+                           key_block=c.index_key_block_size, left_pad=self.left_pad)
 
     def attend(self, c: Glm52Config, q_abs, rows, layer, selected) -> jax.Array:
         """Absorbed sparse attention (2.6): q_abs [T, H, Dk], rows [T, Dk] this chunk's cache rows -> latent
@@ -434,12 +436,13 @@ class DecodeReader(NamedTuple):
     before the token). The sampler keeps the prompt apart from the tails so that many branches decode together
     over one prompt cache (`Glm52.decode`). The indexer's top-k merges the prompt's candidates with the tail's and
     the token's (`glm52_mesh.tail_candidates`); attention merges the prompt's partial with theirs, as the mesh's
-    decoder does over shards."""
+    decoder does over shards. The prompt's pads (< left_pad) are never candidates."""
 
     state: Glm52State
     tail: Glm52State
     slot: jax.Array
     positions: jax.Array
+    left_pad: Any = None
 
     def layer_params(self, lp: dict, segment: int, group: str) -> dict:
         return lp
@@ -452,7 +455,7 @@ class DecodeReader(NamedTuple):
         slots = jnp.arange(self.state.index_keys.shape[1], dtype=jnp.int32)
         slots = jnp.where(slots < length, slots, jnp.iinfo(jnp.int32).max)  # never visible past the prompt
         prompt = topk_over_keys(q, w, jax.lax.stop_gradient(self.state.index_keys), slots, self.positions,
-                                layer=full, **common)
+                                layer=full, left_pad=self.left_pad, **common)
         own = sharded.tail_candidates(q, w, keys, full, self.tail, self.slot, length, self.positions, common)
         return merge_candidates(*(jnp.concatenate(x, axis=-1) for x in zip(prompt, own)), k)[1]
 
@@ -490,7 +493,7 @@ def mla_attention(c: Glm52Config, p: dict, x, reader, layer, full, selected):
     q_resid = rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], LATENT_NORM_EPS)
     q = linear(q_resid, p["q_b_proj"]).reshape(t, heads, c.qk_head_dim)  # per head [q_nope | q_pe]
     ckv = linear(x, p["kv_a_proj"])  # [T, lora + rope] = [latent | k_pe]
-    cos, sin = _rope_tables(c, reader.positions, x.dtype)
+    cos, sin = _rope_tables(c, rope_positions(reader.positions, reader.left_pad), x.dtype)  # pads: shifted
     rows = jnp.concatenate([rms_norm(ckv[:, :lora], p["kv_a_norm"], LATENT_NORM_EPS),
                             apply_rope_interleaved(ckv[:, None, lora:], cos, sin)[:, 0]], axis=-1)
     # per head [W_UK (nope) | W_UV (v)]; an adapted kv_b_proj is merged here (one layer, transient: it is reshaped
@@ -592,11 +595,13 @@ def decoder_layers(c: Glm52Config, layers: dict, h, reader, k: int, remat: bool 
     return h, {"kv": rows, "index_keys": keys}, selections
 
 
-def _chunk(c: Glm52Config, params: dict, state: Glm52State, tokens: jax.Array, start, remat: bool = False):
+def _chunk(c: Glm52Config, params: dict, state: Glm52State, tokens: jax.Array, start, remat: bool = False,
+           left_pad=None):
     """`decoder_layers` on one device over tokens [T] at positions start.., reading `state` (positions < start;
-    never a row >= start, whatever the state's capacity: neither the indexer's top-k nor the attention visits one)."""
+    never a row >= start, whatever the state's capacity: neither the indexer's top-k nor the attention visits one).
+    Positions < left_pad (int32 [] or None) are pads: never selected."""
     t = tokens.shape[0]
-    reader = PromptReader(state, start + jnp.arange(t, dtype=jnp.int32), start)
+    reader = PromptReader(state, start + jnp.arange(t, dtype=jnp.int32), start, left_pad)
     # every row gets k slots (-1 where fewer keys are visible); the state's capacity bounds start from above, so
     # k covers every visible key whenever fewer than index_topk are (decoding at start > state.length included)
     k = min(c.index_topk, state.kv.shape[1] + t)
@@ -636,11 +641,11 @@ class SegmentStage:
     def with_block_params(self, params: dict, blocks: dict) -> dict:
         return dict(params, layers=dict(params["layers"], **{str(self.s): blocks}))
 
-    def block(self, bp: dict, carry, state_block: Glm52State, positions: jax.Array, cache_length):
+    def block(self, bp: dict, carry, state_block: Glm52State, positions: jax.Array, cache_length, left_pad=None):
         """One repeat on carry (h [T, D], selected [T, k]) at `positions`, reading `state_block` at positions <
-        cache_length. Returns (carry, {"kv": rows [plen, T, Dk], "index_keys": keys [full per repeat, T, Di] or
-        None})."""
-        return self.block_with_reader(bp, carry, PromptReader(state_block, positions, cache_length))
+        cache_length (pads < left_pad never selected). Returns (carry, {"kv": rows [plen, T, Dk], "index_keys": keys
+        [full per repeat, T, Di] or None})."""
+        return self.block_with_reader(bp, carry, PromptReader(state_block, positions, cache_length, left_pad))
 
     def block_with_reader(self, bp: dict, carry, reader):
         """`block` with the prompt read through `reader` (one block's slice of it; the sharded replay's reader)."""
@@ -780,8 +785,8 @@ class Glm52(CausalLM):
 
     # ----- pure implementations (public entry points: models/base.py CausalLM) -----
     @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
-    def _extend_hidden(self, params, state, tokens, remat: bool = False):
-        h, _, _ = _chunk(self.config, params, state, tokens, state.length, remat)
+    def _extend_hidden(self, params, state, tokens, remat: bool = False, left_pad=None):
+        h, _, _ = _chunk(self.config, params, state, tokens, state.length, remat, left_pad)
         return rms_norm(h, params["final_norm"], self.config.rms_norm_eps)
 
     @functools.partial(jax.jit, static_argnums=0)
@@ -812,15 +817,15 @@ class Glm52(CausalLM):
         """What `layerwise` needs besides the stages, with the top-k width for `visible` earlier key positions."""
         return GlmBlocks(self, visible)
 
-    def branch_grads(self, params, state, tokens, head, grads, acc):
+    def branch_grads(self, params, state, tokens, head, grads, acc, left_pad=None):
         """One replayed branch, backpropagated block by block (`layerwise.branch_grads`, one stage per segment)."""
         return layerwise.branch_grads(self.layerwise_blocks(state.kv.shape[1]), params, state, tokens, head, grads,
-                                      acc, stages=self.block_stages())
+                                      acc, stages=self.block_stages(), left_pad=left_pad)
 
-    def chunk_grads(self, params, state, tokens, start, grads, acc):
+    def chunk_grads(self, params, state, tokens, start, grads, acc, left_pad=None):
         """One prompt chunk of exact mode's backward, block by block (`layerwise.chunk_grads`)."""
         return layerwise.chunk_grads(self.layerwise_blocks(state.kv.shape[1]), params, state, tokens, start, grads,
-                                     acc, stages=self.block_stages())
+                                     acc, stages=self.block_stages(), left_pad=left_pad)
 
     def carried(self, state: Glm52State):
         """Nothing is overwritten chunk to chunk: every part of the state is appended (pure attention)."""
@@ -829,15 +834,17 @@ class Glm52(CausalLM):
     def with_carried(self, state: Glm52State, carried) -> Glm52State:
         return state
 
-    def chunk_entries(self, params: dict, state: Glm52State, tokens: jax.Array, start) -> dict:
+    def chunk_entries(self, params: dict, state: Glm52State, tokens: jax.Array, start, left_pad=None) -> dict:
         """The state rows that tokens [C] at positions start.. produce, reading (not writing) `state`:
-        kv [layers, C, kv_row_dim], index_keys [F, C, Di] (the latter carry no gradient)."""
-        return _chunk(self.config, params, state, tokens, start)[1]
+        kv [layers, C, kv_row_dim], index_keys [F, C, Di] (the latter carry no gradient). Positions < left_pad
+        (int32 [] or None) are a left-padded prompt's pads."""
+        return _chunk(self.config, params, state, tokens, start, left_pad=left_pad)[1]
 
-    def advance(self, params: dict, state: Glm52State, tokens: jax.Array, start) -> tuple[jax.Array, Glm52State]:
+    def advance(self, params: dict, state: Glm52State, tokens: jax.Array, start,
+                left_pad=None) -> tuple[jax.Array, Glm52State]:
         """`capture_chunk` that also returns the final-normed hidden states [C, D] of the tokens (decoding; the
         state must have room: `init_state(capacity)` with capacity > the last position written)."""
-        h, entries, _ = _chunk(self.config, params, state, tokens, start)
+        h, entries, _ = _chunk(self.config, params, state, tokens, start, left_pad=left_pad)
         return rms_norm(h, params["final_norm"], self.config.rms_norm_eps), self.write_entries(state, entries, start)
 
     def init_tail(self, params: dict, state: Glm52State, capacity: int) -> Glm52State:
@@ -845,15 +852,15 @@ class Glm52(CausalLM):
         capacity, Dk], index_keys [F, capacity, Di]); GLM carries nothing else."""
         return self.init_state(0, params["embed"].dtype, capacity=capacity)
 
-    def decode(self, params: dict, state: Glm52State, tail: Glm52State, token, position):
+    def decode(self, params: dict, state: Glm52State, tail: Glm52State, token, position, left_pad=None):
         """One token (int32 []) at `position` (traced; state.length <= position < state.length + tail capacity)
         after the prompt `state` (only read) and the tail's positions state.length..position-1 -> (final-normed
         hidden [1, D], the tail with the token's row and indexer keys at slot position - state.length). Equals
         `advance` on the prompt and tail concatenated; `jax.vmap` over (tail, token) decodes many branches with one
-        read of the prompt cache."""
+        read of the prompt cache. left_pad: the prompt's pads (never selected)."""
         c = self.config
         slot = position - state.length
-        reader = DecodeReader(state, tail, slot, jnp.reshape(position, (1,)).astype(jnp.int32))
+        reader = DecodeReader(state, tail, slot, jnp.reshape(position, (1,)).astype(jnp.int32), left_pad)
         k = min(c.index_topk, state.length + tail.kv.shape[1])  # >= every visible key count, as `_chunk`'s
         h, entries, _ = decoder_layers(c, params["layers"], params["embed"][jnp.reshape(token, (1,))], reader, k)
         return rms_norm(h, params["final_norm"], c.rms_norm_eps), self.write_entries(tail, entries, slot)

@@ -120,7 +120,7 @@ class RoundReader(_ShardReader):
     """Inside `shard_map`: a layer of capture round `index` (laid out by `layout`) on this shard. kv [layers, S, Dk] and
     index_keys [F, S, Di]: this shard's cache slots (`rounds`' stored order), of which the first index *
     round_slots hold the earlier rounds; positions [2L]: the natural positions of this shard's tokens; method:
-    `sequence.ATTENTION_METHODS`."""
+    `sequence.ATTENTION_METHODS`; left_pad: natural positions < left_pad are the prompt's pads (never selected)."""
 
     kv: jax.Array
     index_keys: jax.Array
@@ -130,6 +130,7 @@ class RoundReader(_ShardReader):
     layout: SeqLayout
     params: _Layers
     method: str  # how earlier rounds' rows are read: "ring" or "allgather" (`attend`)
+    left_pad: Any = None
 
     @property
     def offset(self):
@@ -138,7 +139,7 @@ class RoundReader(_ShardReader):
     def select(self, c, q, w, keys, full, k):
         """Global top-k: every shard scores all the round's queries over its own keys; candidates go to the
         queries' shards (all_to_all) and merge there."""
-        common = topk_common(c, k)
+        common = dict(topk_common(c, k), left_pad=self.left_pad)
         queries, weights, q_positions = _everyone(q), _everyone(w), _everyone(self.positions)
         candidates = [topk_over_keys(queries, weights, keys, self.positions, q_positions, **common)]
         if self.rounds.full:
@@ -196,7 +197,8 @@ class _AfterPrompt(_ShardReader):
 
     def select(self, c, q, w, keys, full, k):
         common = topk_common(c, k)
-        prompt = prompt_candidates(q, w, self.index_keys, self.rounds, self.positions, full, common)
+        prompt = prompt_candidates(q, w, self.index_keys, self.rounds, self.positions, full,
+                                   dict(common, left_pad=self.left_pad))
         own = self.own_candidates(q, w, keys, full, common)
         return merge_candidates(*(jnp.concatenate(x, axis=-1) for x in zip(prompt, own)), k)[1]
 
@@ -218,6 +220,7 @@ class ReplayReader(_AfterPrompt):
     positions: jax.Array
     rounds: RoundLayout
     params: _Layers
+    left_pad: Any = None  # the prompt's pads (natural positions < left_pad): never candidates
 
     def own_candidates(self, q, w, keys, full, common):
         start = self.rounds.length
@@ -267,6 +270,7 @@ class DecodeReader(_AfterPrompt):
     positions: jax.Array
     rounds: RoundLayout
     params: _Layers
+    left_pad: Any = None  # the prompt's pads (natural positions < left_pad): never candidates
 
     def own_candidates(self, q, w, keys, full, common):
         return tail_candidates(q, w, keys, full, self.tail, self.slot, self.rounds.length, self.positions, common)
@@ -307,21 +311,22 @@ def _write_round(mesh, rounds: RoundLayout, cache, new, index):
 
 
 def round_entries(model, mesh, rounds: RoundLayout, layout: SeqLayout, layer_specs, layers, h, kv,
-                  index_keys, index, attention: str):
+                  index_keys, index, attention: str, left_pad=None):
     """All layers of capture round `index` (laid out by `layout`) on the mesh: h [n * 2L, D] the round's embedded
     tokens (stored order, seq-sharded) -> (rows [layers, n * 2L, Dk], indexer keys [F, n * 2L, Di]), zero at padding.
-    Reads kv / index_keys (the sharded cache) at earlier rounds' slots only."""
+    Reads kv / index_keys (the sharded cache) at earlier rounds' slots only. left_pad: the prompt's pads."""
     c = model.config
 
-    def local(layers, h, kv, index_keys, index):
+    def local(layers, h, kv, index_keys, index, left_pad):
         positions = index * rounds.round_positions + sequence.local_positions(layout).reshape(-1)
-        reader = RoundReader(kv, index_keys, positions, index, rounds, layout, _Layers(layer_specs), attention)
+        reader = RoundReader(kv, index_keys, positions, index, rounds, layout, _Layers(layer_specs), attention,
+                             left_pad)
         _, entries, _ = model.decoder_layers(layers, h, reader, min(c.index_topk, rounds.length), remat=True)
         real = (positions < rounds.length)[None, :, None]
         return jnp.where(real, entries["kv"], 0), jnp.where(real, entries["index_keys"], 0)
 
-    return _shard_map(mesh, local, (layer_specs, P(SEQ), _ROWS, _ROWS, P()), (_ROWS, _ROWS))(
-        layers, h, kv, index_keys, index)
+    return _shard_map(mesh, local, (layer_specs, P(SEQ), _ROWS, _ROWS, P(), P()), (_ROWS, _ROWS))(
+        layers, h, kv, index_keys, index, left_pad)
 
 
 def _embedded_round(params, mesh, rounds, stored_tokens, index, size):
@@ -329,9 +334,11 @@ def _embedded_round(params, mesh, rounds, stored_tokens, index, size):
     return tokens, rules.constrain(params["embed"][tokens], P(SEQ), mesh)
 
 
-def capture(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: str = "ring") -> ShardedPromptState:
+def capture(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: str = "ring",
+            left_pad=None) -> ShardedPromptState:
     """Traceable: stored_tokens [rounds.padded] (stored order) -> ShardedPromptState (a Glm52State split along
-    `seq`), round by round; attention: how a round reads earlier rounds' rows (`RoundReader.attend`)."""
+    `seq`), round by round; attention: how a round reads earlier rounds' rows (`RoundReader.attend`); left_pad: the
+    prompt's first left_pad natural positions are pads (int32 [] or None)."""
     c = model.config
     layer_specs = param_specs(params, mesh)["layers"]
     dtype = params["embed"].dtype
@@ -342,7 +349,7 @@ def capture(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: 
     def one_round(caches, layout, index):
         _, h = _embedded_round(params, mesh, rounds, stored_tokens, index, layout.per_shard)
         entries = round_entries(model, mesh, rounds, layout, layer_specs, params["layers"], h, *caches, index,
-                                 attention)
+                                 attention, left_pad)
         return tuple(_write_round(mesh, rounds, cache, new, index) for cache, new in zip(caches, entries))
 
     kv, index_keys = sequence.each_round(rounds, caches, one_round)
@@ -357,17 +364,18 @@ def extend_hidden_fn(model, mesh, params_specs):
     differentiable in params and the state, whose cotangent comes back sharded like the state)."""
     c = model.config
 
-    def fn(params, sstate: ShardedPromptState, tokens):
+    def fn(params, sstate: ShardedPromptState, tokens, left_pad=None):
         rounds = sstate.layout
         k = min(c.index_topk, rounds.length + tokens.shape[0])
 
-        def local(layers, state, h):
+        def local(layers, state, h, left_pad):
             positions = rounds.length + jnp.arange(h.shape[0], dtype=jnp.int32)
-            reader = ReplayReader(state.kv, state.index_keys, positions, rounds, _Layers(params_specs["layers"]))
+            reader = ReplayReader(state.kv, state.index_keys, positions, rounds, _Layers(params_specs["layers"]),
+                                  left_pad)
             return model.decoder_layers(layers, h, reader, k, remat=True)[0]
 
-        h = _shard_map(mesh, local, (params_specs["layers"], prompt_state_specs(sstate.state), P()), P())(
-            params["layers"], sstate.state, params["embed"][tokens])
+        h = _shard_map(mesh, local, (params_specs["layers"], prompt_state_specs(sstate.state), P(), P()), P())(
+            params["layers"], sstate.state, params["embed"][tokens], left_pad)
         return rms_norm(h, params["final_norm"], c.rms_norm_eps)
 
     return fn
@@ -382,7 +390,7 @@ def init_tail(model, params, sstate: ShardedPromptState, capacity: int):
     return model.init_tail(params, sstate.state, capacity)
 
 
-def decode(model, params, sstate: ShardedPromptState, tail, token, position, mesh):
+def decode(model, params, sstate: ShardedPromptState, tail, token, position, mesh, left_pad=None):
     """Traceable: one token (int32 []) at `position` (P <= position < P + tail capacity, traced) after the sharded
     prompt and the tail's positions P..position-1 -> (final-normed hidden [1, D] (replicated), the tail with the
     token's latent row and indexer keys written at slot position - P). The prompt cache stays seq-sharded and is
@@ -394,15 +402,16 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
     k = min(c.index_topk, rounds.length + tail.kv.shape[1])  # >= every visible key count, as on one device
     varying = varying_axes()  # over_data: each slice decodes its own groups
 
-    def local(layers, state, tail, h, position, slot):
+    def local(layers, state, tail, h, position, slot, left_pad):
         reader = DecodeReader(state.kv, state.index_keys, tail, slot, position[None], rounds,
-                              _Layers(specs, True, varying))
+                              _Layers(specs, True, varying), left_pad)
         h, entries, _ = model.decoder_layers(layers, h, reader, k)
         return h, entries
 
-    h, entries = _shard_map(mesh, local, (specs, prompt_state_specs(sstate.state), P(), P(), P(), P()), (P(), P()))(
+    in_specs = (specs, prompt_state_specs(sstate.state), P(), P(), P(), P(), P())
+    h, entries = _shard_map(mesh, local, in_specs, (P(), P()))(
         params["layers"], sstate.state, tail, params["embed"][jnp.reshape(token, (1,))],
-        jnp.asarray(position, jnp.int32), jnp.asarray(slot, jnp.int32))
+        jnp.asarray(position, jnp.int32), jnp.asarray(slot, jnp.int32), left_pad)
     return rms_norm(h, params["final_norm"], c.rms_norm_eps), model.write_entries(tail, entries, slot)
 
 
@@ -475,24 +484,25 @@ class _SegmentRound(_OnStage):
     layer_specs: dict  # param_specs(params)["layers"]
     attention: str  # RoundReader.method
 
-    def block(self, bp, carry, state_block, positions, cache_length):
+    def block(self, bp, carry, state_block, positions, cache_length, left_pad=None):
         rounds, layout = self.rounds, self.layout
 
-        def local(bp, carry, kv, index_keys, index):
+        def local(bp, carry, kv, index_keys, index, left_pad):
             positions = index * rounds.round_positions + sequence.local_positions(layout).reshape(-1)
             reader = RoundReader(kv, index_keys, positions, index, rounds, layout, _Layers(self.layer_specs),
-                                 self.attention)
+                                 self.attention, left_pad)
             carry, entries = self.stage.block_with_reader(bp, carry, reader)
             return carry, jnp.where((positions < rounds.length)[None, :, None], entries["kv"], 0)
 
         slice_specs = block_slice_specs(self.layer_specs[str(self.stage.s)])
-        carry, rows = _shard_map(self.mesh, local, (slice_specs, P(SEQ), _ROWS, _ROWS, P()), (P(SEQ), _ROWS))(
-            bp, carry, state_block.kv, state_block.index_keys, self.index)
+        in_specs = (slice_specs, P(SEQ), _ROWS, _ROWS, P(), P())
+        carry, rows = _shard_map(self.mesh, local, in_specs, (P(SEQ), _ROWS))(
+            bp, carry, state_block.kv, state_block.index_keys, self.index, left_pad)
         return carry, {"kv": rows, "index_keys": None}
 
 
 def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, state, state_cot,
-                    grads, attention: str = "ring") -> dict:
+                    grads, attention: str = "ring", left_pad=None) -> dict:
     """grads + the float32 gradient of the sequence-parallel capture given `state_cot` (the float32 cotangent of the
     captured Glm52State, sharded like it; no index_keys: `Glm52.differentiable_state`). Rounds in reverse, and in each
     round blocks in reverse (`layerwise.chunk_grads` over `_SegmentRound` stages): a forward over the blocks keeps
@@ -510,7 +520,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, sta
         stages = tuple(_SegmentRound(stage, mesh, rounds, layout, index, layer_specs, attention)
                        for stage in model.block_stages())
         grads, acc = layerwise.chunk_grads(_RoundBlocks(model, mesh, rounds, layout, index), params, state, tokens,
-                                           0, grads, acc, stages=stages)
+                                           0, grads, acc, stages=stages, left_pad=left_pad)
         return place(grads, grad_specs), acc.replace(kv=rules.constrain(acc.kv, _ROWS, mesh))
 
     acc = model.differentiable_state(state_cot).replace(kv=at_least_f32(state_cot.kv))
@@ -533,18 +543,19 @@ class _SegmentOnMesh(_OnStage):
     rounds: RoundLayout
     layer_specs: dict  # param_specs(params)["layers"]
 
-    def block(self, bp, carry, state_block, positions, cache_length):
+    def block(self, bp, carry, state_block, positions, cache_length, left_pad=None):
         """One repeat over carry (h [T, D], selected [T, k]) (replicated); state_block: a ShardedPromptState sliced at
-        the block. Returns (carry, None): the replay needs no entries."""
+        the block (its pads < left_pad never selected). Returns (carry, None): the replay needs no entries."""
         rounds, slice_specs = self.rounds, block_slice_specs(self.layer_specs[str(self.stage.s)])
 
-        def local(bp, carry, state):
+        def local(bp, carry, state, left_pad):
             positions = rounds.length + jnp.arange(carry[0].shape[0], dtype=jnp.int32)
-            reader = ReplayReader(state.kv, state.index_keys, positions, rounds, _Layers(self.layer_specs))
+            reader = ReplayReader(state.kv, state.index_keys, positions, rounds, _Layers(self.layer_specs), left_pad)
             return self.stage.block_with_reader(bp, carry, reader)[0]
 
         state = state_block.state
-        return _shard_map(self.mesh, local, (slice_specs, P(), prompt_state_specs(state)), P())(bp, carry, state), None
+        in_specs = (slice_specs, P(), prompt_state_specs(state), P())
+        return _shard_map(self.mesh, local, in_specs, P())(bp, carry, state, left_pad), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -556,13 +567,13 @@ class Glm52OnMesh:
     min_segment = 1  # GLM reads no halo from the previous segment: any segment length works
     linear_leaves = LINEAR_LEAVES
 
-    def capture(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str):
+    def capture(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, left_pad=None):
         """`attention`: how a round reads earlier rounds' latent rows ("ring" / "allgather": `RoundReader.attend`).
         No capture output is kept for the backward (every round is recomputed from the final cache)."""
-        return capture(self.model, params, stored_tokens, mesh, rounds, attention), None
+        return capture(self.model, params, stored_tokens, mesh, rounds, attention, left_pad), None
 
-    def extend_hidden(self, params, sstate, tokens, mesh):
-        return extend_hidden_fn(self.model, mesh, param_specs(params, mesh))(params, sstate, tokens)
+    def extend_hidden(self, params, sstate, tokens, mesh, left_pad=None):
+        return extend_hidden_fn(self.model, mesh, param_specs(params, mesh))(params, sstate, tokens, left_pad)
 
     def branch_grads(self, mesh, rounds: RoundLayout, specs):
         """`layerwise.branch_grads` over the mesh stages; the top-k width is the sharded replay's (P + T)."""
@@ -570,12 +581,12 @@ class Glm52OnMesh:
         return functools.partial(layerwise.branch_grads, self.model.layerwise_blocks(rounds.length), stages=stages)
 
     def prompt_backward(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, sstate,
-                        capture_aux, state_cot, grads):
+                        capture_aux, state_cot, grads, left_pad=None):
         return prompt_backward(self.model, params, stored_tokens, mesh, rounds, sstate.state, state_cot, grads,
-                               attention)
+                               attention, left_pad)
 
     def init_tail(self, params, sstate, capacity: int):
         return init_tail(self.model, params, sstate, capacity)
 
-    def decode(self, params, sstate, tail, token, position, mesh):
-        return decode(self.model, params, sstate, tail, token, position, mesh)
+    def decode(self, params, sstate, tail, token, position, mesh, left_pad=None):
+        return decode(self.model, params, sstate, tail, token, position, mesh, left_pad)

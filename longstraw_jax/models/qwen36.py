@@ -33,7 +33,7 @@ from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.ops.gated_delta import gated_delta_rule_chunked, gated_delta_rule_sequential
 from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.norms import l2_normalise, rms_norm_1p, rms_norm_gated
-from longstraw_jax.ops.rope import RopeConfig, apply_partial_rope, cos_sin, inverse_frequencies
+from longstraw_jax.ops.rope import RopeConfig, apply_partial_rope, cos_sin, inverse_frequencies, rope_positions
 
 LINEAR, FULL = "linear_attention", "full_attention"
 GROUP = {LINEAR: "linear", FULL: "full"}  # the params/entries key of each layer kind
@@ -330,15 +330,31 @@ def gdn_output(cfg: Qwen36Config, p: dict, o: jax.Array, z: jax.Array, dtype) ->
     return linear(o.reshape(o.shape[0], -1), p["out_proj"])
 
 
+def real_rows(reader) -> jax.Array | None:
+    """bool [T]: which of the reader's rows (at reader.positions) are not a left-padded prompt's pads (positions >=
+    reader.left_pad); None when the prompt has no padding (reader.left_pad is None: nothing is masked)."""
+    return None if reader.left_pad is None else reader.positions >= reader.left_pad
+
+
 def gated_deltanet(cfg: Qwen36Config, p: dict, x: jax.Array, reader, j):
     """Gated DeltaNet mixer (1.5) of linear layer j of the block. x [T, D] at reader.positions.
+
+    Rows at positions < reader.left_pad (a left-padded prompt's pads) get zero conv input, q, k, v, beta and decay
+    g = 0: the conv window and the recurrent state after them are those of the unpadded prompt, exactly, and no
+    cotangent reaches them from the real rows.
 
     The carried state before the tokens (conv tail [K-1, conv_dim], recurrent matrix [Hv, dk, dv] float32) is read
     through `reader.conv` and `reader.delta_rule`. Returns (y [T, D], (new conv tail, new recurrent matrix)).
     """
     mixed, z, beta, g = reader.rowwise(lambda x: gdn_inputs(cfg, p, x), x)
+    real = real_rows(reader)
+    if real is not None:  # pads: zero conv input, no write, no decay, so the state passes them unchanged
+        mixed = jnp.where(real[:, None], mixed, 0)
     conv_out, tail = reader.conv(mixed, p["conv1d"], j)
     q, k, v = reader.rowwise(lambda c: gdn_qkv(cfg, c), conv_out)
+    if real is not None:
+        q, k, v = (jnp.where(real[:, None, None], a, 0) for a in (q, k, v))
+        beta, g = (jnp.where(real[:, None], a, 0) for a in (beta, g))
     o, state = reader.delta_rule(functools.partial(gdn_core, cfg), q, k, v, g, beta, j)
     return reader.rowwise(lambda o, z: gdn_output(cfg, p, o, z, x.dtype), o, z), (tail, state)
 
@@ -370,7 +386,8 @@ def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, reader, j):
     tokens themselves. Returns (y [T, D], (keys [T, Hkv, hd] after norm + RoPE, values [T, Hkv, hd])): what the
     caller caches.
     """
-    q, gate, k, v = reader.rowwise(lambda x, pos: attention_inputs(cfg, p, x, pos), x, reader.positions)
+    positions = rope_positions(reader.positions, reader.left_pad)  # real tokens at the unpadded prompt's positions
+    q, gate, k, v = reader.rowwise(lambda x, pos: attention_inputs(cfg, p, x, pos), x, positions)
     attended = reader.attend(q, k, v, j, scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size)
     return reader.rowwise(lambda out, gate: attention_output(cfg, p, out, gate, x.dtype), attended.out, gate), (k, v)
 
@@ -379,6 +396,8 @@ class PromptReader(NamedTuple):
     """How a layer of one block reads what came before its tokens, on one device: `state` at positions <
     `cache_length` (None: every cached position), the carried GDN state as it is. tokens sit at `positions` [T]
     (contiguous). `prefix` locates the block in the state: (b,) in the whole state, () in a block's slice of it.
+    left_pad (int32 [] or None): the prompt's pad positions 0..left_pad-1 are never attended (and `gated_deltanet`
+    masks the rows at them).
 
     The sequence-parallel engine (`models/qwen36_mesh.py`) passes readers with the same methods that work on a
     shard's part of the prompt, so the layer code above is shared: `layer_params` (FSDP all-gathers there),
@@ -390,6 +409,7 @@ class PromptReader(NamedTuple):
     prefix: tuple
     positions: jax.Array
     cache_length: Any = None
+    left_pad: Any = None
 
     def layer_params(self, p: dict, group: str) -> dict:
         """One layer's parameters, whole (identity here)."""
@@ -412,7 +432,7 @@ class PromptReader(NamedTuple):
     def attend(self, q, k, v, j, *, scale: float, block_size: int) -> attn_ops.Attended:
         """q [T, Hq, hd] over full layer j's cached keys/values, merged by log-sum-exp with causal attention over
         the tokens' own k, v [T, Hkv, hd]."""
-        common = dict(q_positions=self.positions, scale=scale, block_size=block_size)
+        common = dict(q_positions=self.positions, scale=scale, block_size=block_size, left_pad=self.left_pad)
         cached = attn_ops.attend(q, self.state.keys, self.state.values, k_offset=0, causal=False,
                                  kv_length=self.cache_length, kv_index=self.prefix + (j,), **common)
         new = attn_ops.attend(q, k, v, k_offset=self.positions[0], causal=True, **common)
@@ -424,10 +444,12 @@ class DecodeReader(NamedTuple):
     position < state.length) and, through `local` (the tail's `PromptReader`, cache_length = the token's slot), the
     decoded positions state.length.. before the token and the carried GDN state. The sampler keeps the prompt
     apart from the tails so that many branches decode together over one prompt cache (`Qwen36.decode`).
-    Attention is the log-sum-exp merge of the prompt cache with local.attend (the tail, then the token itself)."""
+    Attention is the log-sum-exp merge of the prompt cache (its pads < left_pad hidden) with local.attend (the tail,
+    then the token itself)."""
 
     state: Qwen36State
     local: PromptReader
+    left_pad: Any = None
 
     @property
     def positions(self):
@@ -448,7 +470,8 @@ class DecodeReader(NamedTuple):
     def attend(self, q, k, v, j, *, scale: float, block_size: int) -> attn_ops.Attended:
         prompt = attn_ops.attend(q, self.state.keys, self.state.values, k_offset=0, causal=False,
                                  kv_length=self.state.length, kv_index=self.local.prefix + (j,),
-                                 q_positions=self.positions, scale=scale, block_size=block_size)
+                                 q_positions=self.positions, scale=scale, block_size=block_size,
+                                 left_pad=self.left_pad)
         return attn_ops.merge(prompt, self.local.attend(q, k, v, j, scale=scale, block_size=block_size))
 
 
@@ -502,8 +525,9 @@ def _block(cfg: Qwen36Config, bp: dict, h: jax.Array, reader):
 
 
 def _layers(cfg: Qwen36Config, params: dict, state: Qwen36State, tokens: jax.Array, start, cache_length,
-            remat: bool = False):
-    """All layers over tokens [T] at positions start.., reading `state` (a scan const: never copied or written).
+            remat: bool = False, left_pad=None):
+    """All layers over tokens [T] at positions start.., reading `state` (a scan const: never copied or written);
+    positions < left_pad (int32 [] or None) are a left-padded prompt's pads (`PromptReader`).
     Returns (h [T, D] before the final norm, new state entries stacked [num_blocks, per_block, ...]).
 
     remat: under autodiff keep only each block's input h [T, D] and recompute the block in the backward pass, so
@@ -513,7 +537,7 @@ def _layers(cfg: Qwen36Config, params: dict, state: Qwen36State, tokens: jax.Arr
 
     def body(h, xs):
         bp, b = xs
-        return _block(cfg, bp, h, PromptReader(state, (b,), positions, cache_length))
+        return _block(cfg, bp, h, PromptReader(state, (b,), positions, cache_length, left_pad))
 
     body = jax.checkpoint(body) if remat else body
     return jax.lax.scan(body, params["embed"][tokens], (params["blocks"], jnp.arange(cfg.num_blocks)))
@@ -637,8 +661,9 @@ class Qwen36(CausalLM):
 
     # ----- pure implementations (public entry points: models/base.py CausalLM) -----
     @functools.partial(jax.jit, static_argnums=0, static_argnames="remat")
-    def _extend_hidden(self, params, state, tokens, remat: bool = False):
-        h, _ = _layers(self.config, params, state, tokens, state.length, cache_length=state.length, remat=remat)
+    def _extend_hidden(self, params, state, tokens, remat: bool = False, left_pad=None):
+        h, _ = _layers(self.config, params, state, tokens, state.length, cache_length=state.length, remat=remat,
+                       left_pad=left_pad)
         return self.final_norm(params, h)
 
     # ----- block protocol (longstraw_jax/layerwise.py: the engine's block-by-block backward) -----
@@ -657,27 +682,30 @@ class Qwen36(CausalLM):
     def with_block_params(self, params: dict, blocks: dict) -> dict:
         return dict(params, blocks=blocks)
 
-    def block(self, bp: dict, h: jax.Array, state_block: Qwen36State, positions: jax.Array, cache_length):
+    def block(self, bp: dict, h: jax.Array, state_block: Qwen36State, positions: jax.Array, cache_length,
+              left_pad=None):
         """One block on h [T, D] at `positions`, reading `state_block` (every state leaf indexed at the block, e.g.
-        keys [nf, P, Hkv, hd]). Returns (h, the block's entries as `chunk_entries` gives them, minus the block axis)."""
-        return _block(self.config, bp, h, PromptReader(state_block, (), positions, cache_length))
+        keys [nf, P, Hkv, hd]), pads < left_pad masked. Returns (h, the block's entries as `chunk_entries` gives
+        them, minus the block axis)."""
+        return _block(self.config, bp, h, PromptReader(state_block, (), positions, cache_length, left_pad))
 
     def block_with_reader(self, bp: dict, h: jax.Array, reader) -> tuple[jax.Array, dict]:
         """One block on h [T, D], the prompt read through `reader` (a `PromptReader` or a sharded reader with the
         same methods): the layer code every engine runs. Returns (h, {"linear": ..., "full": ...} entries)."""
         return _block(self.config, bp, h, reader)
 
-    def prompt_reader(self, state: Qwen36State, prefix: tuple, positions: jax.Array, cache_length=None):
+    def prompt_reader(self, state: Qwen36State, prefix: tuple, positions: jax.Array, cache_length=None,
+                      left_pad=None):
         """The one-device reader of `state` for a block at `prefix` ((b,), or () in a block's slice)."""
-        return PromptReader(state, prefix, positions, cache_length)
+        return PromptReader(state, prefix, positions, cache_length, left_pad)
 
-    def branch_grads(self, params, state, tokens, head, grads, acc):
+    def branch_grads(self, params, state, tokens, head, grads, acc, left_pad=None):
         """One replayed branch, backpropagated block by block (`layerwise.branch_grads`)."""
-        return layerwise.branch_grads(self, params, state, tokens, head, grads, acc)
+        return layerwise.branch_grads(self, params, state, tokens, head, grads, acc, left_pad=left_pad)
 
-    def chunk_grads(self, params, state, tokens, start, grads, acc):
+    def chunk_grads(self, params, state, tokens, start, grads, acc, left_pad=None):
         """One prompt chunk of exact mode's backward, block by block (`layerwise.chunk_grads`)."""
-        return layerwise.chunk_grads(self, params, state, tokens, start, grads, acc)
+        return layerwise.chunk_grads(self, params, state, tokens, start, grads, acc, left_pad=left_pad)
 
     def sequence_parallel(self):
         """Capture, replay and prompt backward on a ("data", "seq") mesh: `models/qwen36_mesh.py`."""
@@ -694,15 +722,17 @@ class Qwen36(CausalLM):
         conv, recurrent = carried
         return state.replace(conv=conv, recurrent=recurrent)
 
-    def chunk_entries(self, params: dict, state: Qwen36State, tokens: jax.Array, start) -> dict:
+    def chunk_entries(self, params: dict, state: Qwen36State, tokens: jax.Array, start, left_pad=None) -> dict:
         """The state entries that tokens [C] at positions start.. produce, reading (not writing) `state`:
-        conv [nb, nl, K-1, conv_dim], recurrent [nb, nl, Hv, dk, dv], keys/values [nb, nf, C, Hkv, hd]."""
-        return self._chunk(params, state, tokens, start)[1]
+        conv [nb, nl, K-1, conv_dim], recurrent [nb, nl, Hv, dk, dv], keys/values [nb, nf, C, Hkv, hd].
+        left_pad (int32 [] or None): positions < left_pad are the prompt's left pads (masked)."""
+        return self._chunk(params, state, tokens, start, left_pad)[1]
 
-    def advance(self, params: dict, state: Qwen36State, tokens: jax.Array, start) -> tuple[jax.Array, Qwen36State]:
+    def advance(self, params: dict, state: Qwen36State, tokens: jax.Array, start,
+                left_pad=None) -> tuple[jax.Array, Qwen36State]:
         """`capture_chunk` that also returns the final-normed hidden states [C, D] of the tokens: one decoding step
         (the state must have room: `init_state(capacity)` with capacity > the last position written)."""
-        h, entries = self._chunk(params, state, tokens, start)
+        h, entries = self._chunk(params, state, tokens, start, left_pad)
         return self.final_norm(params, h), self.write_entries(state, entries, start)
 
     def init_tail(self, params: dict, state: Qwen36State, capacity: int) -> Qwen36State:
@@ -711,25 +741,25 @@ class Qwen36(CausalLM):
         tail = self.init_state(0, params["embed"].dtype, capacity=capacity)
         return self.with_carried(tail, self.carried(state))
 
-    def decode(self, params: dict, state: Qwen36State, tail: Qwen36State, token, position):
+    def decode(self, params: dict, state: Qwen36State, tail: Qwen36State, token, position, left_pad=None):
         """One token (int32 []) at `position` (traced; state.length <= position < state.length + tail capacity)
         after the prompt `state` (only read) and the tail's positions state.length..position-1 -> (final-normed
         hidden [1, D], the tail with the token's keys / values at slot position - state.length and its carried GDN
         state advanced). Equals `advance` on the prompt and tail concatenated; `jax.vmap` over (tail, token) decodes
-        many branches with one read of the prompt cache."""
+        many branches with one read of the prompt cache. left_pad: the prompt's pads (never attended)."""
         slot = position - state.length
         positions = jnp.reshape(position, (1,)).astype(jnp.int32)
 
         def body(h, xs):
             bp, b = xs
-            return _block(self.config, bp, h, DecodeReader(state, PromptReader(tail, (b,), positions, slot)))
+            return _block(self.config, bp, h, DecodeReader(state, PromptReader(tail, (b,), positions, slot), left_pad))
 
         h, entries = jax.lax.scan(body, self.embed(params, jnp.reshape(token, (1,))),
                                   (params["blocks"], jnp.arange(self.config.num_blocks)))
         return self.final_norm(params, h), self.write_entries(tail, entries, slot)
 
-    def _chunk(self, params, state, tokens, start):
-        return _layers(self.config, params, state, tokens, start, cache_length=start)
+    def _chunk(self, params, state, tokens, start, left_pad=None):
+        return _layers(self.config, params, state, tokens, start, cache_length=start, left_pad=left_pad)
 
     def write_entries(self, state: Qwen36State, entries: dict, start) -> Qwen36State:
         """Carried parts are replaced; keys/values are written at positions start.. (in place). Works on the whole

@@ -91,7 +91,8 @@ class RoundReader(NamedTuple):
     """Inside `shard_map`: block b's layers in capture round `index` (laid out by `layout`) on this shard. carry:
     (conv, recurrent) carried into the round and this shard's (keys, values) cache [nb, nf, S, Hkv, hd], each with a
     leading block axis; the caches are only read (the first index * round_slots slots: earlier rounds).
-    positions [2L]: the natural positions of this shard's two segments; within [2, L]: the same within the round."""
+    positions [2L]: the natural positions of this shard's two segments; within [2, L]: the same within the round.
+    left_pad (int32 [] or None): natural positions < left_pad are the prompt's pads (in the first shard(s))."""
 
     carry: tuple
     b: Any
@@ -102,6 +103,7 @@ class RoundReader(NamedTuple):
     within: jax.Array
     positions: jax.Array
     layers: _ShardedLayers
+    left_pad: Any = None
 
     def layer_params(self, p, group):
         return self.layers.layer_params(p, group)
@@ -147,16 +149,19 @@ class RoundReader(NamedTuple):
         layout, rounds = self.layout, self.rounds
         per_segment = lambda x: rearrange(x, "(a t) ... -> a t ...", a=2)
         common = dict(scale=scale, block_size=block_size)
+        within_pad = None if self.left_pad is None else self.left_pad - self.index * rounds.round_positions
         att = sequence.causal_attention(per_segment(q), per_segment(k), per_segment(v), self.within, layout,
-                                        method=self.method, **common)
+                                        method=self.method, left_pad=within_pad, **common)
         if rounds.full:
             # Every shard's queries see every shard's earlier slots: each shard attends the round's queries of all
             # shards over its own slots (same work as its own queries over all slots), the partials merge by psum.
             keys, values = self.carry[2], self.carry[3]
             queries = jax.lax.all_gather(q, SEQ)  # [n, 2L, Hq, hd]
+            pads = {} if self.left_pad is None else dict(left_pad=self.left_pad,
+                                                         kv_positions=rounds.slot_positions(jax.lax.axis_index(SEQ)))
             part = _by_rows(lambda q: attn_ops.attend(
                 q, keys, values, k_offset=0, causal=False, kv_length=self.index * rounds.round_slots,
-                q_positions=jnp.zeros(q.shape[0], jnp.int32), kv_index=(self.b, j), **common),
+                q_positions=jnp.zeros(q.shape[0], jnp.int32), kv_index=(self.b, j), **pads, **common),
                 rearrange(queries, "n t h d -> (n t) h d"))
             mine = jax.tree.map(lambda x: per_segment(rearrange(x, "(n t) ... -> n t ...", n=queries.shape[0])[
                 jax.lax.axis_index(SEQ)]), sequence.psum_merge(part))
@@ -164,25 +169,27 @@ class RoundReader(NamedTuple):
         return jax.tree.map(lambda x: rearrange(x, "a t ... -> (a t) ..."), att)
 
 
-def round_block(model, block_specs, method, rounds: RoundLayout, layout: SeqLayout, index, bp, h, carry, b):
+def round_block(model, block_specs, method, rounds: RoundLayout, layout: SeqLayout, index, bp, h, carry, b,
+                left_pad=None):
     """Block `b` of round `index` on this shard: h [2L, D] -> (h, entries {"linear": (tails, states) [nl, ...],
     "full": (keys, values) [nf, 2L, Hkv, hd], zero at padding positions}). bp: the block's FSDP-sharded parameters
-    ({group: leaves [per_block, ...]}). carry: as `RoundReader.carry`."""
+    ({group: leaves [per_block, ...]}). carry: as `RoundReader.carry`. left_pad: the prompt's pads (or None)."""
     within = sequence.local_positions(layout)
     reader = RoundReader(carry, b, index, rounds, layout, method, within,
-                         index * rounds.round_positions + within.reshape(-1), _ShardedLayers(block_specs))
+                         index * rounds.round_positions + within.reshape(-1), _ShardedLayers(block_specs), left_pad)
     h, entries = model.block_with_reader(bp, h, reader)
     real = (within.reshape(-1) < layout.length)[None, :, None, None]
     return h, dict(entries, full=tuple(jnp.where(real, x, 0) for x in entries["full"]))
 
 
-def _capture_round(model, block_specs, method, blocks, h, layout: SeqLayout, index, rounds: RoundLayout, carry):
+def _capture_round(model, block_specs, method, blocks, h, layout: SeqLayout, index, rounds: RoundLayout, carry,
+                   left_pad=None):
     """One round (round number `index`, laid out by `layout`) over this shard's h [2L, D], given the carried state
     and cache of the rounds before it; returns the carry with the round's state written in."""
     @jax.checkpoint
     def body(h, xs):
         bp, b = xs
-        return round_block(model, block_specs, method, rounds, layout, index, bp, h, carry, b)
+        return round_block(model, block_specs, method, rounds, layout, index, bp, h, carry, b, left_pad)
 
     _, entries = jax.lax.scan(body, h, (blocks, jnp.arange(model.num_blocks)))
     (conv, recurrent), (k, v) = entries["linear"], entries["full"]
@@ -210,14 +217,14 @@ def read_boundary(owned, r, per: int):
     return jax.tree.map(lambda buf: jax.lax.psum(jnp.where(mine, buf[r % per], 0).astype(buf.dtype), SEQ), owned)
 
 
-def _capture_local(model, rounds: RoundLayout, block_specs, method, blocks, h):
+def _capture_local(model, rounds: RoundLayout, block_specs, method, blocks, h, left_pad=None):
     """This shard's h [rounds.per_shard, D] -> ((conv, recurrent, keys, values), boundaries): a scan over the full
     rounds, then the last round. Only one round's activations are ever live; the cache fills in place.
     boundaries: this shard's (conv, recurrent) carried into its rounds, [per + 1, ...] (`boundaries_per_shard`;
     the last slot is scratch), for the exact backward (`read_boundary`)."""
     empty = model.init_state(rounds.per_shard, h.dtype)
     carry = (empty.conv, empty.recurrent, empty.keys, empty.values)
-    one_round = functools.partial(_capture_round, model, block_specs, method, blocks)
+    one_round = lambda *args: _capture_round(model, block_specs, method, blocks, *args, left_pad=left_pad)
     per = boundaries_per_shard(rounds)
     owned = tuple(jnp.zeros((per + 1,) + a.shape, a.dtype) for a in carry[:2])
     if rounds.full:
@@ -236,14 +243,16 @@ def _shard_map(mesh, fn, in_specs, out_specs):
     return rules.shard_map(fn, mesh, in_specs, out_specs)
 
 
-def capture(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: str):
+def capture(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, left_pad=None):
     """Traceable: stored_tokens [rounds.padded] (stored order) -> (ShardedPromptState, boundaries: the GDN (conv,
-    recurrent) carried into each round, spread over the seq shards as `_capture_local` keeps them)."""
+    recurrent) carried into each round, spread over the seq shards as `_capture_local` keeps them). left_pad: the
+    prompt's first left_pad natural positions are pads (int32 [] or None)."""
     specs = param_specs(params, mesh)
     h = rules.constrain(model.embed(params, stored_tokens), P(SEQ), mesh)
     (conv, recurrent, keys, values), boundaries = _shard_map(
         mesh, functools.partial(_capture_local, model, rounds, specs["blocks"], attention),
-        (specs["blocks"], P(SEQ)), ((P(), P(), _KV, _KV), (P(SEQ), P(SEQ))))(model.block_params(params), h)
+        (specs["blocks"], P(SEQ), P()), ((P(), P(), _KV, _KV), (P(SEQ), P(SEQ))))(model.block_params(params), h,
+                                                                                 left_pad)
     state = model.state_type(conv=conv, recurrent=recurrent, keys=keys, values=values, length=rounds.length)
     return ShardedPromptState(state, rounds), boundaries
 
@@ -265,6 +274,7 @@ class ReplayReader(NamedTuple):
     rounds: RoundLayout
     layers: _ShardedLayers
     decoding: bool = False
+    left_pad: Any = None  # the prompt's pads (natural positions < left_pad): never attended
 
     @property
     def positions(self):
@@ -284,7 +294,8 @@ class ReplayReader(NamedTuple):
 
     def attend(self, q, k, v, j, *, scale, block_size):
         common = dict(q_positions=self.positions, scale=scale, block_size=block_size)
-        prompt = prompt_attention(self.prompt, self.local.prefix + (j,), self.rounds, q, **common)
+        prompt = prompt_attention(self.prompt, self.local.prefix + (j,), self.rounds, q, left_pad=self.left_pad,
+                                  **common)
         if self.decoding:
             rest = self.local.attend(q, k, v, j, scale=scale, block_size=block_size)
         else:
@@ -293,42 +304,49 @@ class ReplayReader(NamedTuple):
 
 
 def prompt_attention(state, index: tuple, rounds: RoundLayout, q, *, q_positions, scale: float,
-                     block_size: int) -> attn_ops.Attended:
+                     block_size: int, left_pad=None) -> attn_ops.Attended:
     """Inside `shard_map`: q [T, Hq, hd] (the same on every shard, after the prompt) over the prompt cache of the
     full layer at `index` ((b, j) of state.keys / values [nb, nf, S, Hkv, hd], this shard's slots), merged across
     shards by log-sum-exp: exact attention over the whole prompt. Every slot of the full rounds is a real position;
-    of the last round's two segments, a prefix of each (padding slots are never visited)."""
+    of the last round's two segments, a prefix of each (padding slots are never visited). Slots at natural
+    positions < left_pad (int32 [] or None) are the prompt's left pads: never visible."""
     common = dict(q_positions=q_positions, scale=scale, block_size=block_size)
     earlier, last = rounds.full * rounds.round_slots, rounds.last
+    slot_positions = rounds.slot_positions(jax.lax.axis_index(SEQ))  # [S]
+    pads = lambda positions: {} if left_pad is None else dict(left_pad=left_pad, kv_positions=positions)
     parts = []
     if rounds.full:
         parts.append(attn_ops.attend(q, state.keys, state.values, k_offset=0, causal=False, kv_length=earlier,
-                                     kv_index=index, **common))
+                                     kv_index=index, **pads(slot_positions), **common))
     split = lambda cache: rearrange(cache[..., earlier:, :, :], "... (a t) h d -> ... a t h d", a=2)
     visible = jnp.clip(last.length - sequence.local_segments(last) * last.segment, 0, last.segment)
+    last_positions = slot_positions[earlier:].reshape(2, -1)
     parts += [attn_ops.attend(q, split(state.keys), split(state.values), k_offset=0, causal=False,
-                              kv_length=visible[h], kv_index=index + (h,), **common) for h in (0, 1)]
+                              kv_length=visible[h], kv_index=index + (h,), **pads(last_positions[h]), **common)
+              for h in (0, 1)]
     return sequence.psum_merge(functools.reduce(attn_ops.merge, parts))
 
 
-def replay_block(model, block_specs, rounds: RoundLayout, bp, h, state, b):
+def replay_block(model, block_specs, rounds: RoundLayout, bp, h, state, b, left_pad=None):
     """Block b of the replay on this shard: new tokens' h [T, D] (the same on every shard) at positions P.. over this
-    shard's slice of the prompt state (leading block axis indexed by b)."""
+    shard's slice of the prompt state (leading block axis indexed by b; its pads < left_pad hidden)."""
     positions = rounds.length + jnp.arange(h.shape[0], dtype=jnp.int32)
-    reader = ReplayReader(state, model.prompt_reader(state, (b,), positions), rounds, _ShardedLayers(block_specs))
+    reader = ReplayReader(state, model.prompt_reader(state, (b,), positions), rounds, _ShardedLayers(block_specs),
+                          left_pad=left_pad)
     return model.block_with_reader(bp, h, reader)[0]
 
 
-def extend_hidden(model, params, sstate: ShardedPromptState, tokens, mesh):
+def extend_hidden(model, params, sstate: ShardedPromptState, tokens, mesh, left_pad=None):
     """Traceable: tokens int32 [T] after the sharded state -> final-normed hidden [T, D] (replicated)."""
     specs = param_specs(params, mesh)["blocks"]
 
-    def local(blocks, state, h):
-        body = jax.checkpoint(lambda h, xs: (replay_block(model, specs, sstate.layout, xs[0], h, state, xs[1]), None))
+    def local(blocks, state, h, left_pad):
+        body = jax.checkpoint(lambda h, xs: (replay_block(model, specs, sstate.layout, xs[0], h, state, xs[1],
+                                                          left_pad), None))
         return jax.lax.scan(body, h, (blocks, jnp.arange(model.num_blocks)))[0]
 
-    h = _shard_map(mesh, local, (specs, prompt_state_specs(sstate.state), P()), P())(
-        model.block_params(params), sstate.state, model.embed(params, tokens))
+    h = _shard_map(mesh, local, (specs, prompt_state_specs(sstate.state), P(), P()), P())(
+        model.block_params(params), sstate.state, model.embed(params, tokens), left_pad)
     return model.final_norm(params, h)
 
 
@@ -342,31 +360,32 @@ def init_tail(model, params, sstate: ShardedPromptState, capacity: int):
     return model.init_tail(params, sstate.state, capacity)  # the carried part is replicated: as on one device
 
 
-def decode(model, params, sstate: ShardedPromptState, tail, token, position, mesh):
+def decode(model, params, sstate: ShardedPromptState, tail, token, position, mesh, left_pad=None):
     """Traceable: one token (int32 []) at `position` (P <= position < P + tail capacity, traced) after the sharded
     prompt and the tail's positions P..position-1 -> (final-normed hidden [1, D] (replicated), the tail with the
     token's keys / values written at slot position - P and the carried GDN state advanced past it). The prompt cache
     stays seq-sharded and is only read; each device multiplies by its own shards of the layers' matrices (no weights
-    move: `parallel/tensor.py`)."""
+    move: `parallel/tensor.py`). left_pad: the prompt's pads (never attended)."""
     specs = param_specs(params, mesh)["blocks"]
     rounds = sstate.layout
     slot = position - rounds.length
     varying = varying_axes()  # over_data: each slice decodes its own groups
 
-    def local(blocks, state, tail, h, position, slot):
+    def local(blocks, state, tail, h, position, slot, left_pad):
         positions = position[None]
 
         def body(h, xs):
             bp, b = xs
             reader = ReplayReader(state, model.prompt_reader(tail, (b,), positions, slot), rounds,
-                                  _ShardedLayers(specs, True, varying), decoding=True)
+                                  _ShardedLayers(specs, True, varying), decoding=True, left_pad=left_pad)
             return model.block_with_reader(bp, h, reader)
 
         return jax.lax.scan(body, h, (blocks, jnp.arange(model.num_blocks)))
 
-    h, entries = _shard_map(mesh, local, (specs, prompt_state_specs(sstate.state), P(), P(), P(), P()), (P(), P()))(
+    in_specs = (specs, prompt_state_specs(sstate.state), P(), P(), P(), P(), P())
+    h, entries = _shard_map(mesh, local, in_specs, (P(), P()))(
         model.block_params(params), sstate.state, tail, model.embed(params, jnp.reshape(token, (1,))),
-        jnp.asarray(position, jnp.int32), jnp.asarray(slot, jnp.int32))
+        jnp.asarray(position, jnp.int32), jnp.asarray(slot, jnp.int32), left_pad)
     return model.final_norm(params, h), model.write_entries(tail, entries, slot)
 
 
@@ -419,12 +438,12 @@ class _ReplayOnMesh(_OnMesh):
     rounds: RoundLayout
     block_specs: dict  # param_specs(params)["blocks"]
 
-    def block(self, bp, h, state_block, positions, cache_length):
+    def block(self, bp, h, state_block, positions, cache_length, left_pad=None):
         """One block over tokens h [T, D] (replicated); state_block: a ShardedPromptState sliced at one block."""
         state = jax.tree.map(lambda a: a[None], state_block.state)  # leading block axis of 1: indexed by b = 0
-        local = lambda bp, h, state: replay_block(self.model, self.block_specs, self.rounds, bp, h, state, 0)
-        return _shard_map(self.mesh, local, (block_slice_specs(self.block_specs), P(), prompt_state_specs(state)),
-                          P())(bp, h, state), None
+        local = lambda bp, h, state, pad: replay_block(self.model, self.block_specs, self.rounds, bp, h, state, 0, pad)
+        in_specs = (block_slice_specs(self.block_specs), P(), prompt_state_specs(state), P())
+        return _shard_map(self.mesh, local, in_specs, P())(bp, h, state, left_pad), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,23 +469,23 @@ class _RoundOnMesh(_OnMesh):
         read = lambda cache: round_slots(self.mesh, self.rounds, cache, self.index, self.layout.per_shard, 2)
         return {"linear": self.carried(acc), "full": (read(acc.keys), read(acc.values))}
 
-    def block(self, bp, h, state_block, positions, cache_length):
-        def local(bp, h, state, index):
+    def block(self, bp, h, state_block, positions, cache_length, left_pad=None):
+        def local(bp, h, state, index, left_pad):
             carry = (state.conv, state.recurrent, state.keys, state.values)
             return round_block(self.model, self.block_specs, self.attention, self.rounds, self.layout, index, bp, h,
-                               carry, 0)
+                               carry, 0, left_pad)
 
         state = jax.tree.map(lambda a: a[None], state_block)  # leading block axis of 1: indexed by b = 0
         out_specs = (P(SEQ), {"linear": (P(), P()), "full": (P(None, SEQ), P(None, SEQ))})
         return _shard_map(self.mesh, local, (block_slice_specs(self.block_specs), P(SEQ), prompt_state_specs(state),
-                                             P()), out_specs)(bp, h, state, self.index)
+                                             P(), P()), out_specs)(bp, h, state, self.index, left_pad)
 
 
 # ----- exact mode: the prompt's backward -----------------------------------------------------------------------
 
 
 def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, state, boundaries,
-                    state_cot, grads) -> dict:
+                    state_cot, grads, left_pad=None) -> dict:
     """grads + the float32 gradient of the sequence-parallel capture of `stored_tokens` ([rounds.padded] in stored
     order) given `state_cot`, the float32 cotangent of the captured state (KV cache seq-sharded, GDN carried state
     replicated). grads: a float32 params-shaped tree, FSDP-sharded (the replay's gradient: added to in place).
@@ -488,7 +507,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
         boundary = _shard_map(mesh, lambda b, r: read_boundary(b, r, per), (P(SEQ), P()), P())(boundaries, index)
         blocks = _RoundOnMesh(model, mesh, rounds, layout, index, block_specs, attention)
         grads, acc = layerwise.chunk_grads(blocks, params, model.with_carried(state, boundary), tokens, 0, grads, acc,
-                                           embed_grads=_embed_grads)
+                                           embed_grads=_embed_grads, left_pad=left_pad)
         return rules.constrain(grads, grad_specs, mesh), rules.constrain(acc, prompt_state_specs(acc), mesh)
 
     acc = jax.tree.map(at_least_f32, state_cot)  # float32 (float64 for a float64 model)
@@ -510,23 +529,23 @@ class Qwen36OnMesh:
         """The causal conv reads a K-1 row halo from the previous segment."""
         return self.model.config.linear_conv_kernel_dim - 1
 
-    def capture(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str):
-        return capture(self.model, params, stored_tokens, mesh, rounds, attention)
+    def capture(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, left_pad=None):
+        return capture(self.model, params, stored_tokens, mesh, rounds, attention, left_pad)
 
-    def extend_hidden(self, params, sstate, tokens, mesh):
-        return extend_hidden(self.model, params, sstate, tokens, mesh)
+    def extend_hidden(self, params, sstate, tokens, mesh, left_pad=None):
+        return extend_hidden(self.model, params, sstate, tokens, mesh, left_pad)
 
     def branch_grads(self, mesh, rounds: RoundLayout, specs):
         on_mesh = _ReplayOnMesh(self.model, mesh, rounds, specs["blocks"])
         return functools.partial(layerwise.branch_grads, on_mesh, embed_grads=_embed_grads)
 
     def prompt_backward(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, sstate,
-                        capture_aux, state_cot, grads):
+                        capture_aux, state_cot, grads, left_pad=None):
         return prompt_backward(self.model, params, stored_tokens, mesh, rounds, attention, sstate.state, capture_aux,
-                               state_cot, grads)
+                               state_cot, grads, left_pad)
 
     def init_tail(self, params, sstate, capacity: int):
         return init_tail(self.model, params, sstate, capacity)
 
-    def decode(self, params, sstate, tail, token, position, mesh):
-        return decode(self.model, params, sstate, tail, token, position, mesh)
+    def decode(self, params, sstate, tail, token, position, mesh, left_pad=None):
+        return decode(self.model, params, sstate, tail, token, position, mesh, left_pad)

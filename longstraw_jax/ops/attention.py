@@ -37,7 +37,8 @@ def merge(a: Attended, b: Attended) -> Attended:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, k_offset, scale: float,
-           causal: bool, kv_length=None, block_size: int = 512, kv_index: tuple = ()) -> Attended:
+           causal: bool, kv_length=None, block_size: int = 512, kv_index: tuple = (), left_pad=None,
+           kv_positions=None) -> Attended:
     """Softmax attention of queries over one contiguous run of keys.
 
     q: [T, Hq, hd]; q_positions: int [T]. k, v: [*lead, S, Hkv, hd]; `kv_index` selects the leading entries (e.g.
@@ -45,11 +46,19 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
     Key i has position `k_offset + i`; it is visible to query t when `i < kv_length` (if given) and, when `causal`,
     `k_offset + i <= q_positions[t]`. Key blocks no query can see are never visited, so a chunk of a prompt
     does not pay for the unwritten tail of a preallocated cache.
+
+    left_pad (int32 [], traced; None: no padding): keys at positions < left_pad are a left-padded prompt's pads and
+    are never visible (their probability is exactly 0, so their cotangents are exactly 0). A key's position is
+    `k_offset + i`, or `kv_positions[i]` (int32 [S]) when given (a sharded cache in stored order).
     """
     kv_length = jnp.asarray(k.shape[-3] if kv_length is None else kv_length, jnp.int32)
     k_offset = jnp.asarray(k_offset, jnp.int32)
     index = tuple(jnp.asarray(i, jnp.int32) for i in kv_index)
-    return _attend(scale, causal, block_size, q, k, v, q_positions.astype(jnp.int32), k_offset, kv_length, index)
+    pads = None
+    if left_pad is not None:
+        pads = (jnp.asarray(left_pad, jnp.int32), None if kv_positions is None else kv_positions.astype(jnp.int32))
+    return _attend(scale, causal, block_size, q, k, v, q_positions.astype(jnp.int32), k_offset, kv_length, index,
+                   pads)
 
 
 # ----- shared pieces of the forward and backward passes -----
@@ -62,12 +71,18 @@ def _read(cache, index, start, size):
     return jax.lax.dynamic_slice(cache, starts, sizes).reshape((size,) + cache.shape[-2:])
 
 
-def _visible(start, size, q_positions, k_offset, kv_length, causal):
-    """[T, size] mask of the keys start..start+size-1 each query may see."""
+def _visible(start, size, q_positions, k_offset, kv_length, causal, pads=None):
+    """[T, size] mask of the keys start..start+size-1 each query may see. pads: None or (left_pad, kv_positions or
+    None): keys at positions < left_pad are hidden."""
     idx = start + jnp.arange(size)
     mask = (idx < kv_length)[None, :] & jnp.ones((q_positions.shape[0], 1), bool)
     if causal:
         mask &= (k_offset + idx)[None, :] <= q_positions[:, None]
+    if pads is not None:
+        left_pad, kv_positions = pads
+        key_positions = k_offset + idx if kv_positions is None else jax.lax.dynamic_slice_in_dim(kv_positions, start,
+                                                                                                 size)
+        mask &= (key_positions >= left_pad)[None, :]
     return mask
 
 
@@ -126,11 +141,11 @@ def for_each_block(seq_len, block_size, carry, visit, visible_prefix, outputs=No
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attend(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_length, index):
-    return _attend_fwd(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_length, index)[0]
+def _attend(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_length, index, pads):
+    return _attend_fwd(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_length, index, pads)[0]
 
 
-def _attend_fwd(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_length, index):
+def _attend_fwd(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_length, index, pads):
     num_q, num_heads, head_dim = q.shape
     kv_heads, value_dim = k.shape[-2], v.shape[-1]
     group = num_heads // kv_heads
@@ -140,7 +155,7 @@ def _attend_fwd(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_le
     def visit(carry, start, size):
         m, denom, numer = carry
         k_blk, v_blk = _read(k, index, start, size), _read(v, index, start, size)
-        visible = _visible(start, size, q_positions, k_offset, kv_length, causal)
+        visible = _visible(start, size, q_positions, k_offset, kv_length, causal, pads)
         s = _scores(qg, k_blk, visible, scale)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(visible[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
@@ -156,13 +171,13 @@ def _attend_fwd(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_le
     out = jnp.where(seen[..., None], numer / jnp.where(seen, denom, 1.0)[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), MASKED)
     result = Attended(out.reshape(num_q, num_heads, value_dim), lse.reshape(num_q, num_heads))
-    return result, (q, k, v, q_positions, k_offset, kv_length, index, result)
+    return result, (q, k, v, q_positions, k_offset, kv_length, index, pads, result)
 
 
 def _attend_bwd(scale, causal, block_size, residuals, cotangent):
     """Flash-attention backward: per key block, p = exp(s - lse); dv = p^T do; ds = p * (do.v - do.out + dlse);
     dq += ds k * scale; dk = ds^T q * scale. Cache cotangents are built per layer and placed at `index`."""
-    q, k, v, q_positions, k_offset, kv_length, index, (out, lse) = residuals
+    q, k, v, q_positions, k_offset, kv_length, index, pads, (out, lse) = residuals
     d_out, d_lse = cotangent
     num_q, num_heads, head_dim = q.shape
     kv_heads, value_dim = k.shape[-2], v.shape[-1]
@@ -175,7 +190,7 @@ def _attend_bwd(scale, causal, block_size, residuals, cotangent):
 
     def visit(dq, start, size):
         k_blk, v_blk = _read(k, index, start, size), _read(v, index, start, size)
-        visible = _visible(start, size, q_positions, k_offset, kv_length, causal)
+        visible = _visible(start, size, q_positions, k_offset, kv_length, causal, pads)
         s = _scores(qg, k_blk, visible, scale)
         p = jnp.where(visible[:, None, None, :], jnp.exp(s - lse_g[..., None]), 0.0)
         dv = jnp.einsum("thgs,thgd->shd", p, do)
@@ -196,7 +211,7 @@ def _attend_bwd(scale, causal, block_size, residuals, cotangent):
         return jnp.zeros(cache.shape, cache.dtype).at[index].set(layer_cot.astype(cache.dtype))
 
     return (dq.reshape(q.shape).astype(q.dtype), place(dk_layer, k), place(dv_layer, v),
-            None, None, None, tuple(None for _ in index))
+            None, None, None, tuple(None for _ in index), jax.tree.map(lambda _: None, pads))
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

@@ -34,7 +34,8 @@ def _merge_topk(carry, scores, positions, k):
 
 
 def topk_over_keys(q: jax.Array, w: jax.Array, keys: jax.Array, key_positions: jax.Array, q_positions: jax.Array,
-                   *, k: int, scale: float, query_block: int, key_block: int, visible_prefix=None, layer=None):
+                   *, k: int, scale: float, query_block: int, key_block: int, visible_prefix=None, layer=None,
+                   left_pad=None):
     """Each query's k best candidates among `keys` [S, Di] (float32 scores, any order along S); with `layer`, keys
     is [F, S, Di] and `keys[layer]` is read block by block (never copied whole).
 
@@ -66,6 +67,8 @@ def topk_over_keys(q: jax.Array, w: jax.Array, keys: jax.Array, key_positions: j
         def visit(carry, first, size):
             u = jax.lax.dynamic_slice_in_dim(key_positions, first, size)
             seen = (first + jnp.arange(size) < prefix)[None, :] & (u[None, :] <= pb[:, None])
+            if left_pad is not None:
+                seen &= (u >= left_pad)[None, :]
             block = jax.lax.dynamic_slice(keys, int32_indices(layer, first, 0), (1, size, dim))[0]
             s = _index_scores(qb, wb, block, scale)
             return _merge_topk(carry, jnp.where(seen, s, -jnp.inf), u, k), None
@@ -86,18 +89,19 @@ def merge_candidates(scores: jax.Array, positions: jax.Array, k: int) -> tuple[j
 
 
 def select_topk(q: jax.Array, w: jax.Array, cache_keys: jax.Array, layer, new_keys: jax.Array, positions: jax.Array,
-                start, *, k: int, scale: float, query_block: int, key_block: int) -> jax.Array:
+                start, *, k: int, scale: float, query_block: int, key_block: int, left_pad=None) -> jax.Array:
     """Positions of the k largest index scores among the keys each query may see.
 
     q [T, Hi, Di] and w [T, Hi] (float32; w already includes Hi^-0.5); cache_keys [F, S, Di]: indexer keys of the full
     layers, of which `cache_keys[layer, :start]` hold positions 0..start-1 (later rows are never read); new_keys
     [T, Di] at positions start..start+T-1; positions int [T] = start + arange(T). Query t sees cache positions
-    < start and new positions <= positions[t].
+    < start and new positions <= positions[t], none at a position < left_pad (int32 [] or None: a left-padded
+    prompt's pads).
 
     Returns int32 [T, k]; -1 marks unused slots when fewer than k keys are visible (then every visible key is chosen,
     which is exactly dense causal attention).
     """
-    common = dict(k=k, scale=scale, query_block=query_block, key_block=key_block)
+    common = dict(k=k, scale=scale, query_block=query_block, key_block=key_block, left_pad=left_pad)
     cached = topk_over_keys(q, w, cache_keys, jnp.arange(cache_keys.shape[1], dtype=jnp.int32), positions,
                             visible_prefix=jnp.asarray(start, jnp.int32), layer=layer, **common)
     new = topk_over_keys(q, w, new_keys, start + jnp.arange(new_keys.shape[0], dtype=jnp.int32), positions,

@@ -95,3 +95,10 @@ def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.
     c, s = cos[:, None, : rot // 2], sin[:, None, : rot // 2]
     u1, u2 = x[..., 0:rot:2], x[..., 1:rot:2]
     return jnp.concatenate([u1 * c - u2 * s, u2 * c + u1 * s, x[..., rot:]], axis=-1)
+
+
+def rope_positions(positions: jax.Array, left_pad=None) -> jax.Array:
+    """The positions RoPE rotates by: `positions` (int [T], natural: cache slots, causal masks) minus left_pad (int32
+    [] or None), so a left-padded prompt's real tokens are rotated exactly as the unpadded prompt's tokens 0.. (the
+    same float32 angles; pads get negative positions and are never attended). docs/architecture.md 4.6."""
+    return positions if left_pad is None else positions - left_pad

@@ -42,7 +42,7 @@ from flax import struct
 from longstraw_jax.models.base import capture_chunks, chunk_layout
 from longstraw_jax.parallel.groups import DATA
 from longstraw_jax.parallel.rules import manual_axes
-from longstraw_jax.validation import check_size, check_tokens, is_int, is_real
+from longstraw_jax.validation import check_left_pad, check_size, check_tokens, is_int, is_real
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,8 +182,11 @@ def decode_batch(sampling: SamplingConfig, group_size: int) -> int:
 
 
 def sample_group(model, params, prompt, group_size: int, sampling: SamplingConfig, key: jax.Array,
-                 chunk_size: int = 2048, keep_capture: bool = False):
+                 chunk_size: int = 2048, keep_capture: bool = False, left_pad=None):
     """Sample `group_size` responses after `prompt` (int [P], P >= 2) from one capture of the prompt.
+
+    left_pad (int in [0, P-2] or None): prompt[:left_pad] are pads (`sampling.padding.pad_left`); the tokens and
+    log-probs are those of the unpadded prompt[left_pad:] with the same key (up to float round-off).
 
     Host-side checks (token ids, G >= 1, chunk_size, stop/pad ids inside the vocabulary), then one jitted call
     (`sample_traced`) with model, G, sampling, chunk_size and keep_capture static. The key is split per branch; the
@@ -193,33 +196,41 @@ def sample_group(model, params, prompt, group_size: int, sampling: SamplingConfi
     prompt, group_size = check_sampling_inputs(model, prompt, group_size, sampling)
     chunk_size = check_size(chunk_size, "chunk_size")
     chunk_layout(prompt.shape[0] - 1, chunk_size)
+    left_pad = check_left_pad(left_pad, prompt.shape[0] - 2)
+    if left_pad is not None:
+        return _sample_group(model, params, prompt, key, group_size, sampling, chunk_size, keep_capture, left_pad)
     if keep_capture:
         return _sample_group(model, params, prompt, key, group_size, sampling, chunk_size, True)
     return _sample_group(model, params, prompt, key, group_size, sampling, chunk_size)
 
 
 def sample_traced(model, params, prompt, key, group_size: int, sampling: SamplingConfig, chunk_size: int,
-                  keep_capture: bool = False):
+                  keep_capture: bool = False, left_pad=None):
     """The one-device sampler without host checks (jittable; `jax.vmap`-able over a leading group axis of prompt
-    [N, P] and key [N]): Rollout, or with keep_capture (Rollout, Captured). model, group_size, sampling,
-    chunk_size and keep_capture are static; prompt int32 [P] must be valid (`check_sampling_inputs`)."""
-    captured = capture_prompt(model, params, prompt, chunk_size, keep_capture)
-    rollout = sample_captured(model, params, captured.state, prompt, key, group_size, sampling)
+    [N, P], key [N] and left_pad [N]): Rollout, or with keep_capture (Rollout, Captured). model, group_size,
+    sampling, chunk_size and keep_capture are static; prompt int32 [P] must be valid (`check_sampling_inputs`),
+    left_pad None or int32 [] in [0, P-2]."""
+    captured = capture_prompt(model, params, prompt, chunk_size, keep_capture, left_pad)
+    rollout = sample_captured(model, params, captured.state, prompt, key, group_size, sampling, left_pad)
     return (rollout, captured) if keep_capture else rollout
 
 
-def capture_prompt(model, params, prompt, chunk_size: int, keep_boundaries: bool = False) -> Captured:
-    """The engine's capture of prompt[:-1] (chunks of chunk_size), with its chunk boundaries if asked (else None)."""
+def capture_prompt(model, params, prompt, chunk_size: int, keep_boundaries: bool = False, left_pad=None) -> Captured:
+    """The engine's capture of prompt[:-1] (chunks of chunk_size), with its chunk boundaries if asked (else None);
+    prompt[:left_pad] are pads (None: none)."""
     dtype = model.lm_head(params).dtype
-    captured = capture_chunks(model, params, prompt[:-1], chunk_size, dtype, keep_boundaries=keep_boundaries)
+    captured = capture_chunks(model, params, prompt[:-1], chunk_size, dtype, keep_boundaries=keep_boundaries,
+                              left_pad=left_pad)
     state, boundaries = captured if keep_boundaries else (captured, None)
     return Captured(state=state, boundaries=boundaries)
 
 
-def sample_captured(model, params, state, prompt, key, group_size: int, sampling: SamplingConfig) -> Rollout:
-    """G branches after `state`, the capture of prompt[:-1] (one device). Under `jax.vmap` over groups (state,
-    prompt, key batched) the groups' branches decode together: one decode step per token position for all."""
-    return sample_after_prompt(model, params, functools.partial(model.decode, params, state),
+def sample_captured(model, params, state, prompt, key, group_size: int, sampling: SamplingConfig,
+                    left_pad=None) -> Rollout:
+    """G branches after `state`, the capture of prompt[:-1] (one device; its pads < left_pad hidden). Under
+    `jax.vmap` over groups (state, prompt, key, left_pad batched) the groups' branches decode together: one decode
+    step per token position for all."""
+    return sample_after_prompt(model, params, functools.partial(model.decode, params, state, left_pad=left_pad),
                                model.init_tail(params, state, sampling.response_len), prompt, key, group_size,
                                sampling)
 

@@ -27,14 +27,16 @@ from longstraw_jax.parallel.groups import check_groups, over_data
 from longstraw_jax.sampling import branches as rollout, mesh as mesh_sampling
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sharding.prompt import round_layout
-from longstraw_jax.validation import check_size
+from longstraw_jax.validation import check_left_pad, check_size
 
 
 def sample_groups(model, params, prompts, keys: jax.Array, group_size: int, sampling: SamplingConfig,
-                  chunk_size: int, mesh=None, keep_capture: bool = True):
+                  chunk_size: int, mesh=None, keep_capture: bool = True, left_pad=None):
     """prompts int [B, P] (P >= 2), keys: B PRNG keys -> (Rollout with leaves [B, G, R], the captures [B, ...]);
-    without keep_capture only the Rollout. Host-side checks first (token ids, G, the sampling ids, chunk_size; on a
-    mesh B a multiple of the data size), then one jitted call."""
+    without keep_capture only the Rollout. left_pad: None, or int [B] in [0, P-2]: group b's prompt is left-padded,
+    prompts[b, :left_pad[b]] are pads (`sampling.padding.pad_left`; pass the same left_pad to the update's
+    `GroupBatch.left_pad`). Host-side checks first (token ids, G, the sampling ids, chunk_size, left_pad; on a mesh B
+    a multiple of the data size), then one jitted call."""
     prompts = np.asarray(prompts)
     if prompts.ndim != 2:
         raise ValueError(f"prompts must be [B, P] (one row per group), got shape {prompts.shape}")
@@ -44,37 +46,42 @@ def sample_groups(model, params, prompts, keys: jax.Array, group_size: int, samp
         _, group_size = rollout.check_sampling_inputs(model, row, group_size, sampling)
     chunk_size = check_size(chunk_size, "chunk_size")
     chunk_layout(prompts.shape[1] - 1, chunk_size)
+    left_pad = check_left_pad(left_pad, prompts.shape[1] - 2, "left_pad", prompts.shape[0])
     prompts = prompts.astype(np.int32)
     if mesh is None:
-        return _one_device(model, params, prompts, keys, group_size, sampling, chunk_size, keep_capture)
+        return _one_device(model, params, prompts, keys, group_size, sampling, chunk_size, keep_capture, left_pad)
     model.sequence_parallel()  # a family without a sharded path says so before any work
     check_groups(prompts.shape[0], mesh)
     layout = round_layout(model, prompts.shape[1] - 1, mesh.shape["seq"], chunk_size)
-    return _on_mesh(model, params, prompts, keys, group_size, sampling, mesh, layout, keep_capture)
+    return _on_mesh(model, params, prompts, keys, group_size, sampling, mesh, layout, keep_capture, left_pad)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
-def _one_device(model, params, prompts, keys, group_size, sampling, chunk_size, keep_capture):
+def _one_device(model, params, prompts, keys, group_size, sampling, chunk_size, keep_capture, left_pad=None):
     if not keep_capture:  # one group at a time: no group's state outlives its sampling
-        one = lambda x: rollout.sample_traced(model, params, x[0], x[1], group_size, sampling, chunk_size)
-        return jax.lax.map(one, (prompts, keys))
-    captured = jax.lax.map(lambda p: rollout.capture_prompt(model, params, p, chunk_size, keep_capture), prompts)
-    sample = lambda state, prompt, key: rollout.sample_captured(model, params, state, prompt, key, group_size,
-                                                               sampling)
-    return jax.vmap(sample)(captured.state, prompts, keys), captured
+        one = lambda x: rollout.sample_traced(model, params, x[0], x[1], group_size, sampling, chunk_size,
+                                              left_pad=x[2])
+        return jax.lax.map(one, (prompts, keys, left_pad))
+    captured = jax.lax.map(lambda x: rollout.capture_prompt(model, params, x[0], chunk_size, keep_capture, x[1]),
+                           (prompts, left_pad))
+    sample = lambda state, prompt, key, pad: rollout.sample_captured(model, params, state, prompt, key, group_size,
+                                                                    sampling, pad)
+    return jax.vmap(sample)(captured.state, prompts, keys, left_pad), captured
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
-def _on_mesh(model, params, prompts, keys, group_size, sampling, mesh, layout, keep_capture):
+def _on_mesh(model, params, prompts, keys, group_size, sampling, mesh, layout, keep_capture, left_pad=None):
     def slice_groups(params, local):
-        prompts, keys = local
+        prompts, keys, left_pad = local
         if not keep_capture:  # one group at a time: no group's state outlives its sampling
-            one = lambda x: mesh_sampling.sample_traced(model, params, x[0], x[1], group_size, sampling, mesh, layout)
-            return jax.lax.map(one, (prompts, keys))
-        captured = jax.lax.map(lambda p: mesh_sampling.capture_prompt(model, params, p, mesh, layout), prompts)
-        sample = lambda sstate, prompt, key: mesh_sampling.sample_captured(model, params, sstate, prompt, key,
-                                                                          group_size, sampling, mesh)
-        rollouts = jax.vmap(sample)(captured.sstate, prompts, keys)
+            one = lambda x: mesh_sampling.sample_traced(model, params, x[0], x[1], group_size, sampling, mesh, layout,
+                                                        left_pad=x[2])
+            return jax.lax.map(one, (prompts, keys, left_pad))
+        captured = jax.lax.map(lambda x: mesh_sampling.capture_prompt(model, params, x[0], mesh, layout,
+                                                                      left_pad=x[1]), (prompts, left_pad))
+        sample = lambda sstate, prompt, key, pad: mesh_sampling.sample_captured(model, params, sstate, prompt, key,
+                                                                               group_size, sampling, mesh, pad)
+        rollouts = jax.vmap(sample)(captured.sstate, prompts, keys, left_pad)
         return rollouts, captured
 
-    return over_data(mesh, slice_groups, params, (prompts, keys), summed=False)
+    return over_data(mesh, slice_groups, params, (prompts, keys, left_pad), summed=False)

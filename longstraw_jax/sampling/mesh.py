@@ -25,6 +25,7 @@ from longstraw_jax.parallel import sequence
 from longstraw_jax.parallel.layout import RoundLayout, ShardedPromptState
 from longstraw_jax.sampling.branches import Rollout, SamplingConfig, check_sampling_inputs, sample_after_prompt
 from longstraw_jax.sharding.prompt import round_layout
+from longstraw_jax.validation import check_left_pad
 
 
 @struct.dataclass
@@ -38,43 +39,47 @@ class ShardedCaptured:
 
 
 def sample_group(model, params, prompt, group_size: int, sampling: SamplingConfig, key: jax.Array, mesh,
-                 chunk_size: int | None = None, attention: str = "ring", keep_capture: bool = False):
+                 chunk_size: int | None = None, attention: str = "ring", keep_capture: bool = False, left_pad=None):
     """`sampling.branches.sample_group` on `mesh`: G branches after prompt (int [P], P >= 2), prompt[:-1] captured in
     rounds of about `chunk_size` positions (None: one round) with `attention` ("ring" / "allgather", Qwen3.6's choice).
 
     Host-side checks, then one jitted call (`sample_traced`). Returns the Rollout (replicated), or with keep_capture
-    (Rollout, ShardedCaptured). params: ideally placed by `rules.param_specs` (FSDP)."""
+    (Rollout, ShardedCaptured). params: ideally placed by `rules.param_specs` (FSDP). left_pad: as in
+    `sampling.branches.sample_group` (the pads sit in the first shard(s))."""
     prompt, group_size = check_sampling_inputs(model, prompt, group_size, sampling)
+    left_pad = check_left_pad(left_pad, prompt.shape[0] - 2)
     if attention not in sequence.ATTENTION_METHODS:
         raise ValueError(f"attention={attention!r}; allowed: {sequence.ATTENTION_METHODS}")
     model.sequence_parallel()  # a family without a sharded path says so before any work
     layout = round_layout(model, prompt.shape[0] - 1, mesh.shape[sequence.SEQ], chunk_size)
-    return _sample_group(model, params, prompt, key, group_size, sampling, mesh, layout, attention, keep_capture)
+    return _sample_group(model, params, prompt, key, group_size, sampling, mesh, layout, attention, keep_capture,
+                         left_pad)
 
 
 def sample_traced(model, params, prompt, key, group_size: int, sampling: SamplingConfig, mesh, layout: RoundLayout,
-                  attention: str = "ring", keep_capture: bool = False):
+                  attention: str = "ring", keep_capture: bool = False, left_pad=None):
     """The mesh sampler without host checks (jittable; `jax.vmap(..., spmd_axis_name="data")`-able over a leading
     group axis of prompt [N, P] and key [N]). layout: `sharding.prompt.round_layout(model, P - 1, seq, chunk_size)`.
-    model, group_size, sampling, mesh, layout, attention and keep_capture are static."""
-    captured = capture_prompt(model, params, prompt, mesh, layout, attention)
-    rollout = sample_captured(model, params, captured.sstate, prompt, key, group_size, sampling, mesh)
+    model, group_size, sampling, mesh, layout, attention and keep_capture are static; left_pad None or int32 []."""
+    captured = capture_prompt(model, params, prompt, mesh, layout, attention, left_pad)
+    rollout = sample_captured(model, params, captured.sstate, prompt, key, group_size, sampling, mesh, left_pad)
     return (rollout, captured) if keep_capture else rollout
 
 
-def capture_prompt(model, params, prompt, mesh, layout: RoundLayout, attention: str = "ring") -> ShardedCaptured:
-    """The engine's sharded capture of prompt[:-1] in `layout`'s rounds."""
+def capture_prompt(model, params, prompt, mesh, layout: RoundLayout, attention: str = "ring",
+                   left_pad=None) -> ShardedCaptured:
+    """The engine's sharded capture of prompt[:-1] in `layout`'s rounds (prompt[:left_pad] pads; None: none)."""
     sstate, capture_aux = model.sequence_parallel().capture(params, layout.to_stored(prompt[:-1]), mesh, layout,
-                                                            attention)
+                                                            attention, left_pad)
     return ShardedCaptured(sstate, capture_aux)
 
 
 def sample_captured(model, params, sstate: ShardedPromptState, prompt, key, group_size: int,
-                    sampling: SamplingConfig, mesh) -> Rollout:
-    """G branches after sstate, the sharded capture of prompt[:-1]. Under `jax.vmap` over groups (sstate, prompt and
-    key batched) the groups' branches decode together."""
+                    sampling: SamplingConfig, mesh, left_pad=None) -> Rollout:
+    """G branches after sstate, the sharded capture of prompt[:-1] (its pads < left_pad hidden). Under `jax.vmap`
+    over groups (sstate, prompt, key and left_pad batched) the groups' branches decode together."""
     family = model.sequence_parallel()
-    decode = functools.partial(family.decode, params, sstate, mesh=mesh)
+    decode = functools.partial(family.decode, params, sstate, mesh=mesh, left_pad=left_pad)
     return sample_after_prompt(model, params, decode, family.init_tail(params, sstate, sampling.response_len),
                                prompt, key, group_size, sampling)
 

@@ -94,7 +94,8 @@ def _group_grads(model, params, batch, cfg, mode, mesh, layout, attention, weigh
     family = model.sequence_parallel()
     stored = layout.to_stored(batch.prompt[:-1].astype("int32"))
     if captured is None:
-        sstate, capture_aux = family.capture(jax.lax.stop_gradient(params), stored, mesh, layout, attention)
+        sstate, capture_aux = family.capture(jax.lax.stop_gradient(params), stored, mesh, layout, attention,
+                                              batch.left_pad)
     else:
         sstate, capture_aux = captured.sstate, captured.capture_aux
     state_specs = model.differentiable_state(sstate.replace(state=prompt_state_specs(sstate.state)))  # like the acc
@@ -105,5 +106,5 @@ def _group_grads(model, params, batch, cfg, mode, mesh, layout, attention, weigh
         grads=grads)
     if mode == "exact":
         grads = family.prompt_backward(params, stored, mesh, layout, attention, sstate, capture_aux, state_cot.state,
-                                       grads)
+                                       grads, batch.left_pad)
     return loss, grads, sums
