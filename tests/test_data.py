@@ -6,7 +6,8 @@ tiny datasets built here (no network):
 - prompts: text encoded as it is, chat messages rendered with the tokenizer's own template (and its kwargs),
   --truncate left / right / error; the tokenizer from a directory, its stop ids (generation_config.json + EOS);
 - the trainer: a run of 3 steps equals 2 steps + --resume to 3 (same rows, same metrics, per-function rewards
-  logged, held-out evaluation per function); prompts of different lengths at B = 1, refused at B = 2 for now;
+  logged, held-out evaluation per function); prompts of different lengths padded to one bucket (one program),
+  B = 1 and 2;
 - bad input: one line naming the file, row and field (or the option), exit 2, nothing written.
 """
 import json
@@ -250,17 +251,21 @@ def test_data_run_equals_two_steps_and_resume(tmp_path, tok_dir, capsys):
 
 
 @pytest.mark.slow
-def test_prompts_of_different_lengths(tmp_path, tok_dir, capsys):
+def test_prompts_of_different_lengths(tmp_path, tok_dir):
+    """Prompts of 5 and 8 tokens are left-padded to one bucket (8 = --chunk-size; the models mask the pads), so the
+    update compiles once for both lengths, and groups of different lengths share a step (B = 2)."""
+    from longstraw_jax import train
+
     rows = [{"prompt": "what is the answer ?", "answer": "red", "id": 0},
             {"prompt": "tool log ok what is the answer ?", "answer": "red", "id": 1}]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     common = data_args(data, tok_dir, "--eval-every", "0", "--steps", "2", "--save-every", "5")
-    assert run.main(common + ["--out", str(tmp_path / "b1")]) == 0  # B = 1: each length its own compile
-    assert sorted(r["prompt_tokens"] for r in records(str(tmp_path / "b1"))) == [5, 8]
-    assert run.main(common + ["-B", "2", "--out", str(tmp_path / "b2")]) == 2
-    err = capsys.readouterr().err
-    assert "2 prompts of different lengths (5, 8 tokens) in one batch needs padded prompts" in err
-    assert not os.path.exists(tmp_path / "b2")
+    train.jitted_train_step_donated.clear_cache()
+    assert run.main(common + ["--out", str(tmp_path / "b1")]) == 0
+    assert sorted(r["prompt_tokens"] for r in records(str(tmp_path / "b1"))) == [5, 8]  # real tokens, not pads
+    assert train.jitted_train_step_donated._cache_size() == 1  # one bucket: one program for both lengths
+    assert run.main(common + ["-B", "2", "--out", str(tmp_path / "b2")]) == 0
+    assert [r["prompt_tokens"] for r in records(str(tmp_path / "b2"))] == [13, 13]
 
 
 def test_hf_directory_gives_the_tokenizer_and_stop_ids(tmp_path, capsys):

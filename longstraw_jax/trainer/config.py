@@ -101,6 +101,10 @@ class RunConfig:
                                                "'{\"enable_thinking\": false}'", metavar="JSON")
     max_prompt_len: int | None = _option(None, "--data: the most tokens a prompt may have (default: no limit)",
                                          metavar="N")
+    prompt_buckets: int | None = _option(None, "--data: prompts are left-padded (masked: results unchanged) to lengths "
+                                         "--chunk-size x 2^i up to --max-prompt-len, one compiled program per "
+                                         "length; at most N of them (the smallest dropped: short prompts pad more)",
+                                         metavar="N")
     truncate: str = _option("error", "--data: a prompt over --max-prompt-len: left drops its oldest tokens (keeps the "
                             "question at the end), right its last ones, error stops the run",
                             choices=("left", "right", "error"))
@@ -308,7 +312,7 @@ def _data_errors(config: RunConfig) -> list[str]:
     """--data and its options (the data-dependent checks, e.g. columns and rows: trainer/setup.py:data_source)."""
     errors = []
     needs_data = ("prompt_field", "messages_field", "chat_template_kwargs", "max_prompt_len", "eval_data",
-                  "eval_fraction", "reward_weights")
+                  "eval_fraction", "reward_weights", "prompt_buckets")
     if config.data is None:
         errors += [f"{flag(name)} needs --data" for name in needs_data if getattr(config, name) is not None]
         return errors
@@ -321,6 +325,8 @@ def _data_errors(config: RunConfig) -> list[str]:
         errors.append(f"--eval-fraction={config.eval_fraction} must be in (0, 1)")
     if config.eval_fraction is not None and config.eval_data is not None:
         errors.append("give one of --eval-data and --eval-fraction")
+    if config.prompt_buckets is not None and config.prompt_buckets < 1:
+        errors.append(f"--prompt-buckets={config.prompt_buckets} must be >= 1")
     if config.max_prompt_len is not None and config.max_prompt_len < 2:
         errors.append(f"--max-prompt-len={config.max_prompt_len} must be >= 2")
     if config.reward is None:

@@ -74,13 +74,15 @@ class Evaluator:
     float, or a group scorer (`tasks.as_scorer`, e.g. text rewards: then the mean of each function is reported too);
     num_prompts: K; response_len: R; stop_token / stop_tokens / pad_token as in sampling; chunk_size: the capture's
     chunk (round length on a mesh); mesh: None or the ("data", "seq") mesh (K must then be a multiple of its data
-    size). Prompts of different lengths are answered one length at a time (`setup.length_batches`).
+    size). Prompts of different lengths are left-padded to `buckets` (a `setup.PromptBuckets`; None: to the longest)
+    and answered one bucket at a time (`setup.prompt_batches`; on a mesh all together).
     """
 
     def __init__(self, task, reward_fn, num_prompts: int, response_len: int, chunk_size: int,
-                 stop_token: int | None = None, pad_token: int = 0, mesh=None, stop_tokens: tuple[int, ...] = ()):
+                 stop_token: int | None = None, pad_token: int = 0, mesh=None, stop_tokens: tuple[int, ...] = (),
+                 buckets=None):
         from longstraw_jax.sampling.branches import SamplingConfig
-        from longstraw_jax.trainer.setup import length_batches
+        from longstraw_jax.trainer.setup import prompt_batches
 
         if num_prompts < 1:
             raise ValueError(f"--eval-prompts={num_prompts} must be >= 1")
@@ -89,7 +91,7 @@ class Evaluator:
                              f"{mesh.shape['data']}: each data slice scores the same number of prompts")
         self.task, self.reward_fn, self.chunk_size, self.mesh = task, reward_fn, chunk_size, mesh
         self.prompts = [task.prompt(i) for i in range(num_prompts)]
-        self.batches = length_batches(self.prompts, 1 if mesh is None else mesh.shape["data"])  # [(indices, [k, P])]
+        self.batches = prompt_batches(self.prompts, buckets, 1 if mesh is None else mesh.shape["data"])
         self.sampling = SamplingConfig(response_len=response_len, temperature=0.0, stop_token=stop_token,
                                        pad_token=pad_token, stop_tokens=tuple(stop_tokens))
         self.reference = None  # [K, V] log-probs of the first response token at the reference (start) evaluation
@@ -113,10 +115,10 @@ class Evaluator:
         from longstraw_jax.trainer.setup import place_key
 
         out = None
-        for indices, tokens in self.batches:
+        for indices, tokens, left_pad in self.batches:
             keys = place_key(jax.random.split(jax.random.key(0), len(indices)), self.mesh)  # unused by greedy
             rollouts = sample_groups(model, params, tokens, keys, 1, self.sampling, self.chunk_size, mesh=self.mesh,
-                                     keep_capture=False)
+                                     keep_capture=False, left_pad=left_pad)
             parts = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.first_logprobs))
             parts = (parts[0][:, 0], parts[1][:, 0], parts[2])  # the one branch of each prompt
             if out is None:
@@ -179,7 +181,8 @@ def for_config(config, vocab_size: int, mesh=None) -> Evaluator:
             raise RunError(f"{task.path}: {len(task)} held-out row(s), fewer than the mesh's data size {data_size}")
         sampling = setup.sampling_config(config, stops, pad, vocab_size, temperature=0.0)
         return Evaluator(task, scorer, count, config.response_len, config.chunk_size, stop_token=sampling.stop_token,
-                         pad_token=pad, mesh=mesh, stop_tokens=sampling.stop_tokens)
+                         pad_token=pad, mesh=mesh, stop_tokens=sampling.stop_tokens,
+                         buckets=setup.prompt_buckets(config, pad))
     task = held_out_task(config, vocab_size)
     reward_fn = setup.token_reward(config, task)
     stop = config.stop_token if config.stop_token is not None else getattr(task, "stop_token", None)

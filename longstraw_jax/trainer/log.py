@@ -68,7 +68,8 @@ def step_record(step: int, step_metrics: dict, extra: dict, batch, start: float,
                 done: float) -> dict:
     """One metrics.jsonl line: the step's metrics (host values), the data source's extras, token counts, timings
     (perf_counter at the step's start, after sampling and after the update) and peak memory."""
-    prompt_tokens = int(np.size(batch.prompt))  # over all groups of the step
+    pads = 0 if batch.left_pad is None else int(np.sum(batch.left_pad))
+    prompt_tokens = int(np.size(batch.prompt)) - pads  # real tokens, over all groups of the step
     response_tokens = int(batch.mask.sum())
     peak, source = metrics.peak_memory()
     return {"step": step, **{k: float(v) for k, v in step_metrics.items()}, **extra,

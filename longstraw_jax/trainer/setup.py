@@ -4,7 +4,9 @@ the device mesh, the model and its params (placed on one device or FSDP-sharded)
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import os
 import re
 import time
@@ -21,6 +23,7 @@ from longstraw_jax.parallel import rules
 from longstraw_jax.parallel.mesh import parse_mesh_spec
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sampling.groups import sample_groups
+from longstraw_jax.sampling.padding import bucket_length, pad_left
 from longstraw_jax.sharding import make_mesh
 from longstraw_jax.tasks import as_scorer, load_callable, make_task
 from longstraw_jax.tasks.rollout_file import load_rollouts
@@ -192,31 +195,51 @@ def part_means(parts: dict, prefix: str = "reward/") -> dict:
 
 
 # ------------------------------------------------------------------------------------ prompts of different lengths
-# The one place where a step's (or an evaluation's) prompts become arrays. Until the models take left-padded prompts
-# (a per-group start offset), prompts of one array must have one length: B = 1 groups of any length are fine (one
-# compile per distinct length); B > 1 groups of different lengths are refused here.
+# The one place where a step's (or an evaluation's) prompts become arrays: prompts of one length are stacked as they
+# are; prompts of a dataset (any lengths) are left-padded to a bucket length (sampling/padding.py: the models mask
+# the pads, so the results are the unpadded prompts'), so a run compiles one program per bucket, not per length.
 
 
-def stack_prompts(prompts) -> np.ndarray:
-    """Prompts (tasks.Prompt) -> int32 [B, P]: their tokens side by side, which needs one length. RunError
-    ("needs padded prompts") when B > 1 prompts differ in length."""
-    lengths = sorted({len(p.tokens) for p in prompts})
-    if len(lengths) > 1:
-        raise RunError(f"{len(prompts)} prompts of different lengths ({', '.join(map(str, lengths[:8]))}"
-                       f"{', ...' if len(lengths) > 8 else ''} tokens) in one batch needs padded prompts, which the "
-                       "trainer does not do yet: pass -B 1 (and a mesh with data size 1), or prompts of one length")
-    return np.stack([np.asarray(p.tokens, np.int32) for p in prompts])
+@dataclasses.dataclass(frozen=True)
+class PromptBuckets:
+    """How a dataset's prompts are padded: bucket lengths multiple * 2^i (multiple: the capture chunk), the largest
+    max_length (--max-prompt-len; None: the next such power of two above the longest prompt of the batch), at most
+    max_buckets of them (--prompt-buckets), pads of id pad_id (masked: any id gives the same results)."""
+
+    multiple: int
+    max_length: int | None = None
+    max_buckets: int | None = None
+    pad_id: int = 0
+
+    def bucket(self, n: int) -> int:
+        """The length a prompt of n tokens is padded to."""
+        top = self.max_length or self.multiple * 2 ** max(0, math.ceil(math.log2(n / self.multiple)))
+        return bucket_length(n, self.multiple, top, self.max_buckets)
 
 
-def length_batches(prompts, data_size: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Prompts -> [(their indices int [k], tokens int32 [k, P])], one batch per distinct length (in the prompts'
-    order when they share one length). Several lengths on a mesh whose data size is > 1 go through
-    `stack_prompts` (refused): a batch there must hold a multiple of the data size."""
-    lengths = np.array([len(p.tokens) for p in prompts])
-    if len(set(lengths.tolist())) == 1 or data_size > 1:
-        return [(np.arange(len(prompts)), stack_prompts(prompts))]
-    return [(idx, stack_prompts([prompts[i] for i in idx]))
-            for idx in (np.flatnonzero(lengths == n) for n in sorted(set(lengths.tolist())))]
+def stack_prompts(prompts, buckets: PromptBuckets | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Prompts (tasks.Prompt) -> (int32 [B, L], left_pad int32 [B] or None): with `buckets`, every prompt
+    left-padded to the bucket of the longest; without, prompts of one length side by side (left_pad None: the
+    unpadded programs) and prompts of different lengths left-padded to the longest."""
+    lengths = [len(p.tokens) for p in prompts]
+    if buckets is None and len(set(lengths)) == 1:
+        return np.stack([np.asarray(p.tokens, np.int32) for p in prompts]), None
+    length = buckets.bucket(max(lengths)) if buckets is not None else max(lengths)
+    pad_id = buckets.pad_id if buckets is not None else 0
+    padded, left_pad = zip(*(pad_left(np.asarray(p.tokens), length, pad_id) for p in prompts))
+    return np.stack(padded), np.array(left_pad, np.int32)
+
+
+def prompt_batches(prompts, buckets: PromptBuckets | None = None, data_size: int = 1):
+    """Prompts -> [(their indices int [k], tokens int32 [k, L], left_pad int32 [k] or None)]: one batch per bucket
+    length on one device (prompts of one bucket answered together), one batch of all on a mesh whose data size is
+    > 1 (a batch there holds a multiple of the data size)."""
+    if data_size > 1 or (buckets is None and len({len(p.tokens) for p in prompts}) == 1):
+        return [(np.arange(len(prompts)), *stack_prompts(prompts, buckets))]
+    key = (lambda p: buckets.bucket(len(p.tokens))) if buckets is not None else (lambda p: len(p.tokens))
+    keys = np.array([key(p) for p in prompts])
+    return [(idx, *stack_prompts([prompts[i] for i in idx], buckets))
+            for idx in (np.flatnonzero(keys == k) for k in sorted(set(keys.tolist())))]
 
 
 class TaskSampler:
@@ -227,8 +250,8 @@ class TaskSampler:
     each prompt is captured once per step."""
 
     def __init__(self, task, reward_fn, sampling: SamplingConfig, group_size: int, chunk_size: int,
-                 groups_per_step: int = 1, mesh=None):
-        self.task, self.reward_fn, self.sampling = task, reward_fn, sampling
+                 groups_per_step: int = 1, mesh=None, buckets: PromptBuckets | None = None):
+        self.task, self.reward_fn, self.sampling, self.buckets = task, reward_fn, sampling, buckets
         self.group_size, self.chunk_size, self.mesh = group_size, chunk_size, mesh
         self.groups_per_step = groups_per_step
         self.description = f"task {task.name}"
@@ -237,11 +260,11 @@ class TaskSampler:
     def batch(self, model, params, key, step: int, position: int) -> tuple[GroupBatch, dict, object]:
         """-> (the step's batch [B, ...], extra metrics, the sampler's captures for the update)."""
         prompts = [self.task.prompt(position * self.groups_per_step + b) for b in range(self.groups_per_step)]
-        tokens = stack_prompts(prompts)
+        tokens, left_pad = stack_prompts(prompts, self.buckets)
         step_key = jax.random.fold_in(key, step)
         keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(np.arange(self.groups_per_step))
         rollouts, captured = sample_groups(model, params, tokens, keys, self.group_size, self.sampling,
-                                           self.chunk_size, mesh=self.mesh)
+                                           self.chunk_size, mesh=self.mesh, left_pad=left_pad)
         # the full values on every process (gathered when sharded over several); each group is scored by the
         # process that owns its data slice, and the rewards are summed over processes (zero where not owned)
         responses, mask, logprobs = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.logprobs))
@@ -249,7 +272,8 @@ class TaskSampler:
         self.last_scored = (prompts, parts, correct)
         extra = {"accuracy": float(correct.mean())} if correct is not None else {}
         extra.update(part_means(parts))
-        batch = GroupBatch(prompt=tokens, responses=responses, mask=mask, rewards=rewards, old_logprobs=logprobs)
+        batch = GroupBatch(prompt=tokens, responses=responses, mask=mask, rewards=rewards, old_logprobs=logprobs,
+                           left_pad=left_pad)
         return batch, extra, captured
 
 
@@ -264,8 +288,10 @@ def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | 
     if config.kl_coef > 0:
         raise RunError(f"--kl-coef={config.kl_coef}: sampled rollouts have no reference log-probs; the KL term "
                        "needs a --rollouts file with ref_logprobs")
+    buckets = None
     if config.data:
         task, scorer, stops, pad = dataset_task(config, vocab_size)
+        buckets = prompt_buckets(config, pad)
     else:
         task = make_task(config.task, prompt_len=config.prompt_len, vocab_size=vocab_size, seed=config.seed,
                          **config.task_options())
@@ -273,7 +299,13 @@ def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | 
         stops = (config.stop_token if config.stop_token is not None else getattr(task, "stop_token", None),)
         pad = getattr(task, "pad_token", 0)
     sampling = sampling_config(config, stops, pad, vocab_size)
-    return TaskSampler(task, scorer, sampling, config.group_size, config.chunk_size, groups_per_step(config), mesh)
+    return TaskSampler(task, scorer, sampling, config.group_size, config.chunk_size, groups_per_step(config), mesh,
+                       buckets)
+
+
+def prompt_buckets(config: RunConfig, pad: int) -> PromptBuckets:
+    """A dataset run's bucketing: multiples of --chunk-size doubling up to --max-prompt-len, --prompt-buckets."""
+    return PromptBuckets(config.chunk_size, config.max_prompt_len, config.prompt_buckets, pad)
 
 
 def token_reward(config: RunConfig, task):
