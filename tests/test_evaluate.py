@@ -164,7 +164,7 @@ def test_bad_evaluation_and_warm_up_options(tmp_path, capsys):
                  "--sft-batch=0 must be >= 1", "--sft-prompt-len=1 must be >= 2", "--temperature=0.0 must be > 0"):
         assert part in str(error.value), (part, str(error.value))
     with pytest.raises(ValueError, match=r"--eval-prompts=3 must be a multiple of the mesh's data size 2"):
-        RunConfig(mesh="2x4", eval_prompts=3)
+        RunConfig(mesh="2x4", eval_prompts=3, eval_every=20)
     assert RunConfig(mesh="2x4", eval_prompts=3, eval_every=0).eval_prompts == 3  # no evaluation: no constraint
     out = str(tmp_path / "never")
     for extra, message in ((["--eval-prompts", "0"], "error: --eval-prompts=0 must be >= 1\n"),

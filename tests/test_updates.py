@@ -3,6 +3,7 @@ afresh), --drop-uniform-groups (groups of equal rewards left out; no update when
 --clip-low / --clip-high reaching the objective."""
 import jax
 import numpy as np
+import pytest
 
 from longstraw_jax import train
 from longstraw_jax.grpo import GroupBatch
@@ -41,11 +42,12 @@ def test_kept_groups_and_rounding_to_the_data_size():
     assert metrics == {"loss": 2.0, "skipped": 1.0, "updates": 2}
 
 
+@pytest.mark.slow  # two trainer set-ups with B = 4 and a direct step (~55 s)
 def test_drop_uniform_groups_updates_from_the_others_only(tmp_path):
     """-B 4 with some groups uniform: the step's update equals a train_step on the kept groups alone (with their
     captures); every group uniform: no update, params unchanged."""
-    flags = SMALL + ["-B", "4", "--reward", UNIFORM_IF_EVEN, "--drop-uniform-groups", "--steps", "2"]
-    trainer = Trainer(*parse_args(flags + ["--out", str(tmp_path / "a")]))
+    flags = SMALL + ["-B", "4", "--drop-uniform-groups", "--steps", "2"]
+    trainer = Trainer(*parse_args(flags + ["--reward", UNIFORM_IF_EVEN, "--out", str(tmp_path / "a")]))
     batch, _, captured = trainer.data.batch(trainer.model, trainer.params, trainer.key, 0, 0)
     uniform = updates.uniform_groups(batch.rewards)
     assert 0 < uniform.sum() < 4, batch.rewards  # the seed gives a mix (else the test checks nothing)
@@ -66,6 +68,7 @@ def test_drop_uniform_groups_updates_from_the_others_only(tmp_path):
     assert bits(flat.params) == before
 
 
+@pytest.mark.slow  # a trainer set-up, two direct steps and a GSPO step (~60 s)
 def test_updates_per_batch_reuse_the_batch_capturing_afresh(tmp_path):
     """--updates-per-batch 2: the second update is a train_step on the same batch (the sampler's log-probs as old
     log-probs) from the first update's params, capturing the prompt itself; its ratio is no longer 1."""
