@@ -43,7 +43,9 @@ def without_uniform_groups(batch: GroupBatch, captured, mesh=None):
         return batch, captured, left_out
     batch = jax.tree.map(lambda x: np.asarray(x)[kept], batch)
     if captured is not None:
-        take = lambda x: jax.jit(lambda y: y[kept], out_shardings=getattr(x, "sharding", None))(x)
+        # an eager gather (cached per shape, not a new jit per step), placed back as it was (on a mesh: split
+        # over `data` like the sampler's, B' being a multiple of the data size)
+        take = lambda x: jax.device_put(x[kept], x.sharding) if isinstance(x, jax.Array) else np.asarray(x)[kept]
         captured = jax.tree.map(take, captured)
     return batch, captured, left_out
 
