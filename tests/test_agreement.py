@@ -125,6 +125,11 @@ def test_step_bound():
     assert watchdog.step_bound([], 5) == 50  # no step after the first timed yet: it compiles
     assert watchdog.step_bound([1.0, 2.0, 30.0], 5) == 20  # 10 x the median
     assert watchdog.step_bound([0.1], 5) == 5  # at least --step-timeout
+    assert watchdog.step_bound([1.0, 2.0, 30.0], 5, median_factor=3) == 6  # LONGSTRAW_STEP_BOUND_FACTOR
+    assert distributed.env_timeout("step_factor", {}) == 10
+    assert distributed.env_timeout("step_factor", {"LONGSTRAW_STEP_BOUND_FACTOR": "2.5"}) == 2.5
+    with pytest.raises(distributed.DistributedError, match="LONGSTRAW_STEP_BOUND_FACTOR='0' must be a number > 0"):
+        distributed.env_timeout("step_factor", {"LONGSTRAW_STEP_BOUND_FACTOR": "0"})
 
 
 def test_watchdog_names_a_silent_process_and_a_step_that_does_not_finish():

@@ -182,7 +182,8 @@ def test_stopped_process_ends_the_run_within_the_step_bound(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "longstraw_jax.launch", "--processes", "2", "--grace", "5", "--",
                            *SMALL, "--steps", "4", "--out", out, "--step-timeout", "30"], cwd=ROOT, capture_output=True,
                           text=True, timeout=900, env=env(LONGSTRAW_TEST_FAULT="step:3:SIGSTOP:1",
-                                                          LONGSTRAW_HEARTBEAT_TIMEOUT_S="300"))
+                                                          LONGSTRAW_HEARTBEAT_TIMEOUT_S="300",
+                                                          LONGSTRAW_STEP_BOUND_FACTOR="3"))
     lines = proc.stdout.splitlines()
     tail = "\n".join(line[:300] for line in lines[-30:])
     assert proc.returncode == 2, tail  # process 0's status; process 1 (stopped) is killed by the launcher
@@ -190,7 +191,7 @@ def test_stopped_process_ends_the_run_within_the_step_bound(tmp_path):
     assert "[launch] process 1 still running after 5 s: killing it" in proc.stdout, tail
     last = [line for line in lines if line.startswith("[p0] ")][-1]
     checkpoint = f"the last complete checkpoint is step 2 ({out}/checkpoints/2); continue with --out {out} --resume"
-    match = re.fullmatch(r"\[p0\] error: process 0 of 2: step 3 did not finish within (\d+) s \(10 x the median "
+    match = re.fullmatch(r"\[p0\] error: process 0 of 2: step 3 did not finish within (\d+) s \(3 x the median "
                          r"step \S+ s; --step-timeout 30\): process 1 stopped answering; " + re.escape(checkpoint),
                          last)
     assert match and int(match[1]) < 300, tail  # the step bound (from the measured step 2), not the heartbeat's

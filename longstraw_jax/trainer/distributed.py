@@ -19,7 +19,8 @@ Timeouts (seconds, from the environment so that launchers and tests can shorten 
 `LONGSTRAW_INIT_TIMEOUT_S` (default 300: waiting for the coordinator and the other processes to join),
 `LONGSTRAW_HEARTBEAT_TIMEOUT_S` (100: a process that stops answering is declared dead and the others abort),
 `LONGSTRAW_SHUTDOWN_TIMEOUT_S` (300: how long a finishing process waits for the others at exit),
-`LONGSTRAW_SYNC_TIMEOUT_S` (1800: `agree`, waiting for the other processes' verdict).
+`LONGSTRAW_SYNC_TIMEOUT_S` (1800: `agree`, waiting for the other processes' verdict); and the watchdog's step bound
+`LONGSTRAW_STEP_BOUND_FACTOR` (10: a step may take this many times the median step, at least --step-timeout).
 
 Device order: `jax.devices()` lists process 0's devices first, then process 1's, ...; `sharding.make_mesh` reshapes
 that list to (A, B), so the `data` axis spans processes (hosts) and `seq` stays within one host when B divides the
@@ -37,7 +38,8 @@ import sys
 import time
 
 ENV_TIMEOUTS = {"init": ("LONGSTRAW_INIT_TIMEOUT_S", 300), "heartbeat": ("LONGSTRAW_HEARTBEAT_TIMEOUT_S", 100),
-                "shutdown": ("LONGSTRAW_SHUTDOWN_TIMEOUT_S", 300), "sync": ("LONGSTRAW_SYNC_TIMEOUT_S", 1800)}
+                "shutdown": ("LONGSTRAW_SHUTDOWN_TIMEOUT_S", 300), "sync": ("LONGSTRAW_SYNC_TIMEOUT_S", 1800),
+                "step_factor": ("LONGSTRAW_STEP_BOUND_FACTOR", 10)}
 _ADDRESS = re.compile(r"^(?P<host>\[[^\]]+\]|[^:\s]+):(?P<port>\d{1,5})$")
 
 
@@ -73,7 +75,8 @@ class Cluster:
 
 
 def env_timeout(name: str, environ=os.environ) -> float:
-    """One of ENV_TIMEOUTS ("init", "heartbeat", "shutdown", "sync") in seconds; a bad value names the variable."""
+    """One of ENV_TIMEOUTS ("init", "heartbeat", "shutdown", "sync" in seconds; "step_factor", a multiple of the
+    median step); a bad value names the variable."""
     var, default = ENV_TIMEOUTS[name]
     text = environ.get(var)
     if text is None:
@@ -83,7 +86,7 @@ def env_timeout(name: str, environ=os.environ) -> float:
     except ValueError:
         value = -1.0
     if not (math.isfinite(value) and value > 0):
-        raise DistributedError(f"{var}={text!r} must be a number of seconds > 0")
+        raise DistributedError(f"{var}={text!r} must be a number{' of seconds' if name != 'step_factor' else ''} > 0")
     return value
 
 
@@ -379,7 +382,7 @@ def start_jax(config, explicit=frozenset()) -> None:
     if state.client is not None and (state.num_processes or 1) >= 2:
         watchdog.start(state.client, state.process_id, state.num_processes, env_timeout("heartbeat"),
                        getattr(config, "step_timeout", watchdog.DEFAULT_STEP_TIMEOUT_S), cluster.coordinator,
-                       exit=exit_with)
+                       exit=exit_with, median_factor=env_timeout("step_factor"))
 
 
 def process_index() -> int:

@@ -6,7 +6,7 @@ process with one line when
   (killed, stopped, its host lost) is named;
 - the coordinator stops answering (no reply for that long) or is lost (the key-value store fails);
 - a training step does not finish within `step_bound` (max(--step-timeout, 10 x the median step so far, the first
-  step left out); until a step after the first has been timed, 10 x --step-timeout: the first step compiles): a
+  step left out; the factor is LONGSTRAW_STEP_BOUND_FACTOR); until a step after the first has been timed, 10 x --step-timeout: the first step compiles): a
   collective that never completes;
 - another process stopped the run with an error (its one line, relayed).
 
@@ -30,19 +30,19 @@ import time
 PREFIX = "longstraw/watchdog"
 DEFAULT_STEP_TIMEOUT_S = 600.0  # --step-timeout's default
 FIRST_STEP_FACTOR = 10  # the first step compiles: 10 x --step-timeout
-MEDIAN_FACTOR = 10  # later steps: 10 x the median step (at least --step-timeout)
+MEDIAN_FACTOR = 10  # later steps: 10 x the median step (at least --step-timeout); LONGSTRAW_STEP_BOUND_FACTOR
 _ACK_WAIT_S = 5.0
 
 _current: Watchdog | None = None
 
 
-def step_bound(durations: list[float], step_timeout: float) -> float:
+def step_bound(durations: list[float], step_timeout: float, median_factor: float = MEDIAN_FACTOR) -> float:
     """Seconds a step may take: FIRST_STEP_FACTOR x step_timeout while no step after the first (which compiles) has
-    been timed (`durations` leaves the first out), else max(step_timeout, MEDIAN_FACTOR x the median of
+    been timed (`durations` leaves the first out), else max(step_timeout, median_factor x the median of
     `durations`)."""
     if not durations:
         return FIRST_STEP_FACTOR * step_timeout
-    return max(step_timeout, MEDIAN_FACTOR * statistics.median(durations))
+    return max(step_timeout, median_factor * statistics.median(durations))
 
 
 def silent_peers(seen: dict[int, tuple[str, float]], now: float, limit: float) -> list[int]:
@@ -58,13 +58,15 @@ def _first_line(error: BaseException) -> str:
 
 class Watchdog:
     """The watchdog of process `me` of `n` (see the module docstring). client: JAX's DistributedRuntimeClient;
-    heartbeat_s: silence that declares a process dead; step_timeout: --step-timeout; coordinator: its address, for
-    messages; exit(text, status): prints the line `text` and ends the process (injectable for tests)."""
+    heartbeat_s: silence that declares a process dead; step_timeout: --step-timeout; median_factor: the step bound's
+    multiple of the median step; coordinator: its address, for messages; exit(text, status): prints the line `text`
+    and ends the process (injectable for tests)."""
 
     def __init__(self, client, me: int, n: int, heartbeat_s: float, step_timeout: float, coordinator: str | None,
-                 exit, interval_s: float = 1.0, clock=time.monotonic):
+                 exit, interval_s: float = 1.0, clock=time.monotonic, median_factor: float = MEDIAN_FACTOR):
         self.client, self.me, self.n = client, me, n
         self.heartbeat_s, self.step_timeout, self.interval_s = heartbeat_s, step_timeout, interval_s
+        self.median_factor = median_factor
         self.coordinator = coordinator or "(detected)"
         self.exit, self.clock = exit, clock
         self.lock = threading.Lock()
@@ -158,8 +160,8 @@ class Watchdog:
         with self.lock:
             silent = silent_peers(self.seen, now, self.heartbeat_s)
             no_reply = now - self.last_reply
-            step, started, bound = self.current_step, self.step_started, step_bound(self.durations,
-                                                                                     self.step_timeout)
+            step, started, bound = self.current_step, self.step_started, step_bound(self.durations, self.step_timeout,
+                                                                                     self.median_factor)
             peers_steps = {p: value.split(":")[-1] for p, (value, _) in self.seen.items()}
             recently_silent = silent_peers(self.seen, now, 3 * self.interval_s + 1)
         if self.me != 0 and no_reply > self.heartbeat_s:
@@ -176,7 +178,8 @@ class Watchdog:
                 who = ("every process is alive and in this step: a collective never completed" if not behind else
                        ", ".join(f"process {p} is {f'in step {s}' if s != '0' else 'between steps'}"
                                  for p, s in sorted(behind.items())))
-            measured = f"10 x the median step {statistics.median(self.durations):.2g} s; " if self.durations else ""
+            measured = (f"{self.median_factor:g} x the median step {statistics.median(self.durations):.2g} s; "
+                        if self.durations else "")
             me, _, checkpoint = self.context()
             return (f"{me}: step {step} did not finish within {bound:.0f} s ({measured}--step-timeout "
                     f"{self.step_timeout:g}): {who}; {checkpoint}")
@@ -259,11 +262,12 @@ def _report_context(context: tuple[str, str, str]) -> None:
 
 
 def start(client, me: int, n: int, heartbeat_s: float, step_timeout: float, coordinator: str | None,
-          exit) -> Watchdog:
+          exit, median_factor: float = MEDIAN_FACTOR) -> Watchdog:
     """This process's watchdog of a joined multi-process run (process `me` of `n` >= 2; client: JAX's
     DistributedRuntimeClient; exit(text, status) ends the process), started (trainer/distributed.py:start_jax)."""
     global _current
-    _current = Watchdog(client, me, n, heartbeat_s, step_timeout, coordinator, exit=exit).start()
+    _current = Watchdog(client, me, n, heartbeat_s, step_timeout, coordinator, exit=exit,
+                        median_factor=median_factor).start()
     _report_context(_current.context())
     return _current
 
