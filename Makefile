@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast install clean
+.PHONY: run test test-fast test-durations install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,8 @@ run: $(STAMP)
 	$(PY) -m longstraw_jax.run --config configs/demo.toml
 
 # two workers (2 cores; compiles are single-threaded), whole test files per worker (module-scoped compiled set-ups),
-# handed out longest first (tests/conftest.py LONGEST_FIRST, LONGEST_FIRST_FAST for -m "not slow"; xdist's own
-# reorder would undo that order); one persistent XLA compilation cache per run, shared by both workers (conftest.py)
+# handed out longest first (the seconds in tests/durations.json, per tier; xdist's own reorder would undo that
+# order); one persistent XLA compilation cache per run, shared by both workers (tests/conftest.py)
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 test: $(STAMP)
@@ -32,6 +32,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m ruff check .
 	$(PYTEST) -m "not slow"
+
+# the whole suite, writing each test file's measured seconds per tier to tests/durations.json (the order above)
+test-durations: $(STAMP)
+	LONGSTRAW_TEST_DURATIONS=tests/durations.json $(PYTEST)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from longstraw_jax import progress
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, batch_advantages, finalize_metrics, token_weights, validate_batch
 from longstraw_jax.models.base import capture_chunks, chunk_layout
 from longstraw_jax.replay import replay_branches, scan_groups, zeros_f32
@@ -152,15 +153,18 @@ def prompt_backward(model, params, tokens: jax.Array, chunk_size: int, state, bo
         return model.chunk_grads(params, model.with_carried(state, boundary), chunk_tokens, start, grads, cot,
                                  left_pad=left_pad)
 
-    carry = (grads, state_cot)
+    carry, total = (grads, state_cot), num_full + (remainder > 0)
     if remainder:
         carry = chunk_vjp(carry, tokens[num_full * chunk_size :], num_full * chunk_size, last_boundary)
+        progress.tick("prompt backward", jnp.int32(1), total, remainder, after=carry)
     if num_full:
         chunks = tokens[: num_full * chunk_size].reshape(num_full, chunk_size)
 
         def step(carry, xs):
             index, chunk_tokens, boundary = xs
-            return chunk_vjp(carry, chunk_tokens, index * chunk_size, boundary), None
+            carry = chunk_vjp(carry, chunk_tokens, index * chunk_size, boundary)
+            progress.tick("prompt backward", total - index, total, chunk_size, after=carry)
+            return carry, None
 
         carry, _ = jax.lax.scan(step, carry, (jnp.arange(num_full, dtype=jnp.int32), chunks, full_boundaries),
                                 reverse=True)

@@ -6,7 +6,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # is computed: the LLVM optimisation level and the choice of fusion code emitter keep IEEE float32 semantics.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false").strip()
+import json  # noqa: E402
 import shutil  # noqa: E402
+import statistics  # noqa: E402
 import tempfile  # noqa: E402
 
 import jax  # noqa: E402
@@ -49,29 +51,51 @@ def _fresh_jax_caches():
     yield
 
 
-# Test files by measured wall time, longest first (2 workers; files not listed follow in collection order), one
-# list per tier: the whole suite (`make test`) and the tests not marked slow (`make test-fast`, `-m "not slow"`).
-# Both hand out whole files (--dist loadfile) in collection order (--no-loadscope-reorder; xdist's default order,
-# most tests first, put the long few-test files last and left one core idle at the end): longest first keeps both
-# workers busy until the short files even out the finish. Only the speed depends on these lists.
-LONGEST_FIRST = ("test_groups.py", "test_sharding_glm.py", "test_models.py", "test_glm52.py", "test_lora.py",
-                 "test_float64.py", "test_faults.py", "test_multiprocess.py", "test_rollout.py", "test_engine.py",
-                 "test_bench.py", "test_evaluate.py", "test_data.py", "test_run.py", "test_sharding_sequence.py",
-                 "test_sharding_grpo.py", "test_sharding_sample.py", "test_capacity.py", "test_qwen36_hf_parity.py",
-                 "test_convert.py",
-                 "test_qwen36.py", "test_experts.py", "test_glm52_hf_parity.py", "test_train.py", "test_ops.py",
-                 "test_naive.py", "test_logprobs.py", "test_orbax_io.py")
-LONGEST_FIRST_FAST = ("test_rollout.py", "test_engine.py", "test_lora.py", "test_faults.py", "test_models.py",
-                      "test_glm52.py", "test_sharding_sequence.py", "test_sharding_glm.py", "test_bench.py",
-                      "test_run.py", "test_evaluate.py", "test_qwen36_hf_parity.py", "test_sharding_grpo.py",
-                      "test_glm52_hf_parity.py", "test_experts.py", "test_convert.py", "test_train.py",
-                      "test_qwen36.py", "test_grpo.py", "test_naive.py", "test_groups.py", "test_ops.py",
-                      "test_orbax_io.py", "test_sharding_rules.py", "test_imports.py", "test_logprobs.py")
+# Test files by measured seconds, longest first (2 workers), for the whole suite (`make test`) and the tests not marked
+# slow (`make test-fast`, `-m "not slow"`): tests/durations.json holds each file's seconds in both tiers, as measured
+# by `make test-durations` (LONGSTRAW_TEST_DURATIONS=PATH below writes them). Both tiers hand out whole files (--dist
+# loadfile) in collection order (--no-loadscope-reorder; xdist's default order, most tests first, put the long
+# few-test files last and left one core idle at the end): longest first keeps both workers busy until the short
+# files even out the finish. A file not measured yet counts as the median file. Only the speed depends on this.
+DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
+_RECORD = os.environ.get("LONGSTRAW_TEST_DURATIONS")
+_recorded: dict[str, dict[str, float]] = {"fast": {}, "slow": {}}
+
+
+def file_seconds(fast: bool) -> dict[str, float]:
+    """{test file name: measured seconds of its tests in the tier} from DURATIONS (fast: the tests not marked slow;
+    else all)."""
+    if not os.path.exists(DURATIONS):
+        return {}
+    with open(DURATIONS) as f:
+        measured = json.load(f)
+    names = set(measured["fast"]) | set(measured["slow"])
+    return {name: measured["fast"].get(name, 0.0) + (0.0 if fast else measured["slow"].get(name, 0.0))
+            for name in names}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files in the tier's longest-first order, then the rest; the tests of a file keep their order (module-scoped
+    """Files longest first in the tier, then by name; the tests of a file keep their order (module-scoped
     set-ups)."""
     fast = config.getoption("markexpr", "").replace(" ", "") == "notslow"
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST_FAST if fast else LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    seconds = file_seconds(fast)
+    default = statistics.median(seconds.values()) if seconds else 0.0
+    items.sort(key=lambda item: (-seconds.get(item.path.name, default), item.path.name))
+
+
+def pytest_runtest_logreport(report):
+    """With LONGSTRAW_TEST_DURATIONS=PATH: each test's set-up, call and tear-down seconds, summed per file and tier
+    (in the controller, which receives its workers' reports)."""
+    if _RECORD:
+        tier = _recorded["slow" if "slow" in report.keywords else "fast"]
+        name = report.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        tier[name] = tier.get(name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With LONGSTRAW_TEST_DURATIONS=PATH: the controller writes the per-file seconds (DURATIONS' format)."""
+    if _RECORD and not hasattr(session.config, "workerinput"):
+        with open(_RECORD, "w") as f:
+            json.dump({tier: {name: round(s, 1) for name, s in sorted(files.items())}
+                       for tier, files in _recorded.items()}, f, indent=1)
+            f.write("\n")

@@ -262,7 +262,7 @@ def test_longstraw_jax_has_no_import_cycles():
 # that is its dotted name or a package above it ("" is the package's own __init__.py). A module may import from its
 # own floor and the floors below; an import of a higher floor points upward.
 LAYERS = (
-    ("ops", "validation"),               # kernels and host-side checks
+    ("ops", "validation", "progress"),   # kernels, host-side checks, progress ticks from compiled loops
     ("trainable",),                      # the trainable / frozen split of a parameter tree
     ("parallel", "layerwise"),           # mesh primitives; the block-by-block backward
     ("models",),                         # the families, their HF I/O and their mesh adapters

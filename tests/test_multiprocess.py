@@ -77,17 +77,28 @@ def env(**extra):
             "LONGSTRAW_SHUTDOWN_TIMEOUT_S": "10", "LONGSTRAW_INIT_TIMEOUT_S": "60", **extra}
 
 
+def cached(cache) -> dict:
+    """The environment of a subprocess that shares the persistent compilation cache `cache` (a directory)."""
+    return dict(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+
+@pytest.fixture(scope="module")
+def launch_cache(tmp_path_factory):
+    """One compilation cache for this module's 2-process launches of SMALL: the second launch loads the programs
+    the first compiled (4 devices per process: not the one-process 2x4 programs)."""
+    return tmp_path_factory.mktemp("launch-cache")
+
+
 def run_cli(args, cache, **extra):
     """`python -m longstraw_jax.run args` in one process (its own 8 CPU devices for --mesh 2x4), sharing a persistent
     compilation cache -> Popen."""
     return subprocess.Popen([sys.executable, "-m", "longstraw_jax.run", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env=env(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-                                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **extra))
+                            stderr=subprocess.STDOUT, text=True, env=env(**cached(cache), **extra))
 
 
 @pytest.mark.slow  # three trainer processes (two launched, one reference) and a resumed one
-def test_two_processes_killed_then_resumed_in_one(tmp_path):
+def test_two_processes_killed_then_resumed_in_one(tmp_path, launch_cache):
     out, single, cache = str(tmp_path / "mp"), str(tmp_path / "single"), tmp_path / "cache"
     start = time.perf_counter()
     # the one-process reference (3 steps, same 2x4 mesh) compiles alongside the two processes
@@ -95,7 +106,7 @@ def test_two_processes_killed_then_resumed_in_one(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "longstraw_jax.launch", "--processes", "2", "--grace", "60", "--",
                            *SMALL, "--steps", "3", "--out", out], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env=env(LONGSTRAW_TEST_FAULT="step:3:SIGKILL:1",
-                                               LONGSTRAW_TEST_SCORED=str(tmp_path / "scored")))
+                                               LONGSTRAW_TEST_SCORED=str(tmp_path / "scored"), **cached(launch_cache)))
     launched = time.perf_counter() - start
     lines = proc.stdout.splitlines()
     # the last lines, after the first error-looking ones (which say why when a process ended unexpectedly)
@@ -177,13 +188,13 @@ def test_start_up_failures_are_one_line(tmp_path):
 
 
 @pytest.mark.slow  # a 2-process launch of 3 steps
-def test_stopped_process_ends_the_run_within_the_step_bound(tmp_path):
+def test_stopped_process_ends_the_run_within_the_step_bound(tmp_path, launch_cache):
     out = str(tmp_path / "mp")
     proc = subprocess.run([sys.executable, "-m", "longstraw_jax.launch", "--processes", "2", "--grace", "5", "--",
                            *SMALL, "--steps", "4", "--out", out, "--step-timeout", "30"], cwd=ROOT, capture_output=True,
                           text=True, timeout=900, env=env(LONGSTRAW_TEST_FAULT="step:3:SIGSTOP:1",
                                                           LONGSTRAW_HEARTBEAT_TIMEOUT_S="300",
-                                                          LONGSTRAW_STEP_BOUND_FACTOR="3"))
+                                                          LONGSTRAW_STEP_BOUND_FACTOR="3", **cached(launch_cache)))
     lines = proc.stdout.splitlines()
     tail = "\n".join(line[:300] for line in lines[-30:])
     assert proc.returncode == 2, tail  # process 0's status; process 1 (stopped) is killed by the launcher

@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
-from longstraw_jax import layerwise
+from longstraw_jax import layerwise, progress
 from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.validation import check_left_pad, check_size, check_tokens
 
@@ -189,19 +189,23 @@ def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, kee
     state = model.init_state(tokens.shape[0], dtype, capacity=capacity)
     num_full, remainder = chunk_layout(tokens.shape[0], chunk_size)
     full_boundaries = last_boundary = None
+    chunks_total = num_full + (remainder > 0)
     if num_full:
         chunks = tokens[: num_full * chunk_size].reshape(num_full, chunk_size)
 
         def step(state, xs):
             index, chunk = xs
             boundary = model.carried(state) if keep_boundaries else None
-            return model.capture_chunk(params, state, chunk, index * chunk_size, left_pad=left_pad), boundary
+            state = model.capture_chunk(params, state, chunk, index * chunk_size, left_pad=left_pad)
+            progress.tick("capture", index + 1, chunks_total, chunk_size, after=state)
+            return state, boundary
 
         state, full_boundaries = jax.lax.scan(step, state, (jnp.arange(num_full, dtype=jnp.int32), chunks))
     if remainder:
         last_boundary = model.carried(state) if keep_boundaries else None
         state = model.capture_chunk(params, state, tokens[num_full * chunk_size :], num_full * chunk_size,
                                     left_pad=left_pad)
+        progress.tick("capture", jnp.int32(chunks_total), chunks_total, remainder, after=state)
     return (state, (full_boundaries, last_boundary)) if keep_boundaries else state
 
 

@@ -352,7 +352,7 @@ def capture(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: 
                                  attention, left_pad)
         return tuple(_write_round(mesh, rounds, cache, new, index) for cache, new in zip(caches, entries))
 
-    kv, index_keys = sequence.each_round(rounds, caches, one_round)
+    kv, index_keys = sequence.each_round(rounds, caches, one_round, phase="capture")
     return ShardedPromptState(model.state_type(kv=kv, index_keys=index_keys, length=rounds.length), rounds)
 
 
@@ -524,7 +524,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, sta
         return place(grads, grad_specs), acc.replace(kv=rules.constrain(acc.kv, _ROWS, mesh))
 
     acc = model.differentiable_state(state_cot).replace(kv=at_least_f32(state_cot.kv))
-    return sequence.each_round(rounds, (grads, acc), one_round, reverse=True)[0]
+    return sequence.each_round(rounds, (grads, acc), one_round, reverse=True, phase="prompt backward")[0]
 
 
 # ----- the adapter the engine asks the model for ---------------------------------------------------------------

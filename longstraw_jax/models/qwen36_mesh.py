@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from einops import rearrange
 from jax.sharding import PartitionSpec as P
 
-from longstraw_jax import layerwise
+from longstraw_jax import layerwise, progress
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
@@ -231,12 +231,16 @@ def _capture_local(model, rounds: RoundLayout, block_specs, method, blocks, h, l
         def step(c, xs):
             carry, owned = c
             owned = _keep_boundary(owned, carry[:2], xs[1], per)
-            return (one_round(xs[0], rounds.round, xs[1], rounds, carry), owned), None
+            carry = one_round(xs[0], rounds.round, xs[1], rounds, carry)
+            progress.tick("capture", xs[1] + 1, rounds.full + 1, rounds.round_positions, after=carry)
+            return (carry, owned), None
 
         h_full = h[: rounds.full * rounds.round_slots].reshape(rounds.full, rounds.round_slots, -1)
         (carry, owned), _ = jax.lax.scan(step, (carry, owned), (h_full, jnp.arange(rounds.full)))
     owned = _keep_boundary(owned, carry[:2], rounds.full, per)
-    return one_round(h[rounds.full * rounds.round_slots :], rounds.last, rounds.full, rounds, carry), owned
+    carry = one_round(h[rounds.full * rounds.round_slots :], rounds.last, rounds.full, rounds, carry)
+    progress.tick("capture", jnp.int32(rounds.full + 1), rounds.full + 1, rounds.last.padded, after=carry)
+    return carry, owned
 
 
 def _shard_map(mesh, fn, in_specs, out_specs):
@@ -511,7 +515,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
         return rules.constrain(grads, grad_specs, mesh), rules.constrain(acc, prompt_state_specs(acc), mesh)
 
     acc = jax.tree.map(at_least_f32, state_cot)  # float32 (float64 for a float64 model)
-    return each_round(rounds, (grads, acc), one_round, reverse=True)[0]
+    return each_round(rounds, (grads, acc), one_round, reverse=True, phase="prompt backward")[0]
 
 
 # ----- the adapter the engine asks the model for ---------------------------------------------------------------

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from longstraw_jax import progress
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.parallel import rules
@@ -169,14 +170,29 @@ def round_slots(mesh, rounds: RoundLayout, x, index, size: int, axis: int):
     return rules.shard_map(take, mesh, (spec, P()), spec)(x, index)
 
 
-def each_round(rounds: RoundLayout, carry, one_round, reverse: bool = False):
+def each_round(rounds: RoundLayout, carry, one_round, reverse: bool = False, phase: str | None = None):
     """carry = one_round(carry, layout, index) over the full rounds (a scan; `rounds.round`) and the last round
-    (`rounds.last`), in order or reversed."""
+    (`rounds.last`), in order or reversed; with `phase`, a `progress.tick` after each round (rounds done, of
+    full + 1)."""
+    total = rounds.full + 1
+
+    def tick(carry, done, positions):
+        if phase is not None:
+            progress.tick(phase, done, total, positions, after=carry)
+        return carry
+
     def full(carry):
         if not rounds.full:
             return carry
-        step = lambda c, r: (one_round(c, rounds.round, r), None)
+
+        def step(c, r):
+            c = one_round(c, rounds.round, r)
+            return tick(c, rounds.full - r + 1 if reverse else r + 1, rounds.round_positions), None
+
         return jax.lax.scan(step, carry, jnp.arange(rounds.full, dtype=jnp.int32), reverse=reverse)[0]
 
-    last = lambda carry: one_round(carry, rounds.last, jnp.int32(rounds.full))
+    def last(carry):
+        carry = one_round(carry, rounds.last, jnp.int32(rounds.full))
+        return tick(carry, jnp.int32(1 if reverse else total), rounds.last.padded)
+
     return full(last(carry)) if reverse else last(full(carry))

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from longstraw_jax import progress
 from longstraw_jax.models.base import capture_chunks, chunk_layout
 from longstraw_jax.parallel.groups import DATA
 from longstraw_jax.parallel.rules import manual_axes
@@ -300,6 +301,7 @@ def sample_after_prompt(model, params, decode, tail, prompt, key, group_size: in
             need = jnp.any(~done) & (t + 1 < length)
             tails, logits = jax.lax.cond(anywhere(need), lambda: step_all(tails, token, p + t),
                                          lambda: (tails, logits))
+            progress.tick("sampling", t + 1, length, n, after=logits)
             return t + 1, tails, logits, done, count + live.astype(jnp.int32), tokens, logp, sample_logp
 
         zeros = jnp.zeros((n, length), jnp.float32)

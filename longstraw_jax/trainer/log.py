@@ -35,11 +35,39 @@ class NoLog:
 class PhaseTicker:
     """Progress inside a step: while a phase (sampling, update) runs, a daemon thread prints "step S/T: <phase>,
     X s so far" every `every` seconds, and "step S/T: <phase> done in X s" when a phase that printed ends; a phase
-    shorter than `every` prints nothing. Host-side: it only sees when the phase (a compiled call) starts and ends,
-    nothing inside it. every = 0 or say = None: silent (processes other than 0)."""
+    shorter than `every` prints nothing. Host-side, it sees when the phase (a compiled call) starts and ends; with
+    --progress-rounds it is also the sink of the compiled loops' ticks (`note`, longstraw_jax/progress.py), and its
+    lines say how far the running loop is ("capture 37/128, 12.3K positions/s, ETA 4 min"). every = 0 or say = None:
+    silent (processes other than 0)."""
 
     def __init__(self, say, every: float, clock=time.monotonic):
         self.say, self.every, self.clock = say, every, clock
+        self.lock = threading.Lock()
+        self.loop = None  # the running loop: [phase, first done, its time, done, total, positions per iteration]
+
+    def note(self, phase: str, done: int, total: int, per: int) -> None:
+        """A tick: iteration `done` of `total` of the compiled loop `phase` has run (`per` positions or tokens)."""
+        now = self.clock()
+        with self.lock:
+            loop = self.loop
+            if loop is None or loop[0] != phase or done <= loop[3]:  # another loop started
+                self.loop = [phase, done, now, done, total, per]
+            else:
+                loop[3:] = [done, total, max(per, loop[5])]
+
+    def status(self) -> str | None:
+        """"<loop> done/total[, rate, ETA]" of the running loop (a rate once two of its ticks came), or None."""
+        with self.lock:
+            if self.loop is None:
+                return None
+            phase, first, since, done, total, per = self.loop
+            elapsed = self.clock() - since
+        text = f"{phase} {done}/{total}"
+        if done > first and elapsed > 0:
+            per_s = (done - first) / elapsed
+            unit = "tokens" if phase == "sampling" else "positions"
+            text += f", {_count(per_s * per)} {unit}/s, ETA {_duration((total - done) / per_s)}"
+        return text
 
     @contextlib.contextmanager
     def phase(self, step: int, total: int, name: str):
@@ -51,7 +79,9 @@ class PhaseTicker:
         def tick():
             while not stop.wait(self.every):
                 printed.append(True)
-                self.say(f"  step {step}/{total}: {name}, {self.clock() - start:.0f} s so far", flush=True)
+                loop = self.status()
+                self.say(f"  step {step}/{total}: {name}, {self.clock() - start:.0f} s so far"
+                         f"{f'; {loop}' if loop else ''}", flush=True)
 
         thread = threading.Thread(target=tick, name=f"progress {name}", daemon=True)
         thread.start()
@@ -62,6 +92,15 @@ class PhaseTicker:
             thread.join()
             if printed:
                 self.say(f"  step {step}/{total}: {name} done in {self.clock() - start:.1f} s", flush=True)
+
+
+def _count(x: float) -> str:
+    return f"{x:.0f}" if x < 1e3 else f"{x / 1e3:.1f}K" if x < 1e6 else f"{x / 1e6:.2f}M"
+
+
+def _duration(seconds: float) -> str:
+    return (f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200
+            else f"{seconds / 3600:.1f} h")
 
 
 def step_record(step: int, step_metrics: dict, extra: dict, batch, start: float, sampled: float,

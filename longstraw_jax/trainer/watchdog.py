@@ -6,8 +6,8 @@ process with one line when
   (killed, stopped, its host lost) is named;
 - the coordinator stops answering (no reply for that long) or is lost (the key-value store fails);
 - a training step does not finish within `step_bound` (max(--step-timeout, 10 x the median step so far, the first
-  step left out; the factor is LONGSTRAW_STEP_BOUND_FACTOR); until a step after the first has been timed, 10 x --step-timeout: the first step compiles): a
-  collective that never completes;
+  step left out; the factor is LONGSTRAW_STEP_BOUND_FACTOR); until a step after the first has been timed, 10 x
+  --step-timeout: the first step compiles): a collective that never completes;
 - another process stopped the run with an error (its one line, relayed).
 
 The line names the process and the last complete checkpoint. The process then ends with os._exit (status 2): the
