@@ -97,6 +97,7 @@ def test_lora_reference_is_the_base_after_training():
     assert float(jnp.max(jnp.abs(adapted - got))) > 1e-2  # the adapters do change the policy
 
 
+@pytest.mark.slow  # a trainer step (~60 s on 2 shared cores)
 def test_full_training_reference_stays_the_initial_params(tmp_path):
     """Trainer with --train full --kl-coef: after a (donated) update step the params changed, the reference did
     not; with --trainable only the trainable leaves are copied."""
