@@ -89,10 +89,12 @@ from longstraw_jax.capacity.cost import Cost, hlo_cost, program_cost
 from longstraw_jax.capacity.footprint import largest_layer_bytes, local_bytes, memory_total, tree_bytes
 from longstraw_jax.capacity.hardware import HARDWARE, Hardware, hardware, roofline
 from longstraw_jax.capacity.phases import (
+    REFERENCE_COLUMNS,
     SAMPLING_COLUMNS,
     UPDATE_COLUMNS,
     local_groups,
     ragged_exchange_bytes,
+    reference_phase,
     sampling_phase,
     step_peak,
     update_phase,
@@ -101,7 +103,8 @@ from longstraw_jax.capacity.planner import Planner
 from longstraw_jax.capacity.report import format_rows, format_times, write_json
 from longstraw_jax.capacity.timing import decode_steps_per_group, phase_costs, step_times
 
-__all__ = ["Cost", "HARDWARE", "Hardware", "Planner", "SAMPLING_COLUMNS", "UPDATE_COLUMNS", "decode_steps_per_group",
-           "format_rows", "format_times", "hardware", "hlo_cost", "largest_layer_bytes", "local_bytes",
-           "local_groups", "memory_total", "phase_costs", "program_cost", "ragged_exchange_bytes", "roofline",
-           "sampling_phase", "step_peak", "step_times", "tree_bytes", "update_phase", "write_json"]
+__all__ = ["Cost", "HARDWARE", "Hardware", "Planner", "REFERENCE_COLUMNS", "SAMPLING_COLUMNS", "UPDATE_COLUMNS",
+           "decode_steps_per_group", "format_rows", "format_times", "hardware", "hlo_cost", "largest_layer_bytes",
+           "local_bytes", "local_groups", "memory_total", "phase_costs", "program_cost", "ragged_exchange_bytes",
+           "reference_phase", "roofline", "sampling_phase", "step_peak", "step_times", "tree_bytes", "update_phase",
+           "write_json"]

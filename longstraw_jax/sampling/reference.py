@@ -65,7 +65,7 @@ def reference_logprobs(model, ref_params, prompts, responses, chunk_size: int, m
     model.sequence_parallel()  # a family without a sharded path says so before any work
     check_groups(prompts.shape[0], mesh)
     layout = round_layout(model, prompts.shape[1] - 1, mesh.shape["seq"], chunk_size)
-    return _on_mesh(model, ref_params, prompts, responses, mesh, layout, min(logprob_chunk, responses.shape[2]),
+    return jitted_on_mesh(model, ref_params, prompts, responses, mesh, layout, min(logprob_chunk, responses.shape[2]),
                     left_pad)
 
 
@@ -101,7 +101,9 @@ def _one_device(model, params, prompts, responses, chunk_size: int, logprob_chun
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
-def _on_mesh(model, params, prompts, responses, mesh, layout: RoundLayout, logprob_chunk: int, left_pad=None):
+def jitted_on_mesh(model, params, prompts, responses, mesh, layout: RoundLayout, logprob_chunk: int, left_pad=None):
+    """The mesh path as one jitted program (model, mesh, layout, logprob_chunk static), without host checks: what
+    the capacity planner lowers. layout: `sharding.prompt.round_layout(model, P - 1, seq, chunk_size)`."""
     family = model.sequence_parallel()
 
     def slice_groups(params, local):
@@ -116,4 +118,4 @@ def _on_mesh(model, params, prompts, responses, mesh, layout: RoundLayout, logpr
     return over_data(mesh, slice_groups, params, (prompts, responses, left_pad), summed=False)
 
 
-__all__ = ["branch_inputs", "group_logprobs", "reference_logprobs"]
+__all__ = ["branch_inputs", "group_logprobs", "jitted_on_mesh", "reference_logprobs"]
