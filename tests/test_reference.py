@@ -166,3 +166,38 @@ def test_ref_from_mismatch_one_line_error_nothing_written(tmp_path, capsys):
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)))
     with pytest.raises(Exception, match=r"parameter \['embed'\] has shape \(3, 4\)"):
         reference.check_same_shapes(params, dict(params, embed=jnp.zeros((3, 4))), "d")
+
+
+def test_step_peak_names_the_reference_phase():
+    from longstraw_jax.capacity import phases
+
+    sampling, update = dict(total=5), dict(total=7)
+    assert phases.step_peak(sampling, update) == (7, "update")
+    assert phases.step_peak(sampling, update, dict(total=9)) == (9, "reference")
+    assert phases.step_peak(sampling, update, dict(total=7)) == (7, "update")  # ties: the update, as before
+    assert phases.with_ref_params(dict(params=1, total=5), 3) == dict(params=1, ref_params=3, total=8)
+
+
+@pytest.mark.slow  # AOT compiles of two updates, a capture and the reference program (~1.5 min)
+def test_planner_kl_coef_adds_the_reference_memory():
+    """Tiny Qwen3.6 on 1x8, P = 64: with --kl-coef the sampling and update phases grow by the reference params copy
+    (full training: the params' shard; LoRA: nothing), and the reference phase holds params, optimizer, the copy,
+    the kept state, one reference state and the reference program's other temporaries."""
+    from longstraw_jax.capacity import Planner, local_bytes
+
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "qwen3.6-tiny.json")
+    kwargs = dict(dtype="float32", response_len=4, chunk=32, devices=jax.devices()[:8])
+    plain = Planner(config, "1x8", **kwargs).plan(64, 2, "detached", 1, 1e12)
+    planner = Planner(config, "1x8", **kwargs, kl_coef=0.1)
+    row = planner.plan(64, 2, "detached", 1, 1e12)
+    copy = local_bytes(planner.trainable)
+    assert "reference" not in plain and copy == local_bytes(planner.params) > 0
+    assert row["sampling"]["total"] - plain["sampling"]["total"] == copy == row["sampling"]["ref_params"]
+    grown = row["update"]["total"] - plain["update"]["total"]  # + the copy, + the [G, R] ref log-probs argument
+    assert copy <= grown <= copy + 4096, (grown, copy)
+    ref = row["reference"]
+    assert ref["ref_params"] == copy and ref["ref_state"] == ref["state"] == plain["update"]["state"] > 0
+    assert ref["ref_rest"] > 0 and ref["boundaries"] == 0
+    assert ref["total"] == sum(v for k, v in ref.items() if k != "total")
+    assert row["peak"] == max(row[p]["total"] for p in ("sampling", "update", "reference"))
+    assert Planner(config, "1x8", **kwargs, kl_coef=0.1, train_mode="lora", lora_rank=2).ref_params_bytes() == 0
