@@ -66,6 +66,21 @@ worst case).
 "peak ragged" / "fits (ragged)" add its extra bytes analytically (`Planner.ragged_extra`) to each phase; "peak" /
 "fits" are the compiled programs' (the trainer on a GPU runs the ragged one unless told otherwise).
 
+**Reference phase** (`--kl-coef > 0`: the trainer's KL to a reference policy while sampling, `trainer/reference.py`).
+Between sampling and the update each data slice computes its groups' reference log-probs one group at a time
+(`sampling.reference.jitted_on_mesh`, AOT-compiled for one group per slice): the prompt captured again under the
+reference params, then the branches replayed without gradient. Per device:
+
+    params, optimizer, state, boundaries    as in sampling (the kept captures wait for the update)
+    ref_params   the reference params held all step: full training a copy of the params' shard (also added to the
+                 sampling and update phases); LoRA none (the base without adapters is the policy's own)
+    ref_state    the reference capture's state of one group (the program's output-free temporaries include it)
+    ref_rest     the reference program's other temporaries: a capture round, one branch's replay, [chunk, vocab]
+                 logits
+
+The update is compiled with the KL term (`ref_logprobs` [G, R] in its batch). The time model does not cost the
+reference phase.
+
 `--search` binary-searches the longest prompt (to --search-step positions) whose step peak fits --device-gb.
 
 **Time model** (`--time --hardware h20|h100|h200`): per device, the seconds of each phase, a roofline of the
