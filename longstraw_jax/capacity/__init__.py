@@ -74,7 +74,7 @@ reference params, then the branches replayed without gradient. Per device:
     params, optimizer, state, boundaries    as in sampling (the kept captures wait for the update)
     ref_params   the reference params held all step: full training a copy of the params' shard (also added to the
                  sampling and update phases); LoRA none (the base without adapters is the policy's own)
-    ref_state    the reference capture's state of one group (the program's output-free temporaries include it)
+    ref_state    the reference capture's state of one group (part of the reference program's temporaries)
     ref_rest     the reference program's other temporaries: a capture round, one branch's replay, [chunk, vocab]
                  logits
 
