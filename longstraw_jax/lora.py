@@ -130,10 +130,16 @@ def merged(params):
     return jax.tree.map(materialize, params, is_leaf=is_lora)
 
 
+def without_adapters(params):
+    """params with every LoRA node replaced by its base matrix (the same array: nothing is copied): the frozen base
+    model, e.g. the KL reference of a LoRA run (`trainer/reference.py`)."""
+    return jax.tree.map(lambda w: w.base if is_lora(w) else w, params, is_leaf=is_lora)
+
+
 def adapters(params) -> dict[str, LoRA]:
     """Path -> LoRA node of every adapted matrix."""
     return {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_lora) if is_lora(x)}
 
 
 __all__ = ["DEFAULT_TARGETS", "GROUPS", "STACKED", "LoRA", "add_adapters", "adapters", "candidates", "check_rank",
-           "merged", "resolve_targets", "short_path"]
+           "merged", "resolve_targets", "short_path", "without_adapters"]

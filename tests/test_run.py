@@ -204,7 +204,6 @@ def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys
         (["--rollouts", write(tmp_path / "ragged.jsonl", json.dumps(good_group) + "\n"
                               + json.dumps(dict(good_group, prompt=[1, 2, 3, 4]))), "-B", "2"],
          r"--groups-per-step=2 stacks groups side by side.*2 different shapes"),
-        (["--kl-coef", "0.1"], "--kl-coef=0.1: sampled rollouts have no reference log-probs"),
         ([], "already holds checkpoints: pass --resume"),
         (["--lr", "0.5", "--resume"], r"--lr=0.5 differs from the run being resumed \(0.003\)"),
         # KL without reference log-probs, bad rewards and log-probs in a rollout file, broken --hf files

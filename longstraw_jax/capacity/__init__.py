@@ -66,6 +66,21 @@ worst case).
 "peak ragged" / "fits (ragged)" add its extra bytes analytically (`Planner.ragged_extra`) to each phase; "peak" /
 "fits" are the compiled programs' (the trainer on a GPU runs the ragged one unless told otherwise).
 
+**Reference phase** (`--kl-coef > 0`: the trainer's KL to a reference policy while sampling, `trainer/reference.py`).
+Between sampling and the update each data slice computes its groups' reference log-probs one group at a time
+(`sampling.reference.jitted_on_mesh`, AOT-compiled for one group per slice): the prompt captured again under the
+reference params, then the branches replayed without gradient. Per device:
+
+    params, optimizer, state, boundaries    as in sampling (the kept captures wait for the update)
+    ref_params   the reference params held all step: full training a copy of the params' shard (also added to the
+                 sampling and update phases); LoRA none (the base without adapters is the policy's own)
+    ref_state    the reference capture's state of one group (part of the reference program's temporaries)
+    ref_rest     the reference program's other temporaries: a capture round, one branch's replay, [chunk, vocab]
+                 logits
+
+The update is compiled with the KL term (`ref_logprobs` [G, R] in its batch). The time model does not cost the
+reference phase.
+
 `--search` binary-searches the longest prompt (to --search-step positions) whose step peak fits --device-gb.
 
 **Time model** (`--time --hardware h20|h100|h200`): per device, the seconds of each phase, a roofline of the
@@ -89,10 +104,12 @@ from longstraw_jax.capacity.cost import Cost, hlo_cost, program_cost
 from longstraw_jax.capacity.footprint import largest_layer_bytes, local_bytes, memory_total, tree_bytes
 from longstraw_jax.capacity.hardware import HARDWARE, Hardware, hardware, roofline
 from longstraw_jax.capacity.phases import (
+    REFERENCE_COLUMNS,
     SAMPLING_COLUMNS,
     UPDATE_COLUMNS,
     local_groups,
     ragged_exchange_bytes,
+    reference_phase,
     sampling_phase,
     step_peak,
     update_phase,
@@ -101,7 +118,8 @@ from longstraw_jax.capacity.planner import Planner
 from longstraw_jax.capacity.report import format_rows, format_times, write_json
 from longstraw_jax.capacity.timing import decode_steps_per_group, phase_costs, step_times
 
-__all__ = ["Cost", "HARDWARE", "Hardware", "Planner", "SAMPLING_COLUMNS", "UPDATE_COLUMNS", "decode_steps_per_group",
-           "format_rows", "format_times", "hardware", "hlo_cost", "largest_layer_bytes", "local_bytes",
-           "local_groups", "memory_total", "phase_costs", "program_cost", "ragged_exchange_bytes", "roofline",
-           "sampling_phase", "step_peak", "step_times", "tree_bytes", "update_phase", "write_json"]
+__all__ = ["Cost", "HARDWARE", "Hardware", "Planner", "REFERENCE_COLUMNS", "SAMPLING_COLUMNS", "UPDATE_COLUMNS",
+           "decode_steps_per_group", "format_rows", "format_times", "hardware", "hlo_cost", "largest_layer_bytes",
+           "local_bytes", "local_groups", "memory_total", "phase_costs", "program_cost", "ragged_exchange_bytes",
+           "reference_phase", "roofline", "sampling_phase", "step_peak", "step_times", "tree_bytes", "update_phase",
+           "write_json"]

@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lora-targets", default="all", help="--train lora: groups (attn, mlp, shared, experts, all) "
                     "or expressions, as the trainer's (default all: attention projections and every MLP / expert "
                     "matrix)")
+    ap.add_argument("--kl-coef", type=float, default=0.0,
+                    help="> 0: the trainer's KL to a reference policy while sampling: a reference phase (the prompt "
+                         "captured again under the reference params, the branches replayed), the reference params "
+                         "copy of full training held all step (LoRA: none), the update with the KL term")
     ap.add_argument("--time", action="store_true",
                     help="also estimate each phase's seconds per step (capture, sampling, update) from the compiled "
                          "programs' FLOPs, HBM bytes and collective bytes, loops multiplied by their trip counts: "
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_jax(data * seq)
         planner = Planner(args.config, args.mesh, args.dtype, args.response_len, args.chunk_size, train_mode=args.train,
                           lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
-                          decode_batch=args.decode_batch, hlo_dir=args.hlo_dir)
+                          decode_batch=args.decode_batch, hlo_dir=args.hlo_dir, kl_coef=args.kl_coef)
         for group in args.group_size:
             planner.branches_together(group)  # --decode-batch must divide every G
     except (ValueError, NotImplementedError) as e:
@@ -129,9 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         for group in args.group_size:
             for prompt_len in args.prompt_len:
                 rows.append(planner.plan(prompt_len, group, mode, args.groups_per_step, limit))
+                ref = rows[-1].get("reference")
                 print(f"  {mode} G={group} P={prompt_len:,}: sampling {rows[-1]['sampling']['total'] / GIB:.2f} "
-                      f"GiB, update {rows[-1]['update']['total'] / GIB:.2f} GiB (compile {rows[-1]['compile_s']:.0f} "
-                      "s)", flush=True)
+                      f"GiB, update {rows[-1]['update']['total'] / GIB:.2f} GiB"
+                      + (f", reference {ref['total'] / GIB:.2f} GiB" if ref else "")
+                      + f" (compile {rows[-1]['compile_s']:.0f} s)", flush=True)
             if args.search:
                 longest, row = planner.search(group, mode, args.groups_per_step, limit, args.search_step, sys.stdout)
                 print(f"  longest prompt whose step fits ({mode}, G={group}): {longest:,} positions", flush=True)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 UPDATE_COLUMNS = ("params", "optimizer", "grads", "state", "cotangent", "rest", "others", "total")
 SAMPLING_COLUMNS = ("params", "optimizer", "state", "boundaries", "tail", "decode", "capture", "total")
+# --kl-coef > 0: the reference log-probs between sampling and the update (sampling/reference.py), and the reference
+# params copy (ref_params) held all step, also added to the other phases
+REFERENCE_COLUMNS = ("params", "optimizer", "ref_params", "state", "boundaries", "ref_state", "ref_rest", "total")
 
 
 def local_groups(groups_per_step: int, data: int) -> int:
@@ -48,6 +51,27 @@ def ragged_exchange_bytes(*, devices: int, experts: int, top_k: int, hidden: int
     return 2 * devices * tokens * (min(top_k, experts // devices) - 1) * hidden * itemsize
 
 
-def step_peak(sampling: dict, update: dict) -> tuple[int, str]:
-    """The step's per-device peak: the larger phase total, and which phase it is."""
-    return (update["total"], "update") if update["total"] >= sampling["total"] else (sampling["total"], "sampling")
+def reference_phase(*, params: int, optimizer: int, ref_params: int, state: int, boundaries: int, ref_state: int,
+                    ref_temp: int, groups: int) -> dict[str, int]:
+    """Per-device bytes of the reference phase (--kl-coef > 0): resident params + optimizer + the reference params
+    copy (0 for LoRA: the base without adapters), the slice's `groups` kept captures (+ boundaries), and the
+    compiled reference program's temporaries `ref_temp` for one group at a time: its own capture's state
+    (`ref_state`) and the rest (`ref_rest`: the capture round's activations, then one branch's replay and [chunk,
+    vocab] logits)."""
+    out = dict(params=params, optimizer=optimizer, ref_params=ref_params, state=groups * state,
+               boundaries=groups * boundaries, ref_state=ref_state, ref_rest=max(0, ref_temp - ref_state))
+    out["total"] = sum(out.values())
+    return out
+
+
+def with_ref_params(phase: dict, ref_params: int) -> dict:
+    """A phase's components with the reference params copy held all step added ("ref_params", into "total")."""
+    return dict(phase, ref_params=ref_params, total=phase["total"] + ref_params)
+
+
+def step_peak(sampling: dict, update: dict, reference: dict | None = None) -> tuple[int, str]:
+    """The step's per-device peak: the largest phase total, and which phase it is (sampling, update, and with
+    --kl-coef the reference phase)."""
+    phases = [("update", update), ("sampling", sampling)] + ([("reference", reference)] if reference else [])
+    name, phase = max(phases, key=lambda item: item[1]["total"])
+    return phase["total"], name

@@ -23,11 +23,20 @@ from longstraw_jax.capacity.footprint import (
     tree_bytes,
 )
 from longstraw_jax.capacity.hardware import Hardware
-from longstraw_jax.capacity.phases import local_groups, ragged_exchange_bytes, sampling_phase, step_peak, update_phase
+from longstraw_jax.capacity.phases import (
+    local_groups,
+    ragged_exchange_bytes,
+    reference_phase,
+    sampling_phase,
+    step_peak,
+    update_phase,
+    with_ref_params,
+)
 from longstraw_jax.capacity.timing import decode_steps_per_group, phase_costs, step_times
 from longstraw_jax.grpo import GroupBatch, GRPOConfig
 from longstraw_jax.parallel import rules
 from longstraw_jax.parallel.rules import SEQ_AXES
+from longstraw_jax.sampling import reference as sampling_reference
 from longstraw_jax.sampling.branches import batched_step
 from longstraw_jax.sampling.mesh import ShardedCaptured
 from longstraw_jax.sharding import prompt as sharded_prompt
@@ -51,14 +60,18 @@ class Planner:
 
     def __init__(self, config, mesh_spec: str, dtype: str, response_len: int, chunk: int, devices=None,
                  train_mode: str = "full", lora_rank: int = 64, lora_alpha: float | None = None,
-                 lora_targets: str = "all", decode_batch: int | None = None, hlo_dir: str | None = None):
+                 lora_targets: str = "all", decode_batch: int | None = None, hlo_dir: str | None = None,
+                 kl_coef: float = 0.0):
         """`config`: an HF config.json path or a model config object; `devices`: the mesh's devices (default all of
         jax.devices(); a process with more passes a subset). train_mode "lora": LoRA adapters of `lora_rank` on
         `lora_targets` (`lora.resolve_targets`), built abstractly, and the trainer's split (`trainable.split` by
         `trainable.adapter_leaf`): the update compiles `train_step(..., frozen=base)`, so gradients and AdamW state
         exist for the adapters only, while params (and the sampling phase) hold base + adapters. decode_batch: the
         sampler's (branches decoded together; None: all G). hlo_dir: where the time model writes each costed
-        program's HLO text (`<program>_P<P>[_G<G>_<mode>|_N<N>].hlo.txt`), to be costed again without compiling."""
+        program's HLO text (`<program>_P<P>[_G<G>_<mode>|_N<N>].hlo.txt`), to be costed again without compiling.
+        kl_coef > 0: the trainer's KL to a reference policy while sampling (`trainer/reference.py`): a reference
+        phase (`reference`), the reference params copy held all step (full training; LoRA's reference is the base
+        without adapters: no copy), and the update compiled with the KL term."""
         self.model = models.build(models.config_from_hf(config) if isinstance(config, (str, os.PathLike)) else config)
         self.model.sequence_parallel()  # a family without a sharded path says so here
         self.mesh = sharding.make_mesh(mesh_spec, devices)
@@ -103,6 +116,11 @@ class Planner:
         self._programs: dict[tuple, object] = {}  # compiled executables, for the time model's costs
         self._costs: dict[tuple, Cost] = {}
         self.hlo_dir = hlo_dir
+        if not (math.isfinite(kl_coef) and kl_coef >= 0):
+            raise ValueError(f"--kl-coef {kl_coef!r} must be a finite number >= 0")
+        self.kl_coef = float(kl_coef)
+        self.grpo = GRPOConfig(kl_coef=self.kl_coef)
+        self._references: dict[tuple, dict] = {}
 
     @property
     def data(self) -> int:
@@ -187,7 +205,7 @@ class Planner:
     def _compile(self, prompt_len: int, group: int, mode: str) -> dict:
         batch = self._batch(prompt_len, group)
         start = time.perf_counter()
-        compiled = self.step.lower(self.model, self.trainable, self.opt_state, batch, self.optimizer, GRPOConfig(),
+        compiled = self.step.lower(self.model, self.trainable, self.opt_state, batch, self.optimizer, self.grpo,
                                    mode, self.chunk, self.mesh, None, self.frozen).compile()
         seconds = time.perf_counter() - start
         memory = memory_total(compiled)
@@ -205,14 +223,55 @@ class Planner:
         sampling = self.sampling(prompt_len, group, mode, groups)
         capture = self.capture(prompt_len)
         update = update_phase(compiled, state=compiled["state"], boundaries=capture["aux"], groups=groups, mode=mode)
-        peak, phase = step_peak(sampling, update)
+        reference, compile_s = None, compiled["compile_s"] + capture["compile_s"]
+        if self.kl_coef > 0:
+            reference = self.reference(prompt_len, group, mode, groups)
+            sampling = with_ref_params(sampling, reference["ref_params"])
+            update = with_ref_params(update, reference["ref_params"])
+            compile_s += self.reference_program(prompt_len, group)["compile_s"]
+        peak, phase = step_peak(sampling, update, reference)
         ragged = self.ragged_extra(mode)
-        peak_gpu = max(sampling["total"] + ragged["sampling"], update["total"] + ragged["update"])
+        peak_gpu = max(sampling["total"] + ragged["sampling"], update["total"] + ragged["update"],
+                       reference["total"] + ragged["sampling"] if reference else 0)
         return dict(train=self.train_mode, mode=mode, G=group, P=prompt_len, B=groups_per_step,
                     decode_steps=decode_steps_per_group(group, self.response_len, self.branches_together(group)),
-                    sampling=sampling, update=update, peak=peak, peak_phase=phase, fits=bool(peak <= limit),
-                    ragged_extra=ragged, peak_ragged=peak_gpu, fits_ragged=bool(peak_gpu <= limit),
-                    compile_s=compiled["compile_s"] + capture["compile_s"])
+                    sampling=sampling, update=update, **({"reference": reference} if reference else {}), peak=peak,
+                    peak_phase=phase, fits=bool(peak <= limit), ragged_extra=ragged, peak_ragged=peak_gpu,
+                    fits_ragged=bool(peak_gpu <= limit), compile_s=compile_s)
+
+    def ref_params_bytes(self) -> int:
+        """Per-device bytes of the reference params the trainer holds besides the policy's: a copy of the trainable
+        part for full training (its FSDP shard), none for LoRA (the base without adapters is the policy's own)."""
+        return 0 if self.train_mode == "lora" else local_bytes(self.trainable)
+
+    def reference_program(self, prompt_len: int, group: int) -> dict:
+        """The trainer's reference log-probs for one group per data slice (`sampling.reference.jitted_on_mesh`:
+        capture prompt[:-1] under the reference params, replay G branches of R tokens, no gradient), AOT-compiled
+        once per (P, G, R): {"temp", "total", "compile_s"} in per-device bytes."""
+        key = (prompt_len, group, self.response_len)
+        if key not in self._references:
+            layout = sharded_prompt.round_layout(self.model, prompt_len - 1, self.mesh.shape["seq"], self.chunk)
+            by_data = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("data"))
+            prompts = jax.ShapeDtypeStruct((self.data, prompt_len), jnp.int32, sharding=by_data)
+            responses = jax.ShapeDtypeStruct((self.data, group, self.response_len), jnp.int32, sharding=by_data)
+            ref_params = lora.without_adapters(self.params)  # full training: the copy has the params' shapes
+            start = time.perf_counter()
+            compiled = sampling_reference.jitted_on_mesh.lower(
+                self.model, ref_params, prompts, responses, self.mesh, layout,
+                min(self.grpo.logprob_chunk, self.response_len)).compile()
+            memory = memory_total(compiled)
+            self._references[key] = dict(temp=memory["temp"], total=memory["total"],
+                                         compile_s=time.perf_counter() - start)
+        return self._references[key]
+
+    def reference(self, prompt_len: int, group: int, mode: str, groups: int) -> dict[str, int]:
+        """The reference phase's per-device bytes (`phases.reference_phase`) for `groups` groups per data slice."""
+        parts = self.components(prompt_len, mode)
+        program = self.reference_program(prompt_len, group)
+        return reference_phase(params=parts["params"], optimizer=parts["optimizer"],
+                               ref_params=self.ref_params_bytes(), state=parts["state"],
+                               boundaries=self.capture(prompt_len)["aux"] if mode == "exact" else 0,
+                               ref_state=parts["state"], ref_temp=program["temp"], groups=groups)
 
     # ----- the time model (timing.py): per-device costs of the compiled programs ---------------------------------
 
@@ -264,7 +323,7 @@ class Planner:
         key = ("update", prompt_len, group, mode)
         if key not in self._programs:
             self._programs[key] = self.step.lower(self.model, self.trainable, self.opt_state,
-                                                  self._batch(prompt_len, group), self.optimizer, GRPOConfig(), mode,
+                                                  self._batch(prompt_len, group), self.optimizer, self.grpo, mode,
                                                   self.chunk, self.mesh, self.captured(prompt_len),
                                                   self.frozen).compile()
         return self._programs[key]
@@ -332,7 +391,8 @@ class Planner:
         g, r = group, self.response_len
         return GroupBatch(prompt=arr((prompt_len,), jnp.int32), responses=arr((g, r), jnp.int32),
                           mask=arr((g, r), jnp.float32), rewards=arr((g,), jnp.float32),
-                          old_logprobs=arr((g, r), jnp.float32), ref_logprobs=None)
+                          old_logprobs=arr((g, r), jnp.float32),
+                          ref_logprobs=arr((g, r), jnp.float32) if self.kl_coef > 0 else None)
 
     def ragged_extra(self, mode: str) -> dict[str, int]:
         """`ragged_exchange_bytes` per phase: sampling = a capture round's tokens per device (chunk / seq); update =

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from longstraw_jax.capacity.phases import SAMPLING_COLUMNS, UPDATE_COLUMNS
+from longstraw_jax.capacity.phases import REFERENCE_COLUMNS, SAMPLING_COLUMNS, UPDATE_COLUMNS
 
 MIB, GIB = 2**20, 2**30
 
@@ -28,11 +28,15 @@ def format_rows(rows: list[dict], device_gb: float, markdown: bool, unit: str = 
                   [key(r) + [num(r["sampling"]["total"]), num(r["update"]["total"]), num(r["peak"]), r["peak_phase"],
                              f"{r['decode_steps']:,}", yes(r["fits"]), num(r["peak_ragged"]), yes(r["fits_ragged"])]
                    for r in rows], markdown, 5)
-    sampling = _table(["train", "mode", "G", "P", "B"] + [f"{c} {unit}" for c in SAMPLING_COLUMNS],
-                      [key(r) + [num(r["sampling"][c]) for c in SAMPLING_COLUMNS] for r in rows], markdown, 5)
-    update = _table(["train", "mode", "G", "P", "B"] + [f"{c} {unit}" for c in UPDATE_COLUMNS],
-                    [key(r) + [num(r["update"][c]) for c in UPDATE_COLUMNS] for r in rows], markdown, 5)
-    return f"Step (per device)\n{step}\n\nSampling phase\n{sampling}\n\nUpdate phase\n{update}"
+    kl = any("reference" in r for r in rows)  # --kl-coef: the reference params column and the reference phase
+    columns = lambda names: names[:-1] + ("ref_params", "total") if kl else names
+    phase = lambda name, names: _table(["train", "mode", "G", "P", "B"] + [f"{c} {unit}" for c in names],
+                                       [key(r) + [num(r[name][c]) for c in names] for r in rows], markdown, 5)
+    out = (f"Step (per device)\n{step}\n\nSampling phase\n{phase('sampling', columns(SAMPLING_COLUMNS))}\n\n"
+           f"Update phase\n{phase('update', columns(UPDATE_COLUMNS))}")
+    if kl:
+        out += f"\n\nReference phase (--kl-coef)\n{phase('reference', REFERENCE_COLUMNS)}"
+    return out
 
 
 def _figure(x: float) -> str:
@@ -81,7 +85,8 @@ def write_json(path: str, rows: list[dict], args, planner, timing: dict | None =
     setup = dict(config=args.config, mesh=args.mesh, dtype=args.dtype, response_len=args.response_len,
                  chunk=args.chunk_size, device_gb=args.device_gb, groups_per_step=args.groups_per_step,
                  params=planner.num_params, train=planner.train_mode, trainable_params=planner.num_trainable,
-                 lora=planner.lora, largest_layer_bytes=planner.layer_bytes)
+                 lora=planner.lora, largest_layer_bytes=planner.layer_bytes,
+                 **({"kl_coef": planner.kl_coef} if planner.kl_coef > 0 else {}))
     with open(path, "w") as f:
         json.dump(dict(setup=setup, rows=rows, **({} if timing is None else dict(time=timing))), f, indent=1)
         f.write("\n")

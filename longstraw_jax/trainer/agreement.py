@@ -19,7 +19,7 @@ PER_PROCESS = frozenset({"coordinator", "num_processes", "process_id"})
 # options naming files or directories the run writes, not reads (their contents are not compared)
 OUTPUTS = frozenset({"out", "export_hf", "export_peft"})
 # options naming inputs; any other option whose metavar names a file, directory or path counts too (e.g. a dataset's)
-INPUTS = frozenset({"model", "hf", "init_from", "rollouts", "tokenizer"})
+INPUTS = frozenset({"model", "hf", "init_from", "ref_from", "rollouts", "tokenizer"})
 _PATH_METAVARS = ("DIR", "FILE", "PATH", ".json")
 HASHED_BYTES = 256 << 20  # a larger file is compared by its size and the sha256 of its first and last 16 MiB
 _EDGE = 16 << 20

@@ -139,7 +139,12 @@ class RunConfig:
                         "constant", choices=("exact", "detached"))
     chunk_size: int = _option(256, "prompt chunk length for capture / prompt backward")
     loss_agg: str = _option("token-mean", choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
-    kl_coef: float = _option(0.0, "k3 KL weight (needs ref_logprobs in --rollouts)")
+    kl_coef: float = _option(0.0, "k3 KL weight to a reference policy: sampled runs compute the reference log-probs "
+                             "(--train lora: the base without adapters; else the initial params or --ref-from); "
+                             "--rollouts need ref_logprobs on every line")
+    ref_from: str | None = _option(None, "--kl-coef > 0 with sampling: the reference policy's params from an HF "
+                                   "directory (safetensors) or an init directory (config.json + Orbax params/); its "
+                                   "config must equal the model's (default: the run's initial params)", metavar="DIR")
     ratio: str = _option("token", "importance ratio: token (PPO / GRPO) or sequence (GSPO: one ratio per branch, the "
                          "geometric mean of its tokens'; with --loss-agg seq-mean-token-mean exactly GSPO's objective; "
                          "it wants much narrower --clip-low / --clip-high, e.g. 3e-4 / 4e-4)",
@@ -244,6 +249,9 @@ class RunConfig:
             errors.append("--temperature=0.0 must be > 0: the G branches of a group must be sampled (greedy makes "
                           "them equal; the held-out evaluation is greedy)")
         errors += _data_errors(self)
+        if self.ref_from is not None and (self.kl_coef == 0 or self.rollouts is not None):
+            errors.append(f"--ref-from={self.ref_from} needs --kl-coef > 0 and sampled rollouts (a --rollouts file "
+                          "carries its own ref_logprobs)")
         if self.sft_prompt_len is not None and self.sft_prompt_len < 2:
             errors.append(f"--sft-prompt-len={self.sft_prompt_len} must be >= 2")
         if self.facts is not None and self.facts < 1:

@@ -30,6 +30,7 @@ from longstraw_jax.trainer import (
     log as run_log,
     metrics,
     outdir as run_outdir,
+    reference,
     report,
     setup as run_setup,
     updates,
@@ -56,6 +57,9 @@ class Trainer:
         if self.mesh is not None:
             self.model.sequence_parallel()  # a family without a sharded path says so here
         self.params = run_setup.place(params, self.mesh)
+        # --kl-coef > 0 while sampling: the reference policy (trainer/reference.py), taken before any update or restore
+        self.reference = reference.for_run(config, self.model, self.params, self.trains,
+                                           lambda tree: run_setup.place(tree, self.mesh))
         self.data = run_setup.data_source(config, self.model.config.vocab_size, self.mesh)
         self.grpo = GRPOConfig(loss_agg=config.loss_agg, kl_coef=config.kl_coef, ratio=config.ratio,
                                clip_eps_low=config.clip_low, clip_eps_high=config.clip_high)
@@ -84,6 +88,11 @@ class Trainer:
         if config.sft_steps and self.freezes and "sft_steps" in explicit:
             raise RunError(f"--sft-steps={config.sft_steps}: the supervised warm-up trains every parameter, but "
                            "--train lora / --trainable keep some frozen (pass --sft-steps 0)")
+        if (self.reference is not None and self.reference.kind == "initial" and config.sft_steps
+                and self.data.task is not None and not self.freezes and not config.data):
+            raise RunError(f"--kl-coef={config.kl_coef} with --sft-steps={config.sft_steps}: the KL reference would be "
+                           "the model before the warm-up; pass --ref-from DIR (e.g. a warmed-up checkpoint) or "
+                           "--sft-steps 0")
         # watching (trainer/report.py)
         self.ticker = run_log.PhaseTicker(print if distributed.is_primary() else None, config.progress_every)
         self.profile = (report.ProfileWindow(*profile_window(config.profile_steps), report.profile_dir(self.out))
@@ -135,6 +144,12 @@ class Trainer:
         if updated is None:  # every group uniform: no gradient to follow
             step_metrics = updates.no_update_metrics(batch)
         else:
+            if self.reference is not None:  # the kept groups' reference log-probs (one more capture per group)
+                with self.ticker.phase(self.step + 1, self.config.steps, "reference"):
+                    started = time.perf_counter()
+                    updated = updated.replace(ref_logprobs=self.reference.logprobs(
+                        self.model, self.params, updated, self.config.chunk_size, self.mesh, self.grpo.logprob_chunk))
+                    extra = dict(extra, ref_s=time.perf_counter() - started)
             with self.ticker.phase(self.step + 1, self.config.steps, "update"):
                 step_metrics = updates.mean_metrics([self.update(updated, updated_captured if k == 0 else None)
                                                      for k in range(self.config.updates_per_batch)])

@@ -285,9 +285,6 @@ def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | 
         return RolloutFile(config.rollouts, load_rollouts(config.rollouts, vocab_size, config.tokenizer,
                                                           required=required if config.kl_coef > 0 else None),
                            groups_per_step(config))
-    if config.kl_coef > 0:
-        raise RunError(f"--kl-coef={config.kl_coef}: sampled rollouts have no reference log-probs; the KL term "
-                       "needs a --rollouts file with ref_logprobs")
     buckets = None
     if config.data:
         task, scorer, stops, pad = dataset_task(config, vocab_size)
