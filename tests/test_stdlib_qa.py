@@ -76,6 +76,8 @@ def test_rows_answer_in_exactly_one_file(built):
         answers = {d.answer for d in build.literal_defaults(text, SMALL.max_answer_chars)
                    if (d.function, d.parameter) == (row["function"], row["parameter"])}
         assert answers == {row["answer"]}
+    manifest = json.loads((built / "manifest.json").read_text())
+    assert {row["answer"] for row in train + held} <= set(manifest["answers"]) and len(manifest["answers"]) >= 2
     train_files = {p for row in train for p in row["files"]}
     assert not train_files & {p for row in held for p in row["files"]}  # held-out modules are never trained on
 

@@ -6,8 +6,10 @@ and a byte-level BPE tokenizer trained on them (a transformers tokenizer directo
 
 Each row is one prompt: several stdlib modules concatenated (each under a `# file: <path>` line) followed by one
 question, "What is the default value of the parameter `p` of `f`?", whose answer is the default exactly as the source
-writes it (`None`, `0`, `'strict'`, ...). `f` is defined (`def f(`) in exactly one file of the prompt. Rows are
-{"messages": [system, user], "answer", "file", "function", "parameter", "files"}.
+writes it (`None`, `0`, `'strict'`, ...). `f` is defined (`def f(`) in exactly one file of the prompt. The answer is
+drawn uniformly from the default values both splits offer (`None` is the most common default in the sources; drawn
+that way it would reward a policy that reads nothing). Rows are {"messages": [system, user], "answer", "file",
+"function", "parameter", "files", "prompt_tokens"}.
 
 The modules are split into training and held-out modules (`--held-out-fraction`), so held-out questions ask about
 functions no training prompt contains. Everything is a pure function of the options and the Python installation's
@@ -181,24 +183,28 @@ def messages(modules: list[Module], question: Default) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
-def choose_question(modules: list[Module], rng: np.random.Generator) -> tuple[Module, Default] | None:
-    """A question about a function defined in exactly one of `modules` (its parameter's default unambiguous there):
-    a default value drawn uniformly from the distinct values on offer, then a function with it. None when no
-    function qualifies."""
-    candidates = []
+def questions(module: Module) -> dict[str, list[Default]]:
+    """{answer: the module's questions with that answer}: (function, parameter) pairs whose default is the same
+    wherever the module defines them (a name defined twice, e.g. in two classes, with different defaults is left
+    out)."""
+    answers: dict[tuple[str, str], set[str]] = {}
+    for d in module.defaults:
+        answers.setdefault((d.function, d.parameter), set()).add(d.answer)
+    out: dict[str, list[Default]] = {}
+    for (function, parameter), values in sorted(answers.items()):
+        if len(values) == 1:
+            value = next(iter(values))
+            out.setdefault(value, []).append(Default(function, parameter, value))
+    return out
+
+
+def common_answers(modules: list[Module], min_modules: int) -> list[str]:
+    """The answers (default values) at least `min_modules` of the modules can be asked about, sorted."""
+    counts: dict[str, int] = {}
     for m in modules:
-        for d in m.defaults:
-            same = [x for x in m.defaults if x.function == d.function and x.parameter == d.parameter]
-            if len({x.answer for x in same}) == 1 and defined_in(d.function, modules) == [m.path]:
-                candidates.append((m, d))
-    if not candidates:
-        return None
-    values = sorted({d.answer for _, d in candidates})
-    value = values[rng.integers(len(values))]
-    chosen = sorted({(m.path, d) for m, d in candidates if d.answer == value}, key=lambda c: (c[0], c[1].function,
-                                                                                              c[1].parameter))
-    path, default = chosen[rng.integers(len(chosen))]
-    return next(m for m in modules if m.path == path), default
+        for value in questions(m):
+            counts[value] = counts.get(value, 0) + 1
+    return sorted(v for v, n in counts.items() if n >= min_modules)
 
 
 def prompt_length(tokenizer, chat: list[dict]) -> int:
@@ -207,31 +213,42 @@ def prompt_length(tokenizer, chat: list[dict]) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def build_row(pool: list[Module], sizes: dict[str, int], tokenizer, config: BuildConfig,
+def build_row(pool: list[Module], answers: list[str], sizes: dict[str, int], tokenizer, config: BuildConfig,
               rng: np.random.Generator, attempts: int = 100) -> dict:
-    """One row: modules drawn from `pool` (sizes: each one's segment length in tokens) until the prompt holds at least
-    min_tokens (a module that would pass max_tokens is skipped), then a question about one of them (drawn again
-    when none of them qualifies, at most `attempts` times)."""
+    """One row: an answer drawn uniformly from `answers` (so that no answer dominates: always answering `None` scores
+    about 1 / len(answers)), a module of `pool` with a question of that answer, then other modules of the pool (sizes:
+    each one's segment length in tokens) until the prompt holds at least min_tokens; a module that would pass
+    max_tokens or that also defines the asked function is skipped. The asked module sits at a random place among
+    them. Drawn again when the rendered prompt's length is outside min_tokens..max_tokens, at most `attempts`
+    times."""
     for _ in range(attempts):
-        chosen, total = [], 64  # the system line, the question and the template's tokens, roughly
+        answer = answers[rng.integers(len(answers))]
+        holders = [m for m in pool if answer in questions(m)]
+        if not holders:
+            continue
+        module = holders[rng.integers(len(holders))]
+        offered = questions(module)[answer]
+        question = offered[rng.integers(len(offered))]
+        others, total = [], 64 + sizes[module.path]  # 64: the system line, the question and the template, roughly
         for i in rng.permutation(len(pool)):
             if total >= config.min_tokens:
                 break
-            if total + sizes[pool[i].path] <= config.max_tokens - 64:
-                chosen.append(pool[i])
-                total += sizes[pool[i].path]
-        asked = choose_question(chosen, rng) if total >= config.min_tokens else None
-        if asked is not None:
+            other = pool[i]
+            if (other.path != module.path and total + sizes[other.path] <= config.max_tokens - 64
+                    and not defined_in(question.function, [other])):
+                others.append(other)
+                total += sizes[other.path]
+        if total < config.min_tokens - 64:
+            continue  # short even if the estimate of the template's tokens is off by 64
+        place = int(rng.integers(len(others) + 1))
+        chosen = others[:place] + [module] + others[place:]
+        chat = messages(chosen, question)
+        length = prompt_length(tokenizer, chat)
+        if config.min_tokens <= length <= config.max_tokens:
             break
     else:
         raise ValueError(f"cannot fill a prompt of {config.min_tokens}..{config.max_tokens} tokens with a question "
                          f"from {len(pool)} modules: lower --min-tokens or raise --max-tokens / --max-chars")
-    module, question = asked
-    chat = messages(chosen, question)
-    length = prompt_length(tokenizer, chat)
-    if not config.min_tokens <= length <= config.max_tokens:
-        raise ValueError(f"a prompt of {length} tokens, outside --min-tokens={config.min_tokens} .. "
-                         f"--max-tokens={config.max_tokens}: widen the range")
     return {"messages": chat, "answer": question.answer, "file": module.path, "function": question.function,
             "parameter": question.parameter, "files": [m.path for m in chosen], "prompt_tokens": length}
 
@@ -250,9 +267,19 @@ def build(config: BuildConfig, root: str | None = None):
     held_out_pool = sorted((modules[i] for i in order[:held]), key=lambda m: m.path)
     train_pool = sorted((modules[i] for i in order[held:]), key=lambda m: m.path)
     sizes = {m.path: len(tokenizer(m.segment, add_special_tokens=False)["input_ids"]) for m in modules}
-    train = [build_row(train_pool, sizes, tokenizer, config, rng) for _ in range(config.rows)]
-    held_out = [build_row(held_out_pool, sizes, tokenizer, config, rng) for _ in range(config.held_out_rows)]
+    # answers both splits can ask about, each offered by at least two modules of each (held-out rows ask about
+    # values training rows ask about too, from modules training never sees)
+    answers = sorted(set(common_answers(train_pool, 2)) & set(common_answers(held_out_pool, 2)))
+    if not answers:
+        raise ValueError("no default value is offered by two modules of both splits: raise --max-chars")
+    train = [build_row(train_pool, answers, sizes, tokenizer, config, rng) for _ in range(config.rows)]
+    held_out = [build_row(held_out_pool, answers, sizes, tokenizer, config, rng) for _ in range(config.held_out_rows)]
     return tokenizer, train, held_out
+
+
+def majority_share(answers: list[str]) -> float:
+    """The share of the most common answer: the reward of always giving it (a baseline that reads nothing)."""
+    return max(answers.count(a) for a in set(answers)) / len(answers)
 
 
 def write(out: str, config: BuildConfig, root: str | None = None) -> dict:
@@ -267,7 +294,8 @@ def write(out: str, config: BuildConfig, root: str | None = None) -> dict:
     manifest = {"config": dataclasses.asdict(config), "python": sys.version.split()[0], "vocab": len(tokenizer),
                 "train_rows": len(train), "held_out_rows": len(held_out),
                 "prompt_tokens": {"min": min(lengths), "max": max(lengths), "mean": float(np.mean(lengths))},
-                "answers": len({row["answer"] for row in train})}
+                "answers": sorted({row["answer"] for row in train + held_out}),
+                "held_out_majority": majority_share([row["answer"] for row in held_out])}
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
     return manifest
@@ -288,7 +316,8 @@ def main(argv=None) -> int:
         return 2
     print(f"{out}: {manifest['train_rows']} training + {manifest['held_out_rows']} held-out prompts of "
           f"{manifest['prompt_tokens']['min']}..{manifest['prompt_tokens']['max']} tokens, a {manifest['vocab']}-token "
-          f"tokenizer, {manifest['answers']} distinct answers (Python {manifest['python']})")
+          f"tokenizer, {len(manifest['answers'])} distinct answers (the most common one is "
+          f"{manifest['held_out_majority']:.3f} of the held-out rows), Python {manifest['python']}")
     return 0
 
 
