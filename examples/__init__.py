@@ -1,0 +1,1 @@
+"""Runnable examples (python examples/<name>/...; not part of the installed package)."""

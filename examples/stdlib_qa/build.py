@@ -1,0 +1,325 @@
+"""Build the stdlib question-answering example: a long-context dataset from the Python standard library's own sources
+and a byte-level BPE tokenizer trained on them (a transformers tokenizer directory with a ChatML chat template).
+
+    python examples/stdlib_qa/build.py --out data/stdlib_qa      # then: python -m longstraw_jax.run --config
+                                                                  #       configs/stdlib_qa.toml
+
+Each row is one prompt: several stdlib modules concatenated (each under a `# file: <path>` line) followed by one
+question, "What is the default value of the parameter `p` of `f`?", whose answer is the default exactly as the source
+writes it (`None`, `0`, `'strict'`, ...). `f` is defined (`def f(`) in exactly one file of the prompt. The answer is
+drawn uniformly from the default values both splits offer (`None` is the most common default in the sources; drawn
+that way it would reward a policy that reads nothing). Rows are {"messages": [system, user], "answer", "file",
+"function", "parameter", "files", "prompt_tokens"}.
+
+The modules are split into training and held-out modules (`--held-out-fraction`), so held-out questions ask about
+functions no training prompt contains. Everything is a pure function of the options and the Python installation's
+standard library (the same Python version gives the same files): rebuilding gives identical bytes.
+
+Writes into --out: tokenizer/ (tokenizer.json, tokenizer_config.json with the chat template), train.jsonl,
+held_out.jsonl and manifest.json (the options, the Python version, row counts and prompt lengths in tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import os
+import re
+import sys
+import sysconfig
+
+import numpy as np
+
+SYSTEM = "Read the Python source files and answer the question with the value only."
+QUESTION = "What is the default value of the parameter `{parameter}` of `{function}`?"
+HEADER = "# file: {path}\n"
+SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # pad, turn start, end of turn (the stop token)
+CHAT_TEMPLATE = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                 "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                 "{%- endif %}")
+SKIPPED_DIRS = {"test", "tests", "idlelib", "site-packages", "ensurepip", "lib2to3", "turtledemo", "__pycache__",
+                "tkinter", "pydoc_data", "encodings"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildConfig:
+    """rows / held_out_rows: prompts of each split; min_tokens <= every prompt's length in tokens <= max_tokens (the
+    rendered chat, generation prompt included); vocab_size: the tokenizer's vocabulary (special tokens included);
+    min_chars / max_chars: the sizes of the modules used; max_answer_chars: the longest default asked about;
+    held_out_fraction: the share of modules only held-out prompts use; seed: every random choice."""
+
+    rows: int = 512
+    held_out_rows: int = 64
+    min_tokens: int = 4096
+    max_tokens: int = 5120
+    vocab_size: int = 2048
+    min_chars: int = 300
+    max_chars: int = 10000
+    max_answer_chars: int = 12
+    held_out_fraction: float = 0.2
+    seed: int = 0
+
+    def __post_init__(self):
+        errors = [f"--{name.replace('_', '-')}={getattr(self, name)} must be >= {low}"
+                  for name, low in (("rows", 1), ("held_out_rows", 1), ("min_tokens", 16), ("vocab_size", 300),
+                                    ("min_chars", 1), ("max_answer_chars", 1), ("seed", 0))
+                  if getattr(self, name) < low]
+        if self.max_tokens < self.min_tokens:
+            errors.append(f"--max-tokens={self.max_tokens} must be >= --min-tokens={self.min_tokens}")
+        if self.max_chars < self.min_chars:
+            errors.append(f"--max-chars={self.max_chars} must be >= --min-chars={self.min_chars}")
+        if not 0 < self.held_out_fraction < 1:
+            errors.append(f"--held-out-fraction={self.held_out_fraction} must be in (0, 1)")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+
+@dataclasses.dataclass(frozen=True)
+class Default:
+    """One question a module can answer: `def function(` with parameter `parameter` whose default is `answer` (its
+    source text)."""
+
+    function: str
+    parameter: str
+    answer: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+    """A stdlib source file: path relative to the stdlib directory ('json/decoder.py'), its text, its questions."""
+
+    path: str
+    text: str
+    defaults: tuple[Default, ...]
+
+    @property
+    def segment(self) -> str:
+        """The module as it appears in a prompt: the header line, the source, a blank line."""
+        return HEADER.format(path=self.path) + self.text.rstrip("\n") + "\n\n"
+
+
+def stdlib_dir() -> str:
+    """This Python's standard library directory (its .py sources)."""
+    return sysconfig.get_paths()["stdlib"]
+
+
+def literal_defaults(text: str, max_answer_chars: int) -> tuple[Default, ...]:
+    """The (function, parameter, default) triples of every `def` in `text` whose default is a literal (a constant,
+    or a negated number) of at most max_answer_chars characters and on one line; () if the text does not parse."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return ()
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        args = node.args
+        positional = args.posonlyargs + args.args
+        pairs = list(zip(positional[len(positional) - len(args.defaults):], args.defaults))
+        pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+        for arg, default in pairs:
+            literal = isinstance(default, ast.Constant) or (
+                isinstance(default, ast.UnaryOp) and isinstance(default.op, ast.USub)
+                and isinstance(default.operand, ast.Constant))
+            source = ast.get_source_segment(text, default)
+            if literal and source and "\n" not in source and len(source) <= max_answer_chars:
+                found.append(Default(node.name, arg.arg, source))
+    return tuple(found)
+
+
+def read_modules(config: BuildConfig, root: str | None = None) -> list[Module]:
+    """The stdlib modules the example uses, sorted by path: .py files outside SKIPPED_DIRS with min_chars..max_chars
+    characters of ASCII text that parse and have at least one literal default."""
+    root = root or stdlib_dir()
+    modules = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_DIRS and not d.startswith("test"))
+        for name in sorted(files):
+            if not name.endswith(".py") or name.startswith("test"):
+                continue
+            path = os.path.join(directory, name)
+            if not config.min_chars <= os.path.getsize(path) <= config.max_chars:
+                continue
+            with open(path, "rb") as f:
+                raw = f.read()
+            if not raw.isascii():
+                continue
+            text = raw.decode("ascii").replace("\r\n", "\n")
+            defaults = literal_defaults(text, config.max_answer_chars)
+            if defaults:
+                modules.append(Module(os.path.relpath(path, root).replace(os.sep, "/"), text, defaults))
+    return sorted(modules, key=lambda m: m.path)
+
+
+def train_tokenizer(modules: list[Module], vocab_size: int):
+    """A byte-level BPE (`tokenizers`) trained on the modules' prompt segments, wrapped as a transformers fast
+    tokenizer with the ChatML template: pad <|endoftext|>, EOS <|im_end|> (the end of the assistant's turn)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = [m.segment for m in modules] + [SYSTEM, QUESTION]
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=SPECIAL[2], pad_token=SPECIAL[0],
+                                   chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
+
+
+def defined_in(function: str, modules: list[Module]) -> list[str]:
+    """The paths of the modules whose text has `def function(` (async included)."""
+    pattern = re.compile(rf"\bdef {re.escape(function)}\(")
+    return [m.path for m in modules if pattern.search(m.text)]
+
+
+def messages(modules: list[Module], question: Default) -> list[dict]:
+    """The chat of one prompt: the system line, then the modules' segments and the question as the user turn."""
+    user = "".join(m.segment for m in modules) + QUESTION.format(parameter=question.parameter,
+                                                                function=question.function)
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def questions(module: Module) -> dict[str, list[Default]]:
+    """{answer: the module's questions with that answer}: (function, parameter) pairs whose default is the same
+    wherever the module defines them (a name defined twice, e.g. in two classes, with different defaults is left
+    out)."""
+    answers: dict[tuple[str, str], set[str]] = {}
+    for d in module.defaults:
+        answers.setdefault((d.function, d.parameter), set()).add(d.answer)
+    out: dict[str, list[Default]] = {}
+    for (function, parameter), values in sorted(answers.items()):
+        if len(values) == 1:
+            value = next(iter(values))
+            out.setdefault(value, []).append(Default(function, parameter, value))
+    return out
+
+
+def common_answers(modules: list[Module], min_modules: int) -> list[str]:
+    """The answers (default values) at least `min_modules` of the modules can be asked about, sorted."""
+    counts: dict[str, int] = {}
+    for m in modules:
+        for value in questions(m):
+            counts[value] = counts.get(value, 0) + 1
+    return sorted(v for v, n in counts.items() if n >= min_modules)
+
+
+def prompt_length(tokenizer, chat: list[dict]) -> int:
+    """Tokens of the rendered chat with the generation prompt (what the trainer captures)."""
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def build_row(pool: list[Module], answers: list[str], sizes: dict[str, int], tokenizer, config: BuildConfig,
+              rng: np.random.Generator, attempts: int = 100) -> dict:
+    """One row: an answer drawn uniformly from `answers` (so that no answer dominates: always answering `None` scores
+    about 1 / len(answers)), a module of `pool` with a question of that answer, then other modules of the pool (sizes:
+    each one's segment length in tokens) until the prompt holds at least min_tokens; a module that would pass
+    max_tokens or that also defines the asked function is skipped. The asked module sits at a random place among
+    them. Drawn again when the rendered prompt's length is outside min_tokens..max_tokens, at most `attempts`
+    times."""
+    for _ in range(attempts):
+        answer = answers[rng.integers(len(answers))]
+        holders = [m for m in pool if answer in questions(m)]
+        if not holders:
+            continue
+        module = holders[rng.integers(len(holders))]
+        offered = questions(module)[answer]
+        question = offered[rng.integers(len(offered))]
+        others, total = [], 64 + sizes[module.path]  # 64: the system line, the question and the template, roughly
+        for i in rng.permutation(len(pool)):
+            if total >= config.min_tokens:
+                break
+            other = pool[i]
+            if (other.path != module.path and total + sizes[other.path] <= config.max_tokens - 64
+                    and not defined_in(question.function, [other])):
+                others.append(other)
+                total += sizes[other.path]
+        if total < config.min_tokens - 64:
+            continue  # short even if the estimate of the template's tokens is off by 64
+        place = int(rng.integers(len(others) + 1))
+        chosen = others[:place] + [module] + others[place:]
+        chat = messages(chosen, question)
+        length = prompt_length(tokenizer, chat)
+        if config.min_tokens <= length <= config.max_tokens:
+            break
+    else:
+        raise ValueError(f"cannot fill a prompt of {config.min_tokens}..{config.max_tokens} tokens with a question "
+                         f"from {len(pool)} modules: lower --min-tokens or raise --max-tokens / --max-chars")
+    return {"messages": chat, "answer": question.answer, "file": module.path, "function": question.function,
+            "parameter": question.parameter, "files": [m.path for m in chosen], "prompt_tokens": length}
+
+
+def build(config: BuildConfig, root: str | None = None):
+    """-> (tokenizer, training rows, held-out rows): modules split into training and held-out modules, the tokenizer
+    trained on all of them, rows built from each split's modules."""
+    modules = read_modules(config, root)
+    if len(modules) < 10:
+        raise ValueError(f"only {len(modules)} stdlib modules of {config.min_chars}..{config.max_chars} characters "
+                         f"under {root or stdlib_dir()}: widen --min-chars / --max-chars")
+    tokenizer = train_tokenizer(modules, config.vocab_size)
+    rng = np.random.default_rng(config.seed)
+    order = rng.permutation(len(modules))
+    held = max(1, int(round(len(modules) * config.held_out_fraction)))
+    held_out_pool = sorted((modules[i] for i in order[:held]), key=lambda m: m.path)
+    train_pool = sorted((modules[i] for i in order[held:]), key=lambda m: m.path)
+    sizes = {m.path: len(tokenizer(m.segment, add_special_tokens=False)["input_ids"]) for m in modules}
+    # answers both splits can ask about, each offered by at least two modules of each (held-out rows ask about
+    # values training rows ask about too, from modules training never sees)
+    answers = sorted(set(common_answers(train_pool, 2)) & set(common_answers(held_out_pool, 2)))
+    if not answers:
+        raise ValueError("no default value is offered by two modules of both splits: raise --max-chars")
+    train = [build_row(train_pool, answers, sizes, tokenizer, config, rng) for _ in range(config.rows)]
+    held_out = [build_row(held_out_pool, answers, sizes, tokenizer, config, rng) for _ in range(config.held_out_rows)]
+    return tokenizer, train, held_out
+
+
+def majority_share(answers: list[str]) -> float:
+    """The share of the most common answer: the reward of always giving it (a baseline that reads nothing)."""
+    return max(answers.count(a) for a in set(answers)) / len(answers)
+
+
+def write(out: str, config: BuildConfig, root: str | None = None) -> dict:
+    """Build and write everything into `out` (created; existing files replaced) -> the manifest."""
+    tokenizer, train, held_out = build(config, root)
+    os.makedirs(out, exist_ok=True)
+    tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
+    for name, rows in (("train.jsonl", train), ("held_out.jsonl", held_out)):
+        with open(os.path.join(out, name), "w") as f:
+            f.writelines(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+    lengths = [row["prompt_tokens"] for row in train + held_out]
+    manifest = {"config": dataclasses.asdict(config), "python": sys.version.split()[0], "vocab": len(tokenizer),
+                "train_rows": len(train), "held_out_rows": len(held_out),
+                "prompt_tokens": {"min": min(lengths), "max": max(lengths), "mean": float(np.mean(lengths))},
+                "answers": sorted({row["answer"] for row in train + held_out}),
+                "held_out_majority": majority_share([row["answer"] for row in held_out])}
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+    return manifest
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="data/stdlib_qa", help="output directory (default: %(default)s)")
+    for field in dataclasses.fields(BuildConfig):
+        parser.add_argument("--" + field.name.replace("_", "-"), type=type(field.default), default=field.default,
+                            help="default: %(default)s")
+    args = vars(parser.parse_args(argv))
+    out = args.pop("out")
+    try:
+        manifest = write(out, BuildConfig(**args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{out}: {manifest['train_rows']} training + {manifest['held_out_rows']} held-out prompts of "
+          f"{manifest['prompt_tokens']['min']}..{manifest['prompt_tokens']['max']} tokens, a {manifest['vocab']}-token "
+          f"tokenizer, {len(manifest['answers'])} distinct answers (the most common one is "
+          f"{manifest['held_out_majority']:.3f} of the held-out rows), Python {manifest['python']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
