@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from longstraw_jax import progress
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, batch_advantages
 from longstraw_jax.tasks.base import Prompt
 from longstraw_jax.trainer import cli as run, log as run_log, metrics, report
@@ -54,7 +55,8 @@ def test_options_bounds_and_resumable():
             (dict(profile_steps="a:b"), "--profile-steps='a:b' must be A:B"),
             (dict(profile_steps="1:2:3"), "--profile-steps='1:2:3' must be A:B"),
             (dict(progress_every=-1.0), "--progress-every=-1.0 must be a finite number of seconds >= 0"),
-            (dict(progress_every=math.nan), "--progress-every=nan must be a finite number")):
+            (dict(progress_every=math.nan), "--progress-every=nan must be a finite number"),
+            (dict(progress_rounds=True, progress_every=0.0), "--progress-rounds reports in the --progress-every")):
         with pytest.raises(ValueError, match=re.escape(message)):
             RunConfig(**bad)
 
@@ -344,10 +346,14 @@ def test_run_with_samples_reports_profile_and_progress_then_resume(tmp_path, mon
     monkeypatch.setitem(sys.modules, "wandb", fake)
     out = str(tmp_path / "run")
     assert run.main(SMALL + ["--steps", "3", "--out", out, "--log-samples-every", "2", "--report-to",
-                             "tensorboard,wandb", "--profile-steps", "2:2", "--progress-every", "0.001"]) == 0
+                             "tensorboard,wandb", "--profile-steps", "2:2", "--progress-every", "0.001",
+                             "--progress-rounds"]) == 0
     printed = capsys.readouterr().out
     for phase in ("sampling", "update"):
         assert f"  step 2/3: {phase}, " in printed and f"  step 2/3: {phase} done in " in printed
+    # --progress-rounds: the lines say how far the compiled loops are (capture chunks of 16 of prompt[:-1] = 47)
+    assert re.search(r"  step 2/3: sampling, \d+ s so far; (capture [1-3]/3|sampling [12]/2)", printed), printed[-3000:]
+    assert not progress.enabled()  # the programs traced after the run have no ticks
     steps = read_jsonl(os.path.join(out, "metrics.jsonl"))
     samples = read_jsonl(os.path.join(out, "samples.jsonl"))
     assert [(s["step"], s["group"]) for s in samples] == [(1, 0), (2, 0), (3, 0)]  # step 1, every 2nd, the last

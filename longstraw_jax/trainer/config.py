@@ -28,7 +28,7 @@ DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`
 # Options that may differ when resuming (everything else must match the checkpointed run's configuration).
 RESUMABLE = frozenset({"config", "steps", "resume", "resume_step", "out", "export_hf", "export_peft", "force",
                        "log_every", "save_every", "coordinator", "num_processes", "process_id", "step_timeout",
-                       "log_samples_every", "report_to", "profile_steps", "progress_every"})
+                       "log_samples_every", "report_to", "profile_steps", "progress_every", "progress_rounds"})
 # Options a checkpoint records and a resumed run adopts, but that may be given differently on --resume (a run saved by
 # 2 processes on a 2x4 mesh continues on one process, on 2x4 or 1x8; evaluations may come more or less often).
 CHANGEABLE = frozenset({"mesh", "eval_every", "decode_batch"})
@@ -214,6 +214,10 @@ class RunConfig:
                                         metavar="A:B")
     progress_every: float = _option(30.0, "while a step's phase (sampling, update) runs longer than S seconds, print "
                                     "a line naming it with the elapsed time every S seconds (0: never)", metavar="S")
+    progress_rounds: bool = _option(False, "those lines also say how far the running compiled loop is (capture and "
+                                    "prompt-backward rounds, decode steps: done/total, positions/s, ETA), from host "
+                                    "callbacks inside the loops (JAX keeps no program with a host callback in its "
+                                    "persistent compilation cache: a restart compiles afresh)")
     # several processes (docs/cluster.md; trainer/distributed.py: also from JAX_* variables or SLURM / Open MPI)
     coordinator: str | None = _option(None, "join a multi-process run: process 0's address (all processes give the "
                                       "same)", group="multi-process (docs/cluster.md)", metavar="HOST:PORT")
@@ -385,12 +389,14 @@ def profile_window(text: str) -> tuple[int, int]:
 
 
 def _watch_errors(config: RunConfig) -> list[str]:
-    """--log-samples-every, --report-to, --profile-steps, --progress-every."""
+    """--log-samples-every, --report-to, --profile-steps, --progress-every, --progress-rounds."""
     errors = []
     if config.log_samples_every < 0:
         errors.append(f"--log-samples-every={config.log_samples_every} must be >= 0")
     if not (math.isfinite(config.progress_every) and config.progress_every >= 0):
         errors.append(f"--progress-every={config.progress_every} must be a finite number of seconds >= 0")
+    elif config.progress_rounds and not config.progress_every:
+        errors.append("--progress-rounds reports in the --progress-every lines: give --progress-every > 0")
     for parse, value in ((report_targets, config.report_to), (profile_window, config.profile_steps)):
         try:
             if value is not None:

@@ -75,6 +75,8 @@ class PhaseTicker:
             yield
             return
         start, stop, printed = self.clock(), threading.Event(), []
+        with self.lock:
+            self.loop = None  # a loop of an earlier phase is not this one's
 
         def tick():
             while not stop.wait(self.every):

@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 
-from longstraw_jax import lora, models, trainable
+from longstraw_jax import lora, models, progress, trainable
 from longstraw_jax.grpo import GRPOConfig
 from longstraw_jax.io import fault_hooks, peft
 from longstraw_jax.train import train_step
@@ -45,6 +45,7 @@ class Trainer:
         """explicit: the options given on the command line (a resumed run's saved options must not contradict
         them)."""
         report.check_available(config.report_to)  # --report-to's packages, before any work
+        progress.enable(config.progress_rounds)  # before anything compiles (a traced program keeps its ticks or not)
         self.out = config.out or run_setup.default_out()
         # --out, --resume, --export-hf (reads only): first on --resume (the checkpoint has the options), else after
         # the model and data checks
@@ -183,47 +184,52 @@ class Trainer:
         say(run_log.header(self))
         records = []
         wall = time.perf_counter()
-        try:
-            self.before_first_step(say)
-            watchdog.note_checkpoint(self.last_checkpoint())  # several processes: a step that hangs ends them all
-            while self.step < config.steps:
-                if self.profile is not None:
-                    self.profile.before(self.step + 1)
-                with watchdog.step(self.step + 1):
-                    record = self.train_one()
-                if self.profile is not None:
-                    self.profile.after(self.step)
-                records.append(record)
-                if self.step % config.log_every == 0 or self.step == config.steps:
-                    say(run_log.progress(record, config.steps), flush=True)
-                if self.evaluator is not None and (self.step % config.eval_every == 0 or self.step == config.steps):
-                    self.log.write(self.evaluate(say))
-                if self.step % config.save_every == 0 or self.step == config.steps:
-                    with _sigint_deferred():
-                        self.checkpoints.save(self.step, self.params, self.opt_state, self.key, self.data_position,
-                                              config.saved())
-                    watchdog.note_checkpoint(self.last_checkpoint())
-            wall = time.perf_counter() - wall
-            self.checkpoints.close()
-            self.close_watchers()
-            # a collective: all processes
-            final = distributed.to_host(self.params) if config.export_hf or config.export_peft else None
-            with distributed.agreed("finish", (RunError, OSError, ValueError)):
-                if distributed.is_primary():  # process 0 writes the plot and the export, and prints the summary
-                    history = metrics.read_metrics(self.log.path)
-                    metrics.plot_metrics(history, os.path.join(self.out, "metrics.png"),
-                                         title=f"GRPO ({config.mode}) on {self.data.description}",
-                                         chance=getattr(self.data.task, "chance_accuracy", None),
-                                         levels=run_log.accuracy_levels(self.data.task))
-                    if config.export_hf:  # merged weights (base + scale * B A) for a LoRA run
-                        with run_outdir.replaced_dir(config.export_hf, config.force) as staging:
-                            models.save_hf(self.model, lora.merged(final), staging)
-                    if config.export_peft:
-                        with run_outdir.replaced_dir(config.export_peft, config.force, "--export-peft") as staging:
-                            peft.save_peft(self.model, final, staging)
-                    print(run_log.summary(records, history, wall, self))
-        except KeyboardInterrupt:
-            return self.interrupted()
+        with contextlib.ExitStack() as ticks:  # --progress-rounds: the loops' ticks reach the PhaseTicker's lines
+            if config.progress_rounds:
+                ticks.callback(progress.enable, False)  # later programs of this process trace without ticks
+                if distributed.is_primary():
+                    ticks.enter_context(progress.reporting(self.ticker.note))
+            try:
+                self.before_first_step(say)
+                watchdog.note_checkpoint(self.last_checkpoint())  # several processes: a step that hangs ends them all
+                while self.step < config.steps:
+                    if self.profile is not None:
+                        self.profile.before(self.step + 1)
+                    with watchdog.step(self.step + 1):
+                        record = self.train_one()
+                    if self.profile is not None:
+                        self.profile.after(self.step)
+                    records.append(record)
+                    if self.step % config.log_every == 0 or self.step == config.steps:
+                        say(run_log.progress(record, config.steps), flush=True)
+                    if self.evaluator is not None and (self.step % config.eval_every == 0 or self.step == config.steps):
+                        self.log.write(self.evaluate(say))
+                    if self.step % config.save_every == 0 or self.step == config.steps:
+                        with _sigint_deferred():
+                            self.checkpoints.save(self.step, self.params, self.opt_state, self.key, self.data_position,
+                                                  config.saved())
+                        watchdog.note_checkpoint(self.last_checkpoint())
+                wall = time.perf_counter() - wall
+                self.checkpoints.close()
+                self.close_watchers()
+                # a collective: all processes
+                final = distributed.to_host(self.params) if config.export_hf or config.export_peft else None
+                with distributed.agreed("finish", (RunError, OSError, ValueError)):
+                    if distributed.is_primary():  # process 0 writes the plot and the export, and prints the summary
+                        history = metrics.read_metrics(self.log.path)
+                        metrics.plot_metrics(history, os.path.join(self.out, "metrics.png"),
+                                             title=f"GRPO ({config.mode}) on {self.data.description}",
+                                             chance=getattr(self.data.task, "chance_accuracy", None),
+                                             levels=run_log.accuracy_levels(self.data.task))
+                        if config.export_hf:  # merged weights (base + scale * B A) for a LoRA run
+                            with run_outdir.replaced_dir(config.export_hf, config.force) as staging:
+                                models.save_hf(self.model, lora.merged(final), staging)
+                        if config.export_peft:
+                            with run_outdir.replaced_dir(config.export_peft, config.force, "--export-peft") as staging:
+                                peft.save_peft(self.model, final, staging)
+                        print(run_log.summary(records, history, wall, self))
+            except KeyboardInterrupt:
+                return self.interrupted()
         return 0
 
     def before_first_step(self, say) -> None:
