@@ -26,6 +26,7 @@ def _tool(name):
     return module
 
 
+@pytest.mark.slow  # a benchmark's smoke run (its compiles)
 def test_bench_step_quick_prints_a_table():
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "bench_step.py"), "--quick", "--modes", "detached", "--reps", "1",

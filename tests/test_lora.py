@@ -97,6 +97,7 @@ def test_adapter_grads_exact_equal_naive(name):
     assert rel_err(grads, want) <= 1e-4, rel_err(grads, want)
 
 
+@pytest.mark.slow  # the exact and naive gradients of a fresh split (LoRA's own checks stay in the fast tier)
 def test_trainable_regex_grads_are_the_full_grads_leaves():
     model, params = family("qwen")
     batch = make_batch(model, params, [6, 2, 5], [1.0, 0.0, 0.25], True, True, 0)

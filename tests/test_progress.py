@@ -72,6 +72,7 @@ def test_one_device_ticks_change_nothing():
     assert {p for p, *_ in ticks} == {"capture", "sampling", "prompt backward"}
 
 
+@pytest.mark.slow  # two compiles (with and without ticks) of the mesh capture and exact gradient
 @pytest.mark.parametrize("family", ["qwen36", "glm52"])
 def test_mesh_ticks_once_per_round_and_change_nothing(family):
     """1x8, a prompt of 120 tokens in rounds (the smallest of 8 shards): each round reaches the sink once (not once

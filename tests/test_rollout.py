@@ -240,6 +240,7 @@ def test_bad_input_raises(setup):
             SamplingConfig(**bad)
 
 
+@pytest.mark.slow  # AOT compiles of the sampler at G = 1 and 16 over a 4K prompt
 def test_memory_does_not_grow_with_group_size(setup):
     """Temporaries of the compiled sampler at G = 1 and G = 16 (all branches decoding together: 16 tails of R
     positions) differ by far less than one copy of the state."""
