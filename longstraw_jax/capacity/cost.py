@@ -583,6 +583,24 @@ def _mul(a: float, b: float) -> float:
     return 0.0 if a == 0 or b == 0 else a * b
 
 
+def _logical(op: str, xs: list[tuple[float, float]]) -> tuple[float, float]:
+    """`and` / `or` of truth values ((0, 0) false, (1, 1) true, (0, 1) either; UNKNOWN: a condition without a bound,
+    e.g. `i < data`). A conjunction is false as soon as one operand is, so `(i < data) & (i < n)` is bounded by n:
+    (0, 1) while i < n, then false; a disjunction with an unbounded operand stays unbounded."""
+    sure = [x for x in xs if x in ((0.0, 0.0), (1.0, 1.0))]
+    if op == "and":
+        if (0.0, 0.0) in sure:
+            return 0.0, 0.0
+        if len(sure) == len(xs):
+            return 1.0, 1.0
+        return (0.0, 1.0) if any(0 <= x[0] and x[1] <= 1 for x in xs) else UNKNOWN
+    if (1.0, 1.0) in sure:
+        return 1.0, 1.0
+    if len(sure) == len(xs):
+        return 0.0, 0.0
+    return (0.0, 1.0) if all(0 <= x[0] and x[1] <= 1 for x in xs) else UNKNOWN
+
+
 def _interval(op: str, xs: list[tuple[float, float]], instr: Instruction) -> tuple[float, float]:
     """Interval of a scalar integer op's result from its operands' intervals ([lo, hi], exact when lo == hi)."""
     if not xs:  # partition-id, replica-id, rng, ...: a value per device or per run
@@ -624,6 +642,8 @@ def _interval(op: str, xs: list[tuple[float, float]], instr: Instruction) -> tup
         endless = {"LT": bhi == INF or alo == -INF, "LE": bhi == INF or alo == -INF,
                    "GT": ahi == INF or blo == -INF, "GE": ahi == INF or blo == -INF}.get(direction, False)
         return UNKNOWN if endless else (0, 1)
+    if op in ("and", "or") and instr.shape.startswith("pred"):
+        return _logical(op, xs)
     if op in ("divide", "shift-right-logical", "shift-right-arithmetic") and xs[1][0] == xs[1][1] and xs[1][0] > 0 \
             and xs[0][0] >= 0:  # monotonic in a non-negative dividend
         d = xs[1][0] if op == "divide" else 2 ** xs[1][0]
