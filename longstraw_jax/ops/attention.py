@@ -105,8 +105,9 @@ def for_each_block(seq_len, block_size, carry, visit, visible_prefix, outputs=No
     """Run `visit(carry, start, size) -> (carry, block outputs or None)` over the key blocks that hold one of the
     first `visible_prefix` keys: a `lax.while_loop` over full blocks (dynamic trip count: invisible blocks cost
     nothing; its condition also states the static bound seq_len // block_size), then the static tail block if it
-    is visible. Per-block outputs are written into `outputs`, a tuple of [seq_len, ...] buffers. A while loop (not a scan) so that partial evaluation under an outer autodiff can never
-    stack per-block residuals: the custom VJP below is the only way these loops are differentiated.
+    is visible. Per-block outputs are written into `outputs`, a tuple of [seq_len, ...] buffers. A while loop (not
+    a scan) so that partial evaluation under an outer autodiff can never stack per-block residuals: the custom VJP
+    below is the only way these loops are differentiated.
     """
     num_blocks, tail = divmod(seq_len, block_size)
 
