@@ -13,9 +13,14 @@ device) HLO text instead and walks the computations from ENTRY, multiplying each
   initial tuple, as intervals, the condition is evaluated, the body's root tuple advances them, until the condition
   is false (a flash-attention loop over the key blocks a round can see: its bound is a function of the outer
   round index, so every outer iteration is walked with its own values). Where the condition depends on data but its
-  bound does not (`i < min(num_blocks, f(data))`), the loop runs to the bound: counted there and listed in
-  `Cost.bounded_loops` (those totals are upper bounds). A loop with no bound at all is counted once and listed in
-  `Cost.unknown_loops`: the totals are then lower bounds, never silently exact.
+  bound does not (`i < min(num_blocks, f(data))`, or `(i < f(data)) & (i < num_blocks)`), the loop runs to the
+  bound: counted there and listed in `Cost.bounded_loops` (those totals are upper bounds). A loop with no bound at
+  all is counted once and listed in `Cost.unknown_loops`: the totals are then lower bounds, never silently exact.
+  Each walk of a computation is cached by the values of the parameter slots it can read (`_Module.relevant`: those
+  reaching a simulated loop's condition or carried state, a conditional's predicate, a callee's relevant slots),
+  and a simulated loop tracks only those slots of its state: a layer loop whose block loops are bounded by the
+  round index alone is walked once per round, not once per round and layer (`hlo_cost(..., project=False)`: every
+  walk keyed by all known values, the brute force the tests compare with).
 * **conditional** (`lax.cond` / `switch`): the branch taken where the predicate / index evaluates (as above), else
   each quantity is the largest over the branches (an upper bound of the branch actually taken).
 * **call**, **async-start** (`calls=`): their computation, once per execution.
@@ -1177,7 +1182,8 @@ def hlo_cost(text: str, trip_counts: Mapping[str, float] | None = None, experts:
     `known_trip_count` for (overrides it where both exist; for a body without data-dependent loops of its own, a
     mean over the enclosing loops' iterations gives exact totals). experts: cost the routed experts as a GPU's
     grouped matmul (`ExpertModel`); None: as compiled (`Cost.expert_flops` / `expert_hbm_bytes` still say how much
-    of the totals they are)."""
+    of the totals they are). project: False keys every walk by all known scalar values (the brute-force reference
+    of the relevance caching, module docstring; same totals, slower)."""
     module = _Module(text, dict(trip_counts or {}), experts, project)
     cost = module.walk(module.entry, False)
     if cost.expert_rows:  # every expert loop inside a call is charged by that call: never reached
