@@ -429,6 +429,32 @@ def test_a_loop_bounded_by_data_and_a_constant_is_counted_at_the_constant():
     assert unbounded.flops == 2 * d ** 3 and len(unbounded.unknown_loops) == 1
 
 
+def test_for_each_blocks_compiled_condition_is_false_at_its_static_bound_whatever_its_trips():
+    """`ops/attention.for_each_block`'s loop condition, as compiled, states the static bound num_blocks: evaluated
+    with only the counter known (the data-dependent `trips` unknown, as where XLA precomputes it into a vector: the
+    GLM-5.2 replay's indexer loop over its own keys), it is false at num_blocks and undecided below."""
+    from longstraw_jax.capacity import cost as cost_module
+    from longstraw_jax.ops.attention import for_each_block
+
+    blocks, size, d = 5, 8, 16
+
+    def f(x, prefix):
+        visit = lambda carry, start, n: (carry + jax.lax.dynamic_slice_in_dim(x, start, n).sum(), None)
+        return for_each_block(blocks * size, size, jnp.float32(0), visit, prefix)[0]
+
+    text = _compile(f, jax.ShapeDtypeStruct((blocks * size, d), jnp.float32),
+                    jax.ShapeDtypeStruct((), jnp.int32)).as_text()
+    module = cost_module._Module(text, {})
+    loops = [i for instrs in module.computations.values() for i in instrs if i.opcode == "while"]
+    assert len(loops) == 1
+    cond = cost_module._called(loops[0], "condition")[0]
+    root = next(i for i in module.computations[cond] if i.root)
+    values = {}
+    for slot in module.reads(cond, root.name):  # the counter and the trips: set one, the other unknown
+        values[slot] = [module.value(cond, root.name, ((slot, (float(i), float(i))),)) for i in (0, blocks)]
+    assert [(0.0, 1.0), (0.0, 0.0)] in values.values(), values
+
+
 def _costs_both_ways(compiled, experts=None):
     """(cost with walks cached by the values their loops read, brute force: every walk keyed by all known values),
     asserted equal to 1e-9 relative, and the number of walks each evaluated."""
