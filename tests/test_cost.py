@@ -511,3 +511,16 @@ def test_a_tiny_models_capture_costs_the_brute_forces_totals(config):
     compiled = planner.capture_program(8 * 64 * 1 + 1)
     cost, fast_walks, brute_walks = _costs_both_ways(compiled, planner.expert_model("capture"))
     assert fast_walks <= brute_walks
+
+
+@pytest.mark.slow  # compiles tiny GLM-5.2's exact update (the prompt backward over the rounds): ~2.5 min
+def test_a_tiny_models_exact_update_costs_the_brute_forces_totals():
+    """Tiny GLM-5.2's exact update given the capture (LoRA, 1x4, 8 rounds: the replay and the prompt backward's
+    loops over the rounds, each round's block loops bounded by its index): the brute force's Cost to 1e-9."""
+    import os
+
+    from longstraw_jax.capacity.planner import Planner
+
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "glm-5.2-tiny.json")
+    planner = Planner(path, "1x4", "bfloat16", 8, 64, devices=jax.devices()[:4], train_mode="lora", lora_rank=4)
+    _costs_both_ways(planner.update_program(8 * 64 + 1, 2, "exact"), planner.expert_model("update"))
