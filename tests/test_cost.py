@@ -405,3 +405,122 @@ def test_the_expert_model_rejects_bad_input_and_a_program_without_experts_is_unc
                                                                                                    jnp.float32))
     cpu, gpu = _expert_costs(compiled, 8)
     assert cpu == gpu and cpu.expert_flops == 0 and cpu.expert_hbm_bytes == 0
+
+
+# ----- loops bounded by data and a constant; walks cached by the values their loops read ---------------------------
+
+
+def test_a_loop_bounded_by_data_and_a_constant_is_counted_at_the_constant():
+    """`while (i < n) & (i < 4)` with n an integer cast from a float (no value the scalar evaluation can know): the
+    conjunction is false from i = 4 on, so the loop is counted 4 times and listed in bounded_loops; without the
+    constant bound it is an unknown loop (counted once). `ops/attention.for_each_block` states its static bound so."""
+    d = 16
+
+    def loop(bounded):
+        def f(x, w, n):
+            n = n.astype(jnp.int32)
+            cond = (lambda c: (c[0] < n) & (c[0] < 4)) if bounded else (lambda c: c[0] < n)
+            return jax.lax.while_loop(cond, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1]
+        return program_cost(_compile(f, jax.ShapeDtypeStruct((d, d), jnp.float32),
+                                     jax.ShapeDtypeStruct((d, d), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32)))
+
+    bounded, unbounded = loop(True), loop(False)
+    assert bounded.flops == 4 * 2 * d ** 3 and bounded.unknown_loops == () and len(bounded.bounded_loops) == 1
+    assert unbounded.flops == 2 * d ** 3 and len(unbounded.unknown_loops) == 1
+
+
+def test_for_each_blocks_compiled_condition_is_false_at_its_static_bound_whatever_its_trips():
+    """`ops/attention.for_each_block`'s loop condition, as compiled, states the static bound num_blocks: evaluated
+    with only the counter known (the data-dependent `trips` unknown, as where XLA precomputes it into a vector: the
+    GLM-5.2 replay's indexer loop over its own keys), it is false at num_blocks and undecided below."""
+    from longstraw_jax.capacity import cost as cost_module
+    from longstraw_jax.ops.attention import for_each_block
+
+    blocks, size, d = 5, 8, 16
+
+    def f(x, prefix):
+        visit = lambda carry, start, n: (carry + jax.lax.dynamic_slice_in_dim(x, start, n).sum(), None)
+        return for_each_block(blocks * size, size, jnp.float32(0), visit, prefix)[0]
+
+    text = _compile(f, jax.ShapeDtypeStruct((blocks * size, d), jnp.float32),
+                    jax.ShapeDtypeStruct((), jnp.int32)).as_text()
+    module = cost_module._Module(text, {})
+    loops = [i for instrs in module.computations.values() for i in instrs if i.opcode == "while"]
+    assert len(loops) == 1
+    cond = cost_module._called(loops[0], "condition")[0]
+    root = next(i for i in module.computations[cond] if i.root)
+    values = {}
+    for slot in module.reads(cond, root.name):  # the counter and the trips: set one, the other unknown
+        values[slot] = [module.value(cond, root.name, ((slot, (float(i), float(i))),)) for i in (0, blocks)]
+    assert [(0.0, 1.0), (0.0, 0.0)] in values.values(), values
+
+
+def _costs_both_ways(compiled, experts=None):
+    """(cost with walks cached by the values their loops read, brute force: every walk keyed by all known values),
+    asserted equal to 1e-9 relative, and the number of walks each evaluated."""
+    from longstraw_jax.capacity import cost as cost_module
+
+    text = compiled.as_text()
+    out = []
+    for project in (True, False):
+        module = cost_module._Module(text, {}, experts, project)
+        out.append((module.walk(module.entry, False), len(module._walks)))
+    (fast, fast_walks), (brute, brute_walks) = out
+    assert fast.flops == pytest.approx(brute.flops, rel=1e-9) and fast.flops > 0
+    assert fast.hbm_bytes == pytest.approx(brute.hbm_bytes, rel=1e-9)
+    assert fast.collective_bytes.keys() == brute.collective_bytes.keys()
+    for kind, moved in brute.collective_bytes.items():
+        assert fast.collective_bytes[kind] == pytest.approx(moved, rel=1e-9)
+    assert fast.expert_flops == pytest.approx(brute.expert_flops, rel=1e-9)
+    assert fast.expert_hbm_bytes == pytest.approx(brute.expert_hbm_bytes, rel=1e-9)
+    assert (fast.unknown_loops, set(fast.bounded_loops)) == (brute.unknown_loops, set(brute.bounded_loops))
+    return fast, fast_walks, brute_walks
+
+
+def test_a_layer_loop_is_walked_once_per_round_when_only_the_round_bounds_its_block_loops():
+    """Rounds r < n, each a loop over L layers, each a block loop of r trips (bounded by the round index only): the
+    layer body is walked once per round (its layer index reaches no bound), not once per round and layer, and the
+    cost is the brute force's: L x sum_r r matmuls."""
+    d, rounds, layers = 16, 6, 5
+
+    def f(x, w):
+        def layer(r, j, h):
+            return jax.lax.while_loop(lambda c: c[0] < r, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w) + j), (0, h))[1]
+
+        def round_(r, h):
+            return jax.lax.fori_loop(0, layers, lambda j, h: layer(r, j.astype(h.dtype), h), h)
+        return jax.lax.fori_loop(0, rounds, round_, x)
+
+    cost, fast_walks, brute_walks = _costs_both_ways(_compile(f, jax.ShapeDtypeStruct((d, d), jnp.float32),
+                                                              jax.ShapeDtypeStruct((d, d), jnp.float32)))
+    assert cost.flops == layers * rounds * (rounds - 1) // 2 * 2 * d ** 3
+    assert fast_walks < brute_walks - (layers - 1) * (rounds - 1)
+
+
+@pytest.mark.parametrize("config", ["qwen3.6-tiny", "glm-5.2-tiny"])
+def test_a_tiny_models_capture_costs_the_brute_forces_totals(config):
+    """The sharded capture of a tiny model (1x4 mesh, 8 rounds of 64 positions: block loops whose trip counts
+    grow with the round index, inside the layer loops): costed with walks cached by the values their loops read,
+    it is the brute force's Cost to 1e-9 relative, with no more walks."""
+    import os
+
+    from longstraw_jax.capacity.planner import Planner
+
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", f"{config}.json")
+    planner = Planner(path, "1x4", "bfloat16", 8, 64, devices=jax.devices()[:4])
+    compiled = planner.capture_program(8 * 64 * 1 + 1)
+    cost, fast_walks, brute_walks = _costs_both_ways(compiled, planner.expert_model("capture"))
+    assert fast_walks <= brute_walks
+
+
+@pytest.mark.slow  # compiles tiny GLM-5.2's exact update (the prompt backward over the rounds): ~2.5 min
+def test_a_tiny_models_exact_update_costs_the_brute_forces_totals():
+    """Tiny GLM-5.2's exact update given the capture (LoRA, 1x4, 8 rounds: the replay and the prompt backward's
+    loops over the rounds, each round's block loops bounded by its index): the brute force's Cost to 1e-9."""
+    import os
+
+    from longstraw_jax.capacity.planner import Planner
+
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "glm-5.2-tiny.json")
+    planner = Planner(path, "1x4", "bfloat16", 8, 64, devices=jax.devices()[:4], train_mode="lora", lora_rank=4)
+    _costs_both_ways(planner.update_program(8 * 64 + 1, 2, "exact"), planner.expert_model("update"))

@@ -13,9 +13,14 @@ device) HLO text instead and walks the computations from ENTRY, multiplying each
   initial tuple, as intervals, the condition is evaluated, the body's root tuple advances them, until the condition
   is false (a flash-attention loop over the key blocks a round can see: its bound is a function of the outer
   round index, so every outer iteration is walked with its own values). Where the condition depends on data but its
-  bound does not (`i < min(num_blocks, f(data))`), the loop runs to the bound: counted there and listed in
-  `Cost.bounded_loops` (those totals are upper bounds). A loop with no bound at all is counted once and listed in
-  `Cost.unknown_loops`: the totals are then lower bounds, never silently exact.
+  bound does not (`i < min(num_blocks, f(data))`, or `(i < f(data)) & (i < num_blocks)`), the loop runs to the
+  bound: counted there and listed in `Cost.bounded_loops` (those totals are upper bounds). A loop with no bound at
+  all is counted once and listed in `Cost.unknown_loops`: the totals are then lower bounds, never silently exact.
+  Each walk of a computation is cached by the values of the parameter slots it can read (`_Module.relevant`: those
+  reaching a simulated loop's condition or carried state, a conditional's predicate, a callee's relevant slots),
+  and a simulated loop tracks only those slots of its state: a layer loop whose block loops are bounded by the
+  round index alone is walked once per round, not once per round and layer (`hlo_cost(..., project=False)`: every
+  walk keyed by all known values, the brute force the tests compare with).
 * **conditional** (`lax.cond` / `switch`): the branch taken where the predicate / index evaluates (as above), else
   each quantity is the largest over the branches (an upper bound of the branch actually taken).
 * **call**, **async-start** (`calls=`): their computation, once per execution.
@@ -583,6 +588,24 @@ def _mul(a: float, b: float) -> float:
     return 0.0 if a == 0 or b == 0 else a * b
 
 
+def _logical(op: str, xs: list[tuple[float, float]]) -> tuple[float, float]:
+    """`and` / `or` of truth values ((0, 0) false, (1, 1) true, (0, 1) either; UNKNOWN: a condition without a bound,
+    e.g. `i < data`). A conjunction is false as soon as one operand is, so `(i < data) & (i < n)` is bounded by n:
+    (0, 1) while i < n, then false; a disjunction with an unbounded operand stays unbounded."""
+    sure = [x for x in xs if x in ((0.0, 0.0), (1.0, 1.0))]
+    if op == "and":
+        if (0.0, 0.0) in sure:
+            return 0.0, 0.0
+        if len(sure) == len(xs):
+            return 1.0, 1.0
+        return (0.0, 1.0) if any(0 <= x[0] and x[1] <= 1 for x in xs) else UNKNOWN
+    if (1.0, 1.0) in sure:
+        return 1.0, 1.0
+    if len(sure) == len(xs):
+        return 0.0, 0.0
+    return (0.0, 1.0) if all(0 <= x[0] and x[1] <= 1 for x in xs) else UNKNOWN
+
+
 def _interval(op: str, xs: list[tuple[float, float]], instr: Instruction) -> tuple[float, float]:
     """Interval of a scalar integer op's result from its operands' intervals ([lo, hi], exact when lo == hi)."""
     if not xs:  # partition-id, replica-id, rng, ...: a value per device or per run
@@ -624,6 +647,8 @@ def _interval(op: str, xs: list[tuple[float, float]], instr: Instruction) -> tup
         endless = {"LT": bhi == INF or alo == -INF, "LE": bhi == INF or alo == -INF,
                    "GT": ahi == INF or blo == -INF, "GE": ahi == INF or blo == -INF}.get(direction, False)
         return UNKNOWN if endless else (0, 1)
+    if op in ("and", "or") and instr.shape.startswith("pred"):
+        return _logical(op, xs)
     if op in ("divide", "shift-right-logical", "shift-right-arithmetic") and xs[1][0] == xs[1][1] and xs[1][0] > 0 \
             and xs[0][0] >= 0:  # monotonic in a non-negative dividend
         d = xs[1][0] if op == "divide" else 2 ** xs[1][0]
@@ -646,8 +671,10 @@ def _interval(op: str, xs: list[tuple[float, float]], instr: Instruction) -> tup
 class _Module:
     """A parsed HLO module and the walk of `hlo_cost` over it (module docstring)."""
 
-    def __init__(self, text: str, trip_counts: Mapping[str, float], experts: ExpertModel | None = None):
+    def __init__(self, text: str, trip_counts: Mapping[str, float], experts: ExpertModel | None = None,
+                 project: bool = True):
         self.computations, self.entry, self.devices = parse_module(text)
+        self.project = project  # False: every walk keyed by all its known arguments (the brute-force reference)
         self.by_name = {c: {i.name: i for i in instrs} for c, instrs in self.computations.items()}
         self.trip_counts = trip_counts
         self.experts = experts
@@ -659,6 +686,9 @@ class _Module:
         self._dynamic: dict[str, bool] = {}
         self._walks: dict[tuple, Cost] = {}
         self._values: dict[tuple, tuple[float, float]] = {}
+        self._reads: dict[tuple, frozenset] = {}
+        self._relevant: dict[str, frozenset] = {}
+        self._loop_slots: dict[tuple[str, str], frozenset] = {}
 
     # -- which computations need the values of their parameters (a loop below has no known trip count)
 
@@ -687,6 +717,112 @@ class _Module:
         if op in ("call", "async-start") or (op.endswith("-start") and _called(instr, "calls")):
             return _called(instr, "to_apply") + _called(instr, "calls")
         return []
+
+    # -- which parameter slots a walk reads: walks are cached by those values only
+
+    def relevant(self, comp: str) -> frozenset:
+        """The parameter slots (param, tuple index or -1) whose values a walk of `comp` can read: those reaching a
+        loop's condition or carried state that the walk simulates, a conditional's predicate, or a dynamic callee's
+        relevant slots. A walk's Cost is a function of these values alone, so `walk` caches it by them (e.g. a
+        layer loop's body is walked once per round, not once per layer, when only the round index bounds its
+        block loops). Empty for a computation that is not `dynamic` (walked without arguments)."""
+        if comp not in self._relevant:
+            self._relevant[comp] = frozenset()  # recursion guard (HLO computations do not recurse)
+            out: set = set()
+            if self.dynamic(comp):
+                for instr in self.computations.get(comp, []):
+                    out |= self._sink_reads(comp, instr)
+            self._relevant[comp] = frozenset(out)
+        return self._relevant[comp]
+
+    def _sink_reads(self, comp: str, instr: Instruction) -> set:
+        """The slots of `comp` that `walk` reads for control-flow instruction `instr` (`relevant`)."""
+        op, out = instr.opcode, set()
+        if op == "while":
+            body = _called(instr, "body")[0]
+            if self._fixed_trips(instr) is None or self.dynamic(body):
+                for k in self.loop_slots(comp, instr):
+                    out |= self._slot_reads(comp, instr.operands[0], k)
+        elif op == "conditional":
+            out |= self.reads(comp, instr.operands[0])
+            for b, branch in enumerate(self._control_calls(instr)):
+                out |= self._callee_reads(comp, branch, [instr.operands[1 + b]])
+        else:
+            for callee in self._control_calls(instr):
+                out |= self._callee_reads(comp, callee, instr.operands)
+        return out
+
+    def _callee_reads(self, comp: str, callee: str, operands) -> set:
+        """Slots of `comp` that the relevant slots of `callee` (called with `operands`) read."""
+        out = set()
+        if self.dynamic(callee):
+            for p, k in self.relevant(callee):
+                if p < len(operands):
+                    out |= self._slot_reads(comp, operands[p], k)
+        return out
+
+    def loop_slots(self, comp: str, instr: Instruction) -> frozenset:
+        """Tuple indices (or -1 for an array state) of a while loop's carried state that `_loop_cost` tracks: those
+        its condition reads (where it is evaluated), those its body's walk reads, and, to a fixpoint, those the body
+        computes them from."""
+        key = (comp, instr.name)
+        if key not in self._loop_slots:
+            body, cond = _called(instr, "body")[0], _called(instr, "condition")[0]
+            wanted = set(k for _, k in self.relevant(body))
+            if self._fixed_trips(instr) is None:
+                root = next(i for i in self.computations[cond] if i.root)
+                wanted |= set(k for _, k in self.reads(cond, root.name))
+            root = next(i for i in self.computations[body] if i.root)
+            todo = list(wanted)
+            while todo:
+                k = todo.pop()
+                for _, j in self._slot_reads(body, root.name, k) if root.opcode == "tuple" else ():
+                    if j not in wanted:
+                        wanted.add(j)
+                        todo.append(j)
+            self._loop_slots[key] = frozenset(wanted)
+        return self._loop_slots[key]
+
+    def _slot_reads(self, comp: str, name: str, k: int) -> frozenset:
+        """Slots read by `element(comp, name, k)` (k >= 0) or `value(comp, name)` (k = -1)."""
+        if k < 0:
+            return self.reads(comp, name)
+        instr = self.by_name[comp].get(name)
+        if instr is None:
+            return frozenset()
+        if instr.opcode == "tuple" and k < len(instr.operands):
+            return self.reads(comp, instr.operands[k])
+        if instr.opcode == "parameter":
+            return frozenset([(_parameter_index(instr), k)])
+        return frozenset()
+
+    def reads(self, comp: str, name: str) -> frozenset:
+        """The parameter slots `value(comp, name, ...)` reads (an over-approximation of what it depends on),
+        following `_value`'s cases."""
+        key = (comp, name)
+        if key in self._reads:
+            return self._reads[key]
+        self._reads[key] = frozenset()  # recursion guard
+        instr = self.by_name[comp].get(name)
+        out: frozenset = frozenset()
+        if instr is None:
+            pass
+        elif instr.opcode == "get-tuple-element":
+            out = self._slot_reads(comp, instr.operands[0], int(_attr(instr.attrs, "index")))
+        elif not _is_int(instr.shape) or instr.opcode in ("constant", "iota"):
+            pass
+        elif instr.opcode == "parameter":
+            out = frozenset([(_parameter_index(instr), -1)])
+        elif instr.opcode in ("fusion", "call"):
+            callee = (_called(instr, "calls") or _called(instr, "to_apply") or [""])[0]
+            root = next((i for i in self.computations.get(callee, []) if i.root), None)
+            if root is not None:
+                out = frozenset().union(*(self._slot_reads(comp, instr.operands[p], k)
+                                          for p, k in self.reads(callee, root.name) if p < len(instr.operands)))
+        else:
+            out = frozenset().union(*(self.reads(comp, o) for o in instr.operands))
+        self._reads[key] = out
+        return out
 
     # -- scalar values (intervals) of instructions, given known parameter values `args`
 
@@ -785,8 +921,9 @@ class _Module:
             return _Vector(xs[0][start:start + n])
         return UNKNOWN
 
-    def arguments(self, comp: str, operands, args: tuple) -> tuple:
-        """Known scalar values of a callee's parameters: ((param, tuple index or -1), interval) pairs."""
+    def arguments(self, comp: str, operands, args: tuple, slots: frozenset | None = None) -> tuple:
+        """Known scalar values of a callee's parameters: ((param, tuple index or -1), interval) pairs; slots: only
+        those (None: all)."""
         out = []
         for p, name in enumerate(operands):
             instr = self.by_name[comp].get(name)
@@ -794,11 +931,13 @@ class _Module:
                 continue
             if instr.shape.startswith("("):
                 for k, element in enumerate(_split_top(instr.shape[1:-1])):
+                    if slots is not None and (p, k) not in slots:
+                        continue
                     if _is_int(element):
                         v = self.element(comp, name, k, args)
                         if v != UNKNOWN:
                             out.append(((p, k), v))
-            elif _is_int(instr.shape):
+            elif _is_int(instr.shape) and (slots is None or (p, -1) in slots):
                 v = self.value(comp, name, args)
                 if v != UNKNOWN:
                     out.append(((p, -1), v))
@@ -863,6 +1002,9 @@ class _Module:
         """One execution of `comp` given its known scalar parameter values."""
         if not self.dynamic(comp):
             args = ()
+        elif self.project:
+            relevant = self.relevant(comp)
+            args = tuple(a for a in args if a[0] in relevant)
         key = (comp, fused, args)
         if key not in self._walks:
             total = self.static(comp, fused)
@@ -879,7 +1021,9 @@ class _Module:
 
     def _args(self, callee: str, comp: str, operands, args: tuple) -> tuple:
         """`arguments`, evaluated only when the callee needs them."""
-        return self.arguments(comp, operands, args) if self.dynamic(callee) else ()
+        if not self.dynamic(callee):
+            return ()
+        return self.arguments(comp, operands, args, self.relevant(callee) if self.project else None)
 
     def _conditional(self, comp: str, instr: Instruction, fused: bool, args: tuple) -> Cost:
         """The branch taken when the predicate / index is known, else each quantity's maximum over the branches.
@@ -1007,7 +1151,8 @@ class _Module:
         fixed = self._fixed_trips(instr)
         if fixed is not None and not self.dynamic(body):
             return self.walk(body, fused).scaled(fixed) + self.walk(cond, fused).scaled(fixed + 1)
-        state = self.arguments(comp, instr.operands[:1], args)
+        slots = frozenset((0, k) for k in self.loop_slots(comp, instr)) if self.project else None
+        state = self.arguments(comp, instr.operands[:1], args, slots)
         root = next(i for i in self.computations[body] if i.root)
         cond_root = next(i for i in self.computations[cond] if i.root)
         total, trips, bounded = Cost(), 0, False
@@ -1025,19 +1170,21 @@ class _Module:
                 bounded = bounded or go != (1.0, 1.0)
             total = total + self.walk(body, fused, state)
             trips += 1
-            state = self.arguments(body, [root.name], state) if root.opcode == "tuple" else ()
+            state = self.arguments(body, [root.name], state, slots) if root.opcode == "tuple" else ()
         total = total + self.walk(cond, fused).scaled(trips + 1)
         return total + Cost(bounded_loops=(instr.name,)) if bounded else total
 
 
-def hlo_cost(text: str, trip_counts: Mapping[str, float] | None = None, experts: ExpertModel | None = None) -> Cost:
+def hlo_cost(text: str, trip_counts: Mapping[str, float] | None = None, experts: ExpertModel | None = None,
+             project: bool = True) -> Cost:
     """Per-device Cost of one execution of an HLO module's text (`compiled.as_text()`), loops multiplied by their
     trip counts (module docstring). trip_counts: {while instruction name: n} for loops XLA has no
     `known_trip_count` for (overrides it where both exist; for a body without data-dependent loops of its own, a
     mean over the enclosing loops' iterations gives exact totals). experts: cost the routed experts as a GPU's
     grouped matmul (`ExpertModel`); None: as compiled (`Cost.expert_flops` / `expert_hbm_bytes` still say how much
-    of the totals they are)."""
-    module = _Module(text, dict(trip_counts or {}), experts)
+    of the totals they are). project: False keys every walk by all known scalar values (the brute-force reference
+    of the relevance caching, module docstring; same totals, slower)."""
+    module = _Module(text, dict(trip_counts or {}), experts, project)
     cost = module.walk(module.entry, False)
     if cost.expert_rows:  # every expert loop inside a call is charged by that call: never reached
         raise ValueError(f"expert loops {sorted(cost.expert_rows)} were not charged by an expert call")

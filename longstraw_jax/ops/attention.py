@@ -104,9 +104,10 @@ def _scores(qg, k_blk, visible, scale):
 def for_each_block(seq_len, block_size, carry, visit, visible_prefix, outputs=None):
     """Run `visit(carry, start, size) -> (carry, block outputs or None)` over the key blocks that hold one of the
     first `visible_prefix` keys: a `lax.while_loop` over full blocks (dynamic trip count: invisible blocks cost
-    nothing), then the static tail block if it is visible. Per-block outputs are written into `outputs`, a tuple of
-    [seq_len, ...] buffers. A while loop (not a scan) so that partial evaluation under an outer autodiff can never
-    stack per-block residuals: the custom VJP below is the only way these loops are differentiated.
+    nothing; its condition also states the static bound seq_len // block_size), then the static tail block if it
+    is visible. Per-block outputs are written into `outputs`, a tuple of [seq_len, ...] buffers. A while loop (not
+    a scan) so that partial evaluation under an outer autodiff can never stack per-block residuals: the custom VJP
+    below is the only way these loops are differentiated.
     """
     num_blocks, tail = divmod(seq_len, block_size)
 
@@ -124,7 +125,10 @@ def for_each_block(seq_len, block_size, carry, visit, visible_prefix, outputs=No
             carry, block_outputs = visit(carry, i * block_size, block_size)
             return i + 1, carry, store(outputs, block_outputs, i * block_size)
 
-        _, carry, outputs = jax.lax.while_loop(lambda st: st[0] < trips, body, (jnp.int32(0), carry, outputs))
+        # `i < num_blocks` is implied by `i < trips`; stated so that the compiled condition carries a static bound
+        # (a cost model that cannot evaluate `trips` counts the loop at num_blocks: capacity/cost.py)
+        cond = lambda st: (st[0] < trips) & (st[0] < num_blocks)
+        _, carry, outputs = jax.lax.while_loop(cond, body, (jnp.int32(0), carry, outputs))
     if tail:
         start = num_blocks * block_size
 
