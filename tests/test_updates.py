@@ -1,5 +1,6 @@
 """The trainer's update options: --updates-per-batch (mu updates from one sampled batch, the later ones capturing
-afresh), --drop-uniform-groups (groups of equal rewards left out; no update when none is left) and --ratio /
+afresh), --drop-uniform-groups (groups of equal rewards left out; no update when none is left; --refill-batches:
+the next batches sampled until -B groups carry a signal) and --ratio /
 --clip-low / --clip-high reaching the objective."""
 import jax
 import numpy as np
@@ -86,4 +87,56 @@ def test_updates_per_batch_reuse_the_batch_capturing_afresh(tmp_path):
     assert float(first["clip_frac"]) == 0 < float(second["clip_frac"])  # the second update sees ratio != 1
     np.testing.assert_allclose(record["clip_frac"], (float(first["clip_frac"]) + float(second["clip_frac"])) / 2)
     for got, expected in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(params)):
+        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-6)
+
+
+def test_refilled_pools_batches_and_keeps_the_first_groups_with_a_signal():
+    """Two sampled batches of B = 2 (prompts of 3 and 5 tokens: the first left-padded by 2): the update takes the
+    first 2 non-uniform groups in sampling order; too few: rounded up to the data size with uniform ones; none:
+    None. Every group's real prompt tokens and responses are kept."""
+    def batch(prompt, rewards, seed):
+        prompt = np.asarray(prompt, np.int32)
+        rng = np.random.default_rng(seed)
+        return GroupBatch(prompt=prompt, responses=rng.integers(0, 9, (len(rewards), 3, 2)).astype(np.int32),
+                          mask=np.ones((len(rewards), 3, 2), np.float32), rewards=np.asarray(rewards, np.float32),
+                          left_pad=np.zeros(len(rewards), np.int32))
+
+    first = batch([[1, 2, 3], [4, 5, 6]], [[1, 1, 1], [0, 1, 0]], 0)  # group 0 uniform
+    second = batch([[7, 7, 7, 7, 7], [8, 8, 8, 8, 8]], [[2, 0, 0], [3, 3, 3]], 1)  # group 1 uniform
+    pool = updates.pooled([first, second])
+    assert pool.prompt.tolist() == [[0, 0, 1, 2, 3], [0, 0, 4, 5, 6], [7] * 5, [8] * 5]
+    assert pool.left_pad.tolist() == [2, 2, 0, 0]
+    chosen, uniform = updates.refilled([first, second], 2)
+    assert uniform == 2 and chosen.prompt.tolist() == [[0, 0, 4, 5, 6], [7] * 5]
+    np.testing.assert_array_equal(chosen.responses, [first.responses[1], second.responses[0]])
+    assert chosen.left_pad.tolist() == [2, 0]
+    third = batch([[9, 9, 9], [9, 9, 9]], [[1, 1, 1], [4, 4, 4]], 2)  # both uniform
+    assert updates.refilled([first, third], 2, data_size=2)[0].prompt.tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert updates.refilled([third], 2) == (None, 2)
+    with pytest.raises(ValueError, match="--refill-batches=2 refills the groups --drop-uniform-groups leaves out"):
+        parse_args(SMALL + ["--refill-batches", "2"])
+
+
+@pytest.mark.slow  # a trainer set-up and a direct step (~45 s)
+def test_refill_batches_fill_the_step_with_groups_that_carry_a_signal(tmp_path):
+    """-B 4 --drop-uniform-groups --refill-batches 3: the step samples the next batches (each with its own key)
+    until 4 groups carry a signal and updates from those 4 exactly as a train_step on them; the data position
+    moves past every batch sampled."""
+    flags = SMALL + ["-B", "4", "--drop-uniform-groups", "--refill-batches", "3", "--steps", "2", "--reward",
+                     UNIFORM_IF_EVEN, "--out", str(tmp_path / "a")]
+    trainer = Trainer(*parse_args(flags))
+    sampled = []
+    for k in range(4):
+        key = trainer.key if k == 0 else jax.random.fold_in(trainer.key, k)
+        sampled.append(trainer.data.batch(trainer.model, trainer.params, key, 0, k)[0])
+        if (~updates.uniform_groups(updates.pooled(sampled).rewards)).sum() >= 4:
+            break
+    assert len(sampled) >= 2, "the seed gives no refill: the test checks nothing"
+    chosen, uniform = updates.refilled(sampled, 4)
+    want, _, _ = train.train_step(trainer.model, trainer.params, trainer.opt_state, chosen, trainer.optimizer,
+                                  trainer.grpo, "exact", 16)
+    record = trainer.train_one()
+    assert record["refill_batches"] == len(sampled) - 1 and record["uniform_groups"] == uniform
+    assert record["groups"] == 4 * len(sampled) and trainer.data_position == len(sampled)
+    for got, expected in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(want)):
         np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-6)

@@ -158,6 +158,11 @@ class RunConfig:
                                         "(zero advantage; counted as uniform_groups; a step where every group is "
                                         "uniform makes no update); on a mesh the kept groups are rounded up to a "
                                         "multiple of the data size with uniform ones")
+    refill_batches: int = _option(0, "with --drop-uniform-groups, DAPO's dynamic sampling: while fewer than -B "
+                                  "groups carry a signal, sample up to K more batches of -B groups (the next "
+                                  "prompts); the update takes the first -B groups that do (a refilled step's update "
+                                  "captures its prompts afresh: the batches' captures are not held together)",
+                                  metavar="K")
     # which parameters train (docs/architecture.md 10, lora.py): frozen leaves get no gradient and no optimizer state
     train: str = _option("full", "full: every parameter (or those --trainable selects); lora: frozen base matrices "
                          "with low-rank adapters B A (--lora-*)", choices=("full", "lora"))
@@ -233,9 +238,13 @@ class RunConfig:
         for name, low in (("group_size", 1), ("response_len", 1), ("steps", 1), ("updates_per_batch", 1),
                           ("chunk_size", 1), ("prompt_len", 2),
                           ("save_every", 1), ("log_every", 1), ("vocab_size", 1), ("lora_rank", 1),
-                          ("eval_every", 0), ("eval_prompts", 1), ("sft_steps", 0), ("sft_batch", 1)):
+                          ("eval_every", 0), ("eval_prompts", 1), ("sft_steps", 0), ("sft_batch", 1),
+                          ("refill_batches", 0)):
             if getattr(self, name) < low:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be >= {low}")
+        if self.refill_batches and not self.drop_uniform_groups:
+            errors.append(f"--refill-batches={self.refill_batches} refills the groups --drop-uniform-groups leaves "
+                          "out: give --drop-uniform-groups too")
         for name in ("lr", "weight_decay", "kl_coef", "temperature", "top_p", "max_grad_norm", "sft_lr", "clip_low",
                      "clip_high"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:

@@ -138,10 +138,16 @@ class Trainer:
             batch, extra, captured = self.data.batch(self.model, self.params, self.key, self.step, self.data_position)
         sampled = time.perf_counter()
         fault_hooks.fire("step", self.step + 1)
-        updated, updated_captured = batch, captured
+        updated, updated_captured, last = batch, captured, batch
         if self.config.drop_uniform_groups:
             updated, updated_captured, uniform = updates.without_uniform_groups(batch, captured, self.mesh)
             extra = dict(extra, uniform_groups=uniform)
+            if self.config.refill_batches:
+                extra = dict(extra, refill_batches=0)
+                if updates.uniform_groups(batch.rewards).any():  # fewer than -B groups with a signal
+                    updated, batch, last, extra = self.refill(batch, extra)
+                    updated_captured = None  # the update captures the pooled prompts afresh
+                    sampled = time.perf_counter()  # rollout_s: every batch sampled
         if updated is None:  # every group uniform: no gradient to follow
             step_metrics = updates.no_update_metrics(batch)
         else:
@@ -164,8 +170,26 @@ class Trainer:
         self.log.write(record)
         if self.samples is not None and report.sample_step(self.step, self.config.log_samples_every,
                                                            self.config.steps):
-            self.samples.write_many(report.step_samples(self.step, batch, self.grpo, self.data))
+            self.samples.write_many(report.step_samples(self.step, last, self.grpo, self.data))
         return record
+
+    def refill(self, batch, extra: dict):
+        """--refill-batches: sample up to K more batches (the next data positions, a key per refill) while fewer than
+        -B groups carry a signal -> (the update's batch or None, every sampled group pooled, the last batch sampled
+        (its samples are the ones the data source scored last), extra with uniform_groups and refill_batches)."""
+        sampled, groups = [batch], len(batch.rewards)
+        data_size = 1 if self.mesh is None else self.mesh.shape["data"]
+        while len(sampled) <= self.config.refill_batches:
+            self.data_position += 1
+            with self.ticker.phase(self.step + 1, self.config.steps, f"refill {len(sampled)}"):
+                more, _, _ = self.data.batch(self.model, self.params, jax.random.fold_in(self.key, len(sampled)),
+                                             self.step, self.data_position)
+            sampled.append(more)
+            if int((~updates.uniform_groups(updates.pooled(sampled).rewards)).sum()) >= groups:
+                break
+        updated, uniform = updates.refilled(sampled, groups, data_size)
+        extra = dict(extra, uniform_groups=uniform, refill_batches=len(sampled) - 1)
+        return updated, updates.pooled(sampled), sampled[-1], extra
 
     def update(self, batch, captured) -> dict:
         """One train_step on `batch` (captured: the sampler's capture of its prompts, or None: the step captures

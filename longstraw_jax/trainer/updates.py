@@ -2,8 +2,9 @@
 --updates-per-batch updates (or of none).
 
 A group whose G rewards are all equal has zero advantage on every branch: its surrogate gradient is zero and it adds
-only tokens to the loss's normaliser (and its KL term, with --kl-coef). Dropping it (DAPO's dynamic sampling without the
-refill) makes the step's loss an average over the groups that carry a signal and skips their replay and backward.
+only tokens to the loss's normaliser (and its KL term, with --kl-coef). Dropping it makes the step's loss an average
+over the groups that carry a signal and skips their replay and backward. With --refill-batches K (DAPO's dynamic
+sampling) a step short of -B such groups samples up to K more batches and updates from the first -B (`refilled`).
 """
 from __future__ import annotations
 
@@ -48,6 +49,41 @@ def without_uniform_groups(batch: GroupBatch, captured, mesh=None):
         take = lambda x: jax.device_put(x[kept], x.sharding) if isinstance(x, jax.Array) else np.asarray(x)[kept]
         captured = jax.tree.map(take, captured)
     return batch, captured, left_out
+
+
+def left_padded_to(batch: GroupBatch, length: int, pad_id: int = 0) -> GroupBatch:
+    """batch with prompts [B, P] left-padded to [B, length] (pad_id; left_pad grows by length - P): the same groups
+    (padding changes nothing, docs/architecture.md 4.6). A batch without left_pad gets one when it is padded."""
+    prompt = np.asarray(batch.prompt)
+    extra = length - prompt.shape[-1]
+    if extra == 0:
+        return batch
+    base = np.zeros(prompt.shape[0], np.int32) if batch.left_pad is None else np.asarray(batch.left_pad, np.int32)
+    padded = np.concatenate([np.full(prompt.shape[:-1] + (extra,), pad_id, prompt.dtype), prompt], axis=-1)
+    return batch.replace(prompt=padded, left_pad=base + np.int32(extra))
+
+
+def pooled(batches: list[GroupBatch]) -> GroupBatch:
+    """Sampled batches [B_i, P_i, ...] -> one batch [sum B_i, max P_i, ...], prompts left-padded to the longest."""
+    length = max(np.shape(b.prompt)[-1] for b in batches)
+    padded = [left_padded_to(b, length) for b in batches]
+    if any(b.left_pad is None for b in padded) and not all(b.left_pad is None for b in padded):
+        padded = [b if b.left_pad is not None else b.replace(left_pad=np.zeros(len(b.rewards), np.int32))
+                  for b in padded]
+    return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *padded)
+
+
+def refilled(batches: list[GroupBatch], groups: int, data_size: int = 1) -> tuple[GroupBatch | None, int]:
+    """The update's batch from a step's sampled batches (--refill-batches): the first `groups` groups, in sampling
+    order, whose rewards are not uniform; fewer when fewer were sampled (then rounded up to a multiple of
+    `data_size` with uniform ones, as `kept_groups`); None when every group is uniform. -> (batch, uniform groups
+    sampled)."""
+    pool = pooled(batches)
+    uniform = uniform_groups(pool.rewards)
+    signal = np.flatnonzero(~uniform)
+    kept = signal[:groups] if signal.size >= groups else kept_groups(uniform, data_size)
+    chosen = None if kept.size == 0 else jax.tree.map(lambda x: np.asarray(x)[kept], pool)
+    return chosen, int(uniform.sum())
 
 
 def reward_metrics(batch: GroupBatch) -> dict:
