@@ -335,7 +335,6 @@ def test_bad_data_one_line_error_nothing_written(tmp_path, tok_dir, capsys):
          r"--reward 'nonesuch': unknown; built-ins: exact_match, contains, f1, math"),
         (["--answer-field", "solution"], r"--reward contains reads the reference answer from the column 'solution'"),
         (["--chat-template-kwargs", "[1]"], r"--chat-template-kwargs='\[1\]' must be a JSON object"),
-        (["--sft-steps", "4"], r"--sft-steps=4: the supervised warm-up needs a task's target responses"),
         (["--eval-every", "3"], r"--eval-every=3 needs held-out rows of --data"),
     ]
     data = write_jsonl(tmp_path / "d.jsonl", good)

@@ -6,7 +6,7 @@
   held-out rows use modules no training row holds;
 - prompts have min_tokens..max_tokens tokens with the trained tokenizer, as the trainer renders them;
 - the tokenizer directory loads with AutoTokenizer, renders the chat template and stops on <|im_end|>;
-- the reward is exact on the literal; an end-to-end trainer run of the example's config (slow).
+- the reward is exact on the literal; an end-to-end trainer run of the example's config, warm-up included (slow).
 """
 import json
 import os
@@ -159,7 +159,8 @@ def test_trainer_runs_the_example(built, tmp_path, capsys):
     args = ["--config", os.path.join(ROOT, "configs", "stdlib_qa.toml"), "--data", str(built / "train.jsonl"),
             "--eval-data", str(built / "held_out.jsonl"), "--tokenizer", str(built / "tokenizer"), "--vocab-size",
             str(SMALL.vocab_size), "--max-prompt-len", "1280", "--chunk-size", "640", "--steps", "2",
-            "--eval-every", "2", "--eval-prompts", "2", "-R", "4", "-G", "2", "--out", out]
+            "--eval-every", "2", "--eval-prompts", "2", "-R", "8", "-G", "2", "--sft-steps", "2", "--sft-batch", "1",
+            "--out", out]
     assert run.main(args) == 0
     text = capsys.readouterr().out
     assert "held-out reward" in text
@@ -167,7 +168,10 @@ def test_trainer_runs_the_example(built, tmp_path, capsys):
         records = [json.loads(line) for line in f]
     evals = [r for r in records if r.get("kind") == "eval"]
     steps = [r for r in records if "kind" not in r]
-    assert [r["step"] for r in evals] == [0, 2] and all(r["eval_prompts"] == 2 for r in evals)
+    warm = [r for r in records if r.get("kind") == "sft"]  # the config's warm-up on the rows' answers
+    assert [r["sft_step"] for r in warm] == [1, 2] and all(r["sft_loss"] > 0 for r in warm)
+    assert [r["step"] for r in evals] == [0, 0, 2] and all(r["eval_prompts"] == 2 for r in evals)
+    assert evals[0]["before_warm_up"]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(0.0 <= r["eval_reward"] <= 1.0 and "eval_reward/exact_literal" in r for r in evals)
     assert all("reward/exact_literal" in r for r in steps)

@@ -138,10 +138,10 @@ def choose_format(columns, prompt_field: str | None, messages_field: str | None,
     return fmt
 
 
-def first_null_row(rows, field: str) -> int | None:
-    """The first row whose `field` is null (missing in a JSON line), read from the Arrow column's validity bitmap
-    without decoding any value; None when there is none (or the dataset has an index mapping: then rows are checked
-    when drawn)."""
+def first_null_row(rows, field: str, among=None) -> int | None:
+    """The first row (of `among`, int [N] row numbers, default every row) whose `field` is null (missing in a JSON
+    line), read from the Arrow column's validity bitmap without decoding any value; None when there is none (or the
+    dataset has an index mapping: then rows are checked when drawn)."""
     if getattr(rows, "_indices", None) is not None:
         return None
     column = rows.data.column(field)
@@ -149,7 +149,13 @@ def first_null_row(rows, field: str) -> int | None:
         return None
     import pyarrow.compute as pc
 
-    return int(np.flatnonzero(np.asarray(pc.is_null(column)))[0])
+    null = np.asarray(pc.is_null(column))
+    if among is not None:
+        kept = np.zeros_like(null)
+        kept[np.asarray(among, np.int64)] = True
+        null &= kept
+    found = np.flatnonzero(null)
+    return int(found[0]) if found.size else None
 
 
 def check_messages(value) -> list[dict]:
@@ -157,21 +163,22 @@ def check_messages(value) -> list[dict]:
     'content' (null content only with tool_calls); other keys kept unless null (a column of Arrow structs gives
     every message every key). ValueError saying which message is wrong."""
     if not isinstance(value, list) or not value:
-        raise ValueError(f"must be a non-empty list of {{role, content}} messages, not {_shown(value)}")
+        raise ValueError(f"must be a non-empty list of {{role, content}} messages, not {shown(value)}")
     messages = []
     for i, message in enumerate(value):
         if not isinstance(message, dict):
-            raise ValueError(f"message {i} must be an object {{role, content}}, not {_shown(message)}")
+            raise ValueError(f"message {i} must be an object {{role, content}}, not {shown(message)}")
         if not isinstance(message.get("role"), str):
-            raise ValueError(f"message {i} needs a string 'role' (has {_shown(message.get('role'))})")
+            raise ValueError(f"message {i} needs a string 'role' (has {shown(message.get('role'))})")
         content = message.get("content")
         if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
-            raise ValueError(f"message {i} needs a string 'content' (has {_shown(content)})")
+            raise ValueError(f"message {i} needs a string 'content' (has {shown(content)})")
         messages.append({k: v for k, v in message.items() if v is not None or k == "content"})
     return messages
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
+    """A value as error messages show it: its repr (cut to 40 characters) and its type."""
     text = repr(value)
     return (text if len(text) <= 40 else text[:37] + "...") + f" ({type(value).__name__})"
 
@@ -231,7 +238,7 @@ class DatasetTask:
             if self.format.messages_field is not None:
                 text = self._chat(check_messages(value))
             elif not isinstance(value, str) or not value:
-                raise ValueError(f"must be a non-empty string, not {_shown(value)}")
+                raise ValueError(f"must be a non-empty string, not {shown(value)}")
             else:
                 text = value
             tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -184,10 +184,11 @@ class RunConfig:
                               metavar="N")
     eval_prompts: int = _option(128, "K held-out prompts: the task built with --seed's bit 31 flipped, a stream "
                                 "training never draws (a multiple of the mesh's data size)", metavar="K")
-    sft_steps: int = _option(0, "supervised warm-up steps before GRPO: cross-entropy on the task's target response "
-                             "(retrieval: the answer), full-graph autograd (short prompts); not on --resume; task "
-                             "runs only (0 for a task without target(info))", metavar="N")
-    sft_batch: int = _option(32, "prompts per warm-up step")
+    sft_steps: int = _option(0, "supervised warm-up steps before GRPO: cross-entropy on the target response (a task's "
+                             "target(info), e.g. retrieval's answer; --data: each training row's --answer-field + the "
+                             "stop token, one row's graph at a time), full-graph autograd; not on --resume; not with "
+                             "--rollouts (0 for a task without target(info))", metavar="N")
+    sft_batch: int = _option(32, "prompts per warm-up step (--data: rows, their gradients summed one row at a time)")
     sft_lr: float = _option(1e-3, "warm-up AdamW learning rate (its own optimizer state, dropped after the warm-up)")
     sft_prompt_len: int | None = _option(None, "warm-up prompt length (default --prompt-len)")
     # output

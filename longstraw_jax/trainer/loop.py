@@ -81,19 +81,25 @@ class Trainer:
         if config.sft_steps and self.data.task is None and "sft_steps" in explicit:
             raise RunError(f"--sft-steps={config.sft_steps} needs task prompts: a --rollouts file has none (pass "
                            "--sft-steps 0)")
-        if config.sft_steps and config.data and "sft_steps" in explicit:
-            raise RunError(f"--sft-steps={config.sft_steps}: the supervised warm-up needs a task's target responses; "
-                           "--data has none (pass --sft-steps 0)")
+        if config.data and config.sft_prompt_len is not None and "sft_prompt_len" in explicit:
+            raise RunError(f"--sft-prompt-len={config.sft_prompt_len} sets a --task's warm-up prompt length; a --data "
+                           "warm-up renders the rows' own prompts (--max-prompt-len, --truncate)")
         # the warm-up trains every parameter: not with a frozen part (by default it is skipped there)
         self.freezes = config.train == "lora" or config.trainable is not None
         if config.sft_steps and self.freezes and "sft_steps" in explicit:
             raise RunError(f"--sft-steps={config.sft_steps}: the supervised warm-up trains every parameter, but "
                            "--train lora / --trainable keep some frozen (pass --sft-steps 0)")
         if (self.reference is not None and self.reference.kind == "initial" and config.sft_steps
-                and self.data.task is not None and not self.freezes and not config.data):
+                and self.data.task is not None and not self.freezes):
             raise RunError(f"--kl-coef={config.kl_coef} with --sft-steps={config.sft_steps}: the KL reference would be "
                            "the model before the warm-up; pass --ref-from DIR (e.g. a warmed-up checkpoint) or "
                            "--sft-steps 0")
+        # a --data warm-up: each training row's --answer-field + the stop token (a missing column fails here)
+        self.sft_targets = None
+        if config.sft_steps and config.data and not self.freezes and not self.plan.resuming:
+            self.sft_targets = warmup.DatasetTargets(
+                self.data.task, config.answer_field, self.data.sampling.stop_token, config.response_len,
+                self.data.buckets, warmup.warm_up_seed(config.seed), self.data.sampling.pad_token)
         # watching (trainer/report.py)
         self.ticker = run_log.PhaseTicker(print if distributed.is_primary() else None, config.progress_every)
         self.profile = (report.ProfileWindow(*profile_window(config.profile_steps), report.profile_dir(self.out))
@@ -266,17 +272,23 @@ class Trainer:
                 self.evaluator.reference = evaluate.load_reference(self.out, self.evaluator)
             return
         # (a --rollouts run has no task to imitate; a run with frozen parameters skips it)
-        if config.sft_steps and self.data.task is not None and not self.freezes and not config.data:
+        if config.sft_steps and self.data.task is not None and not self.freezes:
             if self.evaluator is not None:  # the policy before the warm-up (a random init: what the warm-up adds)
                 self.pending.append(dict(self.evaluate(say, label="before the warm-up"), before_warm_up=True))
-            task = warmup.warm_up_task(config, self.model.config.vocab_size)
-            say(f"warm-up: {config.sft_steps} supervised steps x {config.sft_batch} prompts of "
-                f"{config.sft_prompt_len or config.prompt_len} tokens, lr {config.sft_lr}", flush=True)
+            if self.sft_targets is not None:
+                task = self.sft_targets
+                say(f"warm-up: {config.sft_steps} supervised steps x {config.sft_batch} training rows of "
+                    f"{config.data} (target: '{config.answer_field}' + the stop token), lr {config.sft_lr}", flush=True)
+            else:
+                task = warmup.warm_up_task(config, self.model.config.vocab_size)
+                say(f"warm-up: {config.sft_steps} supervised steps x {config.sft_batch} prompts of "
+                    f"{config.sft_prompt_len or config.prompt_len} tokens, lr {config.sft_lr}", flush=True)
             self.params, records = warmup.warm_up(self.model, self.params, task, config.sft_steps, config.sft_batch,
                                                config.sft_lr, getattr(task, "pad_token", 0), say=say,
                                                place=lambda tree: run_setup.place(tree, self.mesh, self.params))
             self.pending.extend(records)
-            if self.evaluator is not None and config.sft_prompt_len not in (None, config.prompt_len):
+            if (self.evaluator is not None and self.sft_targets is None
+                    and config.sft_prompt_len not in (None, config.prompt_len)):
                 # the warm start at the warm-up's length too
                 short = evaluate.for_config(dataclasses.replace(config, prompt_len=config.sft_prompt_len),
                                             self.model.config.vocab_size, self.mesh)
