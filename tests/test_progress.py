@@ -52,6 +52,7 @@ def assert_bitwise(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow  # two compiles (with and without ticks) of the sampler and the exact gradient
 def test_one_device_ticks_change_nothing():
     """Sampling (capture + decode) and the exact gradient (capture, replay, prompt backward), Qwen3.6."""
     model, params, _ = tiny_model("qwen36")
