@@ -191,7 +191,7 @@ class Trainer:
                 more, _, _ = self.data.batch(self.model, self.params, jax.random.fold_in(self.key, len(sampled)),
                                              self.step, self.data_position)
             sampled.append(more)
-            if int((~updates.uniform_groups(updates.pooled(sampled).rewards)).sum()) >= groups:
+            if sum(int((~updates.uniform_groups(b.rewards)).sum()) for b in sampled) >= groups:
                 break
         updated, uniform = updates.refilled(sampled, groups, data_size)
         extra = dict(extra, uniform_groups=uniform, refill_batches=len(sampled) - 1)
