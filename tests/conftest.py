@@ -51,6 +51,29 @@ def _fresh_jax_caches():
     yield
 
 
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    """tests/test_data.py's word-level tokenizer directory (chat template; stop ids 3 = <|im_end|>, 1)."""
+    from tests.test_data import tiny_tokenizer
+
+    return tiny_tokenizer(tmp_path_factory.mktemp("tok"), eos_ids=[3, 1])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tok_dir):
+    from longstraw_jax.tasks.tokenizer import load_tokenizer
+    from tests.test_data import VOCAB
+
+    return load_tokenizer(tok_dir, VOCAB)
+
+
+@pytest.fixture
+def datasets_cache(tmp_path, monkeypatch):
+    """datasets' Arrow cache (JSONL / Parquet conversions) under the test's own directory (modules that read
+    datasets use it for every test: `pytestmark = pytest.mark.usefixtures("datasets_cache")`)."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+
 # Test files by measured seconds, longest first (2 workers), for the whole suite (`make test`) and the tests not marked
 # slow (`make test-fast`, `-m "not slow"`): tests/durations.json holds each file's seconds in both tiers, as measured
 # by `make test-durations` (LONGSTRAW_TEST_DURATIONS=PATH below writes them). Both tiers hand out whole files (--dist

@@ -64,20 +64,7 @@ def rows_of(n, messages=False):
     return out
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return tiny_tokenizer(tmp_path_factory.mktemp("tok"), eos_ids=[3, 1])
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tok_dir):
-    return tokenizers.load_tokenizer(tok_dir, VOCAB)
-
-
-@pytest.fixture(autouse=True)
-def _datasets_cache(tmp_path, monkeypatch):
-    """datasets' Arrow cache (JSONL / Parquet conversions) under the test's own directory."""
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+pytestmark = pytest.mark.usefixtures("datasets_cache")  # tok_dir, tokenizer: tests/conftest.py
 
 
 def task_of(rows, tokenizer, path="d.jsonl", **options):

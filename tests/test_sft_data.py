@@ -20,35 +20,22 @@ import numpy as np
 import pytest
 
 from longstraw_jax import models
-from longstraw_jax.tasks import dataset, tokenizer as tokenizers
+from longstraw_jax.tasks import dataset
 from longstraw_jax.trainer import cli as run, setup, warmup
-from tests.test_data import VOCAB, data_args, rows_of, tiny_tokenizer, write_jsonl
+from tests.test_data import VOCAB, data_args, rows_of, write_jsonl
 
 STOP = 3  # <|im_end|> in tests/test_data.py's tokenizer ("[UNK]" is id 0)
 
 
-@pytest.fixture(scope="module")
-def words(tmp_path_factory):
-    """tests/test_data.py's word-level tokenizer directory (stop ids 3, 1)."""
-    return tiny_tokenizer(tmp_path_factory.mktemp("tok"), eos_ids=[3, 1])
+pytestmark = pytest.mark.usefixtures("datasets_cache")  # tok_dir, tokenizer: tests/conftest.py
 
 
-@pytest.fixture(scope="module")
-def tok(words):
-    return tokenizers.load_tokenizer(words, VOCAB)
-
-
-@pytest.fixture(autouse=True)
-def _datasets_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
-
-
-def training_task(tmp_path, tok, rows, fraction=0.25, seed=0):
+def training_task(tmp_path, tokenizer, rows, fraction=0.25, seed=0):
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     table = dataset.read_dataset(path)
     train, held = dataset.split_rows(len(table), fraction, path)
     fmt = dataset.choose_format(table.column_names, None, "messages")
-    return dataset.DatasetTask(table, path, train, tok, fmt, seed=seed), train, held
+    return dataset.DatasetTask(table, path, train, tokenizer, fmt, seed=seed), train, held
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +44,8 @@ def tiny_model():
     return model, model.init(jax.random.key(0), jnp.float32)
 
 
-def test_targets_are_the_answer_tokens_and_the_stop_token(tmp_path, tok):
-    task, train, _ = training_task(tmp_path, tok, rows_of(12, messages=True))
+def test_targets_are_the_answer_tokens_and_the_stop_token(tmp_path, tokenizer):
+    task, train, _ = training_task(tmp_path, tokenizer, rows_of(12, messages=True))
     buckets = setup.PromptBuckets(multiple=8, max_length=32, pad_id=1)
     targets = warmup.DatasetTargets(task, "answer", STOP, response_len=4, buckets=buckets, seed=7, pad_token=1)
     prompts, left_pad, out, mask = targets.batch(0, 3)
@@ -66,10 +53,10 @@ def test_targets_are_the_answer_tokens_and_the_stop_token(tmp_path, tok):
     for b in range(3):
         row = targets.task.row_of(b)
         answer = task.dataset[row]["answer"]
-        expected = tok(answer, add_special_tokens=False)["input_ids"] + [STOP]
+        expected = tokenizer(answer, add_special_tokens=False)["input_ids"] + [STOP]
         assert len(expected) == 2 and out[b].tolist() == expected + [1, 1] and mask[b].tolist() == [1, 1, 0, 0]
         rendered = task.render(row).tokens  # as the GRPO phase renders the row: chat template, generation prompt
-        assert tok.decode(rendered.tolist()).endswith("<|im_end|> <|im_start|> assistant")
+        assert tokenizer.decode(rendered.tolist()).endswith("<|im_end|> <|im_start|> assistant")
         assert left_pad[b] == 16 - len(rendered) and prompts[b, left_pad[b]:].tolist() == rendered.tolist()
         assert (prompts[b, : left_pad[b]] == 1).all()
     # no stop token: the answer alone
@@ -77,8 +64,8 @@ def test_targets_are_the_answer_tokens_and_the_stop_token(tmp_path, tok):
     assert bare.example(0)[1].tolist() == out[0, :1].tolist()
 
 
-def test_rows_are_training_rows_only_and_the_order_is_a_function_of_the_seed(tmp_path, tok):
-    task, train, held = training_task(tmp_path, tok, rows_of(12, messages=True))
+def test_rows_are_training_rows_only_and_the_order_is_a_function_of_the_seed(tmp_path, tokenizer):
+    task, train, held = training_task(tmp_path, tokenizer, rows_of(12, messages=True))
     targets = warmup.DatasetTargets(task, "answer", STOP, 4, seed=warmup.warm_up_seed(3))
     drawn = [targets.task.row_of(i) for i in range(3 * len(train))]
     assert set(drawn) == set(train.tolist()) and not set(drawn) & set(held.tolist())
@@ -109,9 +96,9 @@ def test_padded_prompt_and_row_by_row_give_the_same_loss_and_gradient(tiny_model
 
 
 @pytest.mark.slow  # ~20 s of compiles
-def test_warm_up_on_a_dataset_lowers_the_loss(tmp_path, tok, tiny_model):
+def test_warm_up_on_a_dataset_lowers_the_loss(tmp_path, tokenizer, tiny_model):
     model, params = tiny_model
-    task, _, _ = training_task(tmp_path, tok, rows_of(12, messages=True))
+    task, _, _ = training_task(tmp_path, tokenizer, rows_of(12, messages=True))
     targets = warmup.DatasetTargets(task, "answer", STOP, 3, setup.PromptBuckets(8, 16), seed=1)
     prompts, left_pad, out, mask = targets.batch(0, 9)  # every training row
     before = float(warmup.sft_loss(model, params, prompts, out, mask, left_pad)[0])
@@ -124,7 +111,7 @@ def test_warm_up_on_a_dataset_lowers_the_loss(tmp_path, tok, tiny_model):
     assert after < 0.7 * before, (before, after)
 
 
-def test_bad_answer_rows_one_line_error(tmp_path, words, capsys):
+def test_bad_answer_rows_one_line_error(tmp_path, tok_dir, capsys):
     good = rows_of(8, messages=True)
     missing = [dict(r) for r in good]
     del missing[5]["answer"]
@@ -138,7 +125,7 @@ def test_bad_answer_rows_one_line_error(tmp_path, words, capsys):
     for rows, message in cases:
         data = write_jsonl(tmp_path / "d.jsonl", rows)
         out = str(tmp_path / "out")
-        argv = ["--vocab-size", str(VOCAB), "--data", data, "--tokenizer", words, "-G", "2", "-R", "3",
+        argv = ["--vocab-size", str(VOCAB), "--data", data, "--tokenizer", tok_dir, "-G", "2", "-R", "3",
                 "--chunk-size", "8", "--reward", "tests.test_data:length_reward", "--steps", "1", "--out", out,
                 "--sft-steps", "2"]
         assert run.main(argv) == 2, message
@@ -146,17 +133,17 @@ def test_bad_answer_rows_one_line_error(tmp_path, words, capsys):
         assert err.count("\n") == 1 and err.startswith("error: ") and re.search(message, err), (message, err)
         assert not os.path.exists(out)
     data = write_jsonl(tmp_path / "d.jsonl", good)
-    argv = data_args(data, words, "--steps", "1", "--out", str(tmp_path / "o"), "--sft-steps", "2",
+    argv = data_args(data, tok_dir, "--steps", "1", "--out", str(tmp_path / "o"), "--sft-steps", "2",
                      "--sft-prompt-len", "8")
     assert run.main(argv) == 2
     assert "--sft-prompt-len=8 sets a --task's warm-up prompt length" in capsys.readouterr().err
 
 
 @pytest.mark.slow
-def test_trainer_warm_up_on_data_then_grpo(tmp_path, words, capsys):
+def test_trainer_warm_up_on_data_then_grpo(tmp_path, tok_dir, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", rows_of(12, messages=True))
     out = str(tmp_path / "run")
-    argv = data_args(data, words, "--steps", "1", "--out", out, "--sft-steps", "3", "--sft-batch", "2",
+    argv = data_args(data, tok_dir, "--steps", "1", "--out", out, "--sft-steps", "3", "--sft-batch", "2",
                      "--sft-lr", "1e-2", "--eval-fraction", "0.25", "--eval-every", "1", "--eval-prompts", "2")
     assert run.main(argv) == 0
     printed = capsys.readouterr().out

@@ -32,9 +32,7 @@ def built(tmp_path_factory):
     return out
 
 
-@pytest.fixture(autouse=True)
-def _datasets_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+pytestmark = pytest.mark.usefixtures("datasets_cache")  # tests/conftest.py
 
 
 def read_rows(path):
