@@ -64,8 +64,8 @@ def cases(model_params):
     return case
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in "CD" else name
-                                  for name in CASES])  # C (G = 1, no remainder chunk), D (GSPO): the whole suite only
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in "BCD" else name
+                                  for name in CASES])  # B, C (G = 1), D (GSPO): the whole suite only
 def test_exact_equals_naive(model_params, cases, name):
     _, params = model_params
     batch, (loss, grads, metrics), (naive_loss, naive_grads, naive_metrics) = cases(name)

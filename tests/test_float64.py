@@ -9,7 +9,10 @@ are float64 and everything runs under `jax_enable_x64` (accumulators float64 too
     2. two exact chunk layouts agree (7 vs 32: the whole prompt in one chunk),
     3. exact on a 2x4 mesh == one device: Qwen3.6 in rounds (chunk_size 8 -> a full round of 24 positions and a
        last one of 5), GLM-5.2 in one round (its rounds cost another ~15 s of compile; float32 covers them in
-       test_sharding_glm.py),
+       test_mesh_grads.py),
+    4. left padding changes nothing (docs/architecture.md 4.6): the batch with PAD = 19 random tokens before its
+       prompt and `left_pad` 19 gives the unpadded batch's exact and detached gradients (the pads fill two capture
+       chunks of 7 and part of the third); exact vs naive (1.) is on the padded batch,
 
 for the tiny Qwen3.6 and GLM-5.2 (index_topk 16 < P: DSA selection is sparse). The batch has ragged masks, old
 log-probs (NaN at pads) and KL on, so every term of the loss reaches the backward.
@@ -31,13 +34,14 @@ from tests.helpers import o1_params, prompt_only_tokens, rel_err
 
 pytestmark = pytest.mark.slow  # float64 compiles of naive, exact and mesh grpo_grads for both families
 
-P, R = 30, 6
+P, R, PAD = 30, 6, 19
 LAYOUTS = (7, 32)  # P - 1 = 29 prompt positions: 4 x 7 + 1, one chunk
 MESH, ROUND = "2x4", {"qwen36": 8, "glm52": 64}  # chunk_size on the mesh: several rounds, one round
 CFG = GRPOConfig(kl_coef=0.1)
 TOL = 1e-10
-PAIRS = {"exact vs naive": ("exact7", "naive"), "layouts": ("exact32", "exact7"),
-         "mesh vs one device": ("mesh", "exact7")}
+PAIRS = {"exact vs naive": ("exact7_padded", "naive_padded"), "layouts": ("exact32", "exact7"),
+         "mesh vs one device": ("mesh", "exact7"), "padded vs unpadded exact": ("exact7_padded", "exact7"),
+         "padded vs unpadded detached": ("detached7_padded", "detached7")}
 
 
 def build(family: str, dtype):
@@ -64,17 +68,28 @@ def make_batch(vocab: int) -> GroupBatch:
                       ref_logprobs=rng.normal(-6, 0.3, mask.shape).astype(np.float32))
 
 
+def left_padded(batch: GroupBatch, vocab: int) -> GroupBatch:
+    """batch with PAD random tokens before its prompt and left_pad = PAD."""
+    noise = np.random.default_rng(7).integers(0, vocab, PAD).astype(np.int32)
+    return batch.replace(prompt=np.concatenate([noise, batch.prompt]), left_pad=np.int32(PAD))
+
+
 def compute(family: str, x64: bool = True) -> tuple[GroupBatch, dict]:
-    """(batch, {name: (loss, grads, metrics)} as numpy) for naive, exact at each of LAYOUTS (one device) and exact on
-    the mesh; float64 params under x64, else float32."""
+    """(batch, {name: (loss, grads, metrics)} as numpy) for exact at each of LAYOUTS (one device), exact on the mesh,
+    and exact, detached and naive at chunk_size 7 on the batch and / or its left-padded twin; float64 params under
+    x64, else float32."""
     host = lambda out: jax.tree.map(np.asarray, out)
     with jax.enable_x64(x64):
         model, params = build(family, jnp.float64 if x64 else jnp.float32)
         assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype(np.float64 if x64 else np.float32)}
         batch = make_batch(model.config.vocab_size)
-        out = {"naive": host(jax.jit(naive_grpo_grads, static_argnums=(0, 3))(model, params, batch, CFG))}
+        padded = left_padded(batch, model.config.vocab_size)
+        out = {"naive_padded": host(jax.jit(naive_grpo_grads, static_argnums=(0, 3))(model, params, padded, CFG))}
         for chunk in LAYOUTS:
             out[f"exact{chunk}"] = host(grpo_grads(model, params, batch, CFG, "exact", chunk_size=chunk))
+        out["exact7_padded"] = host(grpo_grads(model, params, padded, CFG, "exact", chunk_size=7))
+        out["detached7"] = host(grpo_grads(model, params, batch, CFG, "detached", chunk_size=7))
+        out["detached7_padded"] = host(grpo_grads(model, params, padded, CFG, "detached", chunk_size=7))
         mesh = sharding.make_mesh(MESH)
         placed = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
         out["mesh"] = host(grpo_grads(model, placed, batch, CFG, "exact", chunk_size=ROUND[family], mesh=mesh))
@@ -82,7 +97,7 @@ def compute(family: str, x64: bool = True) -> tuple[GroupBatch, dict]:
 
 
 def errors(out: dict) -> dict:
-    """{comparison: (relative gradient error, absolute loss difference)} for the three assertions."""
+    """{comparison: (relative gradient error, absolute loss difference)} for each of PAIRS."""
     return {name: (rel_err(out[a][1], out[b][1]), abs(float(out[a][0]) - float(out[b][0])))
             for name, (a, b) in PAIRS.items()}
 
@@ -100,7 +115,7 @@ def test_float64_throughout(results):
         assert loss.dtype == np.float64, name
         assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(np.float64)}, name
         assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads)), name
-    metrics = out["naive"][2]
+    metrics = out["naive_padded"][2]
     assert float(metrics["kl"]) > 0 and float(metrics["clip_frac"]) < 1  # KL on; the surrogate has gradient
     # the embedding rows of tokens only in prompt[:-1] are reached only through the prompt's backward
     prompt_only = prompt_only_tokens(batch)

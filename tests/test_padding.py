@@ -6,9 +6,10 @@ index_topk 16 < the real prompt: DSA selection is sparse, and 16 > the real keys
 leave slots empty rather than take a pad). The pads are random ids (not a pad id) and span whole capture chunks, a
 chunk that mixes pads and real tokens, GDN chunks (Qwen gdn_chunk_size 8) and, on a mesh, the first shards and round
 boundaries. Each comparison first checks that the same padded prompt *without* left_pad differs: the masks are what
-makes them equal. float32 here (tolerances of float round-off: the pads move chunk, GDN-chunk and attention-block
-boundaries, exact only in exact arithmetic) on a mesh; on one device the gradients are checked in float64 (slow:
-1e-10, both families and modes), the capture, extend and sampling in float32.
+makes them equal. Here: capture, extend, forward and sampling, on one device and on a mesh, in float32 (tolerances
+of float round-off: the pads move chunk, GDN-chunk and attention-block boundaries, exact only in exact arithmetic).
+The gradients: on one device in float64 (tests/test_float64.py, 1e-10, both families and modes), on a mesh and for
+groups stacked with different pads in float32 (tests/test_mesh_grads.py).
 """
 import inspect
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, naive_grpo_grads, sharding
+from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, sharding
 from longstraw_jax.grpo import validate_batch
 from longstraw_jax.models.glm52 import Glm52Config
 from longstraw_jax.parallel import rules
@@ -175,21 +176,6 @@ def test_padded_capture_and_extend_equal_unpadded(setup):
                                model.forward(params, tokens[PAD:]), atol=1e-5 * scale)
 
 
-@slow
-def test_stacked_groups_with_different_pads_equal_each_alone():
-    """Two groups of different real lengths stacked [2, 32] with their own left_pad == each group alone, unpadded
-    (seq-mean-token-mean: the batch loss and gradient are the mean of the groups')."""
-    model, params = build("qwen36")
-    first, second = group(512, N, seed=0), group(512, N2, seed=1)
-    stacked = jax.tree.map(lambda a, b: np.stack([a, b]), padded(first, PAD), padded(second, PAD2, seed=8))
-    assert stacked.prompt.shape == (2, N + PAD) and stacked.left_pad.tolist() == [PAD, PAD2]
-    loss, grads, _ = grpo_grads(model, params, stacked, CFG, "exact", chunk_size=CHUNK)
-    alone = [grpo_grads(model, params, g, CFG, "exact", chunk_size=CHUNK) for g in (first, second)]
-    assert abs(float(loss) - (float(alone[0][0]) + float(alone[1][0])) / 2) <= 1e-5
-    mean = jax.tree.map(lambda a, b: (a + b) / 2, alone[0][1], alone[1][1])
-    assert rel_err(grads, mean) <= 1e-4
-
-
 # ----- samplers ----------------------------------------------------------------------------------------------------
 
 
@@ -206,6 +192,7 @@ def assert_same_rollout(got, want, what: str):
     np.testing.assert_allclose(got.first_logprobs, want.first_logprobs, atol=1e-5, err_msg=what)
 
 
+@slow  # the fast tier checks padding in capture + extend (the sampler's capture and decode read the same masks)
 def test_padded_sampling_equals_unpadded(setup):
     family, model, params, batch = setup
     key, sampling = jax.random.key(3), sampling_for(family)
@@ -255,39 +242,10 @@ def test_padded_capture_and_extend_on_mesh_equal_unpadded_one_device():
     assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * float(jnp.max(jnp.abs(want)))
 
 
-MESH_CASES = [("qwen36", "2x4", "exact"), ("glm52", "1x8", "exact"), ("qwen36", "1x8", "detached"),
-              ("glm52", "2x4", "detached")]
-
-
-@slow
-@pytest.mark.parametrize("family,spec,mode", MESH_CASES)
-def test_padded_grads_on_mesh_equal_unpadded_one_device(family, spec, mode):
-    """Rounds of 8 (chunk_size): the 11 pads fill round 0 and part of round 1, in the first shards."""
-    model, params = build(family)
-    batch = group(model.config.vocab_size, N, seed=0)
-    want = grpo_grads(model, params, batch, CFG, mode, chunk_size=CHUNK)
-    mesh = sharding.make_mesh(spec)
-    got = grpo_grads(model, placed(params, mesh), padded(batch, PAD), CFG, mode, chunk_size=8, mesh=mesh)
-    assert_same(got, want, f"{family} {spec} {mode} padded on the mesh vs unpadded")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
-def test_stacked_padded_groups_on_mesh(family):
-    """B = 2 groups with different pads side by side on `data` (2x4) == one device, padded."""
-    model, params = build(family)
-    vocab = model.config.vocab_size
-    stacked = jax.tree.map(lambda a, b: np.stack([a, b]), padded(group(vocab, N, 0), PAD),
-                           padded(group(vocab, N2, 1), PAD2, seed=8))
-    want = grpo_grads(model, params, stacked, CFG, "exact", chunk_size=CHUNK)
-    mesh = sharding.make_mesh("2x4")
-    got = grpo_grads(model, placed(params, mesh), stacked, CFG, "exact", chunk_size=8, mesh=mesh)
-    assert_same(got, want, f"{family} 2x4 two padded groups")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family,spec", [("qwen36", "2x4"), ("glm52", "1x8")])
-def test_padded_sampling_on_mesh_equals_unpadded_one_device(family, spec):
+def test_padded_sampling_on_mesh_equals_unpadded_one_device():
+    """Qwen3.6 on 2x4 (GLM-5.2 on 1x8: tests/test_sharding_sample.py)."""
+    family, spec = "qwen36", "2x4"
     model, params = build(family)
     batch = group(model.config.vocab_size, N, seed=0)
     key, sampling = jax.random.key(3), sampling_for(family)
@@ -296,25 +254,3 @@ def test_padded_sampling_on_mesh_equals_unpadded_one_device(family, spec):
     got = mesh_sampling.sample_group(model, placed(params, mesh), padded(batch, PAD).prompt, 4, sampling, key, mesh,
                                      chunk_size=8, left_pad=PAD)
     assert_same_rollout(got, want, f"{family} {spec}")
-
-
-# ----- float64: round-off only -------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
-def test_padded_grads_equal_unpadded_float64(family):
-    """Exact and detached, and the full-graph oracle on the padded batch, all equal the unpadded exact gradient to
-    float64 round-off."""
-    host = lambda out: jax.tree.map(np.asarray, out)
-    with jax.enable_x64():
-        model, params = build(family, jnp.float64)
-        batch = group(model.config.vocab_size, N, seed=0)
-        pad = padded(batch, PAD)
-        out = {mode: (host(grpo_grads(model, params, batch, CFG, mode, chunk_size=CHUNK)),
-                      host(grpo_grads(model, params, pad, CFG, mode, chunk_size=CHUNK))) for mode in ("exact",
-                                                                                                     "detached")}
-        naive = host(jax.jit(naive_grpo_grads, static_argnums=(0, 3))(model, params, pad, CFG))
-    for mode, (want, got) in out.items():
-        assert_same(got, want, f"{family} float64 {mode}", loss_tol=1e-12, grad_tol=1e-10)
-    assert_same(naive, out["exact"][0], f"{family} float64 naive padded vs exact", loss_tol=1e-12, grad_tol=1e-10)

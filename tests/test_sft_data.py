@@ -77,6 +77,7 @@ def test_rows_are_training_rows_only_and_the_order_is_a_function_of_the_seed(tmp
     assert grpo != drawn[: len(train)]
 
 
+@pytest.mark.slow  # two warm-up gradient compiles (the fast tier keeps the warm-up's loss and its fall)
 def test_padded_prompt_and_row_by_row_give_the_same_loss_and_gradient(tiny_model):
     model, params = tiny_model
     rng = np.random.default_rng(0)

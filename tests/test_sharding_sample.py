@@ -4,8 +4,9 @@ CPU devices, tiny models at O(1) scale.
 
 - same key -> the same tokens, masks and log-probs (rtol 1e-5): Qwen3.6 on 2x4 with a stop token and top-p, GLM-5.x
   on 1x8 greedy (index_topk 16 < the prompt: the sharded top-k over prompt + tail + token must select what one
-  device selects); the mesh decodes all G branches together, the one-device oracle one at a time
-  (decode_batch=1); prompts captured in rounds, P - 1 divisible by no layout;
+  device selects) with its prompt left-padded (PAD random tokens, `left_pad` PAD: the pads fill the first round
+  and shards; the one-device oracle samples the unpadded prompt); the mesh decodes all G branches together, the
+  one-device oracle one at a time (decode_batch=1); prompts captured in rounds, P - 1 divisible by no layout;
 - keep_capture: the (sstate, capture_aux) handed back equals the family's sharded capture of prompt[:-1]
   (`sharding.prompt.jitted_capture`, what sharding/engine.py computes);
 - no weights move per decoded token: the compiled decode step (all branches, 1x8) all-gathers no matrix that the
@@ -33,6 +34,7 @@ from tests.helpers import o1_params
 pytestmark = pytest.mark.slow  # mesh and one-device samplers per family; AOT compiles at P = 65536
 
 P, R, G, ROUND = 30, 5, 3, 8  # prompt[:-1] = 29 positions: a full round (whole segments) and a padded last round
+PAD = 11  # GLM's left pads: its padded prompt[:-1] has 40 positions
 
 
 def _setup(family: str):
@@ -72,19 +74,24 @@ def test_mesh_sampler_equals_one_device_and_keeps_the_sharded_capture(family, sp
     mesh = sharding.make_mesh(spec)
     placed = _placed(params, mesh)
     together = dataclasses.replace(sampling, decode_batch=None)
+    left_pad = PAD if family == "glm52" else None
+    if left_pad:
+        prompt = np.concatenate([np.random.default_rng(7).integers(0, 64, PAD).astype(np.int32), prompt])
     got, captured = sample.sample_group(model, placed, prompt, G, together, key, mesh, chunk_size=ROUND,
-                                        keep_capture=True)
+                                        keep_capture=True, left_pad=left_pad)
     _assert_same_rollout(got, want)
 
-    layout = round_layout(model, P - 1, mesh.shape["seq"], ROUND)
-    assert captured.sstate.layout == layout and layout.full >= 1 and captured.sstate.length == P - 1
-    sstate, aux = jitted_capture(model, placed, layout.to_stored(jnp.asarray(prompt[:-1])), mesh, layout, "ring")
+    positions = prompt.shape[0] - 1
+    layout = round_layout(model, positions, mesh.shape["seq"], ROUND)
+    assert captured.sstate.layout == layout and layout.full >= 1 and captured.sstate.length == positions
+    sstate, aux = jitted_capture(model, placed, layout.to_stored(jnp.asarray(prompt[:-1])), mesh, layout, "ring",
+                                 left_pad)
     for got_leaf, want_leaf in zip(jax.tree.leaves((captured.sstate, captured.capture_aux)),
                                    jax.tree.leaves((sstate, aux)), strict=True):
         assert got_leaf.sharding.is_equivalent_to(want_leaf.sharding, got_leaf.ndim)
         np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=1e-5)
     natural = captured.sstate.natural()  # and it is the one-device capture of prompt[:-1]
-    fresh = model.capture(params, prompt[:-1], chunk_size=8)
+    fresh = model.capture(params, prompt[:-1], chunk_size=8, left_pad=left_pad)
     for name in ("keys", "values", "kv", "index_keys"):
         if hasattr(fresh, name):
             np.testing.assert_allclose(getattr(natural, name), getattr(fresh, name), rtol=1e-4, atol=1e-4,
