@@ -86,6 +86,7 @@ def test_exact_equals_naive(model_params, cases, name):
         assert float(metrics["kl"]) > 0
 
 
+@pytest.mark.slow  # case B's exact compile (the fast tier runs case A)
 def test_equal_rewards_give_zero_advantages_and_zero_grads(model_params, cases):
     """Reuses compiled cases: B (KL off) -> exactly zero loss and gradient; A (KL on) -> only the KL gradient,
     still equal to the oracle."""

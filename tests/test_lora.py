@@ -239,7 +239,7 @@ def test_bad_lora_input_one_line_error_nothing_written(tmp_path, capsys):
 # ----- PEFT ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["qwen", "glm"])
+@pytest.mark.parametrize("name", ["qwen", pytest.param("glm", marks=pytest.mark.slow)])
 def test_peft_export_loads_with_our_logits(name, tmp_path):
     from peft import PeftModel
 

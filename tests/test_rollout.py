@@ -313,7 +313,8 @@ def test_keep_capture_returns_the_engines_capture(setup, family):
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", [pytest.param("qwen36", marks=pytest.mark.slow), "glm52"])
+@pytest.mark.slow  # a sampler and a gradient compile per family
+@pytest.mark.parametrize("family", ["qwen36", "glm52"])
 def test_positions_beyond_a_states_length_are_never_read(setup, family):
     """A state with room beyond its length (garbage there) replays exactly as the state without room: `extend`
     reads positions < length only (GLM: its top-k never selects one; an index_topk larger than the prompt makes
@@ -345,6 +346,7 @@ def test_positions_beyond_a_states_length_are_never_read(setup, family):
         assert not np.any(np.asarray(cot[:, :, P - 1 :])), name
 
 
+@pytest.mark.slow  # the vmapped sampler's compile (the fast tier's trainer runs sample through it)
 def test_the_traced_sampler_vmaps_over_groups(setup):
     """sample_traced under jax.vmap over a leading group axis (prompt [N, P], key [N]) == one call per group."""
     model, params, prompt = setup

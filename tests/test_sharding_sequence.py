@@ -106,6 +106,7 @@ def test_capture_in_rounds_equals_one_device(tiny):
     np.testing.assert_allclose(sharding.extend(model, params, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
 
 
+@pytest.mark.slow  # captures recompiled with small row blocks
 def test_row_blocks_change_nothing(tiny, monkeypatch):
     """Position-wise work (and the earlier-rounds attention of the gathered queries) in blocks of 7 rows (ROWS is
     4096; 2x4 holds 12 positions per device): same state and logits as one device; `_by_rows` pads a ragged last
