@@ -105,6 +105,7 @@ def test_mtp_layer_on_disk_is_skipped_with_a_note(checkpoint, tmp_path, caplog):
     assert mtp_model.hf_skipped_prefixes == (f"model.layers.{layers}.",)
 
 
+@pytest.mark.slow  # bfloat16 compiles of forward, capture and extend (the fast tier checks float32 parity)
 @pytest.mark.parametrize("checkpoint", ["glm52_indexshare"], indirect=True)
 def test_bfloat16_end_to_end_as_close_as_transformers_own(checkpoint):
     """bf16 params and state (fp32 indexer scores, router and softmax): as close to fp32 as transformers' bf16."""

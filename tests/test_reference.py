@@ -41,7 +41,7 @@ def naive_logprobs(model, params, prompts, responses, left_pad) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen36", "glm52"])
+@pytest.mark.parametrize("family", ["qwen36", pytest.param("glm52", marks=pytest.mark.slow)])
 def test_one_device_equals_full_forward(family):
     """Chunks of 6 over prompt[:-1] (20 positions: three full chunks and a remainder), a left-padded group, logits
     in chunks of 2 tokens (two full and a tail)."""
@@ -54,7 +54,7 @@ def test_one_device_equals_full_forward(family):
     assert np.all(np.asarray(got) < 0)
 
 
-@pytest.mark.parametrize("spec", ["2x4", "1x8"])
+@pytest.mark.parametrize("spec", ["2x4", pytest.param("1x8", marks=pytest.mark.slow)])
 def test_mesh_equals_full_forward(spec):
     """Qwen3.6 on a simulated mesh (rounds of 8 positions over seq; on 2x4 each data slice takes one group)."""
     model, params, _ = tiny_model("qwen36")
