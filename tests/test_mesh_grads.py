@@ -8,8 +8,8 @@ rounds and a shorter last one: the exact backward walks them all; Qwen3.6 on 1x8
 masks, KL on and old log-probs (NaN at pads), so every term of the loss reaches the sharded backward. A padded group
 has 19 random pad tokens (`left_pad` 19): GLM's round 0 (16 positions) is all pads and its round 1 mixes pads and
 real tokens, Qwen3.6's first round (24 positions) mixes them; the 2x4 cases put an unpadded and a padded group side
-by side. One-device padded ==
-unpadded is checked in float64 (test_float64.py) and below for groups stacked with different pads.
+by side. One-device padded == unpadded is checked in float64 (test_float64.py) and below for groups stacked with
+different pads.
 
 Each case also checks where things run: every group is computed once, by its own data slice (a debug callback in
 the engines' group loop); the gradient comes back FSDP-sharded like the parameters; GLM's routed experts' gradients
@@ -50,7 +50,7 @@ CASES = {
     "glm52-1x8-exact": Case("glm52", "1x8", "exact", 19),  # reads around the ring
     "glm52-2x4-detached": Case("glm52", "2x4", "detached", (0, 19)),
 }
-FAST = {"qwen36-1x8-detached"}  # the rest compile a mesh engine each (~30-60 s): slow
+FAST = {"qwen36-1x8-detached"}  # the rest compile a mesh engine each (1-3 min on 2 busy cores): slow
 
 
 def make_batch(vocab: int, pads: int | tuple[int, ...], seed: int = 0) -> GroupBatch:
