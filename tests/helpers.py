@@ -155,6 +155,24 @@ def detached_reference(model, params, batch, cfg, chunk_size):
     return loss, grads, metrics
 
 
+def random_groups(vocab: int, pads, prompt_len: int, response_len: int = 6, group_size: int = 3,
+                  seed: int = 0) -> GroupBatch:
+    """Random GRPO groups: B = len(pads) groups stacked (prompt [B, P], responses [B, G, R], ...) for a tuple, one
+    unstacked group (prompt [P]) for an int; the first pads[b] prompt tokens are pads (`left_pad`, None when all
+    are 0). Ragged masks (every branch at least one token), distinct rewards per group, old (NaN at pads) and
+    reference log-probs: every term of the loss is live."""
+    rng = np.random.default_rng(seed)
+    lead = (len(pads),) if isinstance(pads, tuple) else ()
+    mask = (np.arange(response_len) < rng.integers(1, response_len + 1, lead + (group_size,))[..., None])
+    mask = mask.astype(np.float32)
+    logp = lambda: rng.normal(-6, 0.3, mask.shape).astype(np.float32)
+    return GroupBatch(prompt=rng.integers(0, vocab, lead + (prompt_len,)).astype(np.int32),
+                      responses=rng.integers(0, vocab, lead + (group_size, response_len)).astype(np.int32),
+                      mask=mask, rewards=rng.normal(0, 1, lead + (group_size,)).astype(np.float32),
+                      old_logprobs=np.where(mask == 1, logp(), np.nan).astype(np.float32), ref_logprobs=logp(),
+                      left_pad=np.array(pads, np.int32) if np.any(pads) else None)
+
+
 # ----- sharded == one device ----------------------------------------------------------------------------------------
 
 SHARDED_CFG = GRPOConfig(kl_coef=0.1)

@@ -10,27 +10,15 @@ import pytest
 
 from longstraw_jax import GroupBatch, GRPOConfig, models
 from longstraw_jax.grpo import grpo_loss, token_weights, validate_batch
-from tests.helpers import o1_params, rel_err
+from tests.helpers import o1_params, random_groups, rel_err
 
 P, R, G = 30, 6, 3
-
-
-def _groups(vocab: int, groups_per_step: int, seed: int = 0) -> GroupBatch:
-    """B groups with different prompts, ragged masks, distinct rewards per group, old and ref log-probs."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, R + 1, (groups_per_step, G))
-    mask = (np.arange(R) < lengths[..., None]).astype(np.float32)
-    logp = lambda: rng.normal(-6, 0.3, mask.shape).astype(np.float32)
-    return GroupBatch(prompt=rng.integers(0, vocab, (groups_per_step, P)).astype(np.int32),
-                      responses=rng.integers(0, vocab, (groups_per_step, G, R)).astype(np.int32), mask=mask,
-                      rewards=rng.normal(0, 1, (groups_per_step, G)).astype(np.float32),
-                      old_logprobs=np.where(mask == 1, logp(), np.nan).astype(np.float32), ref_logprobs=logp())
 
 
 def test_whole_batch_aggregation_matches_verl():
     """token-mean divides by all tokens of all groups; seq-mean-token-mean averages over all B * G sequences;
     seq-mean-token-sum-norm divides by B * G * R; advantages are normalised within each group."""
-    batch = _groups(50, 2)
+    batch = random_groups(50, (0, 0), P, R, G)
     mask = batch.mask
     for agg, want in (("token-mean", mask / mask.sum()),
                       ("seq-mean-token-mean", mask / (2 * G * mask.sum(-1, keepdims=True))),
@@ -47,7 +35,7 @@ def test_whole_batch_aggregation_matches_verl():
 
 def test_grouped_batch_errors_name_the_field():
     vocab = models.Qwen36Config.tiny().vocab_size
-    batch = _groups(vocab, 2)
+    batch = random_groups(vocab, (0, 0), P, R, G)
     with pytest.raises(ValueError, match=r"GroupBatch.responses has 3 groups but prompt has 2"):
         validate_batch(batch.replace(responses=np.zeros((3, G, R), np.int32)), vocab)
     with pytest.raises(ValueError, match=r"GroupBatch.rewards has shape \(2, 4\); expected \[B, G\] = \(2, 3\)"):

@@ -27,7 +27,7 @@ from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, naive_grpo
 from longstraw_jax.models import glm52_mesh
 from longstraw_jax.models.base import CausalLM
 from longstraw_jax.parallel import groups as groups_lib, rules
-from tests.helpers import assert_metrics_equal, rel_err, tiny_model
+from tests.helpers import assert_metrics_equal, random_groups, rel_err, tiny_model
 
 P, R, G, CHUNK = 46, 6, 3, 16
 CFG = GRPOConfig(kl_coef=0.1, loss_agg="seq-mean-token-mean")  # the batch loss is the mean of the groups' losses
@@ -53,25 +53,10 @@ CASES = {
 FAST = {"qwen36-1x8-detached"}  # the rest compile a mesh engine each (1-3 min on 2 busy cores): slow
 
 
-def make_batch(vocab: int, pads: int | tuple[int, ...], seed: int = 0) -> GroupBatch:
-    """B = len(pads) groups of G branches (prompts [B, P]), or one group (prompt [P]) for an int: the first pads[b]
-    prompt tokens are random pads; ragged masks, distinct rewards per group, old (NaN at pads) and reference
-    log-probs."""
-    rng = np.random.default_rng(seed)
-    lead = (len(pads),) if isinstance(pads, tuple) else ()
-    mask = (np.arange(R) < rng.integers(1, R + 1, lead + (G,))[..., None]).astype(np.float32)
-    logp = lambda: rng.normal(-6, 0.3, mask.shape).astype(np.float32)
-    return GroupBatch(prompt=rng.integers(0, vocab, lead + (P,)).astype(np.int32),
-                      responses=rng.integers(0, vocab, lead + (G, R)).astype(np.int32), mask=mask,
-                      rewards=rng.normal(0, 1, lead + (G,)).astype(np.float32),
-                      old_logprobs=np.where(mask == 1, logp(), np.nan).astype(np.float32), ref_logprobs=logp(),
-                      left_pad=np.array(pads, np.int32) if pads else None)
-
-
 @functools.cache
 def batch_of(name: str) -> GroupBatch:
     case = CASES[name]
-    return make_batch(tiny_model(case.family)[0].config.vocab_size, case.pads, seed=list(CASES).index(name))
+    return random_groups(tiny_model(case.family)[0].config.vocab_size, case.pads, P, R, G, seed=list(CASES).index(name))
 
 
 @functools.cache
@@ -153,7 +138,7 @@ def test_stacked_groups_with_different_pads_equal_naive_and_each_alone():
 def test_groups_must_split_over_data():
     model, params, _ = tiny_model("qwen36")
     with pytest.raises(ValueError, match="3 groups do not split over the mesh.s data axis of size 2"):
-        grpo_grads(model, params, make_batch(model.config.vocab_size, (0, 0, 0)), CFG, "detached", chunk_size=8,
+        grpo_grads(model, params, random_groups(model.config.vocab_size, (0, 0, 0), P), CFG, "detached", chunk_size=8,
                    mesh=sharding.make_mesh("2x4"))
 
 
