@@ -4,8 +4,8 @@ here (8 experts on 8 devices; 32 on 32).
 
 The prompt (45 positions) divides evenly by no mesh's 2 * seq segments; capture runs in one round and in rounds;
 the sharded indexer (per-shard top-k + all_to_all merge) must pick the same positions as one device, or the
-logits would differ. GLM's gradients on a mesh (2x4 and 1x8, exact and detached, reading around the ring) are cases
-of tests/test_mesh_grads.py; here, the GPU's ragged expert exchange and the 32-device check.
+logits would differ. GLM's gradients on a mesh (2x4 exact and detached, 1x8 exact reading around the ring) are
+cases of tests/test_mesh_grads.py; here, the GPU's ragged expert exchange and the 32-device check.
 """
 import functools
 import json

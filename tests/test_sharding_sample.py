@@ -58,8 +58,8 @@ def _assert_same_rollout(got, want):
         np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("family, spec", [("qwen36", "2x4"), ("glm52", "1x8")])
-def test_mesh_sampler_equals_one_device_and_keeps_the_sharded_capture(family, spec):
+@pytest.mark.parametrize("family, spec, left_pad", [("qwen36", "2x4", None), ("glm52", "1x8", PAD)])
+def test_mesh_sampler_equals_one_device_and_keeps_the_sharded_capture(family, spec, left_pad):
     model, params, prompt = _setup(family)
     key = jax.random.key(4)
     sampling = SamplingConfig(response_len=R, temperature=0.8, top_p=0.9, decode_batch=1)
@@ -74,9 +74,8 @@ def test_mesh_sampler_equals_one_device_and_keeps_the_sharded_capture(family, sp
     mesh = sharding.make_mesh(spec)
     placed = _placed(params, mesh)
     together = dataclasses.replace(sampling, decode_batch=None)
-    left_pad = PAD if family == "glm52" else None
-    if left_pad:
-        prompt = np.concatenate([np.random.default_rng(7).integers(0, 64, PAD).astype(np.int32), prompt])
+    if left_pad:  # the mesh samples the padded prompt; the one-device oracle above, the unpadded one
+        prompt = np.concatenate([np.random.default_rng(7).integers(0, 64, left_pad).astype(np.int32), prompt])
     got, captured = sample.sample_group(model, placed, prompt, G, together, key, mesh, chunk_size=ROUND,
                                         keep_capture=True, left_pad=left_pad)
     _assert_same_rollout(got, want)
