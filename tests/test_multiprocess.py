@@ -83,13 +83,6 @@ def cached(cache) -> dict:
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
-@pytest.fixture(scope="module")
-def launch_cache(tmp_path_factory):
-    """One compilation cache for this module's 2-process launches of SMALL: the second launch loads the programs
-    the first compiled (4 devices per process: not the one-process 2x4 programs)."""
-    return tmp_path_factory.mktemp("launch-cache")
-
-
 def run_cli(args, cache, **extra):
     """`python -m longstraw_jax.run args` in one process (its own 8 CPU devices for --mesh 2x4), sharing a persistent
     compilation cache -> Popen."""
@@ -98,7 +91,7 @@ def run_cli(args, cache, **extra):
 
 
 @pytest.mark.slow  # three trainer processes (two launched, one reference) and a resumed one
-def test_two_processes_killed_then_resumed_in_one(tmp_path, launch_cache):
+def test_two_processes_killed_then_resumed_in_one(tmp_path):
     out, single, cache = str(tmp_path / "mp"), str(tmp_path / "single"), tmp_path / "cache"
     start = time.perf_counter()
     # the one-process reference (3 steps, same 2x4 mesh) compiles alongside the two processes
@@ -106,7 +99,7 @@ def test_two_processes_killed_then_resumed_in_one(tmp_path, launch_cache):
     proc = subprocess.run([sys.executable, "-m", "longstraw_jax.launch", "--processes", "2", "--grace", "60", "--",
                            *SMALL, "--steps", "3", "--out", out], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env=env(LONGSTRAW_TEST_FAULT="step:3:SIGKILL:1",
-                                               LONGSTRAW_TEST_SCORED=str(tmp_path / "scored"), **cached(launch_cache)))
+                                               LONGSTRAW_TEST_SCORED=str(tmp_path / "scored")))
     launched = time.perf_counter() - start
     lines = proc.stdout.splitlines()
     # the last lines, after the first error-looking ones (which say why when a process ended unexpectedly)
