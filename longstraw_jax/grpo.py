@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from longstraw_jax.validation import check_left_pad, is_concrete, is_int, is_real
+from longstraw_jax.common.validation import check_left_pad, is_concrete, is_int, is_real
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # the largest reward magnitude a GroupBatch holds

@@ -24,11 +24,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from longstraw_jax.engine import MODES, check_captured, grpo_grads_unvalidated
+from longstraw_jax.common.validation import check_size, is_real
+from longstraw_jax.engine import MODES
+from longstraw_jax.engine.capture import chunk_layout
+from longstraw_jax.engine.local import check_captured, grpo_grads_unvalidated
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, validate_batch
-from longstraw_jax.models.base import chunk_layout
-from longstraw_jax.parallel.groups import check_groups
-from longstraw_jax.validation import check_size, is_real
+from longstraw_jax.sharding.groups import check_groups
 
 
 def make_optimizer(learning_rate=1e-5, weight_decay: float = 0.0, max_grad_norm: float | None = 1.0,

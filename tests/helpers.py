@@ -19,7 +19,7 @@ from flax import traverse_util
 
 from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, sharding
 from longstraw_jax.grpo import grpo_loss
-from longstraw_jax.parallel import rules
+from longstraw_jax.sharding import rules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

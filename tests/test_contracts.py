@@ -7,8 +7,8 @@ import jax
 import pytest
 
 from longstraw_jax import models
-from longstraw_jax.layerwise import Stage
-from longstraw_jax.models.base import BlockModel, CausalLM, Model, PromptState, SequenceParallel
+from longstraw_jax.engine.layerwise import Stage
+from longstraw_jax.models.base import BlockModel, CausalLM, MeshAdapter, Model, PromptState
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "longstraw_jax"
 FAMILY_CLASSES = {"Qwen36", "Qwen36Config", "Qwen36State", "Glm52", "Glm52Config", "Glm52State"}
@@ -21,8 +21,8 @@ FAMILY_FILES = {"models/qwen36.py", "models/glm52.py", "models/qwen36_mesh.py", 
 def test_families_satisfy_the_protocols(config):
     model = models.build(config)
     assert isinstance(model, Model)
-    assert isinstance(model.sequence_parallel(), SequenceParallel)
-    assert isinstance(model.sequence_parallel().min_segment, int)
+    assert isinstance(model.mesh_adapter(), MeshAdapter)
+    assert isinstance(model.mesh_adapter().min_segment, int)
     state = jax.eval_shape(lambda: model.init_state(4))
     assert isinstance(state, PromptState) and isinstance(state, model.state_type) and state.length == 4
 

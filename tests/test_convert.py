@@ -307,7 +307,7 @@ def test_interrupted_conversion_leaves_nothing_complete_looking(tiny_hf, tmp_pat
 def test_mesh_aligns_chunks_with_fsdp_shards(tiny_hf, tmp_path, monkeypatch):
     """--mesh 2x4: every leaf's zarr chunks tile each of the 8 devices' FSDP shards (parallel.rules.fsdp_dim) exactly,
     with small chunks (shards of one chunk and of several occur), and the values restore unchanged."""
-    from longstraw_jax.parallel import rules
+    from longstraw_jax.sharding import rules
 
     monkeypatch.setattr(convert, "CHUNK_BYTES", 2048)
     convert.hf2orbax(tiny_hf, tmp_path / "init", "float32", mesh="2x4", block_bytes=8192)

@@ -371,7 +371,7 @@ def test_the_gathered_exchange_costs_this_devices_share_of_the_rows(fraction):
     experts (blocks past the local rows skipped at run time, counted at their bound); the GPU model counts this
     device's T k rows (x fraction: the real rows) once each, their bytes and the L local matrices per projection
     (bf16), once per call."""
-    from longstraw_jax.parallel import experts
+    from longstraw_jax.sharding import experts
 
     mesh = _mesh()
     t, d, i, e, k = 16, 64, 32, 16, 4

@@ -138,7 +138,7 @@ def test_errors_before_any_computation(model_params, cases, monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("the engine ran on an invalid call")
 
-    monkeypatch.setattr(engine, "jitted_grpo_grads", must_not_run)
+    monkeypatch.setattr(engine.local, "jitted_grpo_grads", must_not_run)
     with pytest.raises(ValueError, match="mode='bogus'"):
         grpo_grads(model, params, batch, cfg, mode="bogus", chunk_size=7)
     rewards = batch.rewards.copy()
@@ -170,7 +170,7 @@ def _memory(model, mode, group_size, prompt_len, response_len, chunk):
     if mode == "naive":
         lowered = naive_fn.lower(model, params, batch, cfg)
     else:
-        lowered = jax.jit(engine.jitted_grpo_grads, static_argnums=(0, 3, 4, 5)).lower(model, params, batch, cfg, mode,
+        lowered = jax.jit(engine.local.jitted_grpo_grads, static_argnums=(0, 3, 4, 5)).lower(model, params, batch, cfg, mode,
                                                                                   chunk)
     return lowered.compile().memory_analysis()
 

@@ -14,10 +14,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from longstraw_jax.ops.moe import grouped_swiglu
-from longstraw_jax.parallel import mesh as mesh_lib, rules
-from longstraw_jax.parallel.experts import exchange_for, gathered, local_experts, ragged, routed_swiglu
-from longstraw_jax.parallel.groups import DATA
-from longstraw_jax.parallel.rules import FSDP
+from longstraw_jax.sharding import mesh as mesh_lib, rules
+from longstraw_jax.sharding.experts import exchange_for, gathered, local_experts, ragged, routed_swiglu
+from longstraw_jax.sharding.groups import DATA
+from longstraw_jax.sharding.rules import FSDP
 from tests.helpers import emulated_ragged_all_to_all
 
 E, K, D, HIDDEN, T = 16, 3, 8, 6, 5  # 16 experts on 8 devices: 2 each; 5 tokens per device

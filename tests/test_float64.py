@@ -29,7 +29,7 @@ from flax import traverse_util
 
 from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, naive_grpo_grads, sharding
 from longstraw_jax.models.glm52 import Glm52Config
-from longstraw_jax.parallel import rules
+from longstraw_jax.sharding import rules
 from tests.helpers import o1_params, prompt_only_tokens, rel_err
 
 pytestmark = pytest.mark.slow  # float64 compiles of naive, exact and mesh grpo_grads for both families

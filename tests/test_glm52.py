@@ -15,7 +15,8 @@ import pytest
 from flax import traverse_util
 
 from longstraw_jax import GroupBatch, GRPOConfig, engine, grpo_grads, models, naive_grpo_grads
-from longstraw_jax.models.base import CausalLM, capture_chunks
+from longstraw_jax.engine.capture import capture_chunks
+from longstraw_jax.models.base import CausalLM
 from longstraw_jax.models.glm52 import Glm52, Glm52Config
 from longstraw_jax.ops.mla import sparse_latent_attention
 from longstraw_jax.ops.moe import grouped_swiglu, route
@@ -325,7 +326,7 @@ def test_state_cotangent_has_no_indexer_key_buffer():
     state = jax.eval_shape(lambda: models.build(cfg).init_state(37, jnp.bfloat16))
     assert models.build(cfg).differentiable_state(state).index_keys is None
     index_keys = (cfg.num_full_layers, 37, cfg.index_head_dim)
-    trace = lambda model: jax.make_jaxpr(engine.jitted_grpo_grads, static_argnums=(0, 3, 4, 5))(
+    trace = lambda model: jax.make_jaxpr(engine.local.jitted_grpo_grads, static_argnums=(0, 3, 4, 5))(
         model, params, batch, GRPOConfig(), "exact", 16).jaxpr
     assert index_keys not in _float32_shapes(trace(models.build(cfg)))
     assert index_keys in _float32_shapes(trace(AutodiffGlm(cfg)))

@@ -68,7 +68,7 @@ def test_one_capture_per_step(monkeypatch):
             return original(*args, **kwargs)
         return capture_chunks
 
-    for module in (engine, rollout):
+    for module in (engine.local, rollout):
         monkeypatch.setattr(module, "capture_chunks", counting(module.capture_chunks))
     model = models.build(models.Qwen36Config.tiny(vocab_size=37))
     params = o1_params(model.init(jax.random.key(0)), jax.random.key(1))

@@ -406,7 +406,7 @@ def test_validate_batch_rejects_rewards_whose_advantages_overflow_without_std():
 
 
 def test_numpy_integer_sizes_are_accepted_bool_and_float_are_not():
-    from longstraw_jax.models.base import chunk_layout
+    from longstraw_jax.engine.capture import chunk_layout
     from longstraw_jax.ops.logprobs import token_logprobs
     from longstraw_jax.sampling.branches import SamplingConfig
 
@@ -438,7 +438,7 @@ def test_numpy_integer_sizes_reach_the_jitted_functions_as_python_ints(monkeypat
 
     seen = []
     record = lambda *args: seen.append([a for a in args if isinstance(a, (int, np.integer))])
-    monkeypatch.setattr(engine, "grpo_grads_unvalidated", lambda *a: record(*a))
+    monkeypatch.setattr(engine.local, "grpo_grads_unvalidated", lambda *a: record(*a))
     monkeypatch.setattr(train, "jitted_train_step", lambda *a: record(*a))
     monkeypatch.setattr(rollout, "_sample_group", lambda *a: record(*a))
     model = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=V))

@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longstraw_jax import GRPOConfig, grpo_grads, lora, make_optimizer, models, naive_grpo_grads, sharding, trainable
+from longstraw_jax import GRPOConfig, grpo_grads, make_optimizer, models, naive_grpo_grads, sharding
+from longstraw_jax.adapters import lora, trainable
 from longstraw_jax.io.checkpoints import TrainCheckpoints
 from longstraw_jax.io.peft import save_peft
 from longstraw_jax.ops.lora import LoRA
-from longstraw_jax.parallel import rules
+from longstraw_jax.sharding import rules
 from longstraw_jax.trainer import cli as run
 from longstraw_jax.trainer.config import RunConfig
 from longstraw_jax.trainer.setup import prepare_training

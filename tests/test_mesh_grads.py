@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 
 from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, naive_grpo_grads, sharding
+from longstraw_jax.engine import capture as engine_capture
 from longstraw_jax.models import glm52_mesh
 from longstraw_jax.models.base import CausalLM
-from longstraw_jax.parallel import groups as groups_lib, rules
+from longstraw_jax.sharding import groups as groups_lib, rules
 from tests.helpers import assert_metrics_equal, random_groups, rel_err, tiny_model
 
 P, R, G, CHUNK = 46, 6, 3, 16
@@ -84,7 +85,7 @@ def test_on_the_mesh_equal_one_device(name, monkeypatch):
     batch = batch_of(name)
     want_loss, want_grads, want_metrics = one_device(name)  # before the callback below (it names the mesh's axis)
     mesh = sharding.make_mesh(case.spec)
-    layout = sharding.prompt.round_layout(model, P - 1, mesh.shape["seq"], CHUNK)
+    layout = engine_capture.round_layout(model, P - 1, mesh.shape["seq"], CHUNK)
     assert (layout.full >= 1) == case.in_rounds  # full rounds and a last one, or one round
     if name == "glm52-1x8-exact":
         assert glm52_mesh.reads_around_ring("ring", 2 * model.config.index_topk, layout)
@@ -143,7 +144,7 @@ def test_groups_must_split_over_data():
 
 
 def test_unsupported_model_is_refused_by_name():
-    class Other(CausalLM):  # a family without a `sequence_parallel` adapter
+    class Other(CausalLM):  # a family without a mesh adapter
         config = models.Qwen36Config.tiny()
 
     batch = GroupBatch(prompt=np.zeros(8, np.int32), responses=np.zeros((1, 2), np.int32),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from longstraw_jax import models
-from longstraw_jax.models.base import capture_chunks
+from longstraw_jax.engine.capture import capture_chunks
 from tests.helpers import TINY_T, tiny_forward
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")

@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 
 from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, sharding
+from longstraw_jax.engine.capture import capture_on_mesh, extend_on_mesh
 from longstraw_jax.grpo import validate_batch
 from longstraw_jax.models.glm52 import Glm52Config
-from longstraw_jax.parallel import rules
 from longstraw_jax.sampling import branches, groups as sampling_groups, mesh as mesh_sampling
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sampling.padding import bucket_length, bucket_lengths, pad_batch, pad_left
+from longstraw_jax.sharding import rules
 from tests.helpers import glm_o1_params, o1_params, rel_err
 
 N, R, PAD = 21, 5, 11  # real prompt tokens, response tokens, pads: the padded prompt has 32 tokens
@@ -133,7 +134,7 @@ def test_every_reader_of_a_prompt_takes_left_pad():
     stages' blocks accept `left_pad` (a method without it would silently read pads)."""
     for config in (models.Qwen36Config.tiny(), Glm52Config.tiny()):
         model = models.build(config)
-        adapter = model.sequence_parallel()
+        adapter = model.mesh_adapter()
         stages = model.block_stages() if hasattr(model, "block_stages") else (model,)
         methods = [getattr(model, name) for name in ("capture", "extend", "extend_hidden", "forward", "capture_chunk",
                                                      "chunk_entries", "advance", "decode", "branch_grads",
@@ -228,8 +229,8 @@ def test_padded_capture_and_extend_on_mesh_equal_unpadded_one_device():
     want = model.extend(params, model.capture(params, batch.prompt, CHUNK), batch.responses[0])
     mesh = sharding.make_mesh("1x8")
     params = placed(params, mesh)
-    sstate = sharding.capture(model, params, padded(batch, PAD).prompt, mesh, chunk_size=8, left_pad=PAD)
-    got = sharding.extend(model, params, sstate, batch.responses[0], mesh, left_pad=PAD)
+    sstate = capture_on_mesh(model, params, padded(batch, PAD).prompt, mesh, chunk_size=8, left_pad=PAD)
+    got = extend_on_mesh(model, params, sstate, batch.responses[0], mesh, left_pad=PAD)
     assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * float(jnp.max(jnp.abs(want)))
 
 

@@ -9,10 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, progress, sharding
-from longstraw_jax.parallel import rules
+from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, sharding
+from longstraw_jax.common import progress
+from longstraw_jax.engine.capture import capture_on_mesh, extend_on_mesh
 from longstraw_jax.sampling import branches
 from longstraw_jax.sampling.branches import SamplingConfig
+from longstraw_jax.sharding import rules
 from longstraw_jax.trainer import log as run_log
 from tests.helpers import tiny_model
 
@@ -87,8 +89,8 @@ def test_mesh_ticks_once_per_round_and_change_nothing(family):
     def compute():
         if family == "qwen36":
             return grpo_grads(model, placed, group, GRPOConfig(), "exact", chunk_size=CHUNK, mesh=mesh)
-        state = sharding.capture(model, placed, group.prompt[:-1], mesh, chunk_size=CHUNK)
-        return sharding.extend(model, placed, state, group.responses[0], mesh)
+        state = capture_on_mesh(model, placed, group.prompt[:-1], mesh, chunk_size=CHUNK)
+        return extend_on_mesh(model, placed, state, group.responses[0], mesh)
 
     plain, ticked, ticks = with_and_without(compute)
     assert_bitwise(plain, ticked)

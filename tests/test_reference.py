@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longstraw_jax import lora, models, sharding, trainable
-from longstraw_jax.parallel import rules
+from longstraw_jax import models, sharding
+from longstraw_jax.adapters import lora, trainable
 from longstraw_jax.sampling.reference import reference_logprobs
+from longstraw_jax.sharding import rules
 from longstraw_jax.trainer import cli as run, reference
 from longstraw_jax.trainer.config import RunConfig
 from tests.helpers import tiny_model

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from longstraw_jax import engine, make_optimizer, models, train
+from longstraw_jax.common.validation import is_concrete
 from longstraw_jax.grpo import validate_batch
 from longstraw_jax.io.checkpoints import TrainCheckpoints, save_init_dir
 from longstraw_jax.trainer import cli as run
 from longstraw_jax.trainer.config import RESUMABLE, RunConfig, RunError, parse_args
-from longstraw_jax.validation import is_concrete
 
 SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
          "--eval-every", "0", "--sft-steps", "0", "--lr", "3e-3", "--save-every", "2", "--seed", "1"]
@@ -77,7 +77,7 @@ def full_run(tmp_path_factory):
     train.jitted_train_step_donated.clear_cache()
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(train, "validate_batch", counting)
-        monkeypatch.setattr(engine, "validate_batch", counting)
+        monkeypatch.setattr(engine.local, "validate_batch", counting)
         assert run.main(SMALL + ["--steps", "3", "--out", out, "--export-hf", os.path.join(out, "hf")]) == 0
     # one compile of the step for the whole run (argument placement must not change after step 1)
     assert train.jitted_train_step_donated._cache_size() == 1

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 from longstraw_jax import GroupBatch, grpo_grads, models, sharding
+from longstraw_jax.engine import capture as engine_capture
+from longstraw_jax.engine.capture import capture_on_mesh, extend_on_mesh
 from longstraw_jax.models.glm52 import Glm52Config
-from longstraw_jax.parallel import experts, rules
+from longstraw_jax.sharding import experts, rules
 from tests.helpers import (
     SHARDED_CFG,
     assert_sharded_grads_match,
@@ -52,13 +54,13 @@ def test_sharded_capture_and_extend_equal_one_device(tiny, spec, chunk_size):
     model, params, tokens, reference, logits = tiny
     mesh = sharding.make_mesh(spec)
     params = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
-    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, chunk_size=chunk_size)
+    sstate = capture_on_mesh(model, params, tokens[:PROMPT], mesh, chunk_size=chunk_size)
     assert sstate.layout.full == {"2x4": 0, "1x8": 2, "4x2": 3}[spec]
     per_device = sstate.layout.padded // mesh.shape["seq"]
     for name in ("kv", "index_keys"):  # split along seq: each device holds 1/seq of the positions
         assert {s.data.shape[1] for s in getattr(sstate.state, name).addressable_shards} == {per_device}
         np.testing.assert_allclose(getattr(sstate.natural(), name), getattr(reference, name), atol=1e-4, err_msg=name)
-    np.testing.assert_allclose(sharding.extend(model, params, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
+    np.testing.assert_allclose(extend_on_mesh(model, params, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
 
 
 def test_parameters_are_sharded_over_the_whole_mesh(tiny):
@@ -85,8 +87,8 @@ def test_routed_experts_are_expert_parallel(tiny):
     assert {layer[name] for name in rules.EXPERT_LEAVES} == {jax.sharding.PartitionSpec(None, None, rules.FSDP)}
     assert layer["router"] != layer["experts_gate"]  # FSDP's choice, not the expert rule
     placed = jax.device_put(params, rules.named(specs, mesh))
-    sstate = sharding.capture(model, placed, tokens[:PROMPT], mesh)
-    hlo = sharding.prompt._extend_hidden.lower(model, placed, sstate, tokens[PROMPT:], mesh).compile().as_text()
+    sstate = capture_on_mesh(model, placed, tokens[:PROMPT], mesh)
+    hlo = engine_capture._jitted_extend_hidden.lower(model, placed, sstate, tokens[PROMPT:], mesh).compile().as_text()
     gathered = [line.split("=")[1].split()[0] for line in hlo.splitlines() if " all-gather(" in line]
     e, i, d = params["layers"]["0"]["full_sparse"]["mlp"]["experts_gate"].shape[2:]
     assert gathered and not [g for g in gathered if f"[{e},{i},{d}]" in g or f"[{e},{d},{i}]" in g], gathered
@@ -98,8 +100,8 @@ def test_padding_cannot_leak(tiny):
     model, params, tokens, _, _ = tiny
     mesh = sharding.make_mesh("2x4")
     params = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
-    a = sharding.capture(model, params, tokens[:PROMPT], mesh, pad_id=0)
-    b = sharding.capture(model, params, tokens[:PROMPT], mesh, pad_id=7)
+    a = capture_on_mesh(model, params, tokens[:PROMPT], mesh, pad_id=0)
+    b = capture_on_mesh(model, params, tokens[:PROMPT], mesh, pad_id=7)
     padding = np.setdiff1d(np.arange(a.layout.padded), np.argsort(a.layout.stored_positions())[:PROMPT])
     assert not np.any(np.asarray(a.state.kv)[:, padding])
     chex.assert_trees_all_equal(a, b)
@@ -133,8 +135,8 @@ def test_ragged_exchange_equals_one_device(tiny, monkeypatch):
     model, params, tokens, _, logits = tiny
     mesh = sharding.make_mesh("2x4")
     placed = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
-    sstate = sharding.capture(model, placed, tokens[:PROMPT], mesh)
-    np.testing.assert_allclose(sharding.extend(model, placed, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
+    sstate = capture_on_mesh(model, placed, tokens[:PROMPT], mesh)
+    np.testing.assert_allclose(extend_on_mesh(model, placed, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
     assert traced and set(traced) == {rules.FSDP}
     traced.clear()
     assert_sharded_grads_match(model, params, _batch(model.config.vocab_size), "2x4", "detached")
@@ -154,8 +156,8 @@ def _check_32_devices() -> dict:
     reference = model.extend(params, model.capture(params, tokens[:37], chunk_size=16), tokens[37:])
     mesh = sharding.make_mesh("4x8")
     placed = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
-    sstate = sharding.capture(model, placed, tokens[:37], mesh)
-    got = sharding.extend(model, placed, sstate, tokens[37:], mesh)
+    sstate = capture_on_mesh(model, placed, tokens[:37], mesh)
+    got = extend_on_mesh(model, placed, sstate, tokens[37:], mesh)
     batch = _batch(model.config.vocab_size, prompt=38, length=5)
     loss, grads, _ = grpo_grads(model, params, batch, SHARDED_CFG, "exact", chunk_size=16)
     got_loss, got_grads, _ = grpo_grads(model, placed, batch, SHARDED_CFG, "exact", chunk_size=24, mesh=mesh)

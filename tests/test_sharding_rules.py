@@ -7,8 +7,7 @@ from jax.sharding import PartitionSpec as P
 
 from longstraw_jax import make_optimizer, models
 from longstraw_jax.models.qwen36 import Qwen36Config
-from longstraw_jax.parallel import rules
-from longstraw_jax.sharding import make_mesh
+from longstraw_jax.sharding import make_mesh, rules
 
 
 def test_make_mesh_axes_and_errors():

@@ -8,7 +8,7 @@ CPU devices, tiny models at O(1) scale.
   and shards; the one-device oracle samples the unpadded prompt); the mesh decodes all G branches together, the
   one-device oracle one at a time (decode_batch=1); prompts captured in rounds, P - 1 divisible by no layout;
 - keep_capture: the (sstate, capture_aux) handed back equals the family's sharded capture of prompt[:-1]
-  (`sharding.prompt.jitted_capture`, what sharding/engine.py computes);
+  (`engine.capture.jitted_capture_on_mesh`, what sharding/engine.py computes);
 - no weights move per decoded token: the compiled decode step (all branches, 1x8) all-gathers no matrix that the
   layers apply through `linear` (each device multiplies by its own FSDP shard, `parallel/tensor.py`); GLM's
   kv_b_proj, still gathered, shows the check sees a gathered weight;
@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 
 from longstraw_jax import models, sharding
-from longstraw_jax.parallel import rules
+from longstraw_jax.engine.capture import jitted_capture_on_mesh, round_layout
 from longstraw_jax.sampling import branches as rollout, mesh as sample
 from longstraw_jax.sampling.branches import SamplingConfig
-from longstraw_jax.sharding.prompt import jitted_capture, round_layout
+from longstraw_jax.sharding import rules
 from tests.helpers import o1_params
 
 pytestmark = pytest.mark.slow  # mesh and one-device samplers per family; AOT compiles at P = 65536
@@ -83,7 +83,7 @@ def test_mesh_sampler_equals_one_device_and_keeps_the_sharded_capture(family, sp
     positions = prompt.shape[0] - 1
     layout = round_layout(model, positions, mesh.shape["seq"], ROUND)
     assert captured.sstate.layout == layout and layout.full >= 1 and captured.sstate.length == positions
-    sstate, aux = jitted_capture(model, placed, layout.to_stored(jnp.asarray(prompt[:-1])), mesh, layout, "ring",
+    sstate, aux = jitted_capture_on_mesh(model, placed, layout.to_stored(jnp.asarray(prompt[:-1])), mesh, layout, "ring",
                                  left_pad)
     for got_leaf, want_leaf in zip(jax.tree.leaves((captured.sstate, captured.capture_aux)),
                                    jax.tree.leaves((sstate, aux)), strict=True):
@@ -145,7 +145,7 @@ def test_a_decode_step_gathers_no_linear_weight(family):
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0)))
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
                           rules.named(rules.param_specs(abstract, mesh), mesh))
-    family_sp = model.sequence_parallel()
+    family_sp = model.mesh_adapter()
     layout = round_layout(model, P - 1, 8, ROUND)
     sstate = jax.eval_shape(lambda p, t: family_sp.capture(p, t, mesh, layout, "ring")[0], params,
                             jax.ShapeDtypeStruct((layout.padded,), jnp.int32))

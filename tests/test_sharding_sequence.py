@@ -13,11 +13,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from longstraw_jax import models, sharding
+from longstraw_jax.engine.capture import capture_on_mesh, extend_on_mesh
 from longstraw_jax.models.qwen36 import Qwen36Config
-from longstraw_jax.parallel import rules, sequence
-from longstraw_jax.parallel.layout import RoundLayout
-from longstraw_jax.parallel.sequence import SEQ
-from longstraw_jax.sharding import SeqLayout
+from longstraw_jax.sharding import SeqLayout, rules, sequence
+from longstraw_jax.sharding.layout import RoundLayout
+from longstraw_jax.sharding.sequence import SEQ
 from tests.helpers import o1_params, rel_err, run_32_device_check
 
 PROMPT, TOTAL = 45, 56  # 45 = 2 * 8 segments of 3 with 3 padding positions (2x4: 8 segments of 6, 3 padding)
@@ -80,7 +80,7 @@ def test_sharded_capture_and_extend_equal_one_device(tiny, spec, attention):
     model, params, tokens, reference, logits = tiny
     mesh = sharding.make_mesh(spec)
     params = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
-    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, attention=attention)
+    sstate = capture_on_mesh(model, params, tokens[:PROMPT], mesh, attention=attention)
     assert sstate.state.length == PROMPT and sstate.state.keys.shape[2] == sstate.layout.padded
     # the cache is split along seq: each device holds 1/seq of the positions
     seq = mesh.shape["seq"]
@@ -90,7 +90,7 @@ def test_sharded_capture_and_extend_equal_one_device(tiny, spec, attention):
         np.testing.assert_allclose(getattr(natural, name), getattr(reference, name), atol=1e-4, err_msg=name)
     padding = np.setdiff1d(np.arange(sstate.layout.padded), np.argsort(sstate.layout.stored_positions())[:PROMPT])
     assert not np.any(np.asarray(sstate.state.keys)[:, :, padding])
-    got = sharding.extend(model, params, sstate, tokens[PROMPT:], mesh)
+    got = extend_on_mesh(model, params, sstate, tokens[PROMPT:], mesh)
     np.testing.assert_allclose(got, logits, atol=1e-4)
 
 
@@ -99,11 +99,11 @@ def test_capture_in_rounds_equals_one_device(tiny):
     as one device. (2x4 in rounds of 16 is `test_row_blocks_change_nothing`'s set-up.)"""
     model, params, tokens, reference, logits = tiny
     mesh = sharding.make_mesh("4x2")
-    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, chunk_size=12)
+    sstate = capture_on_mesh(model, params, tokens[:PROMPT], mesh, chunk_size=12)
     assert sstate.layout.full == 3
     for name in ("conv", "recurrent", "keys", "values"):
         np.testing.assert_allclose(getattr(sstate.natural(), name), getattr(reference, name), atol=1e-4, err_msg=name)
-    np.testing.assert_allclose(sharding.extend(model, params, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
+    np.testing.assert_allclose(extend_on_mesh(model, params, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
 
 
 @pytest.mark.slow  # captures recompiled with small row blocks
@@ -112,23 +112,23 @@ def test_row_blocks_change_nothing(tiny, monkeypatch):
     4096; 2x4 holds 12 positions per device): same state and logits as one device; `_by_rows` pads a ragged last
     block and returns pytrees. Also the 2x4 case of capture in rounds: rounds of 16 (segments of 3: 24 positions)
     = 1 full round + 21."""
+    from longstraw_jax.engine import capture as api
     from longstraw_jax.models import qwen36_mesh as sharded_qwen36
-    from longstraw_jax.sharding import prompt as api
 
     x = jnp.arange(30.0).reshape(10, 3)
     out = sharded_qwen36._by_rows(lambda a, b: {"s": a * 2 + b[:, :1]}, x, x + 1, rows=4)
     np.testing.assert_array_equal(out["s"], x * 2 + (x + 1)[:, :1])
     model, params, tokens, reference, logits = tiny
     monkeypatch.setattr(sharded_qwen36, "ROWS", 7)
-    for fn in (api.jitted_capture, api._extend_hidden):
+    for fn in (api.jitted_capture_on_mesh, api._jitted_extend_hidden):
         fn.clear_cache()
     mesh = sharding.make_mesh("2x4")
-    sstate = sharding.capture(model, params, tokens[:PROMPT], mesh, chunk_size=16)  # 2 rounds: 24 gathered queries
+    sstate = capture_on_mesh(model, params, tokens[:PROMPT], mesh, chunk_size=16)  # 2 rounds: 24 gathered queries
     assert sstate.layout.full == 1
     for name in ("conv", "recurrent", "keys", "values"):
         np.testing.assert_allclose(getattr(sstate.natural(), name), getattr(reference, name), atol=1e-4, err_msg=name)
-    np.testing.assert_allclose(sharding.extend(model, params, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
-    for fn in (api.jitted_capture, api._extend_hidden):
+    np.testing.assert_allclose(extend_on_mesh(model, params, sstate, tokens[PROMPT:], mesh), logits, atol=1e-4)
+    for fn in (api.jitted_capture_on_mesh, api._jitted_extend_hidden):
         fn.clear_cache()
 
 
@@ -145,8 +145,8 @@ def _check_32_devices() -> dict:
     reference = model.extend(params, model.capture(params, tokens[:37], chunk_size=16), tokens[37:])
     mesh = sharding.make_mesh("4x8")
     params = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
-    sstate = sharding.capture(model, params, tokens[:37], mesh, attention="ring")
-    got = sharding.extend(model, params, sstate, tokens[37:], mesh)
+    sstate = capture_on_mesh(model, params, tokens[:37], mesh, attention="ring")
+    got = extend_on_mesh(model, params, sstate, tokens[37:], mesh)
 
     from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads
 
@@ -178,8 +178,8 @@ def test_padding_cannot_leak(tiny):
     model, params, tokens, _, _ = tiny
     mesh = sharding.make_mesh("1x8")
     params = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
-    a = sharding.capture(model, params, tokens[:PROMPT], mesh, attention="allgather", pad_id=0)
-    b = sharding.capture(model, params, tokens[:PROMPT], mesh, attention="allgather", pad_id=7)
+    a = capture_on_mesh(model, params, tokens[:PROMPT], mesh, attention="allgather", pad_id=0)
+    b = capture_on_mesh(model, params, tokens[:PROMPT], mesh, attention="allgather", pad_id=7)
     chex.assert_trees_all_equal(a, b)
 
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from longstraw_jax.capacity import cli
-from longstraw_jax.validation import SIZE_RULE, parse_size, size_arg, sizes_arg
+from longstraw_jax.common.validation import SIZE_RULE, parse_size, size_arg, sizes_arg
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 

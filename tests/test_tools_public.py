@@ -1,7 +1,7 @@
 """tools/*.py use only the package's public names: no `from longstraw_jax... import _x`, no `import
 longstraw_jax._x`, no `<package name>._x` attribute (nor `getattr(<package name>, "_x")`). What the tools lower ahead
-of time is public for that reason (`train.jitted_train_step_donated`, `sharding.prompt.jitted_capture`,
-`engine.jitted_grpo_grads`, ...). The checker itself is tested on synthetic sources first.
+of time is public for that reason (`train.jitted_train_step_donated`, `engine.capture.jitted_capture_on_mesh`,
+`engine.local.jitted_grpo_grads`, ...). The checker itself is tested on synthetic sources first.
 
 A "package name" is any name an import of `longstraw_jax` binds (module level or function-local, with or without
 `as`), and any name or `self.<attr>` assigned from an expression rooted at one (`self.cap = capacity`). Dunder
@@ -109,7 +109,7 @@ def test_checker_finds_a_private_use(source):
 
 @pytest.mark.parametrize("source", [
     "from longstraw_jax import train\ntrain.jitted_train_step_donated.lower(1)",
-    "from longstraw_jax.sharding.prompt import jitted_capture\njitted_capture.__wrapped__",
+    "from longstraw_jax.engine.capture import jitted_capture_on_mesh\njitted_capture.__wrapped__",
     "import os\nos._exit(0)",  # not the package's
     "import jax\njax.jit(f)._cache_size()",
     "import numpy as np\nfrom longstraw_jax import models\nx = np.zeros(3)\nx._private",

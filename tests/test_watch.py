@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longstraw_jax import progress
+from longstraw_jax.common import progress
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, batch_advantages
 from longstraw_jax.tasks.base import Prompt
 from longstraw_jax.trainer import cli as run, log as run_log, metrics, report

@@ -50,7 +50,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's package first (no JAX backend starts on import)
 
-from longstraw_jax.validation import SIZE_RULE, size_arg  # noqa: E402
+from longstraw_jax.common.validation import SIZE_RULE, size_arg  # noqa: E402
 
 GIB = 2**30
 PREFIX = "BENCH_JSON "
@@ -171,7 +171,7 @@ class _Child:
         import jax
         import jax.numpy as jnp
 
-        from longstraw_jax.parallel import rules
+        from longstraw_jax.sharding import rules
 
         init = jax.jit(lambda key: self.model.init(key, jnp.dtype(self.opts["dtype"])))
         if self.mesh is not None:
@@ -193,12 +193,12 @@ class _Child:
     def capture_fn(self):
         import jax
 
-        from longstraw_jax import sharding
+        from longstraw_jax.engine.capture import capture_on_mesh
 
         chunk = self.opts["chunk_size"]
         if self.mesh is None:
             return jax.jit(lambda params, tokens: self.model.capture(params, tokens, chunk))
-        return jax.jit(lambda params, tokens: sharding.capture(self.model, params, tokens, self.mesh, chunk_size=chunk))
+        return jax.jit(lambda params, tokens: capture_on_mesh(self.model, params, tokens, self.mesh, chunk_size=chunk))
 
     def capture(self) -> dict:
         """Capture N tokens for N doubling from capture_start (or N = capture_len), while it fits and the time budget
@@ -246,7 +246,7 @@ class _Child:
         import numpy as np
 
         from longstraw_jax import GroupBatch, GRPOConfig, capacity, train
-        from longstraw_jax.parallel import rules
+        from longstraw_jax.sharding import rules
 
         o = self.opts
         p, g, r = o["step_len"], o["group_size"], o["response_len"]

@@ -5,7 +5,7 @@
     .venv/bin/python tools/bench_glm_backward.py --prompt-len 4096 --quick   # smoke run
     .venv/bin/python tools/bench_glm_backward.py --mesh 1x8 --chunk-size 4096 --prompt-len 32768 131072   # per device
 
-AOT only: `engine.jitted_grpo_grads.lower(abstract args).compile().memory_analysis()`, nothing is executed. The
+AOT only: `engine.local.jitted_grpo_grads.lower(abstract args).compile().memory_analysis()`, nothing is executed. The
 model is GLM-5.2's layer layout cut to 22 layers (3 full_dense, (shared_sparse x 3, full_sparse) x 4, shared_sparse x
 3: three segments, 7 full layers; `--depth 78`: the whole layout, (...) x 18) at small widths, in bfloat16, so that
 at these prompt lengths the prompt state (MLA latent rows + indexer keys) dominates the parameters. "fallback" is
@@ -80,9 +80,9 @@ def main() -> None:
 
     if args.mesh:
         from longstraw_jax import sharding
-        from longstraw_jax.parallel import rules
-        from longstraw_jax.sharding import engine as sharded_grpo
-        from longstraw_jax.sharding.prompt import round_layout
+        from longstraw_jax.engine import mesh as mesh_engine
+        from longstraw_jax.engine.capture import round_layout
+        from longstraw_jax.sharding import rules
 
         mesh = sharding.make_mesh(args.mesh)
         named = lambda spec: jax.sharding.NamedSharding(mesh, spec)
@@ -93,7 +93,7 @@ def main() -> None:
 
         def compile_step(model, batch, prompt):
             layout = round_layout(model, prompt - 1, mesh.shape["seq"], args.chunk_size)
-            return sharded_grpo.jitted_grpo_grads.lower(model, params, batch, cfg_grpo, "exact", mesh, layout,
+            return mesh_engine.jitted_grpo_grads.lower(model, params, batch, cfg_grpo, "exact", mesh, layout,
                                                         "ring", None).compile()
     else:
         @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,7 @@ def main() -> None:
         methods = (("fallback", AutodiffGlm(cfg)), ("blocks", models.build(cfg)))
 
         def compile_step(model, batch, prompt):
-            return engine.jitted_grpo_grads.lower(model, params, batch, cfg_grpo, "exact", args.chunk_size).compile()
+            return engine.local.jitted_grpo_grads.lower(model, params, batch, cfg_grpo, "exact", args.chunk_size).compile()
 
     devices = 1 if not args.mesh else data * seq
     rows = []

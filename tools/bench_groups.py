@@ -39,7 +39,7 @@ def main():
     import numpy as np
 
     from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, sharding
-    from longstraw_jax.parallel import rules
+    from longstraw_jax.sharding import rules
 
     model = models.build(models.Qwen36Config.tiny())
     params = model.init(jax.random.key(0))

@@ -69,9 +69,9 @@ def measure(family: str, mesh_spec: str | None, args) -> list[dict]:
     import numpy as np
 
     from longstraw_jax import sharding
-    from longstraw_jax.parallel import rules
     from longstraw_jax.sampling.branches import SamplingConfig
     from longstraw_jax.sampling.groups import sample_groups
+    from longstraw_jax.sharding import rules
 
     model, params = _model(family)
     mesh = sharding.make_mesh(mesh_spec) if mesh_spec else None

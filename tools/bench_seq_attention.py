@@ -24,16 +24,16 @@ def main():
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    from longstraw_jax.parallel.mesh import parse_mesh_spec
+    from longstraw_jax.sharding.mesh import parse_mesh_spec
     data, seq = parse_mesh_spec(args.mesh)
     import jax
     jax.config.update("jax_num_cpu_devices", data * seq)  # before JAX first touches the backend
     import jax.numpy as jnp
 
     from longstraw_jax import models, sharding
+    from longstraw_jax.engine import capture as api
     from longstraw_jax.models.qwen36 import Qwen36Config
-    from longstraw_jax.parallel import rules, sequence
-    from longstraw_jax.sharding import prompt as api
+    from longstraw_jax.sharding import rules, sequence
 
     model = models.build(Qwen36Config.tiny(hidden_size=args.hidden, num_key_value_heads=args.kv_heads,
                                              num_attention_heads=2 * args.kv_heads, head_dim=args.head_dim))
@@ -47,7 +47,7 @@ def main():
           f"{args.head_dim}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"{'method':10s} {'median s':>9s} {'min s':>7s} {'temp MiB/device':>16s}")
     for method in sequence.ATTENTION_METHODS:
-        compiled = api.jitted_capture.lower(model, params, stored, mesh, layout, method).compile()
+        compiled = api.jitted_capture_on_mesh.lower(model, params, stored, mesh, layout, method).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
         jax.block_until_ready(compiled(params, stored))
         times = []

@@ -123,7 +123,7 @@ def _lowerable(mode: str):
     import jax
 
     from longstraw_jax import naive_grpo_grads
-    from longstraw_jax.engine import jitted_grpo_grads
+    from longstraw_jax.engine.local import jitted_grpo_grads
 
     if mode == "naive":
         return lambda model, params, batch, cfg, chunk: jax.jit(naive_grpo_grads, static_argnums=(0, 3)).lower(
@@ -224,7 +224,8 @@ def _train_cell(job, model, dtype, key, batch_np, batch_abs, grpo_cfg) -> dict:
     import jax
     import numpy as np
 
-    from longstraw_jax import lora, train, trainable
+    from longstraw_jax import train
+    from longstraw_jax.adapters import lora, trainable
 
     params = model.init(key, dtype=dtype)
     predicate = None

@@ -32,8 +32,8 @@ from longstraw_jax.capacity.hardware import HARDWARE, hardware
 from longstraw_jax.capacity.phases import local_groups
 from longstraw_jax.capacity.planner import GIB, Planner
 from longstraw_jax.capacity.report import format_rows, format_times, write_json
-from longstraw_jax.parallel.mesh import parse_mesh_spec
-from longstraw_jax.validation import SIZE_RULE, size_arg, sizes_arg
+from longstraw_jax.common.validation import SIZE_RULE, size_arg, sizes_arg
+from longstraw_jax.sharding.mesh import parse_mesh_spec
 
 
 def setup_jax(devices: int) -> None:

@@ -7,8 +7,8 @@ import math
 import jax
 import numpy as np
 
-from longstraw_jax.parallel.rules import STACKED_ROOTS, expert_parallel
-from longstraw_jax.parallel.tensor import applied_as_shard
+from longstraw_jax.sharding.rules import STACKED_ROOTS, expert_parallel
+from longstraw_jax.sharding.tensor import applied_as_shard
 
 
 def local_bytes(abstract_tree) -> int:

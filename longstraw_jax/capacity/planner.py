@@ -1,6 +1,6 @@
 """`Planner`: the per-device bytes of one trainer step for a model config on a simulated mesh, from shapes only.
 The update is the trainer's step AOT-compiled (`train.jitted_train_step_donated`), the capture is
-`sharding.prompt.jitted_capture` AOT-compiled, the rest is analytic (the model is in this package's docstring)."""
+`engine.capture.jitted_capture_on_mesh` AOT-compiled, the rest is analytic (the model is in this package's docstring)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longstraw_jax import lora, models, sharding, train, trainable
+from longstraw_jax import models, sharding, train
+from longstraw_jax.adapters import lora, trainable
 from longstraw_jax.capacity.cost import Cost, ExpertModel, program_cost
 from longstraw_jax.capacity.footprint import (
     decode_gathered_bytes,
@@ -33,13 +34,13 @@ from longstraw_jax.capacity.phases import (
     with_ref_params,
 )
 from longstraw_jax.capacity.timing import decode_steps_per_group, phase_costs, step_times
+from longstraw_jax.engine import capture as engine_capture
 from longstraw_jax.grpo import GroupBatch, GRPOConfig
-from longstraw_jax.parallel import rules
-from longstraw_jax.parallel.rules import SEQ_AXES
 from longstraw_jax.sampling import reference as sampling_reference
 from longstraw_jax.sampling.branches import batched_step
 from longstraw_jax.sampling.mesh import ShardedCaptured
-from longstraw_jax.sharding import prompt as sharded_prompt
+from longstraw_jax.sharding import rules
+from longstraw_jax.sharding.rules import SEQ_AXES
 
 GIB = 2**30
 
@@ -47,7 +48,7 @@ GIB = 2**30
 def decode_step(model, params, sstate, tails, tokens, position, mesh):
     """The mesh sampler's per-token program for N branches (`sampling.branches.batched_step` over the family's
     `decode` after the sharded prompt): tails [N, ...], tokens int32 [N] -> (tails, logits [N, vocab])."""
-    decode = functools.partial(model.sequence_parallel().decode, params, sstate, mesh=mesh)
+    decode = functools.partial(model.mesh_adapter().decode, params, sstate, mesh=mesh)
     return batched_step(model, params, decode)(tails, tokens, position)
 
 
@@ -73,7 +74,7 @@ class Planner:
         phase (`reference`), the reference params copy held all step (full training; LoRA's reference is the base
         without adapters: no copy), and the update compiled with the KL term."""
         self.model = models.build(models.config_from_hf(config) if isinstance(config, (str, os.PathLike)) else config)
-        self.model.sequence_parallel()  # a family without a sharded path says so here
+        self.model.mesh_adapter()  # a family without a sharded path says so here
         self.mesh = sharding.make_mesh(mesh_spec, devices)
         self.dtype = jnp.dtype(dtype)
         self.response_len, self.chunk = response_len, chunk
@@ -106,7 +107,7 @@ class Planner:
         self.num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
         self.num_trainable = sum(math.prod(p.shape) for p in jax.tree.leaves(self.trainable))
         self.layer_bytes = largest_layer_bytes(self.params)
-        self.gathered_bytes = decode_gathered_bytes(self.params, self.model.sequence_parallel().linear_leaves)
+        self.gathered_bytes = decode_gathered_bytes(self.params, self.model.mesh_adapter().linear_leaves)
         self.decode_batch = decode_batch
         self.embed_bytes = tree_bytes(params["embed"])
         # the trainer's donated step: trainable params and their AdamW state donated, the frozen part read only
@@ -141,7 +142,7 @@ class Planner:
         """Per-device bytes of the prompt state at self.dtype and of its float32 cotangent: position-indexed fields
         (`rules.SEQ_AXES`, in the engine's padded round layout) split along `seq`, carried ones whole."""
         seq = self.mesh.shape["seq"]
-        padded = sharded_prompt.round_layout(self.model, prompt_positions, seq, self.chunk).padded
+        padded = engine_capture.round_layout(self.model, prompt_positions, seq, self.chunk).padded
         state = jax.eval_shape(lambda: self.model.init_state(padded, self.dtype))
         total = cotangent = 0
         for field in dataclasses.fields(state):
@@ -167,15 +168,15 @@ class Planner:
         return self.gathered_bytes + self.embed_bytes, n * 4 * 4 * self.model.config.vocab_size
 
     def capture(self, prompt_len: int) -> dict:
-        """The sharded capture of prompt[:-1] (`sharding.prompt.jitted_capture`, rounds of self.chunk), AOT-compiled
+        """The sharded capture of prompt[:-1] (`engine.capture.jitted_capture_on_mesh`, rounds of self.chunk), AOT-compiled
         once per prompt length: {"temp": its temporaries, "aux": its output minus the state (Qwen3.6's round
         boundaries), "total", "compile_s"} in per-device bytes."""
         if prompt_len not in self._captures:
-            layout = sharded_prompt.round_layout(self.model, prompt_len - 1, self.mesh.shape["seq"], self.chunk)
+            layout = engine_capture.round_layout(self.model, prompt_len - 1, self.mesh.shape["seq"], self.chunk)
             replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
             tokens = jax.ShapeDtypeStruct((layout.padded,), jnp.int32, sharding=replicated)
             start = time.perf_counter()
-            compiled = sharded_prompt.jitted_capture.lower(self.model, self.params, tokens, self.mesh, layout,
+            compiled = engine_capture.jitted_capture_on_mesh.lower(self.model, self.params, tokens, self.mesh, layout,
                                                            "ring").compile()
             self._programs[("capture", prompt_len)] = compiled
             memory = memory_total(compiled)
@@ -250,7 +251,7 @@ class Planner:
         once per (P, G, R): {"temp", "total", "compile_s"} in per-device bytes."""
         key = (prompt_len, group, self.response_len)
         if key not in self._references:
-            layout = sharded_prompt.round_layout(self.model, prompt_len - 1, self.mesh.shape["seq"], self.chunk)
+            layout = engine_capture.round_layout(self.model, prompt_len - 1, self.mesh.shape["seq"], self.chunk)
             by_data = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("data"))
             prompts = jax.ShapeDtypeStruct((self.data, prompt_len), jnp.int32, sharding=by_data)
             responses = jax.ShapeDtypeStruct((self.data, group, self.response_len), jnp.int32, sharding=by_data)
@@ -284,9 +285,9 @@ class Planner:
         """The sampler's capture of prompt[:-1] as abstract arrays (`sampling.mesh.ShardedCaptured`): the compiled
         capture's outputs with their shardings."""
         compiled = self.capture_program(prompt_len)
-        layout = sharded_prompt.round_layout(self.model, prompt_len - 1, self.mesh.shape["seq"], self.chunk)
+        layout = engine_capture.round_layout(self.model, prompt_len - 1, self.mesh.shape["seq"], self.chunk)
         tokens = jax.ShapeDtypeStruct((layout.padded,), jnp.int32)
-        shapes = jax.eval_shape(lambda p, t: sharded_prompt.jitted_capture(self.model, p, t, self.mesh, layout,
+        shapes = jax.eval_shape(lambda p, t: engine_capture.jitted_capture_on_mesh(self.model, p, t, self.mesh, layout,
                                                                            "ring"), self.params, tokens)
         out = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                            compiled.output_shardings)
@@ -301,7 +302,7 @@ class Planner:
         if key not in self._programs:
             sstate = self.captured(prompt_len).sstate
             replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-            family = self.model.sequence_parallel()
+            family = self.model.mesh_adapter()
             tail = jax.eval_shape(lambda p, s: family.init_tail(p, s, self.response_len), self.params, sstate)
             tails = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n,) + x.shape, x.dtype, sharding=replicated), tail)
             tokens = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=replicated)

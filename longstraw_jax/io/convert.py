@@ -19,7 +19,7 @@ chunks, so no write reads anything back and a block's chunks compress in paralle
 chunk is a file, so tens of thousands of slice writes (GLM's per-expert tensors) need no database commit each. No
 `_sharding` file is written: restore with shardings in `abstract_params` (else numpy arrays come back); the checkpoint
 restores onto any mesh. `--mesh AxB` only aligns the chunks with the FSDP shards of A*B devices
-(`parallel.rules.param_specs`: each leaf split along one own dimension), so that each device of that mesh reads whole
+(`sharding.rules.param_specs`: each leaf split along one own dimension), so that each device of that mesh reads whole
 chunks of its own shard and no chunk is decoded by two devices. All arrays have one dtype (`--dtype`); orbax2hf
 restores each tensor's original dtype. Reading accepts both Orbax layouts (OCDBT or not, zarr v2 or v3), i.e. also
 what the trainer's StandardCheckpointer saves; a chunk cache of one chunk keeps whole-leaf chunks from being decoded
@@ -53,8 +53,8 @@ from longstraw_jax import models
 from longstraw_jax.io.replace_dir import staged
 from longstraw_jax.models import hf
 from longstraw_jax.models.base import read_json
-from longstraw_jax.parallel import rules
-from longstraw_jax.parallel.mesh import parse_mesh_spec
+from longstraw_jax.sharding import rules
+from longstraw_jax.sharding.mesh import parse_mesh_spec
 
 BLOCK_BYTES = 64 << 20  # one read/write unit
 CHUNK_BYTES = 16 << 20  # zarr chunk: a block is several chunks, compressed in parallel
@@ -149,7 +149,7 @@ def _slice_blocks(slot: hf.Slot, leaf_shape: tuple[int, ...], itemsize: int, blo
 def _chunk_shape(shape: tuple[int, ...], depth: int, itemsize: int, split_dim: int | None = None,
                  devices: int = 1) -> tuple[int, ...]:
     """Zarr chunks: one slice (`depth` leading indices) split into row chunks of <= CHUNK_BYTES that `_row_ranges`
-    blocks align to. With `split_dim` (the leaf's FSDP dimension over `devices`, `parallel.rules.fsdp_dim`), each
+    blocks align to. With `split_dim` (the leaf's FSDP dimension over `devices`, `sharding.rules.fsdp_dim`), each
     device's shard is a union of whole chunks, so a sharded restore reads no chunk twice."""
     rest = list(shape[depth:])
     if not rest:

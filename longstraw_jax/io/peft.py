@@ -10,7 +10,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 
-from longstraw_jax.lora import GROUPS, adapters, short_path
+from longstraw_jax.adapters.lora import GROUPS, adapters, short_path
 from longstraw_jax.models.hf import write_safetensors
 
 # model types whose routed experts transformers 5 fuses into 3-d parameters, and for which PEFT (0.21) rewrites every

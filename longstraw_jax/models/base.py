@@ -5,7 +5,7 @@ Contracts (structural: a family implements them by having the methods, no regist
 - `PromptState`: what `capture` returns (a flax struct dataclass: a pytree with a static `length`).
 - `Model`: the state protocol every family implements; `engine.py`, `naive.py`, `sampling/branches.py` use only this.
 - `BlockModel`: the block protocol of `layerwise.py` (block-by-block backward over stacked layers).
-- `SequenceParallel`: the family's adapter for the sharded engine (`model.sequence_parallel()`), used by
+- `MeshAdapter`: the family's adapter for the sharded engine (`model.mesh_adapter()`), used by
   `sharding/prompt.py` and `sharding/engine.py`.
 A new family writes its model (and, for meshes, its adapter); nothing in the engines dispatches on model classes.
 """
@@ -18,15 +18,16 @@ from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
-from longstraw_jax import layerwise, progress
+from longstraw_jax.common.validation import check_left_pad, check_tokens
+from longstraw_jax.engine import layerwise
+from longstraw_jax.engine.capture import capture_chunks, chunk_layout
 from longstraw_jax.ops.dtypes import accum_dtype
-from longstraw_jax.validation import check_left_pad, check_size, check_tokens
 
 
 @runtime_checkable
 class PromptState(Protocol):
     """What later tokens need from a prompt of `length` tokens: appended parts (KV caches, latent rows: position
-    axis listed in `parallel.rules.SEQ_AXES`) and carried parts (overwritten by each chunk: GDN conv tails and
+    axis listed in `sharding.rules.SEQ_AXES`) and carried parts (overwritten by each chunk: GDN conv tails and
     recurrent matrices). Families: `qwen36.Qwen36State`, `glm52.Glm52State`."""
 
     length: int
@@ -87,7 +88,7 @@ class Model(Protocol):
     def decode(self, params: dict, state: PromptState, tail: PromptState, token, position, left_pad=None):
         """One decoded token after the prompt `state` (sampling: `sampling/branches.py`)."""
 
-    def sequence_parallel(self) -> "SequenceParallel": ...
+    def mesh_adapter(self) -> "MeshAdapter": ...
 
 
 @runtime_checkable
@@ -114,7 +115,7 @@ class BlockModel(Protocol):
 
 
 @runtime_checkable
-class SequenceParallel(Protocol):
+class MeshAdapter(Protocol):
     """A family's pieces for the sharded engine on a ("data", "seq") mesh. Tokens arrive in a `RoundLayout`'s
     stored order (`parallel/layout.py`); every method is traceable (the callers jit)."""
 
@@ -157,11 +158,6 @@ class Slot(NamedTuple):
     hf_shape: tuple[int, ...]
 
 
-def chunk_layout(length: int, chunk_size: int) -> tuple[int, int]:
-    """(number of full chunks, length of the remainder chunk) for a prompt of `length` tokens."""
-    return divmod(int(length), check_size(chunk_size, "chunk_size"))
-
-
 def state_capacity(length: int, capacity: int | None) -> int:
     """The position-axis size of a state of `length` valid positions asked to have room for `capacity` (None:
     exactly `length`). ValueError when capacity < length."""
@@ -170,43 +166,6 @@ def state_capacity(length: int, capacity: int | None) -> int:
     if capacity < length:
         raise ValueError(f"capacity={capacity} is below the prompt length {length}")
     return capacity
-
-
-def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, keep_boundaries: bool = False,
-                   capacity: int | None = None, left_pad=None):
-    """Capture tokens [P] in chunks of `chunk_size` (a `lax.scan` over full chunks, then one remainder chunk) into a
-    state of length P with room for `capacity` positions (default P; more leaves room to decode after the prompt:
-    `advance` at positions P.. writes there, and nothing that reads the state as a whole looks past its length).
-
-    Returns the state, and with keep_boundaries also `(full, last)`: `model.carried(state)` before each full chunk
-    (leaves stacked [N, ...]) and before the remainder chunk (None when chunk_size divides P). The computation (and
-    so the state on positions < P and the boundaries) does not depend on `capacity`.
-
-    left_pad (int32 [], traced, or None): tokens[:left_pad] are pads of a left-padded prompt (docs/architecture.md
-    4.6): never attended, and Qwen3.6's GDN state passes them unchanged. The state of the real tokens then
-    equals the unpadded prompt's, shifted by left_pad positions. None: no padding (the same program as before).
-    """
-    state = model.init_state(tokens.shape[0], dtype, capacity=capacity)
-    num_full, remainder = chunk_layout(tokens.shape[0], chunk_size)
-    full_boundaries = last_boundary = None
-    chunks_total = num_full + (remainder > 0)
-    if num_full:
-        chunks = tokens[: num_full * chunk_size].reshape(num_full, chunk_size)
-
-        def step(state, xs):
-            index, chunk = xs
-            boundary = model.carried(state) if keep_boundaries else None
-            state = model.capture_chunk(params, state, chunk, index * chunk_size, left_pad=left_pad)
-            progress.tick("capture", index + 1, chunks_total, chunk_size, after=state)
-            return state, boundary
-
-        state, full_boundaries = jax.lax.scan(step, state, (jnp.arange(num_full, dtype=jnp.int32), chunks))
-    if remainder:
-        last_boundary = model.carried(state) if keep_boundaries else None
-        state = model.capture_chunk(params, state, tokens[num_full * chunk_size :], num_full * chunk_size,
-                                    left_pad=left_pad)
-        progress.tick("capture", jnp.int32(chunks_total), chunks_total, remainder, after=state)
-    return (state, (full_boundaries, last_boundary)) if keep_boundaries else state
 
 
 def read_json(path: str, what: str = "file", kind: type = dict):
@@ -306,7 +265,7 @@ class CausalLM:
         """One prompt chunk of exact mode's backward (`engine.prompt_backward`); see `layerwise.chunk_grads`."""
         return layerwise.chunk_grads_autodiff(self, params, state, tokens, start, grads, acc, left_pad=left_pad)
 
-    def sequence_parallel(self) -> SequenceParallel:
+    def mesh_adapter(self) -> MeshAdapter:
         raise NotImplementedError(f"{type(self).__name__} has no sequence-parallel path (mesh=...): pass mesh=None")
 
     # remat=True: rematerialise each block/repeat in the backward pass (same values, less memory).

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct, traverse_util
 
-from longstraw_jax import layerwise
+from longstraw_jax.common.validation import check_tokens
+from longstraw_jax.engine import layerwise
 from longstraw_jax.models import glm52_mesh as sharded
 from longstraw_jax.models.base import CausalLM, Slot, check_config_fields, read_json_config, state_capacity
 from longstraw_jax.ops import attention as attn_ops
@@ -41,7 +42,6 @@ from longstraw_jax.ops.mlp import linear, swiglu
 from longstraw_jax.ops.moe import grouped_swiglu, route
 from longstraw_jax.ops.norms import layer_norm, rms_norm
 from longstraw_jax.ops.rope import RopeConfig, apply_rope_interleaved, cos_sin, inverse_frequencies, rope_positions
-from longstraw_jax.validation import check_tokens
 
 FULL, SHARED = "full", "shared"
 DENSE, SPARSE = "dense", "sparse"
@@ -798,9 +798,9 @@ class Glm52(CausalLM):
         same methods): the layer code every engine runs (`decoder_layers`)."""
         return decoder_layers(self.config, layers, h, reader, k, remat)
 
-    def sequence_parallel(self):
+    def mesh_adapter(self):
         """Capture, replay and prompt backward on a ("data", "seq") mesh: `models/glm52_mesh.py`."""
-        return sharded.Glm52OnMesh(self)
+        return sharded.Glm52Mesh(self)
 
     # ----- block by block (longstraw_jax/layerwise.py: the engine's backward) -----
     def block_stages(self) -> tuple[SegmentStage, ...]:

@@ -3,7 +3,7 @@
 
 The layer code is the model's own (`Glm52.decoder_layers`); only the way a layer reads the prompt changes: a
 `PromptReader` with the same three methods, working inside `shard_map` on this shard's slice of the cache. This
-module depends on the model only through its methods (`models/glm52.py` imports it for `sequence_parallel()`).
+module depends on the model only through its methods (`models/glm52.py` imports it for `mesh_adapter()`).
 
 Capture (in rounds, `RoundLayout`; each round laid out zigzag like Qwen3.6's). Per layer, for this shard's queries:
 - DSA indexer: the round's indexer queries are all-gathered; each shard scores them against its *own* indexer keys
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from longstraw_jax import layerwise
+from longstraw_jax.engine import layerwise
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.dsa import merge_candidates, topk_over_keys
 from longstraw_jax.ops.dtypes import at_least_f32
@@ -47,12 +47,12 @@ from longstraw_jax.ops.lora import shape_of
 from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attention_partial
 from longstraw_jax.ops.moe import grouped_swiglu
 from longstraw_jax.ops.norms import rms_norm
-from longstraw_jax.parallel import rules, sequence
-from longstraw_jax.parallel.experts import routed_swiglu
-from longstraw_jax.parallel.layout import RoundLayout, SeqLayout, ShardedPromptState
-from longstraw_jax.parallel.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
-from longstraw_jax.parallel.sequence import SEQ
-from longstraw_jax.parallel.tensor import tensor_parallel_layer, varying_axes
+from longstraw_jax.sharding import rules, sequence
+from longstraw_jax.sharding.experts import routed_swiglu
+from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
+from longstraw_jax.sharding.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
+from longstraw_jax.sharding.sequence import SEQ
+from longstraw_jax.sharding.tensor import tensor_parallel_layer, varying_axes
 
 _ROWS = P(None, SEQ)  # latent rows / indexer keys [layers, S, Dk] or [F, S, Di], positions split along seq
 _NEVER = jnp.iinfo(jnp.int32).max  # key position of a padding slot: never visible to any query
@@ -559,8 +559,8 @@ class _SegmentOnMesh(_OnStage):
 
 
 @dataclasses.dataclass(frozen=True)
-class Glm52OnMesh:
-    """GLM-5.x's `SequenceParallel` (models/base.py). Its replay backpropagates block by block (`_SegmentOnMesh`:
+class Glm52Mesh:
+    """GLM-5.x's `MeshAdapter` (models/base.py). Its replay backpropagates block by block (`_SegmentOnMesh`:
     one stage per segment, a block = one repeat of its pattern), as one device does."""
 
     model: Any

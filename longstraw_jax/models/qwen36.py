@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct, traverse_util
 
-from longstraw_jax import layerwise
+from longstraw_jax.engine import layerwise
 from longstraw_jax.models import qwen36_mesh as sharded
 from longstraw_jax.models.base import CausalLM, Slot, check_config_fields, read_json_config, state_capacity
 from longstraw_jax.ops import attention as attn_ops
@@ -707,9 +707,9 @@ class Qwen36(CausalLM):
         """One prompt chunk of exact mode's backward, block by block (`layerwise.chunk_grads`)."""
         return layerwise.chunk_grads(self, params, state, tokens, start, grads, acc, left_pad=left_pad)
 
-    def sequence_parallel(self):
+    def mesh_adapter(self):
         """Capture, replay and prompt backward on a ("data", "seq") mesh: `models/qwen36_mesh.py`."""
-        return sharded.Qwen36OnMesh(self)
+        return sharded.Qwen36Mesh(self)
 
     def final_norm(self, params: dict, h: jax.Array) -> jax.Array:
         return rms_norm_1p(h, params["final_norm"], self.config.rms_norm_eps)

@@ -34,15 +34,16 @@ import jax.numpy as jnp
 from einops import rearrange
 from jax.sharding import PartitionSpec as P
 
-from longstraw_jax import layerwise, progress
+from longstraw_jax.common import progress
+from longstraw_jax.engine import layerwise
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
-from longstraw_jax.parallel import rules, sequence
-from longstraw_jax.parallel.layout import RoundLayout, SeqLayout, ShardedPromptState
-from longstraw_jax.parallel.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
-from longstraw_jax.parallel.sequence import SEQ, each_round, round_slots
-from longstraw_jax.parallel.tensor import tensor_parallel_layer, varying_axes
+from longstraw_jax.sharding import rules, sequence
+from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
+from longstraw_jax.sharding.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
+from longstraw_jax.sharding.sequence import SEQ, each_round, round_slots
+from longstraw_jax.sharding.tensor import tensor_parallel_layer, varying_axes
 
 ROWS = 4096  # position-wise work (projections, norms, MLP) runs over at most this many local positions at a time
 _KV = P(None, None, SEQ)  # a KV cache or its cotangent: [blocks (or 1), nf, S, Hkv, hd], S split along seq
@@ -522,8 +523,8 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen36OnMesh:
-    """Qwen3.6's `SequenceParallel` (models/base.py): what the sharded engine needs from a family."""
+class Qwen36Mesh:
+    """Qwen3.6's `MeshAdapter` (models/base.py): what the sharded engine needs from a family."""
 
     model: Any
     linear_leaves = LINEAR_LEAVES

@@ -39,11 +39,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from longstraw_jax import progress
-from longstraw_jax.models.base import capture_chunks, chunk_layout
-from longstraw_jax.parallel.groups import DATA
-from longstraw_jax.parallel.rules import manual_axes
-from longstraw_jax.validation import check_left_pad, check_size, check_tokens, is_int, is_real
+from longstraw_jax.common import progress
+from longstraw_jax.common.validation import check_left_pad, check_size, check_tokens, is_int, is_real
+from longstraw_jax.engine.capture import capture_chunks, chunk_layout
+from longstraw_jax.sharding.groups import DATA
+from longstraw_jax.sharding.rules import manual_axes
 
 
 @dataclasses.dataclass(frozen=True)

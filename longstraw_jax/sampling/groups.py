@@ -22,12 +22,11 @@ import functools
 import jax
 import numpy as np
 
-from longstraw_jax.models.base import chunk_layout
-from longstraw_jax.parallel.groups import check_groups, over_data
+from longstraw_jax.common.validation import check_left_pad, check_size
+from longstraw_jax.engine.capture import chunk_layout, round_layout
 from longstraw_jax.sampling import branches as rollout, mesh as mesh_sampling
 from longstraw_jax.sampling.branches import SamplingConfig
-from longstraw_jax.sharding.prompt import round_layout
-from longstraw_jax.validation import check_left_pad, check_size
+from longstraw_jax.sharding.groups import check_groups, over_data
 
 
 def sample_groups(model, params, prompts, keys: jax.Array, group_size: int, sampling: SamplingConfig,
@@ -50,7 +49,7 @@ def sample_groups(model, params, prompts, keys: jax.Array, group_size: int, samp
     prompts = prompts.astype(np.int32)
     if mesh is None:
         return _one_device(model, params, prompts, keys, group_size, sampling, chunk_size, keep_capture, left_pad)
-    model.sequence_parallel()  # a family without a sharded path says so before any work
+    model.mesh_adapter()  # a family without a sharded path says so before any work
     check_groups(prompts.shape[0], mesh)
     layout = round_layout(model, prompts.shape[1] - 1, mesh.shape["seq"], chunk_size)
     return _on_mesh(model, params, prompts, keys, group_size, sampling, mesh, layout, keep_capture, left_pad)

@@ -21,11 +21,11 @@ from typing import Any
 import jax
 from flax import struct
 
-from longstraw_jax.parallel import sequence
-from longstraw_jax.parallel.layout import RoundLayout, ShardedPromptState
+from longstraw_jax.common.validation import check_left_pad
+from longstraw_jax.engine.capture import round_layout
 from longstraw_jax.sampling.branches import Rollout, SamplingConfig, check_sampling_inputs, sample_after_prompt
-from longstraw_jax.sharding.prompt import round_layout
-from longstraw_jax.validation import check_left_pad
+from longstraw_jax.sharding import sequence
+from longstraw_jax.sharding.layout import RoundLayout, ShardedPromptState
 
 
 @struct.dataclass
@@ -50,7 +50,7 @@ def sample_group(model, params, prompt, group_size: int, sampling: SamplingConfi
     left_pad = check_left_pad(left_pad, prompt.shape[0] - 2)
     if attention not in sequence.ATTENTION_METHODS:
         raise ValueError(f"attention={attention!r}; allowed: {sequence.ATTENTION_METHODS}")
-    model.sequence_parallel()  # a family without a sharded path says so before any work
+    model.mesh_adapter()  # a family without a sharded path says so before any work
     layout = round_layout(model, prompt.shape[0] - 1, mesh.shape[sequence.SEQ], chunk_size)
     return _sample_group(model, params, prompt, key, group_size, sampling, mesh, layout, attention, keep_capture,
                          left_pad)
@@ -59,7 +59,7 @@ def sample_group(model, params, prompt, group_size: int, sampling: SamplingConfi
 def sample_traced(model, params, prompt, key, group_size: int, sampling: SamplingConfig, mesh, layout: RoundLayout,
                   attention: str = "ring", keep_capture: bool = False, left_pad=None):
     """The mesh sampler without host checks (jittable; `jax.vmap(..., spmd_axis_name="data")`-able over a leading
-    group axis of prompt [N, P] and key [N]). layout: `sharding.prompt.round_layout(model, P - 1, seq, chunk_size)`.
+    group axis of prompt [N, P] and key [N]). layout: `engine.capture.round_layout(model, P - 1, seq, chunk_size)`.
     model, group_size, sampling, mesh, layout, attention and keep_capture are static; left_pad None or int32 []."""
     captured = capture_prompt(model, params, prompt, mesh, layout, attention, left_pad)
     rollout = sample_captured(model, params, captured.sstate, prompt, key, group_size, sampling, mesh, left_pad)
@@ -69,7 +69,7 @@ def sample_traced(model, params, prompt, key, group_size: int, sampling: Samplin
 def capture_prompt(model, params, prompt, mesh, layout: RoundLayout, attention: str = "ring",
                    left_pad=None) -> ShardedCaptured:
     """The engine's sharded capture of prompt[:-1] in `layout`'s rounds (prompt[:left_pad] pads; None: none)."""
-    sstate, capture_aux = model.sequence_parallel().capture(params, layout.to_stored(prompt[:-1]), mesh, layout,
+    sstate, capture_aux = model.mesh_adapter().capture(params, layout.to_stored(prompt[:-1]), mesh, layout,
                                                             attention, left_pad)
     return ShardedCaptured(sstate, capture_aux)
 
@@ -78,7 +78,7 @@ def sample_captured(model, params, sstate: ShardedPromptState, prompt, key, grou
                     sampling: SamplingConfig, mesh, left_pad=None) -> Rollout:
     """G branches after sstate, the sharded capture of prompt[:-1] (its pads < left_pad hidden). Under `jax.vmap`
     over groups (sstate, prompt, key and left_pad batched) the groups' branches decode together."""
-    family = model.sequence_parallel()
+    family = model.mesh_adapter()
     decode = functools.partial(family.decode, params, sstate, mesh=mesh, left_pad=left_pad)
     return sample_after_prompt(model, params, decode, family.init_tail(params, sstate, sampling.response_len),
                                prompt, key, group_size, sampling)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from longstraw_jax.validation import check_size
+from longstraw_jax.common.validation import check_size
 
 
 def bucket_lengths(max_length: int, multiple: int, max_buckets: int | None = None) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ loss compares them with (`replay.replay_branches` -> `token_logprobs`) and as `R
 temperature / top-p the branches were sampled with. Values at padded positions (mask 0) are whatever the pad tokens
 score; the loss never reads them.
 
-On a mesh the B groups are split over `data` (`parallel.groups.over_data`, B a multiple of its size): each data slice
+On a mesh the B groups are split over `data` (`sharding.groups.over_data`, B a multiple of its size): each data slice
 captures its groups' prompts sequence-parallel and replays its branches with the family's `extend_hidden`.
 """
 from __future__ import annotations
@@ -28,12 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longstraw_jax.models.base import capture_chunks, chunk_layout
+from longstraw_jax.common.validation import check_left_pad, check_size, check_tokens
+from longstraw_jax.engine.capture import capture_chunks, chunk_layout, round_layout
 from longstraw_jax.ops.logprobs import token_logprobs
-from longstraw_jax.parallel.groups import check_groups, over_data
-from longstraw_jax.parallel.layout import RoundLayout
-from longstraw_jax.sharding.prompt import round_layout
-from longstraw_jax.validation import check_left_pad, check_size, check_tokens
+from longstraw_jax.sharding.groups import check_groups, over_data
+from longstraw_jax.sharding.layout import RoundLayout
 
 
 def reference_logprobs(model, ref_params, prompts, responses, chunk_size: int, mesh=None, left_pad=None,
@@ -62,7 +61,7 @@ def reference_logprobs(model, ref_params, prompts, responses, chunk_size: int, m
     if mesh is None:
         return _one_device(model, ref_params, prompts, responses, chunk_size, min(logprob_chunk, responses.shape[2]),
                            left_pad)
-    model.sequence_parallel()  # a family without a sharded path says so before any work
+    model.mesh_adapter()  # a family without a sharded path says so before any work
     check_groups(prompts.shape[0], mesh)
     layout = round_layout(model, prompts.shape[1] - 1, mesh.shape["seq"], chunk_size)
     return jitted_on_mesh(model, ref_params, prompts, responses, mesh, layout, min(logprob_chunk, responses.shape[2]),
@@ -103,8 +102,8 @@ def _one_device(model, params, prompts, responses, chunk_size: int, logprob_chun
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
 def jitted_on_mesh(model, params, prompts, responses, mesh, layout: RoundLayout, logprob_chunk: int, left_pad=None):
     """The mesh path as one jitted program (model, mesh, layout, logprob_chunk static), without host checks: what
-    the capacity planner lowers. layout: `sharding.prompt.round_layout(model, P - 1, seq, chunk_size)`."""
-    family = model.sequence_parallel()
+    the capacity planner lowers. layout: `engine.capture.round_layout(model, P - 1, seq, chunk_size)`."""
+    family = model.mesh_adapter()
 
     def slice_groups(params, local):
         def one(x):

@@ -16,7 +16,7 @@ import sys
 import tomllib
 from typing import Collection
 
-from longstraw_jax.parallel.mesh import parse_mesh_spec
+from longstraw_jax.sharding.mesh import parse_mesh_spec
 
 DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`, a --data row in the shuffled "
                "order, or the next group of a rollout file), capture it once and sample G branches from the captured "

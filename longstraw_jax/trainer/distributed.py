@@ -347,7 +347,7 @@ def raise_cpu_device_count(mesh: str) -> None:
     """Ask for A*B simulated CPU devices before JAX initialises its backends (no effect on accelerators)."""
     import jax
 
-    from longstraw_jax.parallel.mesh import parse_mesh_spec
+    from longstraw_jax.sharding.mesh import parse_mesh_spec
 
     try:
         jax.config.update("jax_num_cpu_devices", max(math.prod(parse_mesh_spec(mesh)), 1))
@@ -362,7 +362,7 @@ def start_jax(config, explicit=frozenset()) -> None:
     (`check_agreement`) and start this process's watchdog (trainer/watchdog.py); or in one process raise the
     simulated CPU device count to A*B. config: a RunConfig (or anything with those four fields); explicit: the
     options given on the command line."""
-    from longstraw_jax.parallel.mesh import parse_mesh_spec
+    from longstraw_jax.sharding.mesh import parse_mesh_spec
 
     cluster = resolve(config.coordinator, config.num_processes, config.process_id)
     if cluster is None:

@@ -346,7 +346,7 @@ def evaluate(config, out: str | None) -> dict:
     mesh = run_setup.mesh_for(config)
     model, params = run_setup.load_model(config)
     if mesh is not None:
-        model.sequence_parallel()
+        model.mesh_adapter()
     params = run_setup.place(params, mesh)
     checkpoint = None
     if out is not None:

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from longstraw_jax.parallel.mesh import parse_mesh_spec
+from longstraw_jax.sharding.mesh import parse_mesh_spec
 from longstraw_jax.trainer import supervise
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -20,7 +20,9 @@ import time
 import jax
 import numpy as np
 
-from longstraw_jax import lora, models, progress, trainable
+from longstraw_jax import models
+from longstraw_jax.adapters import lora, trainable
+from longstraw_jax.common import progress
 from longstraw_jax.grpo import GRPOConfig
 from longstraw_jax.io import fault_hooks, peft
 from longstraw_jax.train import train_step
@@ -56,7 +58,7 @@ class Trainer:
         # --train lora: adapters added (frozen base); --trainable: a predicate; None: every leaf trains
         params, self.trains = run_setup.prepare_training(config, self.model, params)
         if self.mesh is not None:
-            self.model.sequence_parallel()  # a family without a sharded path says so here
+            self.model.mesh_adapter()  # a family without a sharded path says so here
         self.params = run_setup.place(params, self.mesh)
         # --kl-coef > 0 while sampling: the reference policy (trainer/reference.py), taken before any update or restore
         self.reference = reference.for_run(config, self.model, self.params, self.trains,

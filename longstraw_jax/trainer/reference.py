@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longstraw_jax import lora, models, trainable
+from longstraw_jax import models
+from longstraw_jax.adapters import lora, trainable
 from longstraw_jax.io import checkpoints
 from longstraw_jax.sampling.reference import reference_logprobs
 from longstraw_jax.trainer import distributed

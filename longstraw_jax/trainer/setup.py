@@ -16,15 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longstraw_jax import lora, models, trainable
+from longstraw_jax import models
+from longstraw_jax.adapters import lora, trainable
 from longstraw_jax.grpo import GroupBatch
 from longstraw_jax.io import checkpoints, peft
-from longstraw_jax.parallel import rules
-from longstraw_jax.parallel.mesh import parse_mesh_spec
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sampling.groups import sample_groups
 from longstraw_jax.sampling.padding import bucket_length, pad_left
-from longstraw_jax.sharding import make_mesh
+from longstraw_jax.sharding import make_mesh, rules
+from longstraw_jax.sharding.mesh import parse_mesh_spec
 from longstraw_jax.tasks import as_scorer, load_callable, make_task
 from longstraw_jax.tasks.rollout_file import load_rollouts
 from longstraw_jax.train import make_optimizer
@@ -97,7 +97,7 @@ _init = jax.jit(lambda model, key, dtype: model.init(key, dtype), static_argnums
 
 def place(tree, mesh, params=None):
     """Params or optimizer state -> committed to the first device, or on a mesh sharded by the FSDP rules
-    (`parallel.rules.param_specs` of `params`, default `tree` itself; optimizer moments like the params, step
+    (`sharding.rules.param_specs` of `params`, default `tree` itself; optimizer moments like the params, step
     counts replicated). Committed whatever the source (init, safetensors, Orbax), so the jitted sampler and step
     see the same argument placement on every call and compile once."""
     if mesh is None:

@@ -1,5 +1,5 @@
 """`grpo_grads` on a ("data", "seq") mesh: the engine's algorithm with the family's sequence-parallel capture,
-replay and prompt backward (`model.sequence_parallel()`: `models/qwen36_mesh.py`, `models/glm52_mesh.py`).
+replay and prompt backward (`model.mesh_adapter()`: `models/qwen36_mesh.py`, `models/glm52_mesh.py`).
 
     capture   sstate = capture(prompt[:-1]) on the mesh, in rounds    seq-sharded caches, replicated GDN state
               (or the sampler's capture, passed in: one capture per step)
@@ -27,13 +27,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from longstraw_jax.adapters.trainable import merge, split_like
+from longstraw_jax.engine.capture import round_layout
+from longstraw_jax.engine.replay import replay_branches, scan_groups, zeros_f32
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, batch_advantages, finalize_metrics, token_weights
-from longstraw_jax.parallel import groups as groups_lib
-from longstraw_jax.parallel.layout import RoundLayout
-from longstraw_jax.parallel.rules import constrain, param_specs, prompt_state_specs
-from longstraw_jax.replay import replay_branches, scan_groups, zeros_f32
-from longstraw_jax.sharding.prompt import round_layout
-from longstraw_jax.trainable import merge, split_like
+from longstraw_jax.sharding import groups as groups_lib
+from longstraw_jax.sharding.layout import RoundLayout
+from longstraw_jax.sharding.rules import constrain, param_specs, prompt_state_specs
 
 
 def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mesh, chunk_size: int | None = None,
@@ -91,7 +91,7 @@ def _slice_grads(model, cfg, mode, mesh, layout, attention, template, params, lo
 def _group_grads(model, params, batch, cfg, mode, mesh, layout, attention, weights, advantages, captured, grads,
                  like_params):
     """One group: capture (unless `captured`), replay, and in exact mode the prompt's backward, adding into grads."""
-    family = model.sequence_parallel()
+    family = model.mesh_adapter()
     stored = layout.to_stored(batch.prompt[:-1].astype("int32"))
     if captured is None:
         sstate, capture_aux = family.capture(jax.lax.stop_gradient(params), stored, mesh, layout, attention,

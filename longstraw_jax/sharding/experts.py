@@ -53,8 +53,8 @@ import jax.numpy as jnp
 from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.ops.lora import shape_of
 from longstraw_jax.ops.moe import add_to_tokens, expert_rows
-from longstraw_jax.parallel.rules import FSDP
-from longstraw_jax.parallel.sequence import SEQ
+from longstraw_jax.sharding.rules import FSDP
+from longstraw_jax.sharding.sequence import SEQ
 
 # (x, experts, weights, gate_proj, up_proj, down_proj, axes, block) -> [T, D]: `gathered` or `ragged`
 Exchange = Callable[..., jax.Array]

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from longstraw_jax.parallel.rules import expert_parallel, manual_axes
+from longstraw_jax.sharding.rules import expert_parallel, manual_axes
 
 
 @jax.tree_util.register_pytree_node_class

@@ -7,8 +7,8 @@ small inputs, never for long prompts.
 import jax
 import jax.numpy as jnp
 
+from longstraw_jax.adapters.trainable import merge
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, grpo_loss, validate_batch
-from longstraw_jax.trainable import merge
 
 
 def response_logprobs(model, params, prompt: jax.Array, responses: jax.Array,

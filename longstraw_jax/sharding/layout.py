@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from longstraw_jax.parallel.rules import SEQ_AXES
+from longstraw_jax.sharding.rules import SEQ_AXES
 
 
 @dataclasses.dataclass(frozen=True)

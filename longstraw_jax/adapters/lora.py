@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longstraw_jax.adapters.trainable import path_str
 from longstraw_jax.ops.lora import LoRA, is_lora, materialize
-from longstraw_jax.trainable import path_str
 
 GROUPS = {
     "attn": re.compile(r"/(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|out_proj|q_a_proj|q_b_proj|kv_a_proj|"

@@ -26,8 +26,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from longstraw_jax.adapters.trainable import split_like
 from longstraw_jax.ops.lora import LoRA, is_lora
-from longstraw_jax.trainable import split_like
 
 FSDP = ("data", "seq")  # parameter shards: the whole mesh
 # prompt-state field -> its position axis: Qwen3.6 KV caches [nb, nf, P, Hkv, hd]; GLM-5.x latent rows [layers, P, Dk]

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
-from longstraw_jax import trainable
+from longstraw_jax.adapters import trainable
 from longstraw_jax.ops.dtypes import at_least_f32
 
 

@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from longstraw_jax import progress
+from longstraw_jax.common import progress
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.dtypes import accum_dtype
-from longstraw_jax.parallel import rules
-from longstraw_jax.parallel.layout import RoundLayout, SeqLayout
+from longstraw_jax.sharding import rules
+from longstraw_jax.sharding.layout import RoundLayout, SeqLayout
 
 SEQ = "seq"
 ATTENTION_METHODS = ("ring", "allgather")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from longstraw_jax.parallel import rules
+from longstraw_jax.sharding import rules
 
 DATA = "data"
 

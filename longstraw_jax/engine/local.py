@@ -23,13 +23,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from longstraw_jax import progress
+from longstraw_jax.adapters.trainable import merge
+from longstraw_jax.common import progress
+from longstraw_jax.common.validation import check_size
+from longstraw_jax.engine import mesh as mesh_engine
+from longstraw_jax.engine.capture import capture_chunks, chunk_layout
+from longstraw_jax.engine.replay import replay_branches, scan_groups, zeros_f32
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, batch_advantages, finalize_metrics, token_weights, validate_batch
-from longstraw_jax.models.base import capture_chunks, chunk_layout
-from longstraw_jax.replay import replay_branches, scan_groups, zeros_f32
-from longstraw_jax.sharding import engine as sharded
-from longstraw_jax.trainable import merge
-from longstraw_jax.validation import check_size
 
 MODES = ("exact", "detached")
 
@@ -60,7 +60,7 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; allowed: {', '.join(map(repr, MODES))}")
     if mesh is not None:
-        model.sequence_parallel()  # a family without a sharded path says so before any work
+        model.mesh_adapter()  # a family without a sharded path says so before any work
     validate_batch(batch, model.config.vocab_size, cfg)
     return grpo_grads_unvalidated(model, params, batch, cfg, mode, check_size(chunk_size, "chunk_size"), mesh,
                                   captured, frozen)
@@ -72,7 +72,7 @@ def grpo_grads_unvalidated(model, params, batch: GroupBatch, cfg: GRPOConfig, mo
     a training step validates its batch once)."""
     chunk_layout(batch.prompt.shape[-1] - 1, chunk_size)
     if mesh is not None:
-        return sharded.grpo_grads(model, params, batch, cfg, mode, mesh, chunk_size=chunk_size, captured=captured,
+        return mesh_engine.grpo_grads(model, params, batch, cfg, mode, mesh, chunk_size=chunk_size, captured=captured,
                                   frozen=frozen)
     if captured is not None:
         check_captured(captured, batch, mode)
