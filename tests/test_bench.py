@@ -210,7 +210,7 @@ def test_model_flops_match_cost_analysis_on_a_loop_free_config():
     iteration each, so XLA's count-a-loop-body-once is exact): within 3% (XLA also counts elementwise work and the
     masked half of the causal tile). The GDN layer's weight count is checked against its parameters."""
     from longstraw_jax import models
-    from longstraw_jax.models.qwen36 import FULL, LINEAR, Qwen36Config
+    from longstraw_jax.models.qwen36.config import FULL, LINEAR, Qwen36Config
 
     bench = _tool("bench_device")
     tokens = 32

@@ -24,7 +24,7 @@ import pytest
 from longstraw_jax import models
 from longstraw_jax.io import convert
 from longstraw_jax.models import hf
-from longstraw_jax.models.qwen36 import FULL, LINEAR, Qwen36Config
+from longstraw_jax.models.qwen36.config import FULL, LINEAR, Qwen36Config
 from tests import hf_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

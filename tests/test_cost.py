@@ -304,7 +304,7 @@ def test_a_model_forward_costs_its_analytic_flops_with_every_loop_counted():
     import os
 
     from longstraw_jax import models
-    from longstraw_jax.models.qwen36 import FULL, Qwen36Config
+    from longstraw_jax.models.qwen36.config import FULL, Qwen36Config
 
     path = os.path.join(os.path.dirname(__file__), "..", "tools", "bench_device.py")
     spec = importlib.util.spec_from_file_location("bench_device", path)

@@ -170,8 +170,8 @@ def _memory(model, mode, group_size, prompt_len, response_len, chunk):
     if mode == "naive":
         lowered = naive_fn.lower(model, params, batch, cfg)
     else:
-        lowered = jax.jit(engine.local.jitted_grpo_grads, static_argnums=(0, 3, 4, 5)).lower(model, params, batch, cfg, mode,
-                                                                                  chunk)
+        lowered = jax.jit(engine.local.jitted_grpo_grads, static_argnums=(0, 3, 4, 5)).lower(model, params, batch,
+                                                                                          cfg, mode, chunk)
     return lowered.compile().memory_analysis()
 
 

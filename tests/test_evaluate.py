@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from longstraw_jax import models
-from longstraw_jax.models.qwen36 import FULL, LINEAR
+from longstraw_jax.models.qwen36.config import FULL, LINEAR
 from longstraw_jax.tasks.base import Prompt
 from longstraw_jax.tasks.retrieval import FIRST_ANSWER, STOP, RetrievalTask
 from longstraw_jax.trainer import cli as run, evaluate, metrics, warmup as sft

@@ -25,8 +25,8 @@ import pytest
 
 from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, naive_grpo_grads, sharding
 from longstraw_jax.engine import capture as engine_capture
-from longstraw_jax.models import glm52_mesh
 from longstraw_jax.models.base import CausalLM
+from longstraw_jax.models.glm52 import mesh_forward as glm52_mesh
 from longstraw_jax.sharding import groups as groups_lib, rules
 from tests.helpers import assert_metrics_equal, random_groups, rel_err, tiny_model
 

@@ -10,7 +10,7 @@ import pytest
 
 from longstraw_jax import make_optimizer, models
 from longstraw_jax.io.checkpoints import TrainCheckpoints, load_init_dir, save_init_dir
-from longstraw_jax.models.qwen36 import FULL, LINEAR
+from longstraw_jax.models.qwen36.config import FULL, LINEAR
 
 CONFIG = models.Qwen36Config.tiny(num_hidden_layers=4, layer_types=(LINEAR, LINEAR, LINEAR, FULL), vocab_size=64)
 

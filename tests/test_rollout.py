@@ -26,7 +26,7 @@ import pytest
 from longstraw_jax import models
 from longstraw_jax.engine.capture import capture_chunks
 from longstraw_jax.engine.naive import response_logprobs
-from longstraw_jax.models.qwen36 import FULL, LINEAR
+from longstraw_jax.models.qwen36.config import FULL, LINEAR
 from longstraw_jax.sampling import branches as rollout
 from longstraw_jax.sampling.branches import SamplingConfig, sample_group, sampling_logits
 from tests.helpers import o1_params, rel_err

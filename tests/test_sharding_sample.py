@@ -83,8 +83,8 @@ def test_mesh_sampler_equals_one_device_and_keeps_the_sharded_capture(family, sp
     positions = prompt.shape[0] - 1
     layout = round_layout(model, positions, mesh.shape["seq"], ROUND)
     assert captured.sstate.layout == layout and layout.full >= 1 and captured.sstate.length == positions
-    sstate, aux = jitted_capture_on_mesh(model, placed, layout.to_stored(jnp.asarray(prompt[:-1])), mesh, layout, "ring",
-                                 left_pad)
+    stored = layout.to_stored(jnp.asarray(prompt[:-1]))
+    sstate, aux = jitted_capture_on_mesh(model, placed, stored, mesh, layout, "ring", left_pad)
     for got_leaf, want_leaf in zip(jax.tree.leaves((captured.sstate, captured.capture_aux)),
                                    jax.tree.leaves((sstate, aux)), strict=True):
         assert got_leaf.sharding.is_equivalent_to(want_leaf.sharding, got_leaf.ndim)
@@ -140,7 +140,7 @@ def test_a_decode_step_gathers_no_linear_weight(family):
     if family == "glm52":  # indexer sizes whose matrices share no shape with a gathered one (weights_proj [Hi, D],
         # kv_b_proj [H (nope + v), kv_lora], router [E, D])
         model = models.build(dataclasses.replace(model.config, index_n_heads=4))
-    adapter = import_module(f"longstraw_jax.models.{family}_mesh")
+    adapter = import_module(f"longstraw_jax.models.{family}.mesh_forward")
     mesh = sharding.make_mesh("1x8")
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0)))
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,

@@ -113,7 +113,7 @@ def test_row_blocks_change_nothing(tiny, monkeypatch):
     block and returns pytrees. Also the 2x4 case of capture in rounds: rounds of 16 (segments of 3: 24 positions)
     = 1 full round + 21."""
     from longstraw_jax.engine import capture as api
-    from longstraw_jax.models import qwen36_mesh as sharded_qwen36
+    from longstraw_jax.models.qwen36 import mesh_forward as sharded_qwen36
 
     x = jnp.arange(30.0).reshape(10, 3)
     out = sharded_qwen36._by_rows(lambda a, b: {"s": a * 2 + b[:, :1]}, x, x + 1, rows=4)

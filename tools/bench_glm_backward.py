@@ -106,7 +106,8 @@ def main() -> None:
         methods = (("fallback", AutodiffGlm(cfg)), ("blocks", models.build(cfg)))
 
         def compile_step(model, batch, prompt):
-            return engine.local.jitted_grpo_grads.lower(model, params, batch, cfg_grpo, "exact", args.chunk_size).compile()
+            lowered = engine.local.jitted_grpo_grads.lower(model, params, batch, cfg_grpo, "exact", args.chunk_size)
+            return lowered.compile()
 
     devices = 1 if not args.mesh else data * seq
     rows = []

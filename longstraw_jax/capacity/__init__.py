@@ -37,7 +37,8 @@ donated aliases) is shown next to a per-device breakdown:
 The state is captured once per step, by the sampler, and reused by the update. The compiled step still captures
 internally (the engine's entry point today); a state passed in instead would sit in its arguments: the same bytes.
 
-**Sampling phase** (analytic, plus one AOT compile of the sharded capture `engine.capture.jitted_capture_on_mesh` per P).
+**Sampling phase** (analytic, plus one AOT compile of the sharded capture `engine.capture.jitted_capture_on_mesh` per
+P).
 Each data slice samples its B/data groups side by side (the sampler vmapped over a group axis sharded on `data`): it
 captures prompt[:-1] of each, then decodes the branches from the captured state, N = `--decode-batch` of a group at
 a time (default all G) and all the slice's groups together, R sequential decode steps per batch ((G / N) x R per

@@ -1,6 +1,7 @@
 """`Planner`: the per-device bytes of one trainer step for a model config on a simulated mesh, from shapes only.
 The update is the trainer's step AOT-compiled (`train.jitted_train_step_donated`), the capture is
-`engine.capture.jitted_capture_on_mesh` AOT-compiled, the rest is analytic (the model is in this package's docstring)."""
+`engine.capture.jitted_capture_on_mesh` AOT-compiled, the rest is analytic (the model is in this package's
+docstring)."""
 from __future__ import annotations
 
 import dataclasses
@@ -168,9 +169,9 @@ class Planner:
         return self.gathered_bytes + self.embed_bytes, n * 4 * 4 * self.model.config.vocab_size
 
     def capture(self, prompt_len: int) -> dict:
-        """The sharded capture of prompt[:-1] (`engine.capture.jitted_capture_on_mesh`, rounds of self.chunk), AOT-compiled
-        once per prompt length: {"temp": its temporaries, "aux": its output minus the state (Qwen3.6's round
-        boundaries), "total", "compile_s"} in per-device bytes."""
+        """The sharded capture of prompt[:-1] (`engine.capture.jitted_capture_on_mesh`, rounds of self.chunk),
+        AOT-compiled once per prompt length: {"temp": its temporaries, "aux": its output minus the state (Qwen3.6's
+        round boundaries), "total", "compile_s"} in per-device bytes."""
         if prompt_len not in self._captures:
             layout = engine_capture.round_layout(self.model, prompt_len - 1, self.mesh.shape["seq"], self.chunk)
             replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())

@@ -30,7 +30,8 @@ from plain autodiff of its whole layer stack, with a full-size state cotangent p
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -102,24 +103,25 @@ class Stage(Protocol):
     def stacked(self, entries): ...
 
 
-class _Uniform(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Forwarding:
+    """`inner`'s block protocol (a `models.base.BlockModel` or a `Stage`) except what a subclass defines: every other
+    attribute is `inner`'s. The mesh adapters use it to run one block in its own `shard_map` (`block`) and a capture
+    round's own embedding and cotangent reads (`embed`, `read_entries`) while the rest stays the model's or stage's.
+    A subclass is a frozen dataclass; its first field is `inner`."""
+
+    inner: Any
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name == "inner":  # dunders, and `inner` itself before it is set: no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Uniform(Forwarding):
     """A `BlockModel`'s own blocks as one stage: every leaf of a state (and of its entries) has the block axis
     first."""
-
-    model: Any
-
-    @property
-    def num_blocks(self) -> int:
-        return self.model.num_blocks
-
-    def block_params(self, params):
-        return self.model.block_params(params)
-
-    def with_block_params(self, params, blocks):
-        return self.model.with_block_params(params, blocks)
-
-    def block(self, bp, h, state_block, positions, cache_length, left_pad=None):
-        return self.model.block(bp, h, state_block, positions, cache_length, left_pad=left_pad)
 
     def at(self, tree, b):
         return _at(tree, b)

@@ -1,9 +1,10 @@
-"""Sequence-parallel capture, sharded replay and exact prompt backward for GLM-5.x (docs/models.md 2) on a
-("data", "seq") mesh.
+"""GLM-5.x (docs/models.md 2)'s forward passes on a ("data", "seq") mesh: sequence-parallel capture, replay over the
+seq-sharded prompt state, and decoding after it.
 
-The layer code is the model's own (`Glm52.decoder_layers`); only the way a layer reads the prompt changes: a
-`PromptReader` with the same three methods, working inside `shard_map` on this shard's slice of the cache. This
-module depends on the model only through its methods (`models/glm52.py` imports it for `mesh_adapter()`).
+The layer code is the model's own (`decoder_layers`, glm52/layers.py); only the way a layer reads the prompt
+changes: a `PromptReader` with the same three methods, working inside `shard_map` on this shard's slice of the
+cache. This module depends on the model only through its methods (nothing of glm52/model.py is imported here; the
+one-device decoding reader of glm52/layers.py uses its candidate and partial helpers).
 
 Capture (in rounds, `RoundLayout`; each round laid out zigzag like Qwen3.6's). Per layer, for this shard's queries:
 - DSA indexer: the round's indexer queries are all-gathered; each shard scores them against its *own* indexer keys
@@ -22,27 +23,18 @@ Capture (in rounds, `RoundLayout`; each round laid out zigzag like Qwen3.6's). P
 Replay: a branch's queries run on every shard. Each shard scores its own prompt keys (top-k candidates, all-gathered
 and merged with the branch's own keys' candidates); attention is a partial over the selected rows this shard holds,
 merged across shards by log-sum-exp (`sequence.psum_merge`), then merged with the branch's own rows.
-Replay backward and exact backward go block by block (`layerwise`, one stage per segment, a block = one repeat of
-its pattern, each block in its own `shard_map`): a branch, or a capture round recomputed from the final cache (its
-earlier slots are what it read), is backpropagated one block at a time under `jax.vjp`, each block's slice of the
-state cotangent added in place (none for the indexer keys); the ring and the all-gathers transpose to the reverse
-ring and to reduce-scatters (cache-read cotangents land on the shards that hold the rows, layer gradients on their
-FSDP shards).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from longstraw_jax.engine import layerwise
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.dsa import merge_candidates, topk_over_keys
-from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.ops.lora import shape_of
 from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attention_partial
 from longstraw_jax.ops.moe import grouped_swiglu
@@ -50,11 +42,11 @@ from longstraw_jax.ops.norms import rms_norm
 from longstraw_jax.sharding import rules, sequence
 from longstraw_jax.sharding.experts import routed_swiglu
 from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
-from longstraw_jax.sharding.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
+from longstraw_jax.sharding.rules import gather_layer, param_specs, prompt_state_specs
 from longstraw_jax.sharding.sequence import SEQ
 from longstraw_jax.sharding.tensor import tensor_parallel_layer, varying_axes
 
-_ROWS = P(None, SEQ)  # latent rows / indexer keys [layers, S, Dk] or [F, S, Di], positions split along seq
+ROW_SPEC = P(None, SEQ)  # latent rows / indexer keys [layers, S, Dk] or [F, S, Di], positions split along seq
 _NEVER = jnp.iinfo(jnp.int32).max  # key position of a padding slot: never visible to any query
 
 
@@ -77,7 +69,7 @@ LINEAR_LEAVES = frozenset({"q_a_proj", "q_b_proj", "kv_a_proj", "o_proj", "wq_b"
                            "down_proj"})
 
 
-class _Layers(NamedTuple):
+class ShardedLayers(NamedTuple):
     """FSDP-sharded layer parameters: each layer is all-gathered whole right before use, except routed experts split
     by expert index (expert parallelism: `parallel/experts.py`); decoding (`tensor_parallel`), the matrices in
     LINEAR_LEAVES are applied as shards (`parallel/tensor.py`: only the few tokens' activations move). varying: the
@@ -103,8 +95,8 @@ class _Layers(NamedTuple):
 
 class _ShardReader:
     """What every reader on the mesh (`RoundReader`, `ReplayReader`, `DecodeReader`) does the same way: layer
-    parameters and routed experts through its `params` (`_Layers`). replicated_over_seq: whether the layer's tokens
-    are the same on every seq shard (after the prompt) or this shard's own (a capture round)."""
+    parameters and routed experts through its `params` (`ShardedLayers`). replicated_over_seq: whether the layer's
+    tokens are the same on every seq shard (after the prompt) or this shard's own (a capture round)."""
 
     replicated_over_seq = False
 
@@ -128,7 +120,7 @@ class RoundReader(_ShardReader):
     index: jax.Array
     rounds: RoundLayout
     layout: SeqLayout
-    params: _Layers
+    params: ShardedLayers
     method: str  # how earlier rounds' rows are read: "ring" or "allgather" (`attend`)
     left_pad: Any = None
 
@@ -219,7 +211,7 @@ class ReplayReader(_AfterPrompt):
     index_keys: jax.Array
     positions: jax.Array
     rounds: RoundLayout
-    params: _Layers
+    params: ShardedLayers
     left_pad: Any = None  # the prompt's pads (natural positions < left_pad): never candidates
 
     def own_candidates(self, q, w, keys, full, common):
@@ -269,7 +261,7 @@ class DecodeReader(_AfterPrompt):
     slot: jax.Array
     positions: jax.Array
     rounds: RoundLayout
-    params: _Layers
+    params: ShardedLayers
     left_pad: Any = None  # the prompt's pads (natural positions < left_pad): never candidates
 
     def own_candidates(self, q, w, keys, full, common):
@@ -300,14 +292,10 @@ def tail_partial(q_abs, rows, layer, index, tail, slot, common: dict) -> attn_op
 # ----- capture -------------------------------------------------------------------------------------------------
 
 
-def _shard_map(mesh, fn, in_specs, out_specs):
-    return rules.shard_map(fn, mesh, in_specs, out_specs)
-
-
 def _write_round(mesh, rounds: RoundLayout, cache, new, index):
     """cache [layers, S, Dk] (or [F, S, Di]) with each shard's round slots from index * round_slots replaced by new."""
     write = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), i * rounds.round_slots, 1)
-    return _shard_map(mesh, write, (_ROWS, _ROWS, P()), _ROWS)(cache, new, index)
+    return rules.shard_map(write, mesh, (ROW_SPEC, ROW_SPEC, P()), ROW_SPEC)(cache, new, index)
 
 
 def round_entries(model, mesh, rounds: RoundLayout, layout: SeqLayout, layer_specs, layers, h, kv,
@@ -319,13 +307,13 @@ def round_entries(model, mesh, rounds: RoundLayout, layout: SeqLayout, layer_spe
 
     def local(layers, h, kv, index_keys, index, left_pad):
         positions = index * rounds.round_positions + sequence.local_positions(layout).reshape(-1)
-        reader = RoundReader(kv, index_keys, positions, index, rounds, layout, _Layers(layer_specs), attention,
+        reader = RoundReader(kv, index_keys, positions, index, rounds, layout, ShardedLayers(layer_specs), attention,
                              left_pad)
         _, entries, _ = model.decoder_layers(layers, h, reader, min(c.index_topk, rounds.length), remat=True)
         real = (positions < rounds.length)[None, :, None]
         return jnp.where(real, entries["kv"], 0), jnp.where(real, entries["index_keys"], 0)
 
-    return _shard_map(mesh, local, (layer_specs, P(SEQ), _ROWS, _ROWS, P(), P()), (_ROWS, _ROWS))(
+    return rules.shard_map(local, mesh, (layer_specs, P(SEQ), ROW_SPEC, ROW_SPEC, P(), P()), (ROW_SPEC, ROW_SPEC))(
         layers, h, kv, index_keys, index, left_pad)
 
 
@@ -342,7 +330,7 @@ def capture(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: 
     c = model.config
     layer_specs = param_specs(params, mesh)["layers"]
     dtype = params["embed"].dtype
-    place = lambda a: rules.constrain(a, _ROWS, mesh)
+    place = lambda a: rules.constrain(a, ROW_SPEC, mesh)
     caches = (place(jnp.zeros((c.num_hidden_layers, rounds.padded, c.kv_row_dim), dtype)),
               place(jnp.zeros((c.num_full_layers, rounds.padded, c.index_head_dim), dtype)))
 
@@ -370,11 +358,11 @@ def extend_hidden_fn(model, mesh, params_specs):
 
         def local(layers, state, h, left_pad):
             positions = rounds.length + jnp.arange(h.shape[0], dtype=jnp.int32)
-            reader = ReplayReader(state.kv, state.index_keys, positions, rounds, _Layers(params_specs["layers"]),
+            reader = ReplayReader(state.kv, state.index_keys, positions, rounds, ShardedLayers(params_specs["layers"]),
                                   left_pad)
             return model.decoder_layers(layers, h, reader, k, remat=True)[0]
 
-        h = _shard_map(mesh, local, (params_specs["layers"], prompt_state_specs(sstate.state), P(), P()), P())(
+        h = rules.shard_map(local, mesh, (params_specs["layers"], prompt_state_specs(sstate.state), P(), P()), P())(
             params["layers"], sstate.state, params["embed"][tokens], left_pad)
         return rms_norm(h, params["final_norm"], c.rms_norm_eps)
 
@@ -404,189 +392,12 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
 
     def local(layers, state, tail, h, position, slot, left_pad):
         reader = DecodeReader(state.kv, state.index_keys, tail, slot, position[None], rounds,
-                              _Layers(specs, True, varying), left_pad)
+                              ShardedLayers(specs, True, varying), left_pad)
         h, entries, _ = model.decoder_layers(layers, h, reader, k)
         return h, entries
 
     in_specs = (specs, prompt_state_specs(sstate.state), P(), P(), P(), P(), P())
-    h, entries = _shard_map(mesh, local, in_specs, (P(), P()))(
+    h, entries = rules.shard_map(local, mesh, in_specs, (P(), P()))(
         params["layers"], sstate.state, tail, params["embed"][jnp.reshape(token, (1,))],
         jnp.asarray(position, jnp.int32), jnp.asarray(slot, jnp.int32), left_pad)
     return rms_norm(h, params["final_norm"], c.rms_norm_eps), model.write_entries(tail, entries, slot)
-
-
-# ----- exact mode: the prompt's backward -----------------------------------------------------------------------
-
-
-class _RoundBlocks(NamedTuple):
-    """What `layerwise.chunk_grads` needs besides the stages, for capture round `index` (laid out by `layout`): the
-    round's tokens (stored order, seq-sharded) embedded with an empty selection as the block carry, and the round's
-    slots of the state cotangent as its entries' cotangent (`start` is not used: the round knows its slots)."""
-
-    model: Any
-    mesh: Any
-    rounds: RoundLayout
-    layout: SeqLayout
-    index: jax.Array
-
-    def embed(self, params, tokens):
-        k = min(self.model.config.index_topk, self.rounds.length)  # as `round_entries`
-        h = rules.constrain(params["embed"][tokens], P(SEQ), self.mesh)
-        return h, rules.constrain(jnp.full((tokens.shape[0], k), -1, jnp.int32), P(SEQ), self.mesh)
-
-    def read_entries(self, acc, start, size: int) -> dict:
-        return {"kv": sequence.round_slots(self.mesh, self.rounds, acc.kv, self.index, self.layout.per_shard, 1),
-                "index_keys": None}
-
-    def carried(self, state):
-        return self.model.carried(state)
-
-    def with_carried(self, state, carried):
-        return self.model.with_carried(state, carried)
-
-
-class _OnStage:
-    """A `layerwise.Stage` that is the model's segment stage (`Glm52.block_stages`) except for `block`, which the
-    subclass runs on the mesh."""
-
-    @property
-    def num_blocks(self) -> int:
-        return self.stage.num_blocks
-
-    def block_params(self, params):
-        return self.stage.block_params(params)
-
-    def with_block_params(self, params, blocks):
-        return self.stage.with_block_params(params, blocks)
-
-    def at(self, tree, b):
-        return self.stage.at(tree, b)
-
-    def set_at(self, tree, b, sub):
-        return self.stage.set_at(tree, b, sub)
-
-    def stacked(self, entries):
-        return self.stage.stacked(entries)
-
-
-@dataclasses.dataclass(frozen=True)
-class _SegmentRound(_OnStage):
-    """A `layerwise.Stage` of the sharded prompt backward: the model's segment stage, whose block runs one repeat
-    of capture round `index` in its own `shard_map` (a `RoundReader` over the block's slice of the final cache,
-    layer numbers local to the slice). Returns the block's latent rows (zero at padding); its indexer keys get no
-    cotangent and are not returned."""
-
-    stage: Any
-    mesh: Any
-    rounds: RoundLayout
-    layout: SeqLayout
-    index: jax.Array
-    layer_specs: dict  # param_specs(params)["layers"]
-    attention: str  # RoundReader.method
-
-    def block(self, bp, carry, state_block, positions, cache_length, left_pad=None):
-        rounds, layout = self.rounds, self.layout
-
-        def local(bp, carry, kv, index_keys, index, left_pad):
-            positions = index * rounds.round_positions + sequence.local_positions(layout).reshape(-1)
-            reader = RoundReader(kv, index_keys, positions, index, rounds, layout, _Layers(self.layer_specs),
-                                 self.attention, left_pad)
-            carry, entries = self.stage.block_with_reader(bp, carry, reader)
-            return carry, jnp.where((positions < rounds.length)[None, :, None], entries["kv"], 0)
-
-        slice_specs = block_slice_specs(self.layer_specs[str(self.stage.s)])
-        in_specs = (slice_specs, P(SEQ), _ROWS, _ROWS, P(), P())
-        carry, rows = _shard_map(self.mesh, local, in_specs, (P(SEQ), _ROWS))(
-            bp, carry, state_block.kv, state_block.index_keys, self.index, left_pad)
-        return carry, {"kv": rows, "index_keys": None}
-
-
-def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, state, state_cot,
-                    grads, attention: str = "ring", left_pad=None) -> dict:
-    """grads + the float32 gradient of the sequence-parallel capture given `state_cot` (the float32 cotangent of the
-    captured Glm52State, sharded like it; no index_keys: `Glm52.differentiable_state`). Rounds in reverse, and in each
-    round blocks in reverse (`layerwise.chunk_grads` over `_SegmentRound` stages): a forward over the blocks keeps
-    each block's input carry (h, selected); then each block is recomputed from the final cache (its earlier slots are
-    what the round read) under `jax.vjp` of its `shard_map`, its rows' cotangent read from the round's slots of the
-    running cotangent, and the cotangent of its cache reads added into the running cotangent at the block's layers,
-    in place. Live: the state, its float32 cotangent, one round's block inputs and one block's recomputation."""
-    layer_specs = param_specs(params, mesh)["layers"]
-    grad_specs = param_specs(grads, mesh)  # the trainable part's (grads has its structure: trainable.py)
-    place = lambda tree, spec_tree: rules.constrain(tree, spec_tree, mesh)
-
-    def one_round(carry, layout, index):
-        grads, acc = carry
-        tokens = sequence.round_slots(mesh, rounds, stored_tokens, index, layout.per_shard, 0)
-        stages = tuple(_SegmentRound(stage, mesh, rounds, layout, index, layer_specs, attention)
-                       for stage in model.block_stages())
-        grads, acc = layerwise.chunk_grads(_RoundBlocks(model, mesh, rounds, layout, index), params, state, tokens,
-                                           0, grads, acc, stages=stages, left_pad=left_pad)
-        return place(grads, grad_specs), acc.replace(kv=rules.constrain(acc.kv, _ROWS, mesh))
-
-    acc = model.differentiable_state(state_cot).replace(kv=at_least_f32(state_cot.kv))
-    return sequence.each_round(rounds, (grads, acc), one_round, reverse=True, phase="prompt backward")[0]
-
-
-# ----- the adapter the engine asks the model for ---------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _SegmentOnMesh(_OnStage):
-    """A `layerwise.Stage` of the sharded replay: the model's segment stage (`Glm52.block_stages`), whose block runs
-    one repeat in its own `shard_map` over the block's slice of the seq-sharded state (a `ReplayReader` over it,
-    layer numbers local to the slice), so `layerwise.branch_grads` backpropagates block by block and adds each
-    block's slice of the state cotangent into the accumulator in place (no state-sized cotangent per branch; none at
-    all for the indexer keys). Everything else is the stage's."""
-
-    stage: Any
-    mesh: Any
-    rounds: RoundLayout
-    layer_specs: dict  # param_specs(params)["layers"]
-
-    def block(self, bp, carry, state_block, positions, cache_length, left_pad=None):
-        """One repeat over carry (h [T, D], selected [T, k]) (replicated); state_block: a ShardedPromptState sliced at
-        the block (its pads < left_pad never selected). Returns (carry, None): the replay needs no entries."""
-        rounds, slice_specs = self.rounds, block_slice_specs(self.layer_specs[str(self.stage.s)])
-
-        def local(bp, carry, state, left_pad):
-            positions = rounds.length + jnp.arange(carry[0].shape[0], dtype=jnp.int32)
-            reader = ReplayReader(state.kv, state.index_keys, positions, rounds, _Layers(self.layer_specs), left_pad)
-            return self.stage.block_with_reader(bp, carry, reader)[0]
-
-        state = state_block.state
-        in_specs = (slice_specs, P(), prompt_state_specs(state), P())
-        return _shard_map(self.mesh, local, in_specs, P())(bp, carry, state, left_pad), None
-
-
-@dataclasses.dataclass(frozen=True)
-class Glm52Mesh:
-    """GLM-5.x's `MeshAdapter` (models/base.py). Its replay backpropagates block by block (`_SegmentOnMesh`:
-    one stage per segment, a block = one repeat of its pattern), as one device does."""
-
-    model: Any
-    min_segment = 1  # GLM reads no halo from the previous segment: any segment length works
-    linear_leaves = LINEAR_LEAVES
-
-    def capture(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, left_pad=None):
-        """`attention`: how a round reads earlier rounds' latent rows ("ring" / "allgather": `RoundReader.attend`).
-        No capture output is kept for the backward (every round is recomputed from the final cache)."""
-        return capture(self.model, params, stored_tokens, mesh, rounds, attention, left_pad), None
-
-    def extend_hidden(self, params, sstate, tokens, mesh, left_pad=None):
-        return extend_hidden_fn(self.model, mesh, param_specs(params, mesh))(params, sstate, tokens, left_pad)
-
-    def branch_grads(self, mesh, rounds: RoundLayout, specs):
-        """`layerwise.branch_grads` over the mesh stages; the top-k width is the sharded replay's (P + T)."""
-        stages = tuple(_SegmentOnMesh(stage, mesh, rounds, specs["layers"]) for stage in self.model.block_stages())
-        return functools.partial(layerwise.branch_grads, self.model.layerwise_blocks(rounds.length), stages=stages)
-
-    def prompt_backward(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, sstate,
-                        capture_aux, state_cot, grads, left_pad=None):
-        return prompt_backward(self.model, params, stored_tokens, mesh, rounds, sstate.state, state_cot, grads,
-                               attention, left_pad)
-
-    def init_tail(self, params, sstate, capacity: int):
-        return init_tail(self.model, params, sstate, capacity)
-
-    def decode(self, params, sstate, tail, token, position, mesh, left_pad=None):
-        return decode(self.model, params, sstate, tail, token, position, mesh, left_pad)

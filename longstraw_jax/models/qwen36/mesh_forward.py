@@ -1,6 +1,7 @@
-"""Qwen3.6 (docs/models.md 1) on a ("data", "seq") mesh: sequence-parallel capture, sharded replay and exact prompt
-backward. The layer code is the model's own (`Qwen36.block_with_reader`); this file supplies the *readers* through
-which a layer sees the prompt on one shard, and the drivers that walk rounds and blocks.
+"""Qwen3.6 (docs/models.md 1)'s forward passes on a ("data", "seq") mesh: sequence-parallel capture, replay over the
+seq-sharded prompt state, and decoding after it. The layer code is the model's own (`Qwen36.block_with_reader`);
+this file supplies the *readers* through which a layer sees the prompt on one shard, and the drivers that walk
+rounds and blocks.
 
 Capture: a round of the prompt is laid out by `SeqLayout` (two segments per `seq` shard, padded at the end);
 parameters stay FSDP-sharded and each layer is all-gathered just before use (`layer_params`). Per layer, every shard
@@ -16,16 +17,11 @@ Rounds (`RoundLayout`): only one round's activations are live; the GDN state and
 position-wise work runs in blocks of ROWS rows (`rowwise`).
 Replay (`ReplayReader`): the branch runs on every shard; the GDN state is replicated and read as on one device;
 attention over the seq-sharded prompt cache is merged across shards by log-sum-exp (`sequence.psum_merge`).
-Replay backward and exact backward go block by block through `layerwise` (`branch_grads` over `_ReplayOnMesh`;
-`prompt_backward`: rounds in reverse, `chunk_grads` over `_RoundOnMesh`, the GDN state carried into the round as its
-carried part), each block recomputed under `jax.vjp` of its own `shard_map`; JAX transposes the collectives
-(all-gathers become reduce-scatters, the ring runs backwards).
 
-This module depends on the model only through its methods (no import of `models/qwen36.py`, which imports this).
+It depends on the model only through its methods (no import of qwen36/model.py, which imports the adapter).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -35,14 +31,13 @@ from einops import rearrange
 from jax.sharding import PartitionSpec as P
 
 from longstraw_jax.common import progress
-from longstraw_jax.engine import layerwise
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
-from longstraw_jax.ops.dtypes import accum_dtype, at_least_f32
+from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.sharding import rules, sequence
 from longstraw_jax.sharding.layout import RoundLayout, SeqLayout, ShardedPromptState
-from longstraw_jax.sharding.rules import block_slice_specs, gather_layer, param_specs, prompt_state_specs
-from longstraw_jax.sharding.sequence import SEQ, each_round, round_slots
+from longstraw_jax.sharding.rules import gather_layer, param_specs, prompt_state_specs
+from longstraw_jax.sharding.sequence import SEQ
 from longstraw_jax.sharding.tensor import tensor_parallel_layer, varying_axes
 
 ROWS = 4096  # position-wise work (projections, norms, MLP) runs over at most this many local positions at a time
@@ -244,18 +239,14 @@ def _capture_local(model, rounds: RoundLayout, block_specs, method, blocks, h, l
     return carry, owned
 
 
-def _shard_map(mesh, fn, in_specs, out_specs):
-    return rules.shard_map(fn, mesh, in_specs, out_specs)
-
-
 def capture(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, left_pad=None):
     """Traceable: stored_tokens [rounds.padded] (stored order) -> (ShardedPromptState, boundaries: the GDN (conv,
     recurrent) carried into each round, spread over the seq shards as `_capture_local` keeps them). left_pad: the
     prompt's first left_pad natural positions are pads (int32 [] or None)."""
     specs = param_specs(params, mesh)
     h = rules.constrain(model.embed(params, stored_tokens), P(SEQ), mesh)
-    (conv, recurrent, keys, values), boundaries = _shard_map(
-        mesh, functools.partial(_capture_local, model, rounds, specs["blocks"], attention),
+    (conv, recurrent, keys, values), boundaries = rules.shard_map(
+        functools.partial(_capture_local, model, rounds, specs["blocks"], attention), mesh,
         (specs["blocks"], P(SEQ), P()), ((P(), P(), _KV, _KV), (P(SEQ), P(SEQ))))(model.block_params(params), h,
                                                                                  left_pad)
     state = model.state_type(conv=conv, recurrent=recurrent, keys=keys, values=values, length=rounds.length)
@@ -350,7 +341,7 @@ def extend_hidden(model, params, sstate: ShardedPromptState, tokens, mesh, left_
                                                           left_pad), None))
         return jax.lax.scan(body, h, (blocks, jnp.arange(model.num_blocks)))[0]
 
-    h = _shard_map(mesh, local, (specs, prompt_state_specs(sstate.state), P(), P()), P())(
+    h = rules.shard_map(local, mesh, (specs, prompt_state_specs(sstate.state), P(), P()), P())(
         model.block_params(params), sstate.state, model.embed(params, tokens), left_pad)
     return model.final_norm(params, h)
 
@@ -388,169 +379,7 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
         return jax.lax.scan(body, h, (blocks, jnp.arange(model.num_blocks)))
 
     in_specs = (specs, prompt_state_specs(sstate.state), P(), P(), P(), P(), P())
-    h, entries = _shard_map(mesh, local, in_specs, (P(), P()))(
+    h, entries = rules.shard_map(local, mesh, in_specs, (P(), P()))(
         model.block_params(params), sstate.state, tail, model.embed(params, jnp.reshape(token, (1,))),
         jnp.asarray(position, jnp.int32), jnp.asarray(slot, jnp.int32), left_pad)
     return model.final_norm(params, h), model.write_entries(tail, entries, slot)
-
-
-def _embed_grads(grads, tokens, dh):
-    """grads + the embedding's gradient given dh [T, D], the cotangent of the embedded rows (`layerwise`'s
-    embed_grads): added at the tokens' rows of the accumulator, in place (no table-sized temporary; nothing for a
-    frozen embedding)."""
-    if grads["embed"] is None:
-        return grads
-    return dict(grads, embed=grads["embed"].at[tokens].add(dh.astype(grads["embed"].dtype)))
-
-
-class _OnMesh:
-    """The model's block protocol (`models.base.BlockModel`, with `carried` / `with_carried`) whose `block` a subclass
-    runs in its own `shard_map`, so that `layerwise` backpropagates one block at a time on the mesh and adds each
-    block's slice of the seq-sharded state cotangent into the accumulator in place. Everything else is the model's."""
-
-    model: Any
-
-    @property
-    def num_blocks(self) -> int:
-        return self.model.num_blocks
-
-    def embed(self, params, tokens):
-        return self.model.embed(params, tokens)
-
-    def block_params(self, params):
-        return self.model.block_params(params)
-
-    def with_block_params(self, params, blocks):
-        return self.model.with_block_params(params, blocks)
-
-    def final_norm(self, params, h):
-        return self.model.final_norm(params, h)
-
-    def carried(self, state):
-        return self.model.carried(state)
-
-    def with_carried(self, state, carried):
-        return self.model.with_carried(state, carried)
-
-
-@dataclasses.dataclass(frozen=True)
-class _ReplayOnMesh(_OnMesh):
-    """The sharded replay's blocks (`layerwise.branch_grads`): a branch's tokens (replicated) over the seq-sharded
-    prompt state, no full-size state cotangent per branch."""
-
-    model: Any
-    mesh: Any
-    rounds: RoundLayout
-    block_specs: dict  # param_specs(params)["blocks"]
-
-    def block(self, bp, h, state_block, positions, cache_length, left_pad=None):
-        """One block over tokens h [T, D] (replicated); state_block: a ShardedPromptState sliced at one block."""
-        state = jax.tree.map(lambda a: a[None], state_block.state)  # leading block axis of 1: indexed by b = 0
-        local = lambda bp, h, state, pad: replay_block(self.model, self.block_specs, self.rounds, bp, h, state, 0, pad)
-        in_specs = (block_slice_specs(self.block_specs), P(), prompt_state_specs(state), P())
-        return _shard_map(self.mesh, local, in_specs, P())(bp, h, state, left_pad), None
-
-
-@dataclasses.dataclass(frozen=True)
-class _RoundOnMesh(_OnMesh):
-    """Capture round `index` (laid out by `layout`) as `layerwise.chunk_grads` sees a chunk: tokens [n * 2L] in
-    stored order, embedded seq-sharded; `block` is `round_block` in its own `shard_map` over one block's slice of a
-    Qwen36State (KV cache seq-sharded, carried GDN state replicated), returning the block's entries (tails, states:
-    replicated; keys, values [nf, n * 2L, Hkv, hd]: seq-sharded, stored order); `read_entries` reads the round's
-    slots (`start` is not used: the round knows its slots) and the carried part of a cotangent."""
-
-    model: Any
-    mesh: Any
-    rounds: RoundLayout
-    layout: SeqLayout
-    index: jax.Array
-    block_specs: dict  # param_specs(params)["blocks"]
-    attention: str  # RoundReader.method
-
-    def embed(self, params, tokens):
-        return rules.constrain(self.model.embed(params, tokens), P(SEQ), self.mesh)
-
-    def read_entries(self, acc, start, size: int) -> dict:
-        read = lambda cache: round_slots(self.mesh, self.rounds, cache, self.index, self.layout.per_shard, 2)
-        return {"linear": self.carried(acc), "full": (read(acc.keys), read(acc.values))}
-
-    def block(self, bp, h, state_block, positions, cache_length, left_pad=None):
-        def local(bp, h, state, index, left_pad):
-            carry = (state.conv, state.recurrent, state.keys, state.values)
-            return round_block(self.model, self.block_specs, self.attention, self.rounds, self.layout, index, bp, h,
-                               carry, 0, left_pad)
-
-        state = jax.tree.map(lambda a: a[None], state_block)  # leading block axis of 1: indexed by b = 0
-        out_specs = (P(SEQ), {"linear": (P(), P()), "full": (P(None, SEQ), P(None, SEQ))})
-        return _shard_map(self.mesh, local, (block_slice_specs(self.block_specs), P(SEQ), prompt_state_specs(state),
-                                             P(), P()), out_specs)(bp, h, state, self.index, left_pad)
-
-
-# ----- exact mode: the prompt's backward -----------------------------------------------------------------------
-
-
-def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, state, boundaries,
-                    state_cot, grads, left_pad=None) -> dict:
-    """grads + the float32 gradient of the sequence-parallel capture of `stored_tokens` ([rounds.padded] in stored
-    order) given `state_cot`, the float32 cotangent of the captured state (KV cache seq-sharded, GDN carried state
-    replicated). grads: a float32 params-shaped tree, FSDP-sharded (the replay's gradient: added to in place).
-
-    Rounds in reverse, each one `layerwise.chunk_grads` over `_RoundOnMesh` (blocks in reverse, each recomputed under
-    `jax.vjp` of its `shard_map`) from the final cache (its earlier slots are exactly what the round read; later
-    slots are never read) with the GDN state carried into the round (`read_boundary`) as the carried part: its new
-    keys/values get their cotangent from the round's slots of the running cotangent, its outgoing GDN state from the
-    carried cotangent, which then becomes the cotangent of the state the round started from; its cache reads' are
-    added into the running KV cotangent at the block, in place. Memory: the state, its cotangent, the round
-    boundaries, one round's block inputs and one block's recomputation."""
-    block_specs = param_specs(params, mesh)["blocks"]
-    grad_specs = param_specs(grads, mesh)  # the trainable part's (grads has its structure: trainable.py)
-    per = boundaries_per_shard(rounds)
-
-    def one_round(carry, layout, index):
-        grads, acc = carry
-        tokens = round_slots(mesh, rounds, stored_tokens, index, layout.per_shard, 0)
-        boundary = _shard_map(mesh, lambda b, r: read_boundary(b, r, per), (P(SEQ), P()), P())(boundaries, index)
-        blocks = _RoundOnMesh(model, mesh, rounds, layout, index, block_specs, attention)
-        grads, acc = layerwise.chunk_grads(blocks, params, model.with_carried(state, boundary), tokens, 0, grads, acc,
-                                           embed_grads=_embed_grads, left_pad=left_pad)
-        return rules.constrain(grads, grad_specs, mesh), rules.constrain(acc, prompt_state_specs(acc), mesh)
-
-    acc = jax.tree.map(at_least_f32, state_cot)  # float32 (float64 for a float64 model)
-    return each_round(rounds, (grads, acc), one_round, reverse=True, phase="prompt backward")[0]
-
-
-# ----- the adapter the engine asks the model for ---------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Qwen36Mesh:
-    """Qwen3.6's `MeshAdapter` (models/base.py): what the sharded engine needs from a family."""
-
-    model: Any
-    linear_leaves = LINEAR_LEAVES
-
-    @property
-    def min_segment(self) -> int:
-        """The causal conv reads a K-1 row halo from the previous segment."""
-        return self.model.config.linear_conv_kernel_dim - 1
-
-    def capture(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, left_pad=None):
-        return capture(self.model, params, stored_tokens, mesh, rounds, attention, left_pad)
-
-    def extend_hidden(self, params, sstate, tokens, mesh, left_pad=None):
-        return extend_hidden(self.model, params, sstate, tokens, mesh, left_pad)
-
-    def branch_grads(self, mesh, rounds: RoundLayout, specs):
-        on_mesh = _ReplayOnMesh(self.model, mesh, rounds, specs["blocks"])
-        return functools.partial(layerwise.branch_grads, on_mesh, embed_grads=_embed_grads)
-
-    def prompt_backward(self, params, stored_tokens, mesh, rounds: RoundLayout, attention: str, sstate,
-                        capture_aux, state_cot, grads, left_pad=None):
-        return prompt_backward(self.model, params, stored_tokens, mesh, rounds, attention, sstate.state, capture_aux,
-                               state_cot, grads, left_pad)
-
-    def init_tail(self, params, sstate, capacity: int):
-        return init_tail(self.model, params, sstate, capacity)
-
-    def decode(self, params, sstate, tail, token, position, mesh, left_pad=None):
-        return decode(self.model, params, sstate, tail, token, position, mesh, left_pad)
