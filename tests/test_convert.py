@@ -2,7 +2,7 @@
 StandardCheckpointer's own, errors, streaming memory and dry runs on the real configs.
 
 Model types are parametrised over what exists: every layout in ROUND_TRIPS / DRY_RUNS whose model_type is in
-`models.MODEL_TYPES` (GLM-5.2 joins when models/glm52.py registers "glm_moe_dsa" and tests/hf_reference.py
+`models.MODEL_TYPES` (GLM-5.2 joins when models/glm52/model.py registers "glm_moe_dsa" and tests/hf_reference.py
 has `make_glm_checkpoint`).
 """
 import importlib.util

@@ -366,7 +366,7 @@ def test_glm_experts_cost_their_analytic_grouped_matmul_and_nothing_else_changes
 
 @pytest.mark.parametrize("fraction", [1.0, 0.25])
 def test_the_gathered_exchange_costs_this_devices_share_of_the_rows(fraction):
-    """`parallel/experts.routed_swiglu` (XLA:CPU's gathered exchange) on 8 devices, E = 16 experts (L = 2 local),
+    """`sharding/experts.routed_swiglu` (XLA:CPU's gathered exchange) on 8 devices, E = 16 experts (L = 2 local),
     top-4, T tokens per device: the compiled program runs all 8 devices' T k rows in blocks through both local
     experts (blocks past the local rows skipped at run time, counted at their bound); the GPU model counts this
     device's T k rows (x fraction: the real rows) once each, their bytes and the L local matrices per projection

@@ -1,4 +1,4 @@
-"""Expert parallelism (`parallel/experts.py`) == all experts on one device (`ops.moe.grouped_swiglu`), in values and
+"""Expert parallelism (`sharding/experts.py`) == all experts on one device (`ops.moe.grouped_swiglu`), in values and
 gradients, on 8 simulated CPU devices (2x4), for both exchanges: the all-gather one (`gathered`, XLA:CPU's) and the
 ragged all-to-all one (`ragged`, GPUs'), the latter with `jax.lax.ragged_all_to_all` replaced by an all-gather
 emulation of its documented semantics (XLA:CPU cannot run the primitive; the emulation is itself checked against a

@@ -1,4 +1,5 @@
-"""LoRA and frozen parameters (docs/architecture.md 10; lora.py, trainable.py, ops/lora.py), on small models.
+"""LoRA and frozen parameters (docs/architecture.md 10; adapters/lora.py, adapters/trainable.py, ops/lora.py), on small
+models.
 
 - adapters with B = 0 give the base model's logits exactly (both families);
 - adapter gradients of the exact engine == the full-graph oracle's (both families, one device), and the gradient

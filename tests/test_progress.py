@@ -1,4 +1,4 @@
-"""Progress from inside the compiled loops (longstraw_jax/progress.py): with the ticks on, the capture's chunks /
+"""Progress from inside the compiled loops (longstraw_jax/common/progress.py): with the ticks on, the capture's chunks /
 rounds, the decode steps and the prompt backward's chunks / rounds each reach the sink once, in order, and the
 results are bitwise those of the same programs without ticks (one device and a 1x8 mesh). The trainer's lines
 (trainer/log.py PhaseTicker) say how far the running loop is, how fast and when it ends.

@@ -8,9 +8,9 @@ CPU devices, tiny models at O(1) scale.
   and shards; the one-device oracle samples the unpadded prompt); the mesh decodes all G branches together, the
   one-device oracle one at a time (decode_batch=1); prompts captured in rounds, P - 1 divisible by no layout;
 - keep_capture: the (sstate, capture_aux) handed back equals the family's sharded capture of prompt[:-1]
-  (`engine.capture.jitted_capture_on_mesh`, what sharding/engine.py computes);
+  (`engine.capture.jitted_capture_on_mesh`, what engine/mesh.py computes);
 - no weights move per decoded token: the compiled decode step (all branches, 1x8) all-gathers no matrix that the
-  layers apply through `linear` (each device multiplies by its own FSDP shard, `parallel/tensor.py`); GLM's
+  layers apply through `linear` (each device multiplies by its own FSDP shard, `sharding/tensor.py`); GLM's
   kv_b_proj, still gathered, shows the check sees a gathered weight;
 - memory: per-device bytes (arguments + temporaries, AOT `memory_analysis()`) on 1x8 are well under a third of the
   one-device sampler's at a prompt whose cache dominates: nothing of size P is replicated.

@@ -14,7 +14,7 @@ before the block-by-block backward, kept as `layerwise.branch_grads_autodiff` / 
 the model as shipped (`layerwise` stages, no indexer-key cotangent). Temp bytes are XLA's temporaries: everything
 live besides arguments and outputs (the state, its cotangent, the gradient accumulator, activations).
 
-`--mesh SPEC` (CPU devices, e.g. 1x8): the sharded engine (`sharding/engine.py`, rounds of --chunk-size), per-device
+`--mesh SPEC` (CPU devices, e.g. 1x8): the sharded engine (`engine/mesh.py`, rounds of --chunk-size), per-device
 bytes, the package as imported only (its sharded GLM path has no fallback to switch to; for the engine before GLM went
 block by block, run this with PYTHONPATH at an export of commit 439adbc: `git archive 439adbc longstraw_jax | tar -x -C
 DIR`). Results: docs/benchmarks.md 9.

@@ -7,7 +7,7 @@ trainable part only.
     loss, grads, metrics = grpo_grads(model, trainable, batch, ..., frozen=frozen)   # grads shaped like trainable
 
 Inside the engines the float32 gradient accumulator has the trainable tree's structure, so every place that
-differentiates (`layerwise`, `models/qwen36_mesh.py`, `models/glm52_mesh.py`, the autodiff defaults) finds the split in
+differentiates (`layerwise`, `models/qwen36/mesh.py`, `models/glm52/mesh.py`, the autodiff defaults) finds the split in
 the accumulator it adds into: `vjp(fn, params, like=grads, ...)` differentiates with respect to the leaves `like` holds
 and closes over the others. XLA then computes no cotangent for a frozen leaf, and no gradient buffer or optimizer state
 exists for one. A tree without holes (full training) takes the plain `jax.vjp` path: nothing changes.

@@ -53,7 +53,7 @@ group), each branch into a small replicated *tail*. Per device:
                  decoding and the one after prompt[-1] that each batch starts from
     decode       one decode step's transient: the largest layer's leaves that are gathered whole (norm vectors,
                  conv kernels, GLM's kv_b_proj, indexer weights_proj and router: the matrices applied through
-                 `linear` stay this device's shards, `parallel/tensor.py`; expert-parallel experts too), the
+                 `linear` stay this device's shards, `sharding/tensor.py`; expert-parallel experts too), the
                  embedding table all-gathered whole (as XLA:CPU does for the capture's token lookup: an upper
                  bound), and per branch decoding 4 float32 rows of [vocab] (logits, sampling logits, two
                  log-softmaxes); the tokens' activations are negligible
@@ -62,7 +62,7 @@ group), each branch into a small replicated *tail*. Per device:
     sampling total = params + optimizer + state + boundaries + max(capture, tail + decode)
 
 **Expert exchange.** The compiled programs run the expert exchange XLA:CPU can run (`gathered`,
-`parallel/experts.py`); GPUs and TPUs run `ragged`, whose receive buffer is min(k, E / n) times larger (dropless
+`sharding/experts.py`); GPUs and TPUs run `ragged`, whose receive buffer is min(k, E / n) times larger (dropless
 worst case).
 "peak ragged" / "fits (ragged)" add its extra bytes analytically (`Planner.ragged_extra`) to each phase; "peak" /
 "fits" are the compiled programs' (the trainer on a GPU runs the ragged one unless told otherwise).

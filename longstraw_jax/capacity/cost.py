@@ -60,7 +60,7 @@ Per-device quantities (the HLO is the per-device SPMD program):
 
 **Routed experts** (`ExpertModel`; MoE models). XLA:CPU has no grouped GEMM, so `ops/moe._grouped_scan` runs every
 row of a block through each expert in turn (a scan over the L experts of the device: L times the FLOPs of a GPU's
-`ragged_dot`, which runs each row through its own expert), and the gathered exchange (`parallel/experts.py`,
+`ragged_dot`, which runs each row through its own expert), and the gathered exchange (`sharding/experts.py`,
 `local_experts`) runs the rows of all n devices in fixed blocks, skipped at run time past the device's own rows but
 counted here at their bound (a conditional's costliest branch). The instructions are recognised by the functions in
 their stack frames (the module's FunctionNames / StackFrames tables, `stack_functions`): an *expert loop* is a
@@ -113,10 +113,10 @@ _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode -> index of the 
 # FileNames / FunctionNames / FileLocations / StackFrames tables), as "file:function" suffixes. `ops/moe.py:_grouped`
 # (the backend's grouped matmul) runs it on XLA:CPU as a scan over the experts, each step multiplying every row
 # (`_grouped_scan`; its backward `_grouped_scan_bwd`; under autodiff the frames below `_grouped` are not recorded):
-# its while loops are *expert loops*. `parallel/experts.py:local_experts` runs the gathered exchange's rows through
+# its while loops are *expert loops*. `sharding/experts.py:local_experts` runs the gathered exchange's rows through
 # them in fixed blocks: its while loops are *expert calls*.
 EXPERT_LOOP_FUNCTIONS = ("ops/moe.py:_grouped",)
-EXPERT_CALL_FUNCTIONS = ("parallel/experts.py:local_experts",)
+EXPERT_CALL_FUNCTIONS = ("sharding/experts.py:local_experts",)
 
 _ARRAY = re.compile(r"([a-z]\w*)\[([^\]]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")

@@ -67,7 +67,7 @@ def _largest_layer(params, held) -> int:
 
 
 def decode_gathered_bytes(params, linear_leaves: frozenset) -> int:
-    """Bytes of the largest layer as a decode step gathers it (`parallel/tensor.py:tensor_parallel_layer`): the
+    """Bytes of the largest layer as a decode step gathers it (`sharding/tensor.py:tensor_parallel_layer`): the
     leaves the layer code applies through `linear` (named in `linear_leaves`, a LoRA node's base included) stay
     this device's shards (counted in the params already), expert-parallel experts too; the rest is gathered whole.
     Stacked leaves grouped by kind as `largest_layer_bytes` does."""

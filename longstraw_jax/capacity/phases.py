@@ -42,7 +42,7 @@ def update_phase(compiled: dict[str, int], *, state: int, boundaries: int, group
 def ragged_exchange_bytes(*, devices: int, experts: int, top_k: int, hidden: int, itemsize: int,
                           tokens: int) -> int:
     """Extra per-device bytes of one MoE layer when the expert exchange is `ragged` (GPU/TPU) instead of `gathered`
-    (the CPU program the planner compiles; `parallel/experts.py`): the receive buffer and its outputs hold
+    (the CPU program the planner compiles; `sharding/experts.py`): the receive buffer and its outputs hold
     n * T * min(k, E / n) rows of D, the gathered path's tokens and partial outputs n * T rows:
     2 n T (min(k, E / n) - 1) D elements, for `tokens` = T per device. 0 when the experts are not expert-parallel
     (n does not divide E) or there are none."""

@@ -362,7 +362,7 @@ class Planner:
         """How the time model costs a program's routed experts: as a GPU's grouped matmul (`cost.ExpertModel`), E
         = the config's routed experts; None for a model without them. In the decode step each branch's one token is
         the same on every seq shard and, where the experts are expert-parallel, each shard sends a 1 / seq slice of
-        it, padded to one row per shard (`parallel/experts.py`, replicated_over_seq): 1 of the seq rows is real."""
+        it, padded to one row per shard (`sharding/experts.py`, replicated_over_seq): 1 of the seq rows is real."""
         routed = getattr(self.model.config, "n_routed_experts", 0)
         if not routed:
             return None

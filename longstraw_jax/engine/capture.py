@@ -79,7 +79,7 @@ def capture_on_mesh(model, params: dict, tokens, mesh, attention: str = "ring", 
 
     `params` may be placed anywhere (ideally by `rules.param_specs`: then nothing moves but one layer at a time).
     attention ("ring" / "allgather") chooses how a round reads the other shards' keys: Qwen3.6's softmax attention
-    (`sequence.causal_attention`), GLM-5.x's earlier rounds' latent rows (`models/glm52_mesh.py`). `pad_id` only
+    (`sequence.causal_attention`), GLM-5.x's earlier rounds' latent rows (`models/glm52/mesh.py`). `pad_id` only
     fills padding slots; it cannot change any result (tests check this). left_pad: tokens[:left_pad] are a
     left-padded prompt's pads (int in [0, P-1], or None), as in `model.capture`."""
     tokens = check_tokens(tokens, model.config.vocab_size)

@@ -13,7 +13,7 @@ Models provide the block protocol (`models.base.BlockModel`) and call `branch_gr
 methods of those names. Two generalisations serve a family whose layers are not one repeated block:
 - `stages`: several kinds of blocks run one after another (`Stage`: its own block count, parameters and state
   slices), scanned in order forward and in reverse backward; `None` is the model's own blocks as one stage.
-  GLM-5.x: one stage per segment (a block is one repeat of the segment's layer pattern, `models/glm52.py`).
+  GLM-5.x: one stage per segment (a block is one repeat of the segment's layer pattern, `models/glm52/model.py`).
 - The block carry `h` may be a pytree with integer leaves (GLM-5.x: `(h, selected)`, the IndexShare selection that
   shared layers reuse from the latest full layer, possibly in an earlier block): they are recomputed in the forward,
   stored with each block's input, and get no cotangent (the backward differentiates the floating leaves only).
@@ -23,7 +23,7 @@ indexer keys, read only by the non-differentiable top-k selection). Qwen3.6 uses
 carry, a full accumulator, and the same computation as before.
 A caller may also pass `embed_grads(grads, tokens, dh)`, which adds the embedding's gradient itself (e.g. a row
 scatter-add into the accumulator, in place); by default it comes from a vjp of `embed`, a params-shaped temporary
-added into grads (Qwen3.6 on a mesh passes one: `models/qwen36_mesh.py`).
+added into grads (Qwen3.6 on a mesh passes one: `models/qwen36/mesh.py`).
 
 A family may also keep `CausalLM`'s defaults, `branch_grads_autodiff` / `chunk_grads_autodiff`: the same results
 from plain autodiff of its whole layer stack, with a full-size state cotangent per branch/chunk.
@@ -156,7 +156,8 @@ def _backward_stage(model, stage, params, state, positions, cache_length, inputs
         bp, b, h_in, entries_cot = xs
         state_block = stage.at(state, b)
         run = lambda bp, h, s: stage.block(bp, _fill(h, h_in), s, positions, cache_length, left_pad=left_pad)
-        # with respect to the trainable leaves of the block only (grads_blocks has their structure: trainable.py)
+        # with respect to the trainable leaves of the block only (grads_blocks has their structure:
+        # adapters/trainable.py)
         vjp_of = lambda fn, *primals: trainable.vjp(fn, bp, grads_blocks, *primals)
         if acc is None:
             _, vjp = vjp_of(lambda bp, h: _floats(run(bp, h, state_block)[0]), _floats(h_in))
@@ -250,7 +251,7 @@ def chunk_grads(model, params, state, tokens, start, grads, acc, stages=None, em
 
 def branch_grads_autodiff(extend_hidden, params, state, tokens, head, grads, acc):
     """As `branch_grads`, by autodiff of `extend_hidden(params, state, tokens) -> final-normed hidden [R, D]`."""
-    # with respect to the trainable leaves only (grads has their structure: trainable.py)
+    # with respect to the trainable leaves only (grads has their structure: adapters/trainable.py)
     part, rest = trainable.split_like(params, grads)
 
     def objective(part, state):

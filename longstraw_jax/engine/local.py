@@ -2,7 +2,7 @@
 
     capture   state = capture(prompt[:-1])                        no autograd; chunk by chunk
     replay    for g in branches (lax.scan):                        one branch's graph live at a time
-                  loss_g, dparams_g = branch loss and its block-by-block backward (layerwise.py)
+                  loss_g, dparams_g = branch loss and its block-by-block backward (engine/layerwise.py)
                   exact mode: add the branch's state cotangent into one float32 buffer, in place, block by block
     prompt    for chunk in reversed(chunks):                      exact mode only
                   recompute the chunk from its boundary state, block by block under vjp with the accumulated
@@ -13,8 +13,8 @@ The prompt is shared, so the branches' cotangents on the state add linearly; one
 turns their sum into the prompt's contribution to the gradient. The result is the gradient of the full-graph loss
 (`naive_grpo_grads`). `mode="detached"` stops after the replay: the paper's behaviour, prompt state constant.
 
-Replay input convention (`replay.py`): capture prompt[:-1], replay [prompt[-1]] + response[:-1] to score response,
-so every scored logit comes from the replay and the capture never touches the LM head.
+Replay input convention (`engine/replay.py`): capture prompt[:-1], replay [prompt[-1]] + response[:-1] to score
+response, so every scored logit comes from the replay and the capture never touches the LM head.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig = GRPOConfig(),
     `model`, `cfg`, `mode`, `chunk_size`, `mesh` are static.
 
     mesh: a ("data", "seq") `jax.sharding.Mesh` (sharding.make_mesh) runs the sequence-parallel engine of
-    `sharding/engine.py` (Qwen3.6 and GLM-5.x; same loss and gradients, grads FSDP-sharded; the prompt is captured
+    `engine/mesh.py` (Qwen3.6 and GLM-5.x; same loss and gradients, grads FSDP-sharded; the prompt is captured
     and backpropagated in rounds of about chunk_size positions; B groups are split over `data`, B a multiple of its
     size).
 

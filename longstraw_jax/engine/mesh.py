@@ -1,5 +1,5 @@
 """`grpo_grads` on a ("data", "seq") mesh: the engine's algorithm with the family's sequence-parallel capture,
-replay and prompt backward (`model.mesh_adapter()`: `models/qwen36_mesh.py`, `models/glm52_mesh.py`).
+replay and prompt backward (`model.mesh_adapter()`: `models/qwen36/mesh.py`, `models/glm52/mesh.py`).
 
     capture   sstate = capture(prompt[:-1]) on the mesh, in rounds    seq-sharded caches, replicated GDN state
               (or the sampler's capture, passed in: one capture per step)
@@ -16,7 +16,7 @@ hands each shard the cotangent of its own partial, the ring's `ppermute` runs ba
 all-gather carries later segments' cotangents back to the segments that produced them, and GLM's all-gathered latent
 rows send each gathered row's cotangent back to the shard that holds it.
 
-Groups: a batch with a group axis (prompt [B, P], ...) is split over `data` (`parallel/groups.py`): each data slice
+Groups: a batch with a group axis (prompt [B, P], ...) is split over `data` (`sharding/groups.py`): each data slice
 runs its B / D groups one after another (a scan), sequence-parallel over its `seq` devices, and the gradients are
 reduced over the whole mesh. A one-group batch (no group axis) runs on the whole mesh, every data slice repeating it.
 """
@@ -42,7 +42,8 @@ def grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: str, mes
     The batch must already be validated (engine.grpo_grads does it). The prompt is captured (and, in exact mode,
     backpropagated) in rounds of about `chunk_size` positions (None: one round). captured: the mesh sampler's
     `ShardedCaptured` of prompt[:-1] (with the batch's group axis when it has one), used instead of a capture.
-    frozen: the parameters not trained (`trainable.py`); grads are then shaped like params, the trainable part."""
+    frozen: the parameters not trained (`adapters/trainable.py`); grads are then shaped like params, the trainable
+    part."""
     if batch.groups_per_step is not None:
         groups_lib.check_groups(batch.groups_per_step, mesh)
     layout = round_layout(model, batch.prompt.shape[-1] - 1, mesh.shape["seq"], chunk_size)

@@ -1,5 +1,5 @@
 """The replay: G response branches after one shared prompt state, one branch's forward and backward at a time
-(`lax.scan`). Used by the one-device engine (`engine.py`) and the sharded one (`sharding/engine.py`).
+(`lax.scan`). Used by the one-device engine (`engine/local.py`) and the sharded one (`engine/mesh.py`).
 
 Replay input convention: the capture covers prompt[:-1]; a branch replays [prompt[-1]] + response[:-1] to score
 response, so every scored logit comes from the replay and the capture never touches the LM head.

@@ -1,12 +1,13 @@
-"""What every model family shares: the contracts (`typing.Protocol`s) the engines rely on, the chunked walk over a
-prompt, and the public entry points (`CausalLM`).
+"""What every model family shares: the contracts (`typing.Protocol`s) the engine relies on, the public entry points
+(`CausalLM`) and config.json helpers. (The chunked walk over a prompt is the engine's: `engine/capture.py`.)
 
 Contracts (structural: a family implements them by having the methods, no registration):
 - `PromptState`: what `capture` returns (a flax struct dataclass: a pytree with a static `length`).
-- `Model`: the state protocol every family implements; `engine.py`, `naive.py`, `sampling/branches.py` use only this.
-- `BlockModel`: the block protocol of `layerwise.py` (block-by-block backward over stacked layers).
+- `Model`: the state protocol every family implements; `engine/local.py`, `engine/naive.py`, `sampling/branches.py` use
+  only this.
+- `BlockModel`: the block protocol of `engine/layerwise.py` (block-by-block backward over stacked layers).
 - `MeshAdapter`: the family's adapter for the sharded engine (`model.mesh_adapter()`), used by
-  `sharding/prompt.py` and `sharding/engine.py`.
+  `engine/capture.py` and `engine/mesh.py`.
 A new family writes its model (and, for meshes, its adapter); nothing in the engines dispatches on model classes.
 """
 import functools
@@ -79,7 +80,7 @@ class Model(Protocol):
 
     def differentiable_state(self, state: PromptState) -> PromptState:
         """`state` with the leaves that never receive a gradient set to None: the structure of the state cotangent
-        accumulator (`replay.py`), so that none is allocated for them."""
+        accumulator (`engine/replay.py`), so that none is allocated for them."""
 
     def branch_grads(self, params, state, tokens, head, grads, acc, left_pad=None): ...
 
@@ -93,9 +94,9 @@ class Model(Protocol):
 
 @runtime_checkable
 class BlockModel(Protocol):
-    """The block protocol of `layerwise.py`: layers stacked in `num_blocks` identical blocks. `block_params` leaves
-    are stacked [num_blocks, ...]; `block` runs one block on h [T, D] at `positions`, reading `state_block` (every
-    state leaf indexed at the block) up to `cache_length` (None: all), and returns (h, the block's entries as
+    """The block protocol of `engine/layerwise.py`: layers stacked in `num_blocks` identical blocks. `block_params`
+    leaves are stacked [num_blocks, ...]; `block` runs one block on h [T, D] at `positions`, reading `state_block`
+    (every state leaf indexed at the block) up to `cache_length` (None: all), and returns (h, the block's entries as
     `chunk_entries` gives them, minus the block axis). `read_entries` / `carried` / `with_carried` must also work on
     one block's slice of a state. A family whose layers are not one repeated block passes `layerwise.Stage`s instead
     (GLM-5.x: one per segment, `Glm52.block_stages`)."""
@@ -117,7 +118,7 @@ class BlockModel(Protocol):
 @runtime_checkable
 class MeshAdapter(Protocol):
     """A family's pieces for the sharded engine on a ("data", "seq") mesh. Tokens arrive in a `RoundLayout`'s
-    stored order (`parallel/layout.py`); every method is traceable (the callers jit)."""
+    stored order (`sharding/layout.py`); every method is traceable (the callers jit)."""
 
     min_segment: int  # the shortest segment a layout may use (e.g. a conv halo must fit in the previous segment)
     linear_leaves: frozenset  # the layers' matrices applied only through `ops.mlp.linear`: decoded as shards
@@ -132,7 +133,7 @@ class MeshAdapter(Protocol):
 
     def branch_grads(self, mesh, rounds, specs) -> Callable:
         """The replay's `branch_grads(params, sstate, tokens, head, grads, acc, left_pad=None)` on the mesh
-        (`replay.py`)."""
+        (`engine/replay.py`)."""
 
     def prompt_backward(self, params, stored_tokens, mesh, rounds, attention: str, sstate, capture_aux, state_cot,
                         grads, left_pad=None) -> dict:

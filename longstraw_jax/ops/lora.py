@@ -5,8 +5,8 @@ A matrix leaf `w [..., out, in]` (transformers orientation; leading stacked laye
 `LoRA(base=w, a [..., r, in], b [..., out, r], scale=alpha / r)`, standing for `base + scale * b @ a` without ever
 forming it: `ops/mlp.linear` computes `x @ base^T + scale * ((x @ a^T) @ b^T)`, and the grouped expert matmul of
 `ops/moe.py` does the same per expert. So the backward pass produces `d a` and `d b` ([r, in], [out, r]) and a
-cotangent for `base` only if `base` is differentiated (it is not when frozen: `trainable.py`), never a full-size
-`dW` of the merged matrix. `scale` is static (part of the tree structure).
+cotangent for `base` only if `base` is differentiated (it is not when frozen: `adapters/trainable.py`), never a
+full-size `dW` of the merged matrix. `scale` is static (part of the tree structure).
 
 Code that indexes parameters with `jax.tree.map` (layer scans, `a[j]`, FSDP all-gathers) handles the node like any
 other subtree: base, a and b keep the same leading axes.
@@ -77,7 +77,7 @@ def linear(x: jax.Array, w, precision=None) -> jax.Array:
 
 def _dense(x, w, precision):
     """x @ w^T; a matrix that applies itself (`w.linear`: a device's shard applied tensor-parallel while decoding,
-    `parallel/tensor.py`) does so."""
+    `sharding/tensor.py`) does so."""
     if hasattr(w, "linear"):
         return w.linear(x, precision)
     return jnp.einsum("...i,oi->...o", x, w, precision=precision)

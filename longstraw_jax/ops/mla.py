@@ -34,7 +34,7 @@ def sparse_latent_attention_partial(q: jax.Array, cache: jax.Array, layer, new: 
                                     start, *, scale: float, value_dim: int, block_size: int) -> Attended:
     """As `sparse_latent_attention`, also returning the log-sum-exp [T, H] of the scores: a partial result over
     some of the selected positions (queries may have none: out 0, lse MASKED) that `ops.attention.merge` or
-    `parallel.sequence.psum_merge` combine exactly with partials over the others. Differentiable in both."""
+    `sharding.sequence.psum_merge` combine exactly with partials over the others. Differentiable in both."""
     block_size = max(1, min(block_size, q.shape[0]))  # fewer queries than a block (decoding): no padded rows
     return Attended(*_attend(scale, value_dim, block_size, q, cache, new, jnp.asarray(layer, jnp.int32),
                              selected.astype(jnp.int32), jnp.asarray(start, jnp.int32)))

@@ -270,7 +270,7 @@ def sample_after_prompt(model, params, decode, tail, prompt, key, group_size: in
     first_logits = model.logits(params, hidden)[0]
 
     step_all = batched_step(model, params, decode)
-    # Inside `parallel/groups.over_data` each data slice samples its own group, but a decode step's collectives
+    # Inside `sharding/groups.over_data` each data slice samples its own group, but a decode step's collectives
     # (e.g. the FSDP all-gather of a layer over ("data", "seq")) need every slice: the loops then run in lockstep,
     # as long as any slice's branch is still sampling, and a slice whose branches have stopped discards its results.
     lockstep = DATA in manual_axes()

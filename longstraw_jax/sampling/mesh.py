@@ -1,17 +1,17 @@
 """Sampling G branches on a ("data", "seq") mesh: the prompt is captured sequence-parallel (the engine's sharded
 capture, so the update can reuse it) and decoding reads the seq-sharded cache in place.
 
-    sstate, aux = capture(prompt[:-1]) on the mesh, in rounds          = what sharding/engine.py computes
+    sstate, aux = capture(prompt[:-1]) on the mesh, in rounds          = what engine/mesh.py computes
     tail = init_tail(...)        replicated: room for R decoded positions P-1.. + the carried GDN state
     branches.sample_after_prompt: decode prompt[-1] once, then N branches at a time (vmap over their tails):
         while t < R and some branch has not stopped: sample, h, tails = decode(tokens) at P + t
 
-One decode step runs the model's layer code on every shard through a reader (`models/qwen36_mesh.py:ReplayReader` with
-decoding=True, `models/glm52_mesh.py:DecodeReader`): attention is the log-sum-exp merge of this shard's prompt slots
-(merged over `seq`) with the tail's positions before the token and the token itself; GLM's DSA top-k runs over
-prompt, tail and token, as on one device. Nothing of size P is replicated: the prompt cache stays seq-sharded,
-read-only, and the tail holds R positions. For the same key the tokens and log-probs are the one-device sampler's
-(`sampling.branches.sample_group`), up to float round-off.
+One decode step runs the model's layer code on every shard through a reader
+(`models/qwen36/mesh_forward.py:ReplayReader` with decoding=True, `models/glm52/mesh_forward.py:DecodeReader`):
+attention is the log-sum-exp merge of this shard's prompt slots (merged over `seq`) with the tail's positions before the
+token and the token itself; GLM's DSA top-k runs over prompt, tail and token, as on one device. Nothing of size P is
+replicated: the prompt cache stays seq-sharded, read-only, and the tail holds R positions. For the same key the tokens
+and log-probs are the one-device sampler's (`sampling.branches.sample_group`), up to float round-off.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from longstraw_jax.sharding.layout import RoundLayout, ShardedPromptState
 
 @struct.dataclass
 class ShardedCaptured:
-    """The mesh sampler's capture of prompt[:-1], as `sharding/engine.py` computes it (same layout, same family
+    """The mesh sampler's capture of prompt[:-1], as `engine/mesh.py` computes it (same layout, same family
     capture): sstate (ShardedPromptState, length P-1, seq-sharded) and capture_aux (what the family's exact backward
     needs, e.g. Qwen3.6's GDN round boundaries; None for GLM-5.x)."""
 

@@ -59,7 +59,7 @@ def over_data(mesh, fn, params, per_group, summed=True, like=None):
     the result is summed over all groups, grads sharded like the parameters at rest. summed=False: fn returns a
     pytree of per-group outputs (leading axis [B/D]); the result has them for all B groups ([B, ...], split over
     `data`). With one data slice, fn(params, per_group) directly. like: the structure and global shapes of the
-    gradients when they are not params' (the trainable part, with holes: `trainable.py`).
+    gradients when they are not params' (the trainable part, with holes: `adapters/trainable.py`).
     """
     check_groups(jax.tree.leaves(per_group)[0].shape[0], mesh)
     if mesh.shape[DATA] == 1:

@@ -10,7 +10,7 @@
 - Prompt tokens and the prompt state: position axes are split along `seq` (`SEQ_AXES`: Qwen3.6 KV caches, GLM-5.x
   latent rows and indexer keys); carried recurrent parts (GDN conv tails and matrices) are replicated.
 
-Groups side by side (`parallel/groups.py`): the engines may run inside a region that is already manual over `data`
+Groups side by side (`sharding/groups.py`): the engines may run inside a region that is already manual over `data`
 (each data slice its own groups). There the helpers below adapt: `shard_map` is manual over the remaining axes,
 `named` drops the manual axes from specs, and `param_specs` answers for the *global* parameter shapes (the region
 registers them with `global_param_shapes`), so one family code serves both cases.
@@ -53,7 +53,7 @@ def fsdp_dim(shape: tuple, skip: int, devices: int) -> int | None:
 
 
 # routed-expert weights [stacked..., E, out, in]: split by expert index over the whole mesh when the devices divide E
-# (expert parallelism, `parallel/experts.py`: never all-gathered, their gradients stay on their devices)
+# (expert parallelism, `sharding/experts.py`: never all-gathered, their gradients stay on their devices)
 EXPERT_LEAVES = ("experts_gate", "experts_up", "experts_down")
 
 
@@ -213,7 +213,7 @@ def block_slice_specs(block_specs):
 def gather_layer(layer, layer_specs, skip: int = 2):
     """Inside `shard_map`: all-gather one layer's parameter shards (leaves with the `skip` stacked axes already
     indexed away) into whole arrays. `layer_specs` are the full leaves' specs from `param_specs`. Expert-parallel
-    routed-expert weights stay this device's experts ([E / devices, ...]; `parallel/experts.py`)."""
+    routed-expert weights stay this device's experts ([E / devices, ...]; `sharding/experts.py`)."""
     def gather(path, spec, x):
         if expert_parallel(path, spec, skip):
             return x

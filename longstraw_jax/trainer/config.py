@@ -163,7 +163,8 @@ class RunConfig:
                                   "prompts); the update takes the first -B groups that do (a refilled step's update "
                                   "captures its prompts afresh: the batches' captures are not held together)",
                                   metavar="K")
-    # which parameters train (docs/architecture.md 10, lora.py): frozen leaves get no gradient and no optimizer state
+    # which parameters train (docs/architecture.md 10, adapters/lora.py): frozen leaves get no gradient and no optimizer
+    # state
     train: str = _option("full", "full: every parameter (or those --trainable selects); lora: frozen base matrices "
                          "with low-rank adapters B A (--lora-*)", choices=("full", "lora"))
     lora_rank: int = _option(8, "--train lora: adapter rank r (at most min(out, in) of every target)")

@@ -449,7 +449,7 @@ def from_process_local(tree, shardings):
 
 def group_owners(mesh, groups_per_step: int) -> list[int]:
     """The process that scores each of `groups_per_step` groups: group b lives on data slice b // (groups_per_step /
-    data size) (`parallel/groups.py`), and its owner is the lowest process index among that slice's devices (a slice
+    data size) (`sharding/groups.py`), and its owner is the lowest process index among that slice's devices (a slice
     may span several processes, e.g. `1x8` on 2 hosts). No mesh: process 0 owns every group."""
     if mesh is None:
         return [0] * groups_per_step

@@ -36,8 +36,8 @@ class PhaseTicker:
     """Progress inside a step: while a phase (sampling, update) runs, a daemon thread prints "step S/T: <phase>,
     X s so far" every `every` seconds, and "step S/T: <phase> done in X s" when a phase that printed ends; a phase
     shorter than `every` prints nothing. Host-side, it sees when the phase (a compiled call) starts and ends; with
-    --progress-rounds it is also the sink of the compiled loops' ticks (`note`, longstraw_jax/progress.py), and its
-    lines say how far the running loop is ("capture 37/128, 12.3K positions/s, ETA 4 min"). every = 0 or say = None:
+    --progress-rounds it is also the sink of the compiled loops' ticks (`note`, longstraw_jax/common/progress.py), and
+    its lines say how far the running loop is ("capture 37/128, 12.3K positions/s, ETA 4 min"). every = 0 or say = None:
     silent (processes other than 0)."""
 
     def __init__(self, say, every: float, clock=time.monotonic):

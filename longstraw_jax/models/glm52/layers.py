@@ -33,7 +33,7 @@ def rope_tables(c: Glm52Config, positions: jax.Array, dtype):
 
 class PromptReader(NamedTuple):
     """How a layer reads what came before its tokens, on one device: `state` at positions < start (docs/models.md 2.6,
-    2.8). tokens sit at `positions` [T] = start + arange(T). The sequence-parallel engine (`models/glm52_mesh.py`)
+    2.8). tokens sit at `positions` [T] = start + arange(T). The sequence-parallel engine (`models/glm52/mesh.py`)
     passes its own reader with the same four methods, so the layer code below is shared. left_pad (int32 [] or
     None): positions < left_pad are a left-padded prompt's pads, never selected (so never attended)."""
 
@@ -48,7 +48,7 @@ class PromptReader(NamedTuple):
 
     def routed_experts(self, x, experts, weights, p: dict) -> jax.Array:
         """The routed experts of a MoE layer (2.9) over x [T, D] with routing experts int [T, k], weights [T, k]:
-        all E experts here (expert-parallel on a mesh: `parallel/experts.py`)."""
+        all E experts here (expert-parallel on a mesh: `sharding/experts.py`)."""
         return grouped_swiglu(x, experts, weights, p["experts_gate"], p["experts_up"], p["experts_down"])
 
     def select(self, c: Glm52Config, q, w, keys, full, k: int) -> jax.Array:

@@ -103,7 +103,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, sta
     running cotangent, and the cotangent of its cache reads added into the running cotangent at the block's layers,
     in place. Live: the state, its float32 cotangent, one round's block inputs and one block's recomputation."""
     layer_specs = param_specs(params, mesh)["layers"]
-    grad_specs = param_specs(grads, mesh)  # the trainable part's (grads has its structure: trainable.py)
+    grad_specs = param_specs(grads, mesh)  # the trainable part's (grads has its structure: adapters/trainable.py)
     place = lambda tree, spec_tree: rules.constrain(tree, spec_tree, mesh)
 
     def one_round(carry, layout, index):

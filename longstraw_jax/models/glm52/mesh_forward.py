@@ -71,8 +71,8 @@ LINEAR_LEAVES = frozenset({"q_a_proj", "q_b_proj", "kv_a_proj", "o_proj", "wq_b"
 
 class ShardedLayers(NamedTuple):
     """FSDP-sharded layer parameters: each layer is all-gathered whole right before use, except routed experts split
-    by expert index (expert parallelism: `parallel/experts.py`); decoding (`tensor_parallel`), the matrices in
-    LINEAR_LEAVES are applied as shards (`parallel/tensor.py`: only the few tokens' activations move). varying: the
+    by expert index (expert parallelism: `sharding/experts.py`); decoding (`tensor_parallel`), the matrices in
+    LINEAR_LEAVES are applied as shards (`sharding/tensor.py`: only the few tokens' activations move). varying: the
     mesh axes over which the tokens differ."""
 
     specs: dict  # param_specs(params)["layers"]
@@ -382,7 +382,7 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
     """Traceable: one token (int32 []) at `position` (P <= position < P + tail capacity, traced) after the sharded
     prompt and the tail's positions P..position-1 -> (final-normed hidden [1, D] (replicated), the tail with the
     token's latent row and indexer keys written at slot position - P). The prompt cache stays seq-sharded and is
-    only read; each device multiplies by its own shards of the layers' matrices (`parallel/tensor.py`)."""
+    only read; each device multiplies by its own shards of the layers' matrices (`sharding/tensor.py`)."""
     c = model.config
     specs = param_specs(params, mesh)["layers"]
     rounds = sstate.layout

@@ -169,10 +169,10 @@ class Glm52(CausalLM):
         return decoder_layers(self.config, layers, h, reader, k, remat)
 
     def mesh_adapter(self):
-        """Capture, replay and prompt backward on a ("data", "seq") mesh: `models/glm52_mesh.py`."""
+        """Capture, replay and prompt backward on a ("data", "seq") mesh: `models/glm52/mesh.py`."""
         return Glm52Mesh(self)
 
-    # ----- block by block (longstraw_jax/layerwise.py: the engine's backward) -----
+    # ----- block by block (longstraw_jax/engine/layerwise.py: the engine's backward) -----
     def block_stages(self) -> tuple[SegmentStage, ...]:
         """One `layerwise.Stage` per segment (a block = one repeat of its pattern), in layer order."""
         return tuple(SegmentStage(self.config, s, seg) for s, seg in enumerate(self.config.segments))
@@ -180,7 +180,7 @@ class Glm52(CausalLM):
     def differentiable_state(self, state):
         """Every Glm52State in `state` (a Glm52State, a ShardedPromptState) with index_keys None: the indexer keys are
         read only by the top-k selection, which is not differentiable, so their cotangent is zero by construction
-        and the state cotangent accumulator (`replay.py`) has no buffer for them, nor does any block's vjp."""
+        and the state cotangent accumulator (`engine/replay.py`) has no buffer for them, nor does any block's vjp."""
         return jax.tree.map(lambda s: s.replace(index_keys=None), state, is_leaf=lambda x: isinstance(x, Glm52State))
 
     def layerwise_blocks(self, visible: int) -> GlmBlocks:

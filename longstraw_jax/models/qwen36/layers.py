@@ -132,7 +132,7 @@ class PromptReader(NamedTuple):
     left_pad (int32 [] or None): the prompt's pad positions 0..left_pad-1 are never attended (and `gated_deltanet`
     masks the rows at them).
 
-    The sequence-parallel engine (`models/qwen36_mesh.py`) passes readers with the same methods that work on a
+    The sequence-parallel engine (`models/qwen36/mesh.py`) passes readers with the same methods that work on a
     shard's part of the prompt, so the layer code above is shared: `layer_params` (FSDP all-gathers there),
     `rowwise` (blocks of rows there), `conv` (a halo from the previous segment), `delta_rule` (the affine fold
     across segments), `attend` (ring / all-gather, log-sum-exp across shards).

@@ -113,7 +113,7 @@ def prompt_backward(model, params, stored_tokens, mesh, rounds: RoundLayout, att
     added into the running KV cotangent at the block, in place. Memory: the state, its cotangent, the round
     boundaries, one round's block inputs and one block's recomputation."""
     block_specs = param_specs(params, mesh)["blocks"]
-    grad_specs = param_specs(grads, mesh)  # the trainable part's (grads has its structure: trainable.py)
+    grad_specs = param_specs(grads, mesh)  # the trainable part's (grads has its structure: adapters/trainable.py)
     per = boundaries_per_shard(rounds)
 
     def one_round(carry, layout, index):

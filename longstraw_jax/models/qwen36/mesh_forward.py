@@ -64,7 +64,7 @@ LINEAR_LEAVES = frozenset({"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
 
 class _ShardedLayers(NamedTuple):
     """What every reader on the mesh shares: FSDP-sharded layers gathered whole one at a time, rows in blocks; or,
-    decoding (`tensor_parallel`), the matrices applied as shards (`parallel/tensor.py`: no weights move, only the
+    decoding (`tensor_parallel`), the matrices applied as shards (`sharding/tensor.py`: no weights move, only the
     few tokens' activations) and the small rest gathered. varying: the mesh axes over which the tokens differ."""
 
     specs: dict  # param_specs(params)["blocks"]: {"linear": ..., "full": ...} specs of the stacked leaves
@@ -361,7 +361,7 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
     prompt and the tail's positions P..position-1 -> (final-normed hidden [1, D] (replicated), the tail with the
     token's keys / values written at slot position - P and the carried GDN state advanced past it). The prompt cache
     stays seq-sharded and is only read; each device multiplies by its own shards of the layers' matrices (no weights
-    move: `parallel/tensor.py`). left_pad: the prompt's pads (never attended)."""
+    move: `sharding/tensor.py`). left_pad: the prompt's pads (never attended)."""
     specs = param_specs(params, mesh)["blocks"]
     rounds = sstate.layout
     slot = position - rounds.length

@@ -135,7 +135,7 @@ class Qwen36(CausalLM):
                        left_pad=left_pad)
         return self.final_norm(params, h)
 
-    # ----- block protocol (longstraw_jax/layerwise.py: the engine's block-by-block backward) -----
+    # ----- block protocol (longstraw_jax/engine/layerwise.py: the engine's block-by-block backward) -----
     @property
     def num_blocks(self) -> int:
         return self.config.num_blocks
@@ -177,7 +177,7 @@ class Qwen36(CausalLM):
         return layerwise.chunk_grads(self, params, state, tokens, start, grads, acc, left_pad=left_pad)
 
     def mesh_adapter(self):
-        """Capture, replay and prompt backward on a ("data", "seq") mesh: `models/qwen36_mesh.py`."""
+        """Capture, replay and prompt backward on a ("data", "seq") mesh: `models/qwen36/mesh.py`."""
         return Qwen36Mesh(self)
 
     def final_norm(self, params: dict, h: jax.Array) -> jax.Array:
