@@ -7,6 +7,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false").strip()
 import json  # noqa: E402
+import pathlib  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -53,8 +54,8 @@ def _fresh_jax_caches():
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
-    """tests/test_data.py's word-level tokenizer directory (chat template; stop ids 3 = <|im_end|>, 1)."""
-    from tests.test_data import tiny_tokenizer
+    """tests/tasks/test_dataset.py's word-level tokenizer directory (chat template; stop ids 3 = <|im_end|>, 1)."""
+    from tests.tasks.test_dataset import tiny_tokenizer
 
     return tiny_tokenizer(tmp_path_factory.mktemp("tok"), eos_ids=[3, 1])
 
@@ -62,7 +63,7 @@ def tok_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tokenizer(tok_dir):
     from longstraw_jax.tasks.tokenizer import load_tokenizer
-    from tests.test_data import VOCAB
+    from tests.tasks.test_dataset import VOCAB
 
     return load_tokenizer(tok_dir, VOCAB)
 
@@ -80,14 +81,15 @@ def datasets_cache(tmp_path, monkeypatch):
 # loadfile) in collection order (--no-loadscope-reorder; xdist's default order, most tests first, put the long
 # few-test files last and left one core idle at the end): longest first keeps both workers busy until the short
 # files even out the finish. A file not measured yet counts as the median file. Only the speed depends on this.
-DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
+TESTS = pathlib.Path(__file__).resolve().parent
+DURATIONS = os.path.join(TESTS, "durations.json")
 _RECORD = os.environ.get("LONGSTRAW_TEST_DURATIONS")
 _recorded: dict[str, dict[str, float]] = {"fast": {}, "slow": {}}
 
 
 def file_seconds(fast: bool) -> dict[str, float]:
-    """{test file name: measured seconds of its tests in the tier} from DURATIONS (fast: the tests not marked slow;
-    else all)."""
+    """{test file path under tests/: measured seconds of its tests in the tier} from DURATIONS (fast: the tests not
+    marked slow; else all)."""
     if not os.path.exists(DURATIONS):
         return {}
     with open(DURATIONS) as f:
@@ -103,7 +105,8 @@ def pytest_collection_modifyitems(config, items):
     fast = config.getoption("markexpr", "").replace(" ", "") == "notslow"
     seconds = file_seconds(fast)
     default = statistics.median(seconds.values()) if seconds else 0.0
-    items.sort(key=lambda item: (-seconds.get(item.path.name, default), item.path.name))
+    key = lambda item: item.path.relative_to(TESTS).as_posix()
+    items.sort(key=lambda item: (-seconds.get(key(item), default), key(item)))
 
 
 def pytest_runtest_logreport(report):
@@ -111,7 +114,7 @@ def pytest_runtest_logreport(report):
     (in the controller, which receives its workers' reports)."""
     if _RECORD:
         tier = _recorded["slow" if "slow" in report.keywords else "fast"]
-        name = report.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        name = report.nodeid.split("::")[0].removeprefix("tests/")
         tier[name] = tier.get(name, 0.0) + report.duration
 
 

@@ -1,8 +1,8 @@
 """What several test modules share (no test module imports another): O(1)-scale random parameters, the tiny model
-of each family (tests/test_models.py, test_qwen36.py, test_glm52.py), the pytree relative error, the engine's test
-cases and oracles (tests/test_engine.py, reused on GLM by tests/test_glm52.py), the sharded-vs-one-device gradient
-check, the 32-device subprocess runner, and an all-gather emulation of `jax.lax.ragged_all_to_all` (XLA:CPU has
-none; checked in tests/test_experts.py).
+of each family (tests/models/test_families.py, models/test_qwen36.py, models/test_glm52.py), the pytree relative error,
+the engine's test cases and oracles (tests/engine/test_local.py, reused on GLM by tests/models/test_glm52.py), the
+sharded-vs-one-device gradient check, the 32-device subprocess runner, and an all-gather emulation of
+`jax.lax.ragged_all_to_all` (XLA:CPU has none; checked in tests/sharding/test_experts.py).
 
 The transformers oracles live apart, in tests/hf_reference.py and tests/glm_reference.py: they import torch.
 """
@@ -29,7 +29,7 @@ def o1_params(params, key):
     every leaf re-drawn, matrices ~ N(0, 1/fan_in), vectors (norms, biases, decays) ~ N(0, 0.3^2)."""
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(key, len(leaves))
-    # drawn in float32 (float64 for float64 params: the fp64 oracle of test_float64.py)
+    # drawn in float32 (float64 for float64 params: the fp64 oracle of engine/test_float64.py)
     out = [jax.random.normal(k, x.shape, jnp.promote_types(x.dtype, jnp.float32))
            * (x.shape[-1] ** -0.5 if x.ndim >= 2 and x.shape[-1] > 4 else 0.3)
            for k, x in zip(keys, leaves)]
@@ -86,7 +86,7 @@ def assert_metrics_equal(got, want):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
-# ----- the engine's cases (tests/test_engine.py's docstring has the table) -----------------------------------------
+# ----- the engine's cases (tests/engine/test_local.py's docstring has the table)
 
 P, R = 25, 8  # prompt and response length of every case
 

@@ -23,7 +23,7 @@ Model FLOPs are counted analytically (`qwen36_flops`): 2 x the weight-matrix par
 attention (QK^T and PV over every earlier position) and the GDN delta rule in its recurrent form (6 dk dv per value
 head per token); not counted: elementwise work and implementation overhead (flash tiles' masked halves, the chunked
 delta rule's intra-chunk products). XLA's `cost_analysis()` counts a loop body once, so it is only a check on a
-loop-free config (tests/test_bench.py).
+loop-free config (tests/tools/test_bench.py).
 
 **Time model vs measured**: each program timed (the capture reported, each train_step) is also costed by the
 planner's time model (`longstraw_jax.capacity`: `cost.program_cost` of the compiled executable that ran, loops

@@ -3,7 +3,7 @@ sampling and the prompt backward's rounds, reported to the host while a step of 
 
 Off unless `enable()`d before the programs are traced (the trainer's `--progress-rounds`). When on, `tick` puts one
 unordered host callback (`jax.debug.callback`) of the loop's int32 counter into each iteration: no operation of the
-math changes (tests/test_progress.py compares results with and without, bitwise). The cost is the callback (a
+math changes (tests/common/test_progress.py compares results with and without, bitwise). The cost is the callback (a
 device -> host copy of the counter and of one element of the iteration's result, which makes the callback wait for
 the iteration's work) and one more: JAX keeps no program with a host callback in its
 persistent compilation cache, so with ticks on, a restarted run compiles afresh.

@@ -1,4 +1,4 @@
-"""TEST-ONLY fault injection for tests/test_faults.py: kill or interrupt the trainer at a chosen point, exactly.
+"""TEST-ONLY fault injection for tests/trainer/test_faults.py: kill or interrupt the trainer at a chosen point, exactly.
 
 Set the environment variable `LONGSTRAW_TEST_FAULT=<point>:<step>:<signal>` (e.g. `save:4:SIGKILL`) and the
 trainer sends itself `<signal>` when it reaches `<point>` during step `<step>`:

@@ -36,12 +36,12 @@ computed once: each seq shard sends only its 1 / seq slice of them (`replicated_
 all-gathered over `seq` afterwards. Under the collectives' summing transposes each shard's cotangent for the
 replicated tokens is then its slice's; their sum over shards is the whole.
 
-Tested where (tests/test_experts.py, tests/test_sharding_glm.py; CPU only): `gathered` as it runs. `ragged` with
-`jax.lax.ragged_all_to_all` replaced by an all-gather emulation of its documented semantics (XLA:CPU cannot compile
-the primitive; the emulation is checked against a transcription of the documentation): values and gradients equal
-one device, alone and inside the GLM model. Its real program (the primitive, `ragged_dot`) is lowered for CUDA on a
-CPU machine, which checks JAX's lowering, not XLA:GPU: the primitive has not compiled or run on a GPU in this
-project (nor on a TPU).
+Tested where (tests/sharding/test_experts.py, tests/models/test_glm52_mesh.py; CPU only): `gathered` as it runs.
+`ragged` with `jax.lax.ragged_all_to_all` replaced by an all-gather emulation of its documented semantics (XLA:CPU
+cannot compile the primitive; the emulation is checked against a transcription of the documentation): values and
+gradients equal one device, alone and inside the GLM model. Its real program (the primitive, `ragged_dot`) is lowered
+for CUDA on a CPU machine, which checks JAX's lowering, not XLA:GPU: the primitive has not compiled or run on a GPU in
+this project (nor on a TPU).
 """
 from __future__ import annotations
 

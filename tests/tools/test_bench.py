@@ -1,0 +1,280 @@
+"""The benchmark and planning tools: tools/bench_step.py (smoke), the capacity planner (`longstraw_jax.capacity`: the
+whole trainer step's phases, per device: from the CLI, tools/plan_capacity.py, in-process against its own parts, and
+its sampling phase against the compiled one-device sampler), tools/bench_device.py (--tiny, on CPU),
+tools/bench_sampling.py (--quick)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longstraw_jax import capacity
+from tests.helpers import ROOT
+
+
+def _tool(name):
+    """tools/<name>.py as a module (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow  # a benchmark's smoke run (its compiles)
+def test_bench_step_quick_prints_a_table():
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "bench_step.py"), "--quick", "--modes", "detached", "--reps", "1",
+         "--no-snapshot"], capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("detached ")]
+    assert rows, result.stdout[-2000:]
+    row = " ".join(rows[-1])
+    assert "MiB" in row and row.count(" s") >= 1, row  # compiled memory and a measured step time
+
+
+@pytest.mark.slow  # a subprocess compiling the sampler twice
+def test_bench_sampling_quick_draws_the_same_tokens_one_at_a_time_and_together():
+    """tools/bench_sampling.py --quick on one device (tiny Qwen3.6, G 4): both decode batches in the table, the
+    same tokens, R (not G x R) decode steps per group when the branches decode together."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "bench_sampling.py"), "--quick", "--families", "qwen36",
+         "--mesh", "", "--reps", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-2000:] + result.stdout[-2000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.lstrip().startswith("qwen36")]
+    assert [(r[3], r[4]) for r in rows] == [("1", "32"), ("4", "8")], result.stdout  # batch, steps (R = 8)
+    assert all(r[-1] == "yes" for r in rows) and rows[0][-2] == "1.00x", result.stdout
+
+
+def _plan(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan_capacity.py"), *args],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env=dict(os.environ, XLA_FLAGS="--xla_cpu_use_fusion_emitters=false"))
+
+
+def _rows(stdout: str, title: str, mode: str) -> list[list[str]]:
+    """The rows of one of the planner's three tables (after the line `title`) of `mode` (the column after train)."""
+    lines = stdout.splitlines()
+    start = lines.index(title)
+    block = []
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        block.append(line.split())
+    return [row for row in block if row[1] == mode]
+
+
+@pytest.mark.slow  # planner subprocesses, AOT compiles of whole steps
+def test_plan_capacity_prints_per_device_components(tmp_path):
+    """tools/plan_capacity.py (the shim of `python -m longstraw_jax.plan`): one AOT compile of the sharded train step
+    and one of the sharded capture on a simulated 2x4 mesh (tiny Qwen3.6, float32, detached, B = 4 groups: 2 per
+    data slice) and on 1x8 (tiny GLM-5.2, exact): the per-device components of both phases, the step's peak and
+    --json."""
+    result = _plan("--config", "configs/qwen3.6-tiny.json", "--mesh", "2x4", "-P", "200", "-G", "2", "-R", "8",
+                   "--modes", "detached", "--dtype", "float32", "--chunk-size", "64", "--device-gb", "0.001",
+                   "--unit", "MiB", "--groups-per-step", "4", "--json", str(tmp_path / "plan.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (update,) = _rows(result.stdout, "Update phase", "detached")
+    params, optimizer, grads, state, cotangent, rest, others, total = map(float, update[5:13])
+    plan = json.loads((tmp_path / "plan.json").read_text())  # --json: the same rows in bytes, with "fits"
+    assert plan["setup"]["mesh"] == "2x4" and plan["setup"]["groups_per_step"] == 4 and len(plan["rows"]) == 1
+    (cell,) = plan["rows"]
+    assert (cell["mode"], cell["G"], cell["P"], cell["B"], cell["fits"]) == ("detached", 2, 200, 4, False)
+    assert cell["decode_steps"] == 8  # R: the G = 2 branches decode together
+    assert abs(cell["update"]["total"] / 2**20 - total) <= 0.005
+    assert abs(cell["update"]["params"] / 2**20 - params) <= 0.005
+    # AdamW moments and grads: float32, sharded like the params
+    assert params > 0 and abs(optimizer - 2 * params) <= 0.02 and abs(grads - params) <= 0.01
+    assert state > 0 and cotangent == 0 and total >= params + optimizer + grads + state
+    assert others == state  # the slice's second group's state, held while the first is updated (detached: no aux)
+    sampling = cell["sampling"]
+    assert sampling["state"] == 2 * cell["update"]["state"] and sampling["boundaries"] == 0  # 2 groups per slice
+    assert sampling["tail"] > 0 and sampling["capture"] > 0 and sampling["decode"] > 0
+    assert cell["peak"] == max(sampling["total"], cell["update"]["total"])
+    (step,) = _rows(result.stdout, "Step (per device)", "detached")
+    assert step[0] == "full" and cell["train"] == "full" and plan["setup"]["train"] == "full"
+    assert step[-1] == "no" and step[8] == cell["peak_phase"] and abs(float(step[7]) - cell["peak"] / 2**20) <= 0.005
+    glm = _plan("--config", "configs/glm-5.2-tiny.json", "--mesh", "1x8", "-P", "200", "-G", "2", "-R", "4",
+                "--modes", "exact", "--dtype", "float32", "--chunk-size", "64", "--unit", "MiB")
+    assert glm.returncode == 0, glm.stderr[-3000:]
+    (update,) = _rows(glm.stdout, "Update phase", "exact")
+    params, optimizer, grads, state, cotangent, rest, others, total = map(float, update[5:13])
+    # float32 state: its float32 cotangent is the same size; the latent rows and indexer keys are split 8 ways
+    assert state > 0 and cotangent == state and total >= params + optimizer + grads + state + cotangent
+    assert others == 0  # B defaults to the data size (1): one group per slice
+    (sampling,) = _rows(glm.stdout, "Sampling phase", "exact")
+    assert float(sampling[7]) == state and float(sampling[8]) == 0  # GLM keeps nothing else from its capture
+
+
+def test_plan_capacity_groups_per_step_must_divide_over_data():
+    result = _plan("--config", "configs/qwen3.6-tiny.json", "--mesh", "2x4", "-P", "200", "--groups-per-step", "3")
+    assert result.returncode == 2 and "--groups-per-step 3" in result.stderr and "data size 2" in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.slow  # AOT compiles of the update and the capture
+def test_planner_phases():
+    """In-process, tiny Qwen3.6 on a 2x1 mesh (data 2): the sampling phase grows with R (exactly by the tail's KV
+    rows) and with B / data (states, tails, capture transients); the update phase is unchanged by R beyond the
+    [G, R] response tensors and grows with B / data by the other groups' states; the peak is the larger phase."""
+    with pytest.raises(ValueError, match="--groups-per-step 3 .* data size 2"):
+        capacity.local_groups(3, 2)
+    cfg_path = os.path.join(ROOT, "configs", "qwen3.6-tiny.json")
+    planner = capacity.Planner(cfg_path, "2x1", "float32", 8, 64, devices=jax.devices()[:2])
+    c = planner.model.config
+    prompt_len, group = 256, 2
+    b2 = planner.plan(prompt_len, group, "detached", 2, limit=1e12)
+    b4 = planner.plan(prompt_len, group, "detached", 4, limit=1e12)
+    s2, s4 = b2["sampling"], b4["sampling"]
+    for name in ("state", "tail", "capture"):
+        assert s4[name] == 2 * s2[name] > 0, name
+    assert s4["params"] == s2["params"] and s4["optimizer"] == s2["optimizer"] and s4["total"] > s2["total"]
+    state = b2["update"]["state"]
+    assert s2["state"] == state and b2["update"]["others"] == 0 and b4["update"]["others"] == state
+    assert b4["update"]["total"] == b2["update"]["total"] + state
+    for row in (b2, b4):
+        assert row["peak"] == max(row["sampling"]["total"], row["update"]["total"])
+        assert row["peak_phase"] == ("update" if row["update"]["total"] >= row["sampling"]["total"] else "sampling")
+    assert planner.plan(prompt_len, group, "detached", 2, limit=b2["peak"])["fits"]
+    assert not planner.plan(prompt_len, group, "detached", 2, limit=b2["peak"] - 1)["fits"]
+    # exact mode keeps Qwen's GDN round boundaries from the capture: (rounds on this shard + 1 scratch) x carried
+    exact = planner.sampling(prompt_len, group, "exact", 1)
+    carried = 4 * c.num_blocks * c.linear_per_block * (
+        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+        + (c.linear_conv_kernel_dim - 1) * c.conv_dim)
+    full_rounds = (prompt_len - 1 - 1) // 64
+    assert abs(exact["boundaries"] - (full_rounds + 2) * carried) <= 0.01 * exact["boundaries"]
+    # R 8 -> 16: each of the G + 1 tails (the G branches decoding together, and the one after prompt[-1] they start
+    # from) holds 8 more KV rows per full-attention layer (replicated), nothing else changes
+    kv_row = 2 * 4 * c.num_blocks * c.full_per_block * c.num_key_value_heads * c.head_dim
+    planner.response_len = 16
+    r16 = planner.plan(prompt_len, group, "detached", 2, limit=1e12)
+    assert r16["sampling"]["tail"] - s2["tail"] == (group + 1) * 8 * kv_row  # B / data = 1 group
+    assert r16["sampling"]["total"] >= s2["total"] and r16["decode_steps"] == 2 * b2["decode_steps"]
+    for name in ("params", "optimizer", "grads", "state", "cotangent", "others"):
+        assert r16["update"][name] == b2["update"][name], name
+    # what does grow: the [G, R] response tensors and one branch's replay activations (O(R); +2.9% measured here)
+    assert 0 < r16["update"]["total"] - b2["update"]["total"] <= 0.1 * b2["update"]["total"]
+
+
+def test_planner_lora_sizes_adapters_and_expert_parallel_layers():
+    """No compile: --train lora (tiny GLM-5.2, 1x8) holds base + adapters but float32 grads and AdamW moments for
+    the adapters only; with 8 experts on 8 devices the decode's gathered layer keeps each device's expert local."""
+    cfg, devices = os.path.join(ROOT, "configs", "glm-5.2-tiny.json"), jax.devices()[:8]
+    full = capacity.Planner(cfg, "1x8", "float32", 4, 64, devices=devices)
+    lora = capacity.Planner(cfg, "1x8", "float32", 4, 64, devices=devices, train_mode="lora", lora_rank=4)
+    f, a = full.components(200, "exact"), lora.components(200, "exact")
+    assert lora.num_trainable == lora.num_params - full.num_params > 0 and full.num_trainable == full.num_params
+    assert a["params"] > f["params"] and 0 < a["grads"] < f["grads"] / 2 and a["state"] == f["state"]
+    assert abs(a["optimizer"] - 2 * a["grads"]) <= 64  # two float32 moments (+ step counts)
+    whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), full.params)
+    assert full.layer_bytes < capacity.largest_layer_bytes(whole)
+    # GPUs' ragged expert exchange, added analytically: 2 n T (min(k, E / n) - 1) D elements for T tokens per device
+    assert full.ragged_extra("exact") == dict(sampling=0, update=0)  # 8 experts on 8 devices: one each, as gathered
+    extra = lambda **kw: capacity.ragged_exchange_bytes(**dict(dict(devices=8, experts=32, top_k=2, hidden=4,
+                                                                    itemsize=2, tokens=3), **kw))
+    assert extra() == 2 * 8 * 3 * (2 - 1) * 4 * 2 and extra(top_k=8) == 2 * 8 * 3 * (4 - 1) * 4 * 2
+    assert extra(experts=12) == 0 and extra(experts=0, top_k=1) == 0
+    assert capacity.ragged_exchange_bytes(devices=8, experts=0, top_k=1, hidden=4, itemsize=2, tokens=3) == 0
+
+
+def test_planner_sampling_matches_the_compiled_sampler():
+    """The planner's sampling phase on one device (a 1x1 mesh, B = 1, less the optimizer the sampler does not hold)
+    against `memory_analysis()` of `sampling.branches.sample_group` AOT-compiled at the same shapes (tiny Qwen3.6,
+    float32, P = 4096 so the state is a large part): within 0.9x-1.25x. The planner is meant to err high: its capture is
+    the sharded one, which embeds the whole prompt at once where the one-device sampler embeds chunk by chunk."""
+    from longstraw_jax.sampling import branches as rollout
+
+    prompt_len, group, response_len, chunk = 4096, 2, 16, 256
+    planner = capacity.Planner(os.path.join(ROOT, "configs", "qwen3.6-tiny.json"), "1x1", "float32", response_len,
+                           chunk, devices=jax.devices()[:1])
+    estimate = planner.sampling(prompt_len, group, "detached", 1)
+    estimate = estimate["total"] - estimate["optimizer"]
+    params = jax.eval_shape(lambda key: planner.model.init(key, jnp.float32), jax.random.key(0))
+    compiled = rollout._sample_group.lower(
+        planner.model, params, jax.ShapeDtypeStruct((prompt_len,), jnp.int32), jax.eval_shape(jax.random.key, 0),
+        group, rollout.SamplingConfig(response_len=response_len), chunk).compile()
+    measured = capacity.memory_total(compiled)["total"]
+    assert 0.9 <= estimate / measured <= 1.25, (estimate, measured)
+    assert np.isfinite(estimate / measured)
+
+
+def test_model_flops_match_cost_analysis_on_a_loop_free_config():
+    """tools/bench_device.py's analytic FLOP count against XLA's cost_analysis() of `model.forward` on a loop-free
+    config (one full-attention layer: the layer scan, the attention key-block loop and the GDN chunk loop have one
+    iteration each, so XLA's count-a-loop-body-once is exact): within 3% (XLA also counts elementwise work and the
+    masked half of the causal tile). The GDN layer's weight count is checked against its parameters."""
+    from longstraw_jax import models
+    from longstraw_jax.models.qwen36.config import FULL, LINEAR, Qwen36Config
+
+    bench = _tool("bench_device")
+    tokens = 32
+    cfg = Qwen36Config.tiny(hidden_size=256, intermediate_size=1024, num_hidden_layers=1, layer_types=(FULL,))
+    model = models.build(cfg)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    compiled = jax.jit(model.forward).lower(params, jax.ShapeDtypeStruct((tokens,), jnp.int32)).compile()
+    cost = compiled.cost_analysis()
+    xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    ours = bench.qwen36_flops(cfg, tokens, logits=True)
+    assert ours["attention"] == 4 * cfg.num_attention_heads * cfg.head_dim * tokens * (tokens + 1) // 2
+    assert 0.97 <= ours["total"] / xla <= 1.03, (ours, xla)
+    # the GDN layer: dense FLOPs = 2 x its weight matrices (every blocks/ leaf of rank >= 2 per layer) per token
+    cfg = Qwen36Config.tiny(hidden_size=256, intermediate_size=1024, num_hidden_layers=1, layer_types=(LINEAR,))
+    params = jax.eval_shape(models.build(cfg).init, jax.random.key(0))
+    matrices = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params["blocks"]) if x.ndim >= 4)
+    assert bench.qwen36_flops(cfg, tokens)["dense"] == 2 * matrices * tokens
+    assert bench.qwen36_flops(cfg, tokens, cached=100)["gdn"] == bench.qwen36_flops(cfg, tokens)["gdn"] > 0
+    assert bench.peak_flops("NVIDIA H200") == 989e12 and bench.peak_flops("NVIDIA H20") == 148e12
+    assert bench.peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and bench.peak_flops("cpu") is None
+
+
+@pytest.mark.slow  # the device benchmark end to end on CPU
+def test_bench_device_tiny(tmp_path):
+    """tools/bench_device.py --tiny on CPU (one train_step mode and one capture length, to stay fast): the table and
+    the JSON hold the capture and detached rows with positive times, throughputs, compiled and planner bytes; the
+    CPU has no peak memory statistics and no peak FLOP/s ("n/a"). The time-model table holds both programs, costed
+    on the rough `cpu` entry: a positive estimate from positive model FLOPs and bytes, and measured / estimated =
+    the measured median over the estimate (the JSON, and the table to its printed digits)."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "bench_device.py"), "--tiny", "--modes", "detached",
+         "--capture-len", "256", "--json", str(tmp_path / "bench.json")], capture_output=True, text=True,
+        timeout=600, cwd=ROOT, env=dict(os.environ, XLA_FLAGS="--xla_cpu_use_fusion_emitters=false "
+                                                              "--xla_backend_optimization_level=0"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, _, second = result.stdout.partition("Time model")
+    parse = lambda text: {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+                          for line in text.splitlines() if line.startswith("| ") and "---" not in line}
+    table, model = parse(first), parse(second)
+    assert set(table) == {"measurement", "capture", "detached"}, result.stdout
+    assert set(model) == {"measurement", "capture", "detached"}, result.stdout
+    assert model["measurement"][-3:] == ["estimate s", "measured s", "measured / estimate"]
+    for name in ("capture", "detached"):
+        hw, gflop, hbm_gb, estimate, measured, ratio = (model[name][0], float(model[name][1]), float(model[name][2]),
+                                                         float(model[name][5]), float(model[name][6]),
+                                                         float(model[name][7]))
+        assert hw == "cpu" and gflop > 0 and hbm_gb > 0 and estimate > 0 and model[name][4] in ("compute", "memory")
+        assert ratio == pytest.approx(measured / estimate, rel=0.02)  # three printed digits each
+    for name in ("capture", "detached"):
+        median_s, tokens_per_s = float(table[name][2]), float(table[name][4].replace(",", ""))
+        assert median_s > 0 and tokens_per_s > 0 and table[name][7] == "n/a"  # no peak_bytes_in_use on CPU
+    assert table["capture"][6] == "n/a" and float(table["capture"][5]) > 0  # TFLOP/s, but no MFU on CPU
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    assert bench["platform"] == "cpu" and bench["peak_flops"] is None
+    rows = {row["name"]: row for row in bench["rows"]}
+    assert set(rows) == {"capture", "detached"} and rows["capture"]["tokens"] == 256
+    for row in rows.values():
+        assert row["seconds"] > 0 and row["tokens_per_s"] > 0 and len(row["times"]) == 2
+        assert row["compiled_bytes"] > 0 and row["planner_bytes"] > 0 and row["peak_bytes"] is None
+    assert rows["capture"]["flops"] > 0 and rows["detached"]["G"] == 2
+    cpu = capacity.HARDWARE["cpu"]
+    for row in rows.values():
+        cost = row["model_cost"]
+        assert row["model_hardware"] == "cpu" and cost["flops"] > 0 and cost["hbm_bytes"] > 0
+        assert row["model_s"] == pytest.approx(max(cost["flops"] / cpu.flops_per_s, cost["hbm_bytes"] / cpu.hbm_per_s)
+                                               + cost["collective_bytes"] / cpu.link_per_s, rel=1e-12)
+        assert row["model_s"] == row["model_terms"]["total"] > 0
+        assert row["model_ratio"] == pytest.approx(row["seconds"] / row["model_s"], rel=1e-12)

@@ -1,0 +1,335 @@
+"""The trainer CLI end to end, in process (`run.main(argv)`), on a small setting of the embedded default.
+
+- a 3-step run writes metrics.jsonl (finite loss, every documented field), metrics.png, Orbax checkpoints and an HF
+  export that loads back to the checkpointed params; --hf and --init-from start from those weights;
+- resume: 2 steps, stop, --resume to 3 gives bit-identical params and identical metrics to the uninterrupted run;
+- --mesh 1x8 (sharded params, optimizer state and grpo_grads) and its --resume match the one-device run;
+- bad input: a one-line error naming the thing, exit status 2, and the saved run directory is not touched;
+- RunConfig (trainer/config.py): bad options are one error naming each, `parse_args` tells explicit options apart, the
+  merge with a checkpointed run's options on --resume;
+- a training step validates its batch once (train_step on the host; not again inside the jitted step).
+
+All runs share one model / optimizer / sampling setting, so the sampler and the train step compile once.
+"""
+import dataclasses
+import json
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from longstraw_jax import engine, make_optimizer, models, train
+from longstraw_jax.common.validation import is_concrete
+from longstraw_jax.grpo import validate_batch
+from longstraw_jax.io.checkpoints import TrainCheckpoints, save_init_dir
+from longstraw_jax.trainer import cli as run
+from longstraw_jax.trainer.config import RESUMABLE, RunConfig, RunError, parse_args
+from tests.helpers import ROOT
+
+SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
+         "--eval-every", "0", "--sft-steps", "0", "--lr", "3e-3", "--save-every", "2", "--seed", "1"]
+FIELDS = {"step", "loss", "reward_mean", "reward_std", "kl", "clip_frac", "entropy", "grad_norm", "skipped",
+          "response_len_mean", "accuracy", "prompt_tokens", "response_tokens", "groups", "tokens_per_s", "rollout_s",
+          "update_s", "step_s", "peak_mem_bytes", "peak_mem_source"}
+
+
+SPREAD = "tests.trainer.test_run:token_reward"
+
+
+def token_reward(prompt_tokens, response_tokens, info):
+    """Rewards that differ between branches unless all sample the same first token (non-zero advantages)."""
+    return float(response_tokens[0])
+
+
+def bits(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def snapshot(directory):
+    """(path, size, mtime) of every file under `directory`: any write shows up."""
+    return sorted((os.path.relpath(os.path.join(root, f), directory), os.stat(os.path.join(root, f)).st_size,
+                   os.stat(os.path.join(root, f)).st_mtime_ns)
+                  for root, _, files in os.walk(directory) for f in files)
+
+
+def restore(out, step=None):
+    model = models.build(models.Qwen36Config.tiny(vocab_size=32))
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    optimizer = make_optimizer(3e-3)
+    checkpoints = TrainCheckpoints(out, create=False)
+    params, opt_state, key, meta = checkpoints.restore(abstract, jax.eval_shape(optimizer.init, abstract), step)
+    checkpoints.close()
+    return params, opt_state, meta
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """A 3-step run with --export-hf, its step traced afresh (cache cleared): the step compiles once, and each step
+    validates its batch once, on the host (`test_step_validates_its_batch_once` reads the calls)."""
+    out = str(tmp_path_factory.mktemp("run") / "a")
+    calls = []
+
+    def counting(batch, vocab_size, cfg=None):
+        calls.append(is_concrete(batch.prompt))
+        return validate_batch(batch, vocab_size, cfg)
+
+    train.jitted_train_step_donated.clear_cache()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(train, "validate_batch", counting)
+        monkeypatch.setattr(engine.local, "validate_batch", counting)
+        assert run.main(SMALL + ["--steps", "3", "--out", out, "--export-hf", os.path.join(out, "hf")]) == 0
+    # one compile of the step for the whole run (argument placement must not change after step 1)
+    assert train.jitted_train_step_donated._cache_size() == 1
+    return out, calls
+
+
+def test_run_writes_metrics_plot_checkpoints_and_export(full_run, capsys):
+    out, _ = full_run
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert FIELDS <= set(r), FIELDS - set(r)
+        assert np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) and r["skipped"] == 0
+        assert r["prompt_tokens"] == 48 and 3 <= r["response_tokens"] <= 6 and r["peak_mem_bytes"] > 0
+    with open(os.path.join(out, "metrics.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["2", "3"]
+    params, _, meta = restore(out)
+    assert meta["step"] == 3 and meta["data_position"] == 3 and meta["config"]["prompt_len"] == 48
+    _, exported = models.load_hf(os.path.join(out, "hf"))
+    assert bits(exported) == bits(params)
+    assert os.path.exists(os.path.join(out, "config.json"))
+
+
+def test_hf_and_init_dir_starts(full_run, tmp_path):
+    """--hf and --init-from start from the exported weights: one step from each gives bit-identical params, within
+    one Adam step (|update| <= lr per element) of the exported weights (a fresh init is ~0.02 away)."""
+    first, _ = full_run
+    model, params = models.load_hf(os.path.join(first, "hf"))
+    save_init_dir(model, params, tmp_path / "init")
+    results = []
+    for option, source in (("--hf", os.path.join(first, "hf")), ("--init-from", str(tmp_path / "init"))):
+        out = str(tmp_path / option.strip("-"))
+        assert run.main(SMALL + [option, source, "--steps", "1", "--out", out, "--reward", SPREAD]) == 0
+        results.append(restore(out)[0])
+    assert bits(results[0]) == bits(results[1])
+    change = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(params)))
+    assert 0 < change <= 3e-3 * 1.001
+
+
+def test_resume_equals_uninterrupted(full_run, tmp_path):
+    first, _ = full_run
+    out = str(tmp_path / "b")
+    assert run.main(SMALL + ["--steps", "2", "--out", out]) == 0
+    assert run.main(["--out", out, "--resume", "--steps", "3"]) == 0  # the saved configuration is reused
+    resumed, resumed_opt, meta = restore(out)
+    straight, straight_opt, _ = restore(first)
+    assert meta["step"] == 3 and bits(resumed) == bits(straight) and bits(resumed_opt) == bits(straight_opt)
+    read = lambda d: [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+    drop = {"tokens_per_s", "rollout_s", "update_s", "step_s", "peak_mem_bytes"}  # timings differ
+    assert [{k: v for k, v in r.items() if k not in drop} for r in read(out)] == \
+           [{k: v for k, v in r.items() if k not in drop} for r in read(first)]
+
+
+@pytest.mark.slow  # a one-device and a 2x4 trainer run (and its resume)
+def test_mesh_run_with_groups_and_resume_match_one_device(tmp_path):
+    """--mesh 2x4 -B 2: FSDP-sharded params and optimizer state; each data slice samples and updates one of the two
+    groups, sequence-parallel over its 4 devices; 2 steps, then --resume to 3 (restoring onto the shardings) gives
+    the one-device run's rewards, losses and grad norms (the same two groups per step).
+
+    Both at --lr 1e-5: AdamW's first steps move every parameter by about lr whatever the size of its gradient, so at
+    the default 3e-3 round-off in a near-zero gradient (the mesh sampler sums the old log-probs in another order,
+    ~1e-6) becomes a full-size difference by step 3 (measured up to 1.7% in the grad norm); at 1e-5 the two runs stay
+    comparable at rtol 1e-4."""
+    slow = SMALL + ["--lr", "1e-5", "-B", "2"]
+    single, out = str(tmp_path / "one"), str(tmp_path / "mesh")
+    assert run.main(slow + ["--steps", "3", "--out", single]) == 0
+    assert run.main(slow + ["--steps", "2", "--out", out, "--mesh", "2x4"]) == 0
+    assert run.main(["--out", out, "--resume", "--steps", "3"]) == 0
+    read = lambda d: [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+    sharded, reference = read(out), read(single)
+    assert [r["step"] for r in sharded] == [1, 2, 3]
+    assert sharded[0]["groups"] == reference[0]["groups"] == 2 and sharded[0]["prompt_tokens"] == 2 * 48
+    for got, want in zip(sharded, reference):
+        assert got["reward_mean"] == want["reward_mean"]
+        np.testing.assert_allclose([got["loss"], got["grad_norm"]], [want["loss"], want["grad_norm"]], rtol=1e-4,
+                                   atol=1e-6)
+    params, _, _ = restore(out)
+    np.testing.assert_allclose(params["embed"], restore(single)[0]["embed"], rtol=1e-4, atol=1e-5)
+
+
+def write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+    return str(path)
+
+
+def boom_reward(prompt_tokens, response_tokens, info):
+    raise RuntimeError("boom")
+
+
+def text_reward(prompt_tokens, response_tokens, info):
+    return "1.0"
+
+
+def hf_dir_with(path, config: bytes, weights: bytes | None):
+    os.makedirs(path)
+    write(os.path.join(path, "config.json"), config.decode())
+    if weights is not None:
+        with open(os.path.join(path, "model.safetensors"), "wb") as f:
+            f.write(weights)
+    return str(path)
+
+
+def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys):
+    out, _ = full_run
+    before = snapshot(out)
+    config = models.Qwen36Config.tiny(vocab_size=32).to_hf()
+    hf_config = json.dumps(config).encode()
+    good_group = {"prompt": [1, 2, 3], "responses": [[4, 5]], "rewards": [1.0]}
+    cases = [
+        (["--model", write(tmp_path / "config.json", json.dumps(dict(config, foo_bar=1)))], "foo_bar"),
+        (["--rollouts", write(tmp_path / "ids.jsonl", json.dumps(dict(good_group, prompt=[1, 999])))],
+         r"ids.jsonl:1: 'prompt'\[1\] = 999 is out of range"),
+        (["--group-size", "0"], "--group-size=0 must be >= 1"),
+        (["--rollouts", write(tmp_path / "empty.jsonl", json.dumps(good_group) + "\n"
+                              + json.dumps(dict(good_group, responses=[[]])))],
+         r"empty.jsonl:2: 'responses\[0\]' is empty"),
+        (["--rollouts", write(tmp_path / "nan.jsonl", '{"prompt": [1, 2], "responses": [[3]], "rewards": [NaN]}')],
+         r"nan.jsonl:1: 'rewards'\[0\] = nan"),
+        (["--mesh", "2"], "--mesh='2' must look like AxB"),
+        (["--mesh", "2x4", "-B", "3"], r"--groups-per-step=3 must be a multiple of the mesh's data size 2"),
+        (["--rollouts", write(tmp_path / "ragged.jsonl", json.dumps(good_group) + "\n"
+                              + json.dumps(dict(good_group, prompt=[1, 2, 3, 4]))), "-B", "2"],
+         r"--groups-per-step=2 stacks groups side by side.*2 different shapes"),
+        ([], "already holds checkpoints: pass --resume"),
+        (["--lr", "0.5", "--resume"], r"--lr=0.5 differs from the run being resumed \(0.003\)"),
+        # KL without reference log-probs, bad rewards and log-probs in a rollout file, broken --hf files
+        (["--kl-coef", "0.1", "--rollouts", write(tmp_path / "noref.jsonl", json.dumps(good_group))],
+         r"noref.jsonl:1: 'ref_logprobs' is missing; --kl-coef=0.1 needs reference log-probs on every line$"),
+        (["--rollouts", write(tmp_path / "true.jsonl", json.dumps(dict(good_group, rewards=[True])))],
+         r"true.jsonl:1: 'rewards'\[0\] = True \(bool\); a reward must be a real number"),
+        (["--rollouts", write(tmp_path / "huge.jsonl", json.dumps(dict(good_group, rewards=[1e308])))],
+         r"huge.jsonl:1: 'rewards'\[0\] = 1e\+308; rewards must be within float32 range"),
+        (["--rollouts", write(tmp_path / "pos.jsonl", json.dumps(dict(good_group, old_logprobs=[[-1.0, 0.5]])))],
+         r"pos.jsonl:1: 'old_logprobs'\[0\]\[1\] = 0.5; log-probs must be <= 0$"),
+        (["--hf", hf_dir_with(tmp_path / "short", hf_config, b"\0" * 5)],
+         r"short/model.safetensors: 5 bytes: too short for a safetensors file"),
+        (["--hf", hf_dir_with(tmp_path / "badjson", b'{"model_type": ', None)],
+         r"badjson/config.json: config file is not valid JSON: Expecting value: line 1 column 16"),
+        (["--hf", str(tmp_path / "no_such_dir")], r"no_such_dir: no such file or directory$"),
+        (["--model", write(tmp_path / "broken.json", "{")], r"broken.json: config file is not valid JSON"),
+    ]
+    for extra, message in cases:
+        assert run.main(SMALL + ["--steps", "5", "--out", out] + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+        assert __import__("re").search(message, err), (message, err)
+        assert snapshot(out) == before, extra
+
+    missing = str(tmp_path / "missing")
+    assert run.main(["--out", missing, "--resume"]) == 2
+    assert "--resume: no checkpoint directory" in capsys.readouterr().err and not os.path.exists(missing)
+
+    fresh = str(tmp_path / "nan_reward")
+    assert run.main(SMALL + ["--steps", "2", "--out", fresh, "--reward", "tests.tasks.test_loader:nan_reward"]) == 2
+    assert "rewards must be finite" in capsys.readouterr().err
+    assert not os.path.exists(fresh)  # the first batch is scored before --out is created
+
+    # whatever the reward function raises or wrongly returns: one line naming it, exit 2, nothing written
+    for reward, message in (("boom_reward", "error: reward function tests.trainer.test_run:boom_reward raised "
+                                            "RuntimeError on branch 0: boom\n"),
+                            ("text_reward", "error: reward function tests.trainer.test_run:text_reward returned '1.0' "
+                                            "(str) for branch 0; a reward must be a real number (int or float, not "
+                                            "bool or str)\n")):
+        fresh = str(tmp_path / reward)
+        assert run.main(SMALL + ["--steps", "2", "--out", fresh, "--reward", f"tests.trainer.test_run:{reward}"]) == 2
+        assert capsys.readouterr().err == message
+        assert not os.path.exists(fresh)  # the step fails before --out is created
+
+
+def test_run_config_names_every_bad_option():
+    with pytest.raises(ValueError) as error:
+        RunConfig(group_size=0, lr=float("nan"), hf="a", init_from="b", mesh="2", mode="fast")
+    for part in ("--group-size=0 must be >= 1", "--lr=nan must be a finite number >= 0",
+                 "give at most one of --model <config.json>, --hf, --init-from", "--mesh='2' must look like AxB",
+                 "--mode='fast' must be one of exact, detached"):
+        assert part in str(error.value), (part, str(error.value))
+    assert RunConfig(mesh="2x4").mesh == "2x4"
+    with pytest.raises(ValueError, match=r"--decode-batch=3 must divide --group-size=8"):
+        RunConfig(decode_batch=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RunConfig().steps = 3
+
+
+def test_parse_args_defaults_and_explicit_options():
+    assert parse_args([]) == (RunConfig(), frozenset())
+    config, explicit = parse_args(["-G", "3", "--lr", "0.1", "--resume", "--mesh", "1x8"])
+    assert (config.group_size, config.lr, config.resume, config.mesh) == (3, 0.1, True, "1x8")
+    assert explicit == {"group_size", "lr", "resume", "mesh"}
+    with pytest.raises(ValueError, match="--steps=0 must be >= 1"):
+        parse_args(["--steps", "0"])
+
+
+def test_config_file_options_and_command_line_overrides(tmp_path):
+    """--config FILE.toml: its options count as given (explicit), the command line overrides them; the demo's file
+    (`make run`) parses; an unknown name, a wrong type, bad TOML or a missing file is one error naming the file."""
+    path = tmp_path / "run.toml"
+    path.write_text('group-size = 4\nlr = 1\nmode = "detached"\nsft_steps = 3\n')
+    config, explicit = parse_args(["--config", str(path), "--lr", "0.5"])
+    assert (config.group_size, config.lr, config.mode, config.sft_steps) == (4, 0.5, "detached", 3)
+    assert isinstance(config.lr, float) and explicit == {"config", "group_size", "lr", "mode", "sft_steps"}
+    demo, _ = parse_args(["--config", os.path.join(ROOT, "configs", "demo.toml")])
+    assert (demo.sft_steps, demo.eval_every, demo.response_len, demo.steps) == (60, 20, 2, 40)
+    defaults = RunConfig()  # a real run's defaults: no warm-up, no held-out evaluation unless asked
+    assert (defaults.sft_steps, defaults.eval_every) == (0, 0)
+    for text, message in (("bogus = 1", "unknown option 'bogus'"),
+                          ("group_size = 2.5", "group_size = 2.5 must be an int"),
+                          ("lr = \"fast\"", "lr = 'fast' must be a float"), ("steps = true", "must be an int"),
+                          ("config = \"x.toml\"", "unknown option 'config'"), ("steps =", "not valid TOML"),
+                          ("[sampling]\ngroup_size = 2", "unknown option 'sampling'")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(f"--config {path}: ") + ".*" + re.escape(message)):
+            parse_args(["--config", str(path)])
+    with pytest.raises(ValueError, match="no such file"):
+        parse_args(["--config", str(tmp_path / "missing.toml")])
+    path.write_text("steps = 0")
+    with pytest.raises(ValueError, match="--steps=0 must be >= 1"):  # the file's values are checked like flags
+        parse_args(["--config", str(path)])
+
+
+def test_resume_merge():
+    """The checkpoint stores every option but RESUMABLE; resuming adopts them, keeps this invocation's RESUMABLE
+    ones, and refuses an explicit option that contradicts the saved run."""
+    first = RunConfig(lr=0.01, prompt_len=48, steps=2, out="a", save_every=2)
+    saved = json.loads(json.dumps(first.saved()))  # as the checkpoint's JSON meta holds it
+    assert set(saved) == {f.name for f in dataclasses.fields(RunConfig)} - RESUMABLE
+    resumed = RunConfig(steps=5, out="a", resume=True).resumed(saved, {"steps", "out", "resume"})
+    assert resumed == dataclasses.replace(first, steps=5, resume=True, save_every=20)
+    assert RunConfig(lr=0.01, resume=True).resumed(saved, {"lr", "resume"}).lr == 0.01  # explicit and equal: fine
+    assert RunConfig(lr=0.5).resumed(saved).lr == 0.01  # not explicit (a default): the saved value wins
+    with pytest.raises(RunError, match=r"--lr=0.5 differs from the run being resumed \(0.01\)"):
+        RunConfig(lr=0.5).resumed(saved, {"lr"})
+    with pytest.raises(RunError, match=r"options this version does not know: \['bogus'\]"):
+        RunConfig().resumed(dict(saved, bogus=1))
+
+
+def test_step_validates_its_batch_once(full_run):
+    """train_step validates on the host and its jitted step calls engine.grpo_grads_unvalidated: one validation per
+    step, the first step (which traces the step: its cache was cleared) included."""
+    _, calls = full_run
+    assert calls == [True, True, True]
+
+
+def test_decode_batch_reaches_the_sampler():
+    """--decode-batch N: the task sampler's SamplingConfig decodes N branches at a time (default: all G); it may
+    change on --resume (the tokens do not depend on it)."""
+    from longstraw_jax.trainer.config import CHANGEABLE
+    from longstraw_jax.trainer.setup import data_source
+
+    assert data_source(parse_args(["-G", "4", "--decode-batch", "2"])[0], 32).sampling.decode_batch == 2
+    assert data_source(parse_args(["-G", "4"])[0], 32).sampling.decode_batch is None
+    assert "decode_batch" in CHANGEABLE
