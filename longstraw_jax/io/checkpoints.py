@@ -2,7 +2,7 @@
 
 (Named checkpoints, plural, so that it does not read as `jax.checkpoint` (rematerialisation).)
 
-Init directory (what `tools/convert_hf.py` writes and `--init-from DIR` reads):
+Init directory (what `python -m longstraw_jax.convert` writes and `--init-from DIR` reads):
 
     DIR/config.json   HF-style config (model.config.to_hf()), readable by models.config_from_hf
     DIR/params/       Orbax checkpoint of the params pytree, exactly the nested dicts of `model.init`:

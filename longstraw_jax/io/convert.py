@@ -1,4 +1,4 @@
-"""Hugging Face safetensors <-> Orbax, streamed at real size: `python -m longstraw_jax.convert` (tools/convert_hf.py).
+"""Hugging Face safetensors <-> Orbax, streamed at real size: `python -m longstraw_jax.convert`.
 
     hf2orbax --hf DIR --out DIR [--dtype bfloat16] [--mesh AxB] [--force] [--dry-run]
     orbax2hf --ckpt DIR --config DIR --out DIR [--dtype D] [--shard-size 5GB] [--force] [--dry-run]

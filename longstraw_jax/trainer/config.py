@@ -67,7 +67,7 @@ class RunConfig:
     vocab_size: int = _option(32, "vocabulary of the 'tiny' model")
     hf: str | None = _option(None, "load config.json + *.safetensors from DIR (models.load_hf)", metavar="DIR")
     init_from: str | None = _option(None, "load an init directory (config.json + Orbax params/), e.g. written by "
-                                    "tools/convert_hf.py", metavar="DIR")
+                                    "python -m longstraw_jax.convert", metavar="DIR")
     dtype: str = _option("float32", "parameter dtype", choices=("float32", "bfloat16"))
     # data
     task: str = _option("retrieval", "built-in task name ('retrieval') or 'module:function' factory called with "

@@ -378,12 +378,12 @@ DRY_RUNS = {k: v for k, v in DRY_RUNS.items() if v[0] in models.MODEL_TYPES and 
 
 @pytest.mark.parametrize("config", sorted(DRY_RUNS))
 def test_dry_run_on_real_config(config):
-    """Through tools/convert_hf.py in a child process; abstract shapes only, nothing written."""
+    """Through `python -m longstraw_jax.convert` in a child process; abstract shapes only, nothing written."""
     _, meta_tensors, count, approximate = DRY_RUNS[config]
     tensors = meta_tensors(os.path.join(ROOT, config))
     nbytes = 2 * sum(tensors.values())  # bfloat16
     assert len(tensors) == count and abs(nbytes / approximate - 1) < 1e-3, (len(tensors), nbytes)
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf.py"), "hf2orbax", "--hf",
+    result = subprocess.run([sys.executable, "-m", "longstraw_jax.convert", "hf2orbax", "--hf",
                              os.path.join(ROOT, config), "--dry-run"], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"})
     assert result.returncode == 0, result.stderr
