@@ -17,11 +17,9 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from longstraw_jax.tasks.retrieval import RetrievalTask  # noqa: E402
-from longstraw_jax.trainer import cli as run  # noqa: E402
-from longstraw_jax.trainer.metrics import read_metrics, split_records  # noqa: E402
+from longstraw_jax.tasks.retrieval import RetrievalTask
+from longstraw_jax.trainer import cli as run
+from longstraw_jax.trainer.metrics import read_metrics, split_records
 
 # --facts 1 (no distractor) and no held-out evaluation: the setting the README's table was measured with
 DEFAULTS = ["--facts", "1", "--eval-every", "0", "--vocab-size", "32", "--prompt-len", "128", "--group-size", "8",

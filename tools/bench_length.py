@@ -34,11 +34,9 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from longstraw_jax.tasks.retrieval import RetrievalTask  # noqa: E402
-from longstraw_jax.trainer import cli as run  # noqa: E402
-from longstraw_jax.trainer.metrics import read_metrics, split_records  # noqa: E402
+from longstraw_jax.tasks.retrieval import RetrievalTask
+from longstraw_jax.trainer import cli as run
+from longstraw_jax.trainer.metrics import read_metrics, split_records
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -24,10 +24,8 @@ import tempfile
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from longstraw_jax.tasks.retrieval import FACT, FIRST_ANSWER, RetrievalTask  # noqa: E402
-from longstraw_jax.trainer import evaluate  # noqa: E402
+from longstraw_jax.tasks.retrieval import FACT, FIRST_ANSWER, RetrievalTask
+from longstraw_jax.trainer import evaluate
 
 
 def classify(task: RetrievalTask, answers: list[dict]) -> dict[str, int]:

@@ -3,12 +3,9 @@
     python tools/plan_capacity.py --config configs/qwen3.6-27b.json --mesh 1x8 -P 2100000,4460000 -G 2,8 --markdown
     python -m longstraw_jax.plan ...    # the same
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package first
-
-from longstraw_jax.capacity.cli import main  # noqa: E402
+from longstraw_jax.capacity.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())
