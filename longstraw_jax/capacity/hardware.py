@@ -1,4 +1,5 @@
-"""Device kinds for the planner's time model, and the roofline that turns a `cost.Cost` into seconds.
+"""Device kinds for the planner's time model (and tools/bench_device.py's MFU), and the roofline that turns a
+`cost.Cost` into seconds.
 
 Each number is the vendor's peak for one device, with its source next to it. Conventions:
 
@@ -7,7 +8,8 @@ Each number is the vendor's peak for one device, with its source next to it. Con
 * `hbm_per_s`: HBM bytes/s (1 TB/s = 1e12 B/s).
 * `link_per_s`: NVLink bytes/s **per device per direction**. NVIDIA quotes 900 GB/s for fourth-generation NVLink
   (18 links x 50 GB/s), the total of both directions: 450 GB/s each way (vendors' tables write "450 GB/s
-  unidirectional, 900 GB/s bidirectional"). `cost.Cost.collective_bytes` counts what
+  unidirectional, 900 GB/s bidirectional"); likewise 1.8 TB/s for fifth-generation NVLink (900 GB/s each way) and
+  600 GB/s for the H100 PCIe card's NVLink bridge (300 GB/s each way). `cost.Cost.collective_bytes` counts what
   one device sends (= what it receives, in the patterns counted there), so it is divided by the per-direction rate.
 * `hbm_bytes`: HBM capacity in bytes (1 GB = 1e9 B).
 
@@ -35,8 +37,13 @@ class Hardware:
 
 
 _NVLINK4_PER_DIRECTION = 900e9 / 2  # 900 GB/s total bidirectional (NVLink 4: 18 links x 25 GB/s each way)
+_NVLINK5_PER_DIRECTION = 1.8e12 / 2  # 1.8 TB/s total bidirectional (NVLink 5: 18 links x 50 GB/s each way)
 
 HARDWARE = {
+    "h100-pcie": Hardware(
+        "h100-pcie", flops_per_s=756e12, hbm_per_s=2.0e12, link_per_s=600e9 / 2, hbm_bytes=80e9,
+        source="NVIDIA H100 Tensor Core GPU datasheet (2022), H100 PCIe column: BF16 Tensor Core 1,513 TFLOPS with "
+               "sparsity (756 dense), GPU memory 80 GB HBM2e, 2 TB/s, NVLink bridge 600 GB/s"),
     "h100": Hardware(
         "h100", flops_per_s=989e12, hbm_per_s=3.35e12, link_per_s=_NVLINK4_PER_DIRECTION, hbm_bytes=80e9,
         source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: BF16 Tensor Core 1,979 TFLOPS with sparsity "
@@ -49,6 +56,16 @@ HARDWARE = {
         "h20", flops_per_s=148e12, hbm_per_s=4.0e12, link_per_s=_NVLINK4_PER_DIRECTION, hbm_bytes=96e9,
         source="NVIDIA HGX H20 specifications as published by NVIDIA partners (no public NVIDIA datasheet): "
                "FP16/BF16 Tensor Core 148 TFLOPS dense (INT8 / FP8 296), 96 GB HBM3, 4.0 TB/s, NVLink 900 GB/s"),
+    "b200": Hardware(
+        "b200", flops_per_s=2.25e15, hbm_per_s=8e12, link_per_s=_NVLINK5_PER_DIRECTION, hbm_bytes=180e9,
+        source="NVIDIA HGX B200 specifications (8 GPUs): FP16/BF16 Tensor Core 36 PFLOPS with sparsity (2.25 PFLOPS "
+               "dense per GPU), 1.4 TB HBM3e (180 GB per GPU: DGX B200's 1,440 GB total), 64 TB/s aggregate (8 TB/s "
+               "per GPU), NVLink 5 1.8 TB/s per GPU"),
+    "gb200": Hardware(
+        "gb200", flops_per_s=2.5e15, hbm_per_s=8e12, link_per_s=_NVLINK5_PER_DIRECTION, hbm_bytes=186e9,
+        source="NVIDIA GB200 NVL72 specifications (72 GPUs): FP16/BF16 Tensor Core 360 PFLOPS with sparsity "
+               "(2.5 PFLOPS dense per GPU), up to 13.4 TB HBM3e (186 GB per GPU), 576 TB/s (8 TB/s per GPU), NVLink "
+               "130 TB/s (1.8 TB/s per GPU)"),
     "cpu": Hardware(
         "cpu", flops_per_s=100e9, hbm_per_s=20e9, link_per_s=10e9, hbm_bytes=16e9,
         source="ROUGH round numbers, not a datasheet: a few x86 cores with AVX2 FMA (~100 GFLOP/s float32 together), "
@@ -56,26 +73,35 @@ HARDWARE = {
                "on XLA:CPU, where the ratio measured / estimated says how far XLA:CPU is from these numbers"),
 }
 
-# device_kind substrings -> entry, first match wins (H200 before H20, as in tools/bench_device.py's PEAK_BF16)
-_DEVICE_KINDS = (("H200", "h200"), ("H100", "h100"), ("H20", "h20"))
+# `device.device_kind` substrings -> entry, first match wins: a longer name before its prefix (GB200 before B200,
+# H200 before H20, H100 PCIe before H100)
+_DEVICE_KINDS = (("GB200", "gb200"), ("B200", "b200"), ("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100"),
+                 ("H20", "h20"))
 
 
 def hardware(name: str) -> Hardware:
-    """The Hardware of a device kind (h20, h100, h200, or the rough cpu; case-insensitive)."""
+    """The Hardware of a device kind (a key of HARDWARE: h100, h200, b200, ..., or the rough cpu; case-insensitive)."""
     try:
         return HARDWARE[name.lower()]
     except KeyError:
         raise ValueError(f"--hardware {name!r}: expected one of {', '.join(sorted(HARDWARE))}") from None
 
 
-def for_device(device_kind: str, platform: str) -> Hardware | None:
-    """The entry of a JAX device (`device.device_kind`, `device.platform`): h200 / h100 / h20 by the kind's name,
-    the rough `cpu` entry on XLA:CPU, None for any other device (PCIe cards too: the entries are SXM peaks)."""
-    if platform == "cpu":
-        return HARDWARE["cpu"]
-    if "pcie" in device_kind.lower():
+def for_device_kind(device_kind: str) -> Hardware | None:
+    """The datasheet entry of an accelerator by its `device.device_kind` (e.g. "NVIDIA H100 80GB HBM3" -> h100), None
+    for a kind without one (a PCIe card whose SXM sibling is listed too: its peaks are lower). Never the rough cpu
+    entry: tools/bench_device.py's MFU divides by this entry's FLOP/s."""
+    kind = device_kind.lower()
+    key = next((key for name, key in _DEVICE_KINDS if name.lower() in kind), None)
+    if key is None or ("pcie" in kind and not key.endswith("pcie")):
         return None
-    return next((HARDWARE[key] for name, key in _DEVICE_KINDS if name.lower() in device_kind.lower()), None)
+    return HARDWARE[key]
+
+
+def for_device(device_kind: str, platform: str) -> Hardware | None:
+    """The entry of a JAX device (`device.device_kind`, `device.platform`): the rough `cpu` entry on XLA:CPU, else
+    `for_device_kind` (None for a device without an entry)."""
+    return HARDWARE["cpu"] if platform == "cpu" else for_device_kind(device_kind)
 
 
 def roofline(cost: Cost, hw: Hardware) -> float:
@@ -95,4 +121,4 @@ def breakdown(cost: Cost, hw: Hardware) -> dict[str, float]:
                 collectives=cost.collective_total / hw.link_per_s, total=roofline(cost, hw))
 
 
-__all__ = ["HARDWARE", "Hardware", "breakdown", "for_device", "hardware", "roofline"]
+__all__ = ["HARDWARE", "Hardware", "breakdown", "for_device", "for_device_kind", "hardware", "roofline"]
