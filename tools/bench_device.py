@@ -10,7 +10,8 @@ On one device, with the public API, it measures
   vocabulary 248320) with only `--blocks` blocks of its LLLF pattern (4 layers each), bf16. N doubles from
   --capture-start while the compiled program fits 90% of the device's memory, N <= --capture-max and the next
   capture is predicted to finish within the time budget (or N = --capture-len). Reported: median seconds, tokens/s,
-  model TFLOP/s and MFU against the device's peak dense bf16 FLOP/s (`PEAK_BF16`; an unknown device: "n/a");
+  model TFLOP/s and MFU against the device's peak dense bf16 FLOP/s (its datasheet entry in
+  `longstraw_jax.capacity.hardware`, `for_device_kind`; a device without one, XLA:CPU included: "n/a");
 - **detached / exact**: `train.train_step` (jitted with params and optimizer state donated, as the planner compiles
   it) on one group of G branches of R tokens after a prompt of --step-len tokens: median seconds and tokens/s;
 - **memory**: the device's `memory_stats()["peak_bytes_in_use"]` (each measurement runs in its own child process,
@@ -28,13 +29,13 @@ loop-free config (tests/tools/test_bench.py).
 **Time model vs measured**: each program timed (the capture reported, each train_step) is also costed by the
 planner's time model (`longstraw_jax.capacity`: `cost.program_cost` of the compiled executable that ran, loops
 multiplied by their trip counts, and `hardware.breakdown`, the roofline max(FLOPs / FLOP/s, HBM bytes / HBM B/s) +
-collective bytes / link B/s) on the device's entry (`hardware.for_device`: h200 / h100 / h20 by the device kind; on
-XLA:CPU the `cpu` entry, whose peaks are rough round numbers; "n/a" for any other device); a second table prints the
-estimate next to the measured median and measured / estimated.
+collective bytes / link B/s) on the device's entry (`hardware.for_device`: h200, h100, b200, ... by the device kind; on
+XLA:CPU the `cpu` entry, whose peaks are rough round numbers; "n/a" for a device without an entry); a second table
+prints the estimate next to the measured median and measured / estimated.
 
 Two markdown tables (medians and ratios; the time model) on stdout; `--json FILE` writes every measurement. The
 parent process only orchestrates (no JAX backend of its own); each measurement is this script run with a hidden
-`--one` flag.
+`--one` flag (tools/bench_harness.py).
 """
 from __future__ import annotations
 
@@ -47,19 +48,12 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # this checkout's package first (no JAX backend starts on import)
+import bench_harness
 
-from longstraw_jax.common.validation import SIZE_RULE, size_arg  # noqa: E402
+from longstraw_jax.common.validation import SIZE_RULE, size_arg
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # configs/ are found under it
 GIB = 2**30
-PREFIX = "BENCH_JSON "
-# Peak dense bf16 FLOP/s per device (vendor datasheets, without sparsity). Matched by substring of
-# `device.device_kind`, first match wins: longer names come before their prefixes (H200 before H20).
-PEAK_BF16 = (("GB200", 2500e12), ("B200", 2250e12), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12),
-             ("H800", 989e12), ("H20", 148e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
-             ("TPU v6", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
-             ("TPU v4", 275e12))
 FULL_SIZE = dict(config="configs/qwen3.6-27b.json", dtype="bfloat16", capture_start=65536, capture_max=4 * 2**20,
                  step_len=32768, group_size=4, response_len=256, chunk_size=8192, reps=3)
 TINY = dict(config="configs/qwen3.6-tiny.json", dtype="float32", capture_start=256, capture_max=512,
@@ -67,11 +61,12 @@ TINY = dict(config="configs/qwen3.6-tiny.json", dtype="float32", capture_start=2
 
 
 def peak_flops(device_kind: str) -> float | None:
-    """Peak dense bf16 FLOP/s of a device from its `device_kind` string, or None when unknown."""
-    for name, flops in PEAK_BF16:
-        if name.lower() in device_kind.lower():
-            return flops
-    return None
+    """Peak dense bf16 FLOP/s of a device from its `device_kind` string (its datasheet entry in
+    `longstraw_jax.capacity.hardware`), or None without one (XLA:CPU's rough entry is no datasheet: no MFU)."""
+    from longstraw_jax.capacity.hardware import for_device_kind
+
+    hw = for_device_kind(device_kind)
+    return None if hw is None else hw.flops_per_s
 
 
 def qwen36_flops(cfg, tokens: int, cached: int = 0, logits: bool = False) -> dict[str, int]:
@@ -291,7 +286,7 @@ def _child(opts: dict) -> int:
     row = child.capture() if opts["item"] == "capture" else child.step(opts["item"])
     device = jax.devices()[0]
     row.update(device=device.device_kind, platform=device.platform, jax=jax.__version__)
-    print(PREFIX + json.dumps(row), flush=True)
+    bench_harness.emit(row)
     return 0
 
 
@@ -300,12 +295,13 @@ def _child(opts: dict) -> int:
 
 
 def _run_child(opts: dict, timeout: float) -> dict:
-    result = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(opts)],
-                            capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    lines = [line for line in result.stdout.splitlines() if line.startswith(PREFIX)]
-    if result.returncode or not lines:
-        raise RuntimeError(f"{opts['item']} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    return json.loads(lines[-1][len(PREFIX):])
+    """One measurement (`opts["item"]`) in its own process: its result row; RuntimeError if it failed."""
+    child = bench_harness.run_child(__file__, opts, timeout, cwd=ROOT)
+    if child.returncode is None:
+        raise RuntimeError(f"{opts['item']} timed out after {timeout:.0f} s:\n{child.stderr[-3000:]}")
+    if child.returncode or not child.rows:
+        raise RuntimeError(f"{opts['item']} failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
+    return child.rows[-1]
 
 
 def _fmt(x, spec: str = ".2f", scale: float = 1.0) -> str:
