@@ -65,9 +65,10 @@ def describe_path(path: str) -> str | None:
     return f"{count} files, {total} bytes, sha256 {h.hexdigest()[:16]}"
 
 
-def source_digest() -> str:
-    """sha256 (16 hex digits) of the longstraw_jax package's .py files: processes running different code differ."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def source_digest(package_dir: str | None = None) -> str:
+    """sha256 (16 hex digits) of the longstraw_jax package's .py files: processes running different code differ.
+    `package_dir`: a copy of the package to digest instead of the imported one (tools/bench_step.py's snapshot)."""
+    root = package_dir or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     h = hashlib.sha256()
     for base, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__")
