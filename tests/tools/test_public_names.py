@@ -7,6 +7,10 @@ A "package name" is any name an import of `longstraw_jax` binds (module level or
 `as`), and any name or `self.<attr>` assigned from an expression rooted at one (`self.cap = capacity`). Dunder
 attributes (`__wrapped__`, `__file__`) are Python's, not the package's, and are allowed. Strings and docstrings are
 not code: a docstring may still tell the history of a renamed function.
+
+Nor do the tools edit `sys.path`: they import the installed package (PYTHONPATH picks another checkout), their
+siblings as `python tools/NAME.py` finds them (tools/ is first on sys.path), and tools/bench_step.py's children import
+its snapshot through their PYTHONPATH.
 """
 from __future__ import annotations
 
@@ -128,8 +132,40 @@ def test_checker_reports_the_line():
     assert private_uses(source, "t.py") == ["t.py:5: prompt._capture"]
 
 
-def test_tools_use_only_public_names():
+def _tool_files() -> list[Path]:
     files = sorted(TOOLS.glob("*.py"))
-    assert len(files) >= 10 and TOOLS / "plan_capacity.py" in files
+    names = {path.name for path in files}
+    assert {"plan_capacity.py", "bench_harness.py", "bench_step.py", "bench_device.py"} <= names, names
+    return files
+
+
+_LIST_EDITS = ("append", "clear", "extend", "insert", "pop", "remove")
+
+
+def sys_path_edits(source: str, filename: str = "<source>") -> list[str]:
+    """Every change of `sys.path` in a Python source (a call of a list method that changes it, an assignment), as
+    "file:line: what", in line order."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        chain = _chain(node.func) if isinstance(node, ast.Call) else None
+        if chain and len(chain) == 3 and chain[:2] == ("sys", "path") and chain[2] in _LIST_EDITS:
+            found.append((node.lineno, f"{'.'.join(chain)}(...)"))
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(_chain(t) == ("sys", "path") for t in targets):
+                found.append((node.lineno, "sys.path = ..."))
+    return [f"{filename}:{line}: {what}" for line, what in sorted(found)]
+
+
+def test_tools_use_only_public_names():
+    files = _tool_files()
     found = [line for path in files for line in private_uses(path.read_text(), f"tools/{path.name}")]
+    assert found == [], "\n".join(found)
+
+
+def test_tools_do_not_edit_sys_path():
+    assert sys_path_edits("import sys, os\nsys.path.insert(0, os.getcwd())\nsys.path += ['x']", "t.py") == [
+        "t.py:2: sys.path.insert(...)", "t.py:3: sys.path = ..."]
+    assert sys_path_edits("import sys\nprint(sys.path[0], sys.path.index('x'))\nsys.argv.insert(1, 'x')") == []
+    found = [line for path in _tool_files() for line in sys_path_edits(path.read_text(), f"tools/{path.name}")]
     assert found == [], "\n".join(found)
