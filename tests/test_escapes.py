@@ -9,9 +9,9 @@ from longstraw_jax import models
 from longstraw_jax.tasks.retrieval import RetrievalTask
 from longstraw_jax.tasks.rollout_file import load_rollouts
 from longstraw_jax.trainer import cli as run
+from longstraw_jax.trainer.components import RunError, check_fits
 from longstraw_jax.trainer.config import parse_args
 from longstraw_jax.trainer.evaluate import Evaluator
-from longstraw_jax.trainer.setup import RunError, check_fits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -28,8 +28,8 @@ from longstraw_jax.io.peft import save_peft
 from longstraw_jax.ops.lora import LoRA
 from longstraw_jax.sharding import rules
 from longstraw_jax.trainer import cli as run
+from longstraw_jax.trainer.components import prepare_training
 from longstraw_jax.trainer.config import RunConfig
-from longstraw_jax.trainer.setup import prepare_training
 from tests.helpers import make_batch, o1_params, rel_err
 
 QWEN = models.Qwen36Config.tiny(num_hidden_layers=4, layer_types=("linear_attention",) * 3 + ("full_attention",),

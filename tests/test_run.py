@@ -326,8 +326,8 @@ def test_step_validates_its_batch_once(full_run):
 def test_decode_batch_reaches_the_sampler():
     """--decode-batch N: the task sampler's SamplingConfig decodes N branches at a time (default: all G); it may
     change on --resume (the tokens do not depend on it)."""
+    from longstraw_jax.trainer.components import data_source
     from longstraw_jax.trainer.config import CHANGEABLE
-    from longstraw_jax.trainer.setup import data_source
 
     assert data_source(parse_args(["-G", "4", "--decode-batch", "2"])[0], 32).sampling.decode_batch == 2
     assert data_source(parse_args(["-G", "4"])[0], 32).sampling.decode_batch is None

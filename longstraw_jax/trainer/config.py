@@ -331,7 +331,7 @@ class RunConfig:
 
 
 def _data_errors(config: RunConfig) -> list[str]:
-    """--data and its options (the data-dependent checks, e.g. columns and rows: trainer/setup.py:data_source)."""
+    """--data and its options (the data-dependent checks, e.g. columns and rows: trainer/components.py:data_source)."""
     errors = []
     needs_data = ("prompt_field", "messages_field", "chat_template_kwargs", "max_prompt_len", "eval_data",
                   "eval_fraction", "reward_weights", "prompt_buckets")
@@ -418,7 +418,7 @@ def _watch_errors(config: RunConfig) -> list[str]:
 
 def _train_errors(config: RunConfig) -> list[str]:
     """--train, --lora-*, --trainable, --export-peft (model-dependent checks, e.g. targets and rank against the
-    matrices: trainer/setup.py:prepare_training)."""
+    matrices: trainer/components.py:prepare_training)."""
     errors = []
     if not math.isfinite(config.lora_alpha) or config.lora_alpha <= 0:
         errors.append(f"--lora-alpha={config.lora_alpha} must be a finite number > 0")
