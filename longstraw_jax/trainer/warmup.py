@@ -27,8 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from longstraw_jax.train import make_optimizer
 from longstraw_jax.trainer import distributed
 
+# the warm-up's AdamW weight decay: optax.adamw's default, the warm-up's since it began (GRPO's: make_optimizer's, 0)
+WARM_UP_WEIGHT_DECAY = 1e-4
 WARM_UP_BIT = 1 << 30  # warm-up prompts: the task built with seed ^ WARM_UP_BIT (held-out: bit 31, trainer/evaluate.py)
 
 
@@ -141,8 +144,9 @@ def _jitted_step(model, optimizer, param_shardings: tuple, opt_shardings: tuple,
 
 @functools.lru_cache(maxsize=None)
 def warm_up_optimizer(learning_rate: float) -> optax.GradientTransformation:
-    """AdamW (b2 0.95, clipped to global norm 1), one object per rate (a static jit argument: one compile)."""
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(learning_rate, b1=0.9, b2=0.95))
+    """`train.make_optimizer`'s AdamW (its b1, b2 and global-norm clip) with WARM_UP_WEIGHT_DECAY, one object per
+    rate (a static jit argument: one compile)."""
+    return make_optimizer(learning_rate, weight_decay=WARM_UP_WEIGHT_DECAY)
 
 
 class DatasetTargets:
