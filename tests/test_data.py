@@ -187,7 +187,7 @@ def length_reward(prompts, completions, **columns):
 
 def data_args(data, tok_dir, *extra):
     return ["--vocab-size", str(VOCAB), "--data", data, "--tokenizer", tok_dir, "-G", "3", "-R", "3",
-            "--chunk-size", "8", "--lr", "3e-3", "--save-every", "2", "--seed", "3", "--sft-steps", "0",
+            "--chunk-size", "8", "--learning-rate", "3e-3", "--save-every", "2", "--seed", "3", "--sft-steps", "0",
             "--reward", LENGTH, "--reward", ROW_ID, "--reward", "contains", "--reward-weights", "1,0,0.5", *extra]
 
 

@@ -147,7 +147,7 @@ def small(tmp_path):
         vocab_size=32, num_hidden_layers=4, layer_types=QWEN.layer_types)), "--prompt-len", "40", "--group-size", "3",
         "--response-len", "2", "--chunk-size", "16", "--save-every", "2", "--seed", "1", "--mode", "detached",
         "--reward", "tests.test_lora:token_reward", "--train", "lora", "--lora-rank", "4", "--lora-targets",
-        "attn,mlp", "--eval-every", "0", "--lr", "3e-3"]
+        "attn,mlp", "--eval-every", "0", "--learning-rate", "3e-3"]
 
 
 def restore(out, argv):

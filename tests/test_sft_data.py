@@ -145,7 +145,8 @@ def test_trainer_warm_up_on_data_then_grpo(tmp_path, tok_dir, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", rows_of(12, messages=True))
     out = str(tmp_path / "run")
     argv = data_args(data, tok_dir, "--steps", "1", "--out", out, "--sft-steps", "3", "--sft-batch", "2",
-                     "--sft-lr", "1e-2", "--eval-fraction", "0.25", "--eval-every", "1", "--eval-prompts", "2")
+                     "--sft-learning-rate", "1e-2", "--eval-fraction", "0.25", "--eval-every", "1",
+                     "--eval-prompts", "2")
     assert run.main(argv) == 0
     printed = capsys.readouterr().out
     assert "warm-up: 3 supervised steps x 2 training rows of" in printed and "warm-up    3/3" in printed

@@ -35,7 +35,7 @@ from longstraw_jax.trainer import cli as run, console, metrics, report
 from longstraw_jax.trainer.config import RESUMABLE, RunConfig, RunError, profile_window, report_targets
 
 SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
-         "--eval-every", "0", "--sft-steps", "0", "--lr", "3e-3", "--save-every", "2", "--seed", "1"]
+         "--eval-every", "0", "--sft-steps", "0", "--learning-rate", "3e-3", "--save-every", "2", "--seed", "1"]
 
 
 # ----- options -------------------------------------------------------------------------------------------------------

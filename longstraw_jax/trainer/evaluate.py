@@ -281,7 +281,7 @@ def config_of(args: argparse.Namespace):
     """The command line -> (RunConfig to evaluate with, the run directory or None). With --resume OUT the
     checkpoint's options, with the ones given here replacing them."""
     from longstraw_jax.io.checkpoints import BrokenCheckpoint, TrainCheckpoints
-    from longstraw_jax.trainer.config import RunConfig, RunError
+    from longstraw_jax.trainer.config import RunConfig, RunError, current_names
 
     given = {name: getattr(args, name) for name in _OVERRIDES if hasattr(args, name)}
     if args.resume is None:
@@ -296,7 +296,7 @@ def config_of(args: argparse.Namespace):
         if step is None or step not in checkpoints.all_steps():
             raise RunError(f"--resume {args.resume}: no checkpoint {'' if step is None else step} there "
                            f"(have: {checkpoints.all_steps()})")
-        saved = checkpoints.read_meta(step)["config"]
+        saved = current_names(checkpoints.read_meta(step)["config"])  # a run saved before a rename too
     except BrokenCheckpoint as e:
         raise RunError(str(e)) from None
     finally:
@@ -350,7 +350,7 @@ def evaluate(config, out: str | None) -> dict:
     params = components.place(params, mesh)
     checkpoint = None
     if out is not None:
-        optimizer = components.optimizer(config.lr, config.weight_decay, config.max_grad_norm or None)
+        optimizer = components.optimizer(config.learning_rate, config.weight_decay, config.max_grad_norm or None)
         opt_like = components.place(jax.jit(optimizer.init)(params), mesh, params)
         checkpoints = TrainCheckpoints(out, create=False)
         try:

@@ -65,8 +65,8 @@ class Trainer:
                                            lambda tree: components.place(tree, self.mesh))
         self.data = components.data_source(config, self.model.config.vocab_size, self.mesh)
         self.grpo = GRPOConfig(loss_agg=config.loss_agg, kl_coef=config.kl_coef, ratio=config.ratio,
-                               clip_eps_low=config.clip_low, clip_eps_high=config.clip_high)
-        self.optimizer = components.optimizer(config.lr, config.weight_decay, config.max_grad_norm or None)
+                               clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high)
+        self.optimizer = components.optimizer(config.learning_rate, config.weight_decay, config.max_grad_norm or None)
         self.plan = self.plan or outdir.plan(config, explicit, self.out)
         # committed like the params: a jit output built from an uncommitted init would be committed after step 1
         # and recompile the step once more
@@ -280,13 +280,14 @@ class Trainer:
             if self.sft_targets is not None:
                 task = self.sft_targets
                 say(f"warm-up: {config.sft_steps} supervised steps x {config.sft_batch} training rows of "
-                    f"{config.data} (target: '{config.answer_field}' + the stop token), lr {config.sft_lr}", flush=True)
+                    f"{config.data} (target: '{config.answer_field}' + the stop token), lr {config.sft_learning_rate}",
+                    flush=True)
             else:
                 task = warmup.warm_up_task(config, self.model.config.vocab_size)
                 say(f"warm-up: {config.sft_steps} supervised steps x {config.sft_batch} prompts of "
-                    f"{config.sft_prompt_len or config.prompt_len} tokens, lr {config.sft_lr}", flush=True)
+                    f"{config.sft_prompt_len or config.prompt_len} tokens, lr {config.sft_learning_rate}", flush=True)
             self.params, records = warmup.warm_up(self.model, self.params, task, config.sft_steps, config.sft_batch,
-                                               config.sft_lr, getattr(task, "pad_token", 0), say=say,
+                                               config.sft_learning_rate, getattr(task, "pad_token", 0), say=say,
                                                place=lambda tree: components.place(tree, self.mesh, self.params))
             self.pending.extend(records)
             if (self.evaluator is not None and self.sft_targets is None
