@@ -7,7 +7,7 @@ mean reward and accuracy (first response token = the planted fact's value) per w
     python tools/bench_learning.py --steps 600 --window 50 --out out/bench_learning -- --depth 1.0
     python tools/bench_learning.py --steps 600 --window 50 --out out/bench_learning_random     # random depth
 
-Everything after `--` is passed to the trainer unchanged (e.g. `-- --lr 3e-3 --depth 0.5`).
+Everything after `--` is passed to the trainer unchanged (e.g. `-- --learning-rate 3e-3 --depth 0.5`).
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ from longstraw_jax.tasks.retrieval import RetrievalTask
 from longstraw_jax.trainer import cli as run
 from longstraw_jax.trainer.metrics import read_metrics, split_records
 
-# --facts 1 (no distractor) and no held-out evaluation: the setting the README's table was measured with
-DEFAULTS = ["--facts", "1", "--eval-every", "0", "--vocab-size", "32", "--prompt-len", "128", "--group-size", "8",
-            "--response-len", "2", "--mode", "exact", "--chunk-size", "64", "--lr", "1e-3", "--log-every", "10",
-            "--save-every", "100"]
+# --num-facts 1 (no distractor) and no held-out evaluation: the setting the README's table was measured with
+DEFAULTS = ["--num-facts", "1", "--eval-every", "0", "--vocab-size", "32", "--prompt-len", "128", "--group-size", "8",
+            "--response-len", "2", "--mode", "exact", "--chunk-size", "64", "--learning-rate", "1e-3", "--log-every",
+            "10", "--save-every", "100"]
 
 
 def table(records: list[dict], window: int, chance: float, chance_reward: float) -> str:

@@ -17,7 +17,7 @@ both lengths) and `length.json` (every number of both). Not a test: minutes per 
     python tools/bench_length.py --short 16 --long 24 --sft-steps 2 --steps 2 --eval-every 1 --eval-prompts 2 \\
         --seeds 0 --out /tmp/smoke                                                   # the smoke test's size
 
-Everything after `--` is passed to the trainer unchanged (e.g. `-- --lr 3e-4 -B 2`).
+Everything after `--` is passed to the trainer unchanged (e.g. `-- --learning-rate 3e-4 -B 2`).
 
 `--reuse` reads a run directory that already holds a completed run (its evaluation after the last step) instead of
 running it again, so the runs can be split over several invocations (e.g. one per mode, side by side, into the same
@@ -74,10 +74,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def trainer_args(args: argparse.Namespace, mode: str, seed: int, out: str, extra: list[str]) -> list[str]:
     """The trainer's command line of one run."""
     return ["--prompt-len", str(args.long), "--sft-prompt-len", str(args.short), "--sft-steps", str(args.sft_steps),
-            "--sft-batch", str(args.sft_batch), "--sft-lr", str(args.sft_lr), "--steps", str(args.steps),
-            "--lr", str(args.lr), "-G", str(args.group_size), "-B", str(args.groups_per_step),
+            "--sft-batch", str(args.sft_batch), "--sft-learning-rate", str(args.sft_lr), "--steps", str(args.steps),
+            "--learning-rate", str(args.lr), "-G", str(args.group_size), "-B", str(args.groups_per_step),
             "--chunk-size", str(args.chunk_size or args.long), "--eval-every", str(args.eval_every),
-            "--eval-prompts", str(args.eval_prompts), "--facts", str(args.facts), "--vocab-size", "32",
+            "--eval-prompts", str(args.eval_prompts), "--num-facts", str(args.facts), "--vocab-size", "32",
             "--response-len", "2", "--mode", mode, "--seed", str(seed), "--out", out,
             "--save-every", str(args.steps), "--log-every", str(max(1, args.steps // 20))] + extra
 
@@ -92,14 +92,15 @@ def curves(records: list[dict], long: int) -> tuple[dict[int, float], float | No
 
 
 def completed(out: str, steps: int, argv_run: list[str]) -> bool:
-    """Whether `out` holds a completed run of this command line: its wall-time file with the same trainer arguments
-    (a different one is an error, not a silent mix) and an evaluation after the last GRPO step."""
+    """Whether `out` holds a completed run of this command line: its wall-time file with the same trainer options
+    (the same RunConfig, however spelled: a run saved with --lr matches --learning-rate; a different one is an error,
+    not a silent mix) and an evaluation after the last GRPO step."""
     try:
         with open(os.path.join(out, "bench_wall.json")) as f:
             saved = json.load(f)["argv"]
     except FileNotFoundError:
         return False
-    if saved != argv_run:
+    if saved != argv_run and run.parse_args(saved)[0] != run.parse_args(argv_run)[0]:
         raise SystemExit(f"error: --reuse: {out} was run with other options:\n  {' '.join(saved)}\nnot\n  "
                          f"{' '.join(argv_run)}")
     return any(r.get("step") == steps for r in split_records(read_metrics(os.path.join(out, "metrics.jsonl")))[1])

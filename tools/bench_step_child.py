@@ -184,8 +184,8 @@ def _train_cell(job, model, dtype, key, batch_np, batch_abs, grpo_cfg) -> dict:
     """One whole trainer update (`train.jitted_train_step_donated`: grpo_grads + clipping + AdamW, trainable params
     and optimizer state donated, as the trainer runs it) for job["train"]: "full" (every parameter trains) or "lora"
     (adapters of job["lora"] = {rank, alpha, targets} on a frozen base: `lora.add_adapters` + `trainable.split`, as
-    `trainer/setup.py:prepare_training` and `trainer/loop.py:Trainer` do). Compiled memory, and unless job["run"] is
-    false the median time."""
+    `trainer/components.py:prepare_training` and `trainer/loop.py:Trainer` do). Compiled memory, and unless job["run"]
+    is false the median time."""
     import jax
     import numpy as np
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from longstraw_jax.tasks.retrieval import FACT, FIRST_ANSWER, RetrievalTask
 from longstraw_jax.trainer import evaluate
+from longstraw_jax.trainer.config import current_names
 
 
 def classify(task: RetrievalTask, answers: list[dict]) -> dict[str, int]:
@@ -71,9 +72,9 @@ def main(argv=None) -> int:
             with open(path) as f:
                 result = json.load(f)
         with open(os.path.join(out, "config.json")) as f:
-            config = json.load(f)
+            config = current_names(json.load(f), os.path.join(out, "config.json"))  # saved as --facts before too
         task = RetrievalTask(prompt_len=config["prompt_len"], vocab_size=config["vocab_size"],
-                             seed=evaluate.held_out_seed(config["seed"]), num_facts=config.get("facts") or 2)
+                             seed=evaluate.held_out_seed(config["seed"]), num_facts=config.get("num_facts") or 2)
         counts = rows[out] = classify(task, result["answers"])
         n = max(counts["prompts"], 1)
         print(f"| {out} | {counts['prompts']} | " + " | ".join(f"{counts[k] / n:.3f}" for k in

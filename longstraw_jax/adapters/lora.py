@@ -1,5 +1,5 @@
 """LoRA for both model families (docs/architecture.md 10): which matrices can carry adapters, adding them, merging
-them back (the PEFT export: io/peft.py; the trainer's options: trainer/setup.py).
+them back (the PEFT export: io/peft.py; the trainer's options: trainer/components.py).
 
     paths = resolve_targets(params, "attn,mlp")            # target patterns -> leaf paths (errors list candidates)
     params = add_adapters(params, paths, rank=8, alpha=16, key=key)   # LoRA(base, a, b) nodes, b = 0

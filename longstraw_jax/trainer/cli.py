@@ -17,10 +17,11 @@ warm-up, then exact-mode GRPO steps evaluated on held-out prompts (CPU, ~2 min).
 options in a file; flags on the command line override it.
 
 The parts (trainer/): config.py (RunConfig: the options, their checks, the merge on --resume), outdir.py (what may be
-written where: --out, the checkpoint to resume, --export-hf; incomplete saves and damaged checkpoints), setup.py (mesh,
-model and params, optimizer, data source), loop.py (Trainer: the loop and checkpoints, Ctrl-C), log.py (metrics records,
-progress lines, summary), distributed.py (several processes: --coordinator, --num-processes, --process-id or the
-cluster's environment; docs/cluster.md; launch.py starts them on one machine).
+written where: --out, the checkpoint to resume, --export-hf; incomplete saves and damaged checkpoints), components.py
+(what a run is built from: mesh, model and params, optimizer, data source), loop.py (Trainer: the loop and
+checkpoints, Ctrl-C), console.py (the header, progress lines, summary), metrics.py (metrics.jsonl records, the plot),
+distributed.py (several processes: --coordinator, --num-processes, --process-id or the cluster's environment;
+docs/cluster.md; launch.py starts them on one machine).
 """
 from __future__ import annotations
 

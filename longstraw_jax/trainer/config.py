@@ -4,11 +4,18 @@ the merge with a checkpointed run's options on `--resume`.
 Each field is one option, declared once with its help text; `build_parser()` derives the argparse parser from the
 fields (`--group-size` is the field `group_size`). Constructing a RunConfig checks every bound at once and raises
 one ValueError naming each bad option (`--group-size=0 must be >= 1; ...`).
+
+An option that feeds a library object has that object's name and default: `--clip-eps-low` is
+`GRPOConfig.clip_eps_low`, `--learning-rate` is `train.make_optimizer`'s `learning_rate`, and so on; the default is
+read from the library (`library_default`), never repeated here. An option renamed to match keeps its old spelling
+(`formerly`: `--clip-low`, `--lr`, ...) as an alias on the command line, in a --config file and in a run directory's
+saved options (`current_names`), so that command lines, TOML files and runs written before the rename still work.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import re
@@ -16,7 +23,14 @@ import sys
 import tomllib
 from typing import Collection
 
+from longstraw_jax.engine import MODES
+from longstraw_jax.grpo import LOSS_AGGS, RATIOS, GRPOConfig
+from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sharding.mesh import parse_mesh_spec
+from longstraw_jax.tasks.dataset import TRUNCATE, PromptFormat
+from longstraw_jax.tasks.rewards import load_rewards
+from longstraw_jax.train import make_optimizer, train_step
+from longstraw_jax.trainer.watchdog import DEFAULT_STEP_TIMEOUT_S
 
 DESCRIPTION = ("Each step: take a prompt (a task's prompt number `data_position`, a --data row in the shuffled "
                "order, or the next group of a rollout file), capture it once and sample G branches from the captured "
@@ -50,9 +64,22 @@ class _JoinAction(argparse.Action):
         setattr(namespace, self.dest, values if previous in (None, argparse.SUPPRESS) else f"{previous},{values}")
 
 
-def _option(default, help: str | None = None, *, group: str | None = None, short: str | None = None, **argparse_kw):
-    """A RunConfig field that is also a command-line option; `group` starts a new section of --help."""
-    return dataclasses.field(default=default, metadata=dict(help=help, group=group, short=short, argparse=argparse_kw))
+def _option(default, help: str | None = None, *, group: str | None = None, short: str | None = None,
+            formerly: tuple[str, ...] = (), **argparse_kw):
+    """A RunConfig field that is also a command-line option; `group` starts a new section of --help; `formerly`: the
+    field's old names, still accepted (`--clip-low` for clip_eps_low; see `current_names`)."""
+    return dataclasses.field(default=default, metadata=dict(help=help, group=group, short=short, formerly=formerly,
+                                                            argparse=argparse_kw))
+
+
+def library_default(owner, name: str):
+    """The default of parameter `name` of a library function or config class `owner` (a dataclass's field defaults
+    are its constructor's): an option that feeds the library takes its default from there, so that the command line
+    and the library cannot disagree. A parameter without a default is a TypeError (at import: a bug here)."""
+    default = inspect.signature(owner).parameters[name].default
+    if default is inspect.Parameter.empty:
+        raise TypeError(f"{owner.__qualname__}: parameter {name!r} has no default for the option to take")
+    return default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +122,9 @@ class RunConfig:
     messages_field: str | None = _option(None, "--data: the column holding the prompt as chat messages (a list of "
                                          "{role, content}), rendered with the tokenizer's chat template (default "
                                          "'messages' when there is no 'prompt' column)", metavar="NAME")
-    answer_field: str = _option("answer", "--data: the column the built-in rewards read the reference answer from "
-                                "(a string, a number or a list of acceptable answers)", metavar="NAME")
+    answer_field: str = _option(library_default(load_rewards, "answer_field"), "--data: the column the built-in "
+                                "rewards read the reference answer from (a string, a number or a list of acceptable "
+                                "answers)", metavar="NAME")
     chat_template_kwargs: str | None = _option(None, "--data: JSON object of extra chat template arguments, e.g. "
                                                "'{\"enable_thinking\": false}'", metavar="JSON")
     max_prompt_len: int | None = _option(None, "--data: the most tokens a prompt may have (default: no limit)",
@@ -105,9 +133,9 @@ class RunConfig:
                                          "--chunk-size x 2^i up to --max-prompt-len, one compiled program per "
                                          "length; at most N of them (the smallest dropped: short prompts pad more)",
                                          metavar="N")
-    truncate: str = _option("error", "--data: a prompt over --max-prompt-len: left drops its oldest tokens (keeps the "
-                            "question at the end), right its last ones, error stops the run",
-                            choices=("left", "right", "error"))
+    truncate: str = _option(library_default(PromptFormat, "truncate"), "--data: a prompt over --max-prompt-len: left "
+                            "drops its oldest tokens (keeps the question at the end), right its last ones, error stops "
+                            "the run", choices=TRUNCATE)
     eval_data: str | None = _option(None, "--data: held-out prompts from this file / directory (same format)",
                                     metavar="PATH")
     eval_fraction: float | None = _option(None, "--data: hold out this fraction of the rows, in (0, 1) (the same rows "
@@ -115,42 +143,46 @@ class RunConfig:
     prompt_len: int = _option(32, "prompt tokens per group (task prompts; --data prompts keep their own length)")
     depth: float | None = _option(None, "retrieval task: depth of the planted fact in [0, 1] (default: random per "
                                   "prompt)")
-    facts: int | None = _option(None, "retrieval task: facts per prompt, the queried one and N-1 distractors with "
-                                "other keys at random depths (default: the task's, 2)", metavar="N")
+    num_facts: int | None = _option(None, "retrieval task: facts per prompt, the queried one and N-1 distractors with "
+                                    "other keys at random depths (default: the task's, 2)", metavar="N",
+                                    formerly=("facts",))
     # sampling
     group_size: int = _option(8, "G, response branches per prompt", group="sampling", short="-G")
     groups_per_step: int | None = _option(None, "B, groups (prompts) per step, side by side on the mesh's data axis "
                                           "(a multiple of its size; default: the data size, 1 without --mesh)",
                                           short="-B", metavar="B")
     response_len: int = _option(256, "max new tokens per branch", short="-R")
-    temperature: float = _option(1.0)
-    top_p: float = _option(1.0)
+    temperature: float = _option(library_default(SamplingConfig, "temperature"))
+    top_p: float = _option(library_default(SamplingConfig, "top_p"))
     stop_token: int | None = _option(None, "default: the task's stop token, if it has one; with --data the "
                                      "checkpoint's end-of-turn / EOS ids (generation_config.json, the tokenizer's EOS)")
     decode_batch: int | None = _option(None, "branches decoded together, a divisor of G (default: all G; the tokens "
                                        "are the same, fewer need less memory: N tails live at once)", metavar="N")
     # training
     steps: int = _option(40, "total GRPO steps (a resumed run continues up to this)", group="training")
-    lr: float = _option(1e-6, "AdamW learning rate (1e-6 suits full training of a pretrained model; LoRA usually "
-                        "takes 1e-5 to 1e-4)")
-    weight_decay: float = _option(0.0)
-    max_grad_norm: float = _option(1.0, "global-norm clip (0: none)")
-    mode: str = _option("exact", "exact: gradient through the prompt (== full graph); detached: prompt state "
-                        "constant", choices=("exact", "detached"))
+    learning_rate: float = _option(library_default(make_optimizer, "learning_rate"), "AdamW learning rate (the "
+                                   "default suits full training of a pretrained model; LoRA usually takes 1e-5 to "
+                                   "1e-4, a small model from scratch more)", formerly=("lr",))
+    weight_decay: float = _option(library_default(make_optimizer, "weight_decay"))
+    max_grad_norm: float = _option(library_default(make_optimizer, "max_grad_norm"), "global-norm clip (0: none)")
+    mode: str = _option(library_default(train_step, "mode"), "exact: gradient through the prompt (== full graph); "
+                        "detached: prompt state constant", choices=MODES)
     chunk_size: int = _option(256, "prompt chunk length for capture / prompt backward")
-    loss_agg: str = _option("token-mean", choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
-    kl_coef: float = _option(0.0, "k3 KL weight to a reference policy: sampled runs compute the reference log-probs "
-                             "(--train lora: the base without adapters; else the initial params or --ref-from); "
-                             "--rollouts need ref_logprobs on every line")
+    loss_agg: str = _option(library_default(GRPOConfig, "loss_agg"), choices=LOSS_AGGS)
+    kl_coef: float = _option(library_default(GRPOConfig, "kl_coef"), "k3 KL weight to a reference policy: sampled runs "
+                             "compute the reference log-probs (--train lora: the base without adapters; else the "
+                             "initial params or --ref-from); --rollouts need ref_logprobs on every line")
     ref_from: str | None = _option(None, "--kl-coef > 0 with sampling: the reference policy's params from an HF "
                                    "directory (safetensors) or an init directory (config.json + Orbax params/); its "
                                    "config must equal the model's (default: the run's initial params)", metavar="DIR")
-    ratio: str = _option("token", "importance ratio: token (PPO / GRPO) or sequence (GSPO: one ratio per branch, the "
-                         "geometric mean of its tokens'; with --loss-agg seq-mean-token-mean exactly GSPO's objective; "
-                         "it wants much narrower --clip-low / --clip-high, e.g. 3e-4 / 4e-4)",
-                         choices=("token", "sequence"))
-    clip_low: float = _option(0.2, "the ratio is clipped to [1 - clip_low, 1 + clip_high]")
-    clip_high: float = _option(0.28, "(DAPO's clip-higher default)")
+    ratio: str = _option(library_default(GRPOConfig, "ratio"), "importance ratio: token (PPO / GRPO) or sequence "
+                         "(GSPO: one ratio per branch, the geometric mean of its tokens'; with --loss-agg "
+                         "seq-mean-token-mean exactly GSPO's objective; it wants much narrower --clip-eps-low / "
+                         "--clip-eps-high, e.g. 3e-4 / 4e-4)", choices=RATIOS)
+    clip_eps_low: float = _option(library_default(GRPOConfig, "clip_eps_low"), "the ratio is clipped to "
+                                  "[1 - clip_eps_low, 1 + clip_eps_high]", formerly=("clip_low",))
+    clip_eps_high: float = _option(library_default(GRPOConfig, "clip_eps_high"), "(DAPO's clip-higher default)",
+                                   formerly=("clip_high",))
     updates_per_batch: int = _option(1, "mu: updates from each sampled batch; updates after the first see a ratio != "
                                      "1 (clip fraction informative) and each captures the prompts afresh (the "
                                      "captured state depends on the params)", metavar="MU")
@@ -190,7 +222,8 @@ class RunConfig:
                              "stop token, one row's graph at a time), full-graph autograd; not on --resume; not with "
                              "--rollouts (0 for a task without target(info))", metavar="N")
     sft_batch: int = _option(32, "prompts per warm-up step (--data: rows, their gradients summed one row at a time)")
-    sft_lr: float = _option(1e-3, "warm-up AdamW learning rate (its own optimizer state, dropped after the warm-up)")
+    sft_learning_rate: float = _option(1e-3, "warm-up AdamW learning rate (its own optimizer state, dropped after the "
+                                       "warm-up)", formerly=("sft_lr",))
     sft_prompt_len: int | None = _option(None, "warm-up prompt length (default --prompt-len)")
     # output
     out: str | None = _option(None, "output directory (default: out/run-<UTC time>)", group="output")
@@ -231,9 +264,9 @@ class RunConfig:
     num_processes: int | None = _option(None, "processes in the run; --mesh's A*B devices are split evenly over them",
                                         metavar="N")
     process_id: int | None = _option(None, "this process's number in [0, N)", metavar="I")
-    step_timeout: float = _option(600.0, "a step running longer than max(S, 10 x the median step so far) (the first, "
-                                  "which compiles: 10 x S) stops every process with one line (trainer/watchdog.py)",
-                                  metavar="S")
+    step_timeout: float = _option(DEFAULT_STEP_TIMEOUT_S, "a step running longer than max(S, 10 x the median step so "
+                                  "far) (the first, which compiles: 10 x S) stops every process with one line "
+                                  "(trainer/watchdog.py)", metavar="S")
 
     def __post_init__(self):
         errors = []
@@ -247,8 +280,8 @@ class RunConfig:
         if self.refill_batches and not self.drop_uniform_groups:
             errors.append(f"--refill-batches={self.refill_batches} refills the groups --drop-uniform-groups leaves "
                           "out: give --drop-uniform-groups too")
-        for name in ("lr", "weight_decay", "kl_coef", "temperature", "top_p", "max_grad_norm", "sft_lr", "clip_low",
-                     "clip_high"):
+        for name in ("learning_rate", "weight_decay", "kl_coef", "temperature", "top_p", "max_grad_norm",
+                     "sft_learning_rate", "clip_eps_low", "clip_eps_high"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be a finite number >= 0")
         errors += _train_errors(self)
@@ -258,8 +291,8 @@ class RunConfig:
         if self.eval_prompts > MAX_EVAL_PROMPTS:
             errors.append(f"--eval-prompts={self.eval_prompts} must be <= {MAX_EVAL_PROMPTS}: every evaluation "
                           "captures and answers each held-out prompt")
-        if self.clip_low >= 1:
-            errors.append(f"--clip-low={self.clip_low} must be < 1 (the lower clip bound is 1 - clip_low)")
+        if self.clip_eps_low >= 1:
+            errors.append(f"--clip-eps-low={self.clip_eps_low} must be < 1 (the lower clip bound is 1 - clip_eps_low)")
         if self.temperature == 0:
             errors.append("--temperature=0.0 must be > 0: the G branches of a group must be sampled (greedy makes "
                           "them equal; the held-out evaluation is greedy)")
@@ -269,8 +302,8 @@ class RunConfig:
                           "carries its own ref_logprobs)")
         if self.sft_prompt_len is not None and self.sft_prompt_len < 2:
             errors.append(f"--sft-prompt-len={self.sft_prompt_len} must be >= 2")
-        if self.facts is not None and self.facts < 1:
-            errors.append(f"--facts={self.facts} must be >= 1")
+        if self.num_facts is not None and self.num_facts < 1:
+            errors.append(f"--num-facts={self.num_facts} must be >= 1")
         if self.decode_batch is not None and (self.decode_batch < 1 or self.group_size % self.decode_batch):
             errors.append(f"--decode-batch={self.decode_batch} must divide --group-size={self.group_size} (G / N "
                           "batches of branches decode one after another)")
@@ -310,7 +343,7 @@ class RunConfig:
     def task_options(self) -> dict:
         """The task factory's keyword arguments beyond prompt_len, vocab_size and seed: depth and num_facts, those
         given (a custom factory receives only the options the command line sets)."""
-        return {k: v for k, v in (("depth", self.depth), ("num_facts", self.facts)) if v is not None}
+        return {k: v for k, v in (("depth", self.depth), ("num_facts", self.num_facts)) if v is not None}
 
     def saved(self) -> dict:
         """What a checkpoint (and <out>/config.json) records: every option except the RESUMABLE ones."""
@@ -318,7 +351,9 @@ class RunConfig:
 
     def resumed(self, saved: dict, explicit: Collection[str] = ()) -> RunConfig:
         """This config with a checkpointed run's options (`saved()` of that run) adopted; an option given explicitly
-        (`explicit`: names from `parse_args`) that contradicts them is a RunError."""
+        (`explicit`: names from `parse_args`) that contradicts them is a RunError. A run saved before an option's
+        rename (`clip_low`) resumes: `current_names`."""
+        saved = current_names(saved)
         unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(self)})
         if unknown:
             raise RunError(f"--resume: the checkpoint's configuration has options this version does not know: "
@@ -331,8 +366,26 @@ class RunConfig:
         return dataclasses.replace(self, **adopted)
 
 
+# {former name: field} of every renamed option (RunConfig's `formerly`)
+FORMER_NAMES = {old: f.name for f in dataclasses.fields(RunConfig) for old in f.metadata["formerly"]}
+
+
+def current_names(options: dict, source: str = "the saved options") -> dict:
+    """Options keyed by field name (a run's saved options: <out>/config.json, a checkpoint's meta) with each former
+    name replaced by the field's current one (`clip_low` -> `clip_eps_low`), so that a run saved before a rename
+    resumes and is evaluated with the options it ran with. One option under two spellings is a ValueError naming
+    `source` and both."""
+    renamed, spelled = {}, {}
+    for key, value in options.items():
+        name = FORMER_NAMES.get(key, key)
+        if name in renamed:
+            raise ValueError(f"{source}: {spelled[name]!r} and {key!r} are the same option ({flag(name)}); give one")
+        renamed[name], spelled[name] = value, key
+    return renamed
+
+
 def _data_errors(config: RunConfig) -> list[str]:
-    """--data and its options (the data-dependent checks, e.g. columns and rows: trainer/setup.py:data_source)."""
+    """--data and its options (the data-dependent checks, e.g. columns and rows: trainer/components.py:data_source)."""
     errors = []
     needs_data = ("prompt_field", "messages_field", "chat_template_kwargs", "max_prompt_len", "eval_data",
                   "eval_fraction", "reward_weights", "prompt_buckets")
@@ -419,7 +472,7 @@ def _watch_errors(config: RunConfig) -> list[str]:
 
 def _train_errors(config: RunConfig) -> list[str]:
     """--train, --lora-*, --trainable, --export-peft (model-dependent checks, e.g. targets and rank against the
-    matrices: trainer/setup.py:prepare_training)."""
+    matrices: trainer/components.py:prepare_training)."""
     errors = []
     if not math.isfinite(config.lora_alpha) or config.lora_alpha <= 0:
         errors.append(f"--lora-alpha={config.lora_alpha} must be a finite number > 0")
@@ -454,7 +507,8 @@ def build_parser(explicit_only: bool = False) -> argparse.ArgumentParser:
         meta = field.metadata
         if meta["group"] is not None:
             group = p.add_argument_group(meta["group"])
-        flags = [flag(field.name)] + ([meta["short"]] if meta["short"] else [])
+        # the current spelling first (argparse's dest), then the former ones (aliases), then the short option
+        flags = [flag(field.name), *map(flag, meta["formerly"])] + ([meta["short"]] if meta["short"] else [])
         kw = dict(meta["argparse"], help=meta["help"])
         if not explicit_only:
             kw["default"] = field.default
@@ -486,8 +540,9 @@ def negative_values_attached(argv: list[str]) -> list[str]:
     a plain negative number (-1, -0.5); a number in exponent form (or -inf / -nan) after an option of RunConfig that
     takes a value is attached to it, so that the bound check names it instead of argparse saying "expected one
     argument"."""
-    takes_value = {flag(f.name) for f in dataclasses.fields(RunConfig) if f.type != "bool"}
-    takes_value |= {f.metadata["short"] for f in dataclasses.fields(RunConfig) if f.metadata["short"]}
+    options = [f for f in dataclasses.fields(RunConfig) if f.type != "bool"]
+    takes_value = {flag(name) for f in options for name in (f.name, *f.metadata["formerly"])}
+    takes_value |= {f.metadata["short"] for f in options if f.metadata["short"]}
     out, i = [], 0
     while i < len(argv):
         if argv[i] in takes_value and i + 1 < len(argv) and _NUMBER.match(argv[i + 1]):
@@ -501,8 +556,9 @@ def negative_values_attached(argv: list[str]) -> list[str]:
 
 def read_config_file(path: str) -> dict:
     """A --config TOML file -> {field name: value}: flat `name = value` lines whose names are RunConfig's fields
-    (dashes or underscores); an unknown name, a nested table, `config` itself or a value of the wrong type is a
-    ValueError naming the file and the option."""
+    (dashes or underscores; a renamed option's former name too, e.g. clip_low for clip_eps_low); an unknown name, one
+    option given twice (group_size and group-size, lr and learning_rate), a nested table, `config` itself or a value
+    of the wrong type is a ValueError naming the file and the option."""
     try:
         with open(path, "rb") as f:
             table = tomllib.load(f)
@@ -511,12 +567,16 @@ def read_config_file(path: str) -> dict:
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"--config {path}: not valid TOML ({e})") from None
     fields = {f.name: f for f in dataclasses.fields(RunConfig) if f.name != "config"}
-    values = {}
+    values, spelled = {}, {}
     for key, value in table.items():
-        name = key.replace("-", "_")
+        name = FORMER_NAMES.get(key.replace("-", "_"), key.replace("-", "_"))
         if name not in fields:
             raise ValueError(f"--config {path}: unknown option {key!r} (options are the flags' names, e.g. "
                              "group_size or group-size; see --help)")
+        if name in values:
+            raise ValueError(f"--config {path}: {spelled[name]!r} and {key!r} are the same option ({flag(name)}); "
+                             "give it once")
+        spelled[name] = key
         kind = fields[name].type.split(" | ")[0]
         ok = {"bool": isinstance(value, bool), "int": isinstance(value, int) and not isinstance(value, bool),
               "float": isinstance(value, (int, float)) and not isinstance(value, bool),

@@ -74,15 +74,15 @@ class Evaluator:
     float, or a group scorer (`tasks.as_scorer`, e.g. text rewards: then the mean of each function is reported too);
     num_prompts: K; response_len: R; stop_token / stop_tokens / pad_token as in sampling; chunk_size: the capture's
     chunk (round length on a mesh); mesh: None or the ("data", "seq") mesh (K must then be a multiple of its data
-    size). Prompts of different lengths are left-padded to `buckets` (a `setup.PromptBuckets`; None: to the longest)
-    and answered one bucket at a time (`setup.prompt_batches`; on a mesh all together).
+    size). Prompts of different lengths are left-padded to `buckets` (a `components.PromptBuckets`; None: to the
+    longest) and answered one bucket at a time (`components.prompt_batches`; on a mesh all together).
     """
 
     def __init__(self, task, reward_fn, num_prompts: int, response_len: int, chunk_size: int,
                  stop_token: int | None = None, pad_token: int = 0, mesh=None, stop_tokens: tuple[int, ...] = (),
                  buckets=None):
         from longstraw_jax.sampling.branches import SamplingConfig
-        from longstraw_jax.trainer.setup import prompt_batches
+        from longstraw_jax.trainer.components import prompt_batches
 
         if num_prompts < 1:
             raise ValueError(f"--eval-prompts={num_prompts} must be >= 1")
@@ -112,7 +112,7 @@ class Evaluator:
 
         from longstraw_jax.sampling.groups import sample_groups
         from longstraw_jax.trainer import distributed
-        from longstraw_jax.trainer.setup import place_key
+        from longstraw_jax.trainer.components import place_key
 
         out = None
         for indices, tokens, left_pad in self.batches:
@@ -133,7 +133,7 @@ class Evaluator:
         eval_kl_to_start (when a reference is set), eval_prompts (K), eval_prompt_len (P, the mean when prompts
         differ), eval_s (wall time). reference=True: these answers' first-token distribution becomes the
         reference."""
-        from longstraw_jax.trainer.setup import part_means, score_groups
+        from longstraw_jax.trainer.components import part_means, score_groups
 
         start = time.perf_counter()
         responses, mask, first = self.answers(model, params)
@@ -167,11 +167,11 @@ def for_config(config, vocab_size: int, mesh=None) -> Evaluator:
     -R, stop token (default the task's) and chunk size. With --data: the first --eval-prompts rows of --eval-data /
     the --eval-fraction split (all of them when there are fewer; a multiple of the mesh's data size), scored by the
     text rewards, stopping on the checkpoint's stop ids (RunError without --eval-data or --eval-fraction)."""
-    from longstraw_jax.trainer import setup
+    from longstraw_jax.trainer import components
     from longstraw_jax.trainer.config import RunError
 
     if config.data:
-        task, scorer, stops, pad = setup.dataset_task(config, vocab_size, held_out=True)
+        task, scorer, stops, pad = components.dataset_task(config, vocab_size, held_out=True)
         if task is None:
             raise RunError("a held-out evaluation of --data needs --eval-data PATH or --eval-fraction F (or pass "
                            "--eval-every 0)")
@@ -179,12 +179,12 @@ def for_config(config, vocab_size: int, mesh=None) -> Evaluator:
         count = min(config.eval_prompts, len(task)) // data_size * data_size
         if count < 1:
             raise RunError(f"{task.path}: {len(task)} held-out row(s), fewer than the mesh's data size {data_size}")
-        sampling = setup.sampling_config(config, stops, pad, vocab_size, temperature=0.0)
+        sampling = components.sampling_config(config, stops, pad, vocab_size, temperature=0.0)
         return Evaluator(task, scorer, count, config.response_len, config.chunk_size, stop_token=sampling.stop_token,
                          pad_token=pad, mesh=mesh, stop_tokens=sampling.stop_tokens,
-                         buckets=setup.prompt_buckets(config, pad))
+                         buckets=components.prompt_buckets(config, pad))
     task = held_out_task(config, vocab_size)
-    reward_fn = setup.token_reward(config, task)
+    reward_fn = components.token_reward(config, task)
     stop = config.stop_token if config.stop_token is not None else getattr(task, "stop_token", None)
     return Evaluator(task, reward_fn, config.eval_prompts, config.response_len, config.chunk_size, stop_token=stop,
                      pad_token=getattr(task, "pad_token", 0), mesh=mesh)
@@ -281,7 +281,7 @@ def config_of(args: argparse.Namespace):
     """The command line -> (RunConfig to evaluate with, the run directory or None). With --resume OUT the
     checkpoint's options, with the ones given here replacing them."""
     from longstraw_jax.io.checkpoints import BrokenCheckpoint, TrainCheckpoints
-    from longstraw_jax.trainer.config import RunConfig, RunError
+    from longstraw_jax.trainer.config import RunConfig, RunError, current_names
 
     given = {name: getattr(args, name) for name in _OVERRIDES if hasattr(args, name)}
     if args.resume is None:
@@ -296,7 +296,7 @@ def config_of(args: argparse.Namespace):
         if step is None or step not in checkpoints.all_steps():
             raise RunError(f"--resume {args.resume}: no checkpoint {'' if step is None else step} there "
                            f"(have: {checkpoints.all_steps()})")
-        saved = checkpoints.read_meta(step)["config"]
+        saved = current_names(checkpoints.read_meta(step)["config"])  # a run saved before a rename too
     except BrokenCheckpoint as e:
         raise RunError(str(e)) from None
     finally:
@@ -340,18 +340,18 @@ def evaluate(config, out: str | None) -> dict:
     import jax
 
     from longstraw_jax.io.checkpoints import BrokenCheckpoint, TrainCheckpoints
-    from longstraw_jax.trainer import setup as run_setup
+    from longstraw_jax.trainer import components
     from longstraw_jax.trainer.config import RunError
 
-    mesh = run_setup.mesh_for(config)
-    model, params = run_setup.load_model(config)
+    mesh = components.mesh_for(config)
+    model, params = components.load_model(config)
     if mesh is not None:
         model.mesh_adapter()
-    params = run_setup.place(params, mesh)
+    params = components.place(params, mesh)
     checkpoint = None
     if out is not None:
-        optimizer = run_setup.optimizer(config.lr, config.weight_decay, config.max_grad_norm or None)
-        opt_like = run_setup.place(jax.jit(optimizer.init)(params), mesh, params)
+        optimizer = components.optimizer(config.learning_rate, config.weight_decay, config.max_grad_norm or None)
+        opt_like = components.place(jax.jit(optimizer.init)(params), mesh, params)
         checkpoints = TrainCheckpoints(out, create=False)
         try:
             params, _, _, meta = checkpoints.restore(params, opt_like, config.resume_step)

@@ -2,10 +2,10 @@
 step, data position, checkpoints, metrics log); `run()` trains to `config.steps`, checkpointing every
 `save_every` steps and after the last, then plots, exports and prints the summary.
 
-Nothing is written before every input has been checked (trainer/setup.py, trainer/outdir.py) and the first step has been
-computed (so a bad reward function or batch is raised first too): until then the output directory stays as it was.
-Ctrl-C stops the run (exit status 130) saying which checkpoint is the last complete one; a Ctrl-C during a save or
-while the output directory is being set up takes effect when that is done.
+Nothing is written before every input has been checked (trainer/components.py, trainer/outdir.py) and the first step
+has been computed (so a bad reward function or batch is raised first too): until then the output directory stays as
+it was. Ctrl-C stops the run (exit status 130) saying which checkpoint is the last complete one; a Ctrl-C during a
+save or while the output directory is being set up takes effect when that is done.
 """
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ from longstraw_jax.grpo import GRPOConfig
 from longstraw_jax.io import fault_hooks, peft
 from longstraw_jax.train import train_step
 from longstraw_jax.trainer import (
+    components,
+    console,
     distributed,
     evaluate,
-    log as run_log,
     metrics,
-    outdir as run_outdir,
+    outdir,
     reference,
     report,
-    setup as run_setup,
     updates,
     warmup,
     watchdog,
@@ -48,31 +48,31 @@ class Trainer:
         them)."""
         report.check_available(config.report_to)  # --report-to's packages, before any work
         progress.enable(config.progress_rounds)  # before anything compiles (a traced program keeps its ticks or not)
-        self.out = config.out or run_setup.default_out()
+        self.out = config.out or components.default_out()
         # --out, --resume, --export-hf (reads only): first on --resume (the checkpoint has the options), else after
         # the model and data checks
-        self.plan = run_outdir.plan(config, explicit, self.out) if config.resume else None
+        self.plan = outdir.plan(config, explicit, self.out) if config.resume else None
         self.config = config = self.plan.config if self.plan else config
-        self.mesh = run_setup.mesh_for(config)
-        self.model, params = run_setup.load_model(config)
+        self.mesh = components.mesh_for(config)
+        self.model, params = components.load_model(config)
         # --train lora: adapters added (frozen base); --trainable: a predicate; None: every leaf trains
-        params, self.trains = run_setup.prepare_training(config, self.model, params)
+        params, self.trains = components.prepare_training(config, self.model, params)
         if self.mesh is not None:
             self.model.mesh_adapter()  # a family without a sharded path says so here
-        self.params = run_setup.place(params, self.mesh)
+        self.params = components.place(params, self.mesh)
         # --kl-coef > 0 while sampling: the reference policy (trainer/reference.py), taken before any update or restore
         self.reference = reference.for_run(config, self.model, self.params, self.trains,
-                                           lambda tree: run_setup.place(tree, self.mesh))
-        self.data = run_setup.data_source(config, self.model.config.vocab_size, self.mesh)
+                                           lambda tree: components.place(tree, self.mesh))
+        self.data = components.data_source(config, self.model.config.vocab_size, self.mesh)
         self.grpo = GRPOConfig(loss_agg=config.loss_agg, kl_coef=config.kl_coef, ratio=config.ratio,
-                               clip_eps_low=config.clip_low, clip_eps_high=config.clip_high)
-        self.optimizer = run_setup.optimizer(config.lr, config.weight_decay, config.max_grad_norm or None)
-        self.plan = self.plan or run_outdir.plan(config, explicit, self.out)
+                               clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high)
+        self.optimizer = components.optimizer(config.learning_rate, config.weight_decay, config.max_grad_norm or None)
+        self.plan = self.plan or outdir.plan(config, explicit, self.out)
         # committed like the params: a jit output built from an uncommitted init would be committed after step 1
         # and recompile the step once more
         part = self.split()[0]  # AdamW state for the trainable part only
-        self.opt_state = run_setup.place(jax.jit(self.optimizer.init)(part), self.mesh, part)
-        self.key = run_setup.place_key(jax.random.key(config.seed), self.mesh)
+        self.opt_state = components.place(jax.jit(self.optimizer.init)(part), self.mesh, part)
+        self.key = components.place_key(jax.random.key(config.seed), self.mesh)
         self.step, self.data_position = 0, 0
         if self.plan.resuming:
             self.params, self.opt_state, self.key, meta = self.plan.restore(self.params, self.opt_state, self.key)
@@ -103,7 +103,7 @@ class Trainer:
                 self.data.task, config.answer_field, self.data.sampling.stop_token, config.response_len,
                 self.data.buckets, warmup.warm_up_seed(config.seed), self.data.sampling.pad_token)
         # watching (trainer/report.py)
-        self.ticker = run_log.PhaseTicker(print if distributed.is_primary() else None, config.progress_every)
+        self.ticker = console.PhaseTicker(print if distributed.is_primary() else None, config.progress_every)
         self.profile = (report.ProfileWindow(*profile_window(config.profile_steps), report.profile_dir(self.out))
                         if config.profile_steps else None)
         # opened by _start_writing, after the first step: until then the output directory is as it was
@@ -121,13 +121,13 @@ class Trainer:
             self.checkpoints = self.plan.start()
             # several processes: process 0 writes metrics.jsonl (every process computes the same records)
             self.log = (metrics.MetricsLog(os.path.join(self.out, "metrics.jsonl")) if distributed.is_primary()
-                        else run_log.NoLog())
+                        else metrics.NoLog())
             # samples.jsonl, also when this run logs none: a resumed run never lists a step twice
             samples = (metrics.MetricsLog(os.path.join(self.out, report.SAMPLES_FILE)) if distributed.is_primary()
-                       else run_log.NoLog())
+                       else metrics.NoLog())
             if self.plan.resuming:
                 for note in self.log.keep_until(self.start_step) + samples.keep_until(self.start_step):
-                    run_outdir.warn(note)
+                    outdir.warn(note)
             self.samples = samples if self.config.log_samples_every and distributed.is_primary() else None
             if distributed.is_primary():  # --report-to: the same records go to tensorboard / wandb
                 self.log = report.ReportedLog(self.log, report.open_reporters(
@@ -172,7 +172,7 @@ class Trainer:
         done = time.perf_counter()
         self.step += 1
         self.data_position += 1
-        record = run_log.step_record(self.step, step_metrics, extra, batch, start, sampled, done)
+        record = metrics.step_record(self.step, step_metrics, extra, batch, start, sampled, done)
         if self.log is None:
             self._start_writing()
         self.log.write(record)
@@ -213,7 +213,7 @@ class Trainer:
         """Train to config.steps -> 0; Ctrl-C -> 130 (after saying which checkpoint is the last complete one)."""
         config = self.config
         say = print if distributed.is_primary() else (lambda *args, **kwargs: None)  # process 0 prints
-        say(run_log.header(self))
+        say(console.header(self))
         records = []
         wall = time.perf_counter()
         with contextlib.ExitStack() as ticks:  # --progress-rounds: the loops' ticks reach the PhaseTicker's lines
@@ -233,7 +233,7 @@ class Trainer:
                         self.profile.after(self.step)
                     records.append(record)
                     if self.step % config.log_every == 0 or self.step == config.steps:
-                        say(run_log.progress(record, config.steps), flush=True)
+                        say(console.progress(record, config.steps), flush=True)
                     if self.evaluator is not None and (self.step % config.eval_every == 0 or self.step == config.steps):
                         self.log.write(self.evaluate(say))
                     if self.step % config.save_every == 0 or self.step == config.steps:
@@ -252,14 +252,14 @@ class Trainer:
                         metrics.plot_metrics(history, os.path.join(self.out, "metrics.png"),
                                              title=f"GRPO ({config.mode}) on {self.data.description}",
                                              chance=getattr(self.data.task, "chance_accuracy", None),
-                                             levels=run_log.accuracy_levels(self.data.task))
+                                             levels=console.accuracy_levels(self.data.task))
                         if config.export_hf:  # merged weights (base + scale * B A) for a LoRA run
-                            with run_outdir.replaced_dir(config.export_hf, config.force) as staging:
+                            with outdir.replaced_dir(config.export_hf, config.force) as staging:
                                 models.save_hf(self.model, lora.merged(final), staging)
                         if config.export_peft:
-                            with run_outdir.replaced_dir(config.export_peft, config.force, "--export-peft") as staging:
+                            with outdir.replaced_dir(config.export_peft, config.force, "--export-peft") as staging:
                                 peft.save_peft(self.model, final, staging)
-                        print(run_log.summary(records, history, wall, self))
+                        print(console.summary(records, history, wall, self))
             except KeyboardInterrupt:
                 return self.interrupted()
         return 0
@@ -280,14 +280,15 @@ class Trainer:
             if self.sft_targets is not None:
                 task = self.sft_targets
                 say(f"warm-up: {config.sft_steps} supervised steps x {config.sft_batch} training rows of "
-                    f"{config.data} (target: '{config.answer_field}' + the stop token), lr {config.sft_lr}", flush=True)
+                    f"{config.data} (target: '{config.answer_field}' + the stop token), lr {config.sft_learning_rate}",
+                    flush=True)
             else:
                 task = warmup.warm_up_task(config, self.model.config.vocab_size)
                 say(f"warm-up: {config.sft_steps} supervised steps x {config.sft_batch} prompts of "
-                    f"{config.sft_prompt_len or config.prompt_len} tokens, lr {config.sft_lr}", flush=True)
+                    f"{config.sft_prompt_len or config.prompt_len} tokens, lr {config.sft_learning_rate}", flush=True)
             self.params, records = warmup.warm_up(self.model, self.params, task, config.sft_steps, config.sft_batch,
-                                               config.sft_lr, getattr(task, "pad_token", 0), say=say,
-                                               place=lambda tree: run_setup.place(tree, self.mesh, self.params))
+                                               config.sft_learning_rate, getattr(task, "pad_token", 0), say=say,
+                                               place=lambda tree: components.place(tree, self.mesh, self.params))
             self.pending.extend(records)
             if (self.evaluator is not None and self.sft_targets is None
                     and config.sft_prompt_len not in (None, config.prompt_len)):

@@ -1,12 +1,13 @@
 """Training metrics: one JSON object per step in `<out>/metrics.jsonl`, a PNG plot at the end, peak memory. (The
 same append-only log keeps `<out>/samples.jsonl`, trainer/report.py.)
 
-Each JSONL line is a flat object of numbers (see `trainer/log.py:step_record` for the fields). Each line is appended
-with one write and fsync'd before the step is reported, so a crash can damage at most the line being written, never an
-earlier one; on resume `keep_until` drops such a partial last line (and the steps after the checkpoint) with a message.
-Held-out evaluations (trainer/evaluate.py) and warm-up steps (trainer/warmup.py) are lines of their own ("kind": "eval"
-/ "sft"; `split_records`). `plot_metrics` draws reward, held-out accuracy, entropy, KL, grad norm and clip fraction
-against step with matplotlib's non-interactive Agg backend (no display needed).
+Each JSONL line is a flat object of numbers (`step_record` builds a step's; `NoLog` stands in for the log on the
+processes that do not write it). Each line is appended with one write and fsync'd before the step is reported, so a
+crash can damage at most the line being written, never an earlier one; on resume `keep_until` drops such a partial
+last line (and the steps after the checkpoint) with a message. Held-out evaluations (trainer/evaluate.py) and warm-up
+steps (trainer/warmup.py) are lines of their own ("kind": "eval" / "sft"; `split_records`). `plot_metrics` draws
+reward, held-out accuracy, entropy, KL, grad norm and clip fraction against step with matplotlib's non-interactive
+Agg backend (no display needed).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import resource
 import sys
 
 import jax
+import numpy as np
 
 
 def peak_memory() -> tuple[int, str]:
@@ -70,6 +72,41 @@ class MetricsLog:
 
     def close(self) -> None:
         pass
+
+
+class NoLog:
+    """metrics.jsonl (samples.jsonl) on the processes other than 0: they compute the same records, process 0 writes
+    them. The interface of MetricsLog."""
+
+    path = None
+
+    def keep_until(self, step: int) -> list[str]:
+        return []
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def write_many(self, records: list[dict]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def step_record(step: int, step_metrics: dict, extra: dict, batch, start: float, sampled: float,
+                done: float) -> dict:
+    """One metrics.jsonl line: the step's metrics (host values), the data source's extras, token counts, timings
+    (perf_counter at the step's start, after sampling and after the update) and peak memory."""
+    pads = 0 if batch.left_pad is None else int(np.sum(batch.left_pad))
+    prompt_tokens = int(np.size(batch.prompt)) - pads  # real tokens, over all groups of the step
+    response_tokens = int(batch.mask.sum())
+    peak, source = peak_memory()
+    return {"step": step, **{k: float(v) for k, v in step_metrics.items()}, **extra,
+            "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
+            "group_size": int(batch.responses.shape[-2]), "groups": int(np.prod(batch.responses.shape[:-2])),
+            "tokens_per_s": (prompt_tokens + response_tokens) / (done - start),
+            "rollout_s": sampled - start, "update_s": done - sampled, "step_s": done - start,
+            "peak_mem_bytes": peak, "peak_mem_source": source}
 
 
 def _finite(value):

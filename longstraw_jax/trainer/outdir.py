@@ -31,7 +31,7 @@ from longstraw_jax.io import checkpoints as orbax_io
 from longstraw_jax.io.checkpoints import CHECKPOINT_DIR, TMP_SUFFIX, BrokenCheckpoint, TrainCheckpoints
 from longstraw_jax.io.replace_dir import staged
 from longstraw_jax.trainer import distributed, metrics
-from longstraw_jax.trainer.config import CHANGEABLE, RunConfig, RunError
+from longstraw_jax.trainer.config import CHANGEABLE, RunConfig, RunError, current_names
 
 SET_ASIDE_DIR = "checkpoints-set-aside"
 # what a run writes before its first checkpoint completes (*.tmp: a kill while one was being rewritten)
@@ -52,8 +52,9 @@ def _primary() -> bool:
 
 
 def _without_changeable(saved: dict) -> dict:
-    """A checkpoint's options without those a resumed run may change (the mesh): what makes two checkpoints one run."""
-    return {k: v for k, v in saved.items() if k not in CHANGEABLE}
+    """A checkpoint's options without those a resumed run may change (the mesh), by their current names (a checkpoint
+    saved before a rename and one saved after it by the resumed run): what makes two checkpoints one run."""
+    return {k: v for k, v in current_names(saved).items() if k not in CHANGEABLE}
 
 
 def _listing(directory: str, limit: int = 4) -> str:
@@ -82,8 +83,9 @@ def check_dir_target(path: str, option: str) -> str:
 
 
 def early_run_config(out: str) -> dict | None:
-    """The options (config.json) of a run of this trainer in `out` that completed no checkpoint, or None when `out`
-    holds anything else (other files, a complete checkpoint, metrics.png of a finished run, a foreign config.json)."""
+    """The options (config.json, by their current names: `current_names`) of a run of this trainer in `out` that
+    completed no checkpoint, or None when `out` holds anything else (other files, a complete checkpoint, metrics.png
+    of a finished run, a foreign config.json)."""
     names = set(os.listdir(out))
     if not names <= EARLY_RUN_FILES or "config.json" not in names:
         return None
@@ -94,10 +96,11 @@ def early_run_config(out: str) -> dict | None:
     try:
         with open(os.path.join(out, "config.json")) as f:
             saved = json.load(f)
+        saved = current_names(saved) if isinstance(saved, dict) else None
     except (OSError, ValueError):
         return None
     fields = {f.name for f in dataclasses.fields(RunConfig)}
-    return saved if isinstance(saved, dict) and {"model", "task", "seed"} <= set(saved) <= fields else None
+    return saved if saved is not None and {"model", "task", "seed"} <= set(saved) <= fields else None
 
 
 @dataclasses.dataclass

@@ -62,7 +62,7 @@ _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 def for_run(config: RunConfig, model, params, trains, place) -> Reference | None:
     """The run's Reference (None without --kl-coef, or with --rollouts: a file carries its own ref_logprobs).
     params: the policy's placed initial params (with adapters for --train lora); trains: the trainable predicate
-    or None; place(tree) -> the tree placed like params (`setup.place`), for --ref-from."""
+    or None; place(tree) -> the tree placed like params (`components.place`), for --ref-from."""
     if config.kl_coef == 0 or config.rollouts is not None:
         return None
     if config.ref_from is not None:

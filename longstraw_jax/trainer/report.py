@@ -80,7 +80,7 @@ def sample_rows(step: int, batch, advantages: np.ndarray, tokenizer=None, prompt
 
     advantages: float [B, G] (`grpo.batch_advantages` of the rewards); tokenizer: decodes the completions (None: ids);
     prompts: the B tasks.Prompt of the step (their `text`, when not None, gives the tail), None: the batch's ids;
-    parts: {function: (values float [B, G], applies [B, G])} of `setup.score_groups` (None or {}: no per-function
+    parts: {function: (values float [B, G], applies [B, G])} of `components.score_groups` (None or {}: no per-function
     rewards); correct: float [B, G] or None."""
     responses, mask = np.asarray(batch.responses), np.asarray(batch.mask)
     rewards, advantages = np.asarray(batch.rewards), np.asarray(advantages)
@@ -106,8 +106,8 @@ def sample_rows(step: int, batch, advantages: np.ndarray, tokenizer=None, prompt
 
 
 def step_samples(step: int, batch, grpo: GRPOConfig, data) -> list[dict]:
-    """`sample_rows` of a trainer step from its data source (trainer/setup.py): a TaskSampler's prompts, reward parts
-    and correctness (`last_scored`) and its task's tokenizer (datasets); a rollout file's ids."""
+    """`sample_rows` of a trainer step from its data source (trainer/components.py): a TaskSampler's prompts, reward
+    parts and correctness (`last_scored`) and its task's tokenizer (datasets); a rollout file's ids."""
     prompts, parts, correct = getattr(data, "last_scored", None) or (None, None, None)
     tokenizer = getattr(getattr(data, "task", None), "tokenizer", None)
     advantages = np.asarray(jax.device_get(batch_advantages(np.asarray(batch.rewards), grpo)))

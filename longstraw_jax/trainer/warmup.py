@@ -27,8 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from longstraw_jax.train import make_optimizer
 from longstraw_jax.trainer import distributed
 
+# the warm-up's AdamW weight decay: optax.adamw's default, the warm-up's since it began (GRPO's: make_optimizer's, 0)
+WARM_UP_WEIGHT_DECAY = 1e-4
 WARM_UP_BIT = 1 << 30  # warm-up prompts: the task built with seed ^ WARM_UP_BIT (held-out: bit 31, trainer/evaluate.py)
 
 
@@ -141,8 +144,9 @@ def _jitted_step(model, optimizer, param_shardings: tuple, opt_shardings: tuple,
 
 @functools.lru_cache(maxsize=None)
 def warm_up_optimizer(learning_rate: float) -> optax.GradientTransformation:
-    """AdamW (b2 0.95, clipped to global norm 1), one object per rate (a static jit argument: one compile)."""
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(learning_rate, b1=0.9, b2=0.95))
+    """`train.make_optimizer`'s AdamW (its b1, b2 and global-norm clip) with WARM_UP_WEIGHT_DECAY, one object per
+    rate (a static jit argument: one compile)."""
+    return make_optimizer(learning_rate, weight_decay=WARM_UP_WEIGHT_DECAY)
 
 
 class DatasetTargets:
@@ -154,9 +158,9 @@ class DatasetTargets:
     no special tokens added, then `stop_token` (None: none), 1 <= k <= response_len.
     batch(start, size) -> (prompts int32 [N, L], left_pad int32 [N] or None, targets int32 [N, response_len], mask
     float32 [N, response_len]): prompts start .. start + size - 1 stacked like the GRPO phase stacks them
-    (`setup.stack_prompts` with `buckets`: left-padded to one bucket length), targets right-padded with `pad_token`.
-    ValueError "FILE: row N: 'FIELD' ..." for a training row without the answer (when built: the column's nulls) or
-    with one that is not a string or does not fit --response-len (when drawn)."""
+    (`components.stack_prompts` with `buckets`: left-padded to one bucket length), targets right-padded with
+    `pad_token`. ValueError "FILE: row N: 'FIELD' ..." for a training row without the answer (when built: the
+    column's nulls) or with one that is not a string or does not fit --response-len (when drawn)."""
 
     def __init__(self, task, answer_field: str, stop_token: int | None, response_len: int, buckets=None,
                  seed: int = 0, pad_token: int = 0):
@@ -194,7 +198,7 @@ class DatasetTargets:
         return prompt, np.asarray(tokens, np.int32)
 
     def batch(self, start: int, size: int):
-        from longstraw_jax.trainer.setup import stack_prompts
+        from longstraw_jax.trainer.components import stack_prompts
 
         prompts, targets = zip(*(self.example(i) for i in range(start, start + size)))
         tokens, left_pad = stack_prompts(list(prompts), self.buckets)
@@ -212,7 +216,7 @@ def warm_up(model, params, task, steps: int, batch: int, learning_rate: float, p
     {"step": 0, "kind": "sft", "sft_step", "sft_loss", "sft_accuracy", "sft_exact", "sft_grad_norm", "sft_s"} (its
     loss and accuracies on that step's batch, before the update). params placed on a mesh keep their shardings. say: a
     print function for progress lines (every ~10% of the steps), or None. place(opt_state) -> the optimizer state
-    placed like the params (the trainer's `setup.place`; default: on the params' first device), so that the step
+    placed like the params (the trainer's `components.place`; default: on the params' first device), so that the step
     compiles once (per prompt bucket)."""
     per_row = isinstance(task, DatasetTargets)
     optimizer = warm_up_optimizer(float(learning_rate))

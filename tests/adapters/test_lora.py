@@ -29,8 +29,8 @@ from longstraw_jax.io.peft import save_peft
 from longstraw_jax.ops.lora import LoRA
 from longstraw_jax.sharding import rules
 from longstraw_jax.trainer import cli as run
+from longstraw_jax.trainer.components import prepare_training
 from longstraw_jax.trainer.config import RunConfig
-from longstraw_jax.trainer.setup import prepare_training
 from tests.helpers import make_batch, o1_params, rel_err
 
 QWEN = models.Qwen36Config.tiny(num_hidden_layers=4, layer_types=("linear_attention",) * 3 + ("full_attention",),
@@ -148,7 +148,7 @@ def small(tmp_path):
         vocab_size=32, num_hidden_layers=4, layer_types=QWEN.layer_types)), "--prompt-len", "40", "--group-size", "3",
         "--response-len", "2", "--chunk-size", "16", "--save-every", "2", "--seed", "1", "--mode", "detached",
         "--reward", "tests.adapters.test_lora:token_reward", "--train", "lora", "--lora-rank", "4", "--lora-targets",
-        "attn,mlp", "--eval-every", "0", "--lr", "3e-3"]
+        "attn,mlp", "--eval-every", "0", "--learning-rate", "3e-3"]
 
 
 def restore(out, argv):

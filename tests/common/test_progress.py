@@ -1,7 +1,7 @@
 """Progress from inside the compiled loops (longstraw_jax/common/progress.py): with the ticks on, the capture's chunks /
 rounds, the decode steps and the prompt backward's chunks / rounds each reach the sink once, in order, and the
 results are bitwise those of the same programs without ticks (one device and a 1x8 mesh). The trainer's lines
-(trainer/log.py PhaseTicker) say how far the running loop is, how fast and when it ends.
+(trainer/console.py PhaseTicker) say how far the running loop is, how fast and when it ends.
 """
 import contextlib
 
@@ -15,7 +15,7 @@ from longstraw_jax.engine.capture import capture_on_mesh, extend_on_mesh
 from longstraw_jax.sampling import branches
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sharding import rules
-from longstraw_jax.trainer import log as run_log
+from longstraw_jax.trainer import console
 from tests.helpers import tiny_model
 
 P, G, R, CHUNK = 30, 3, 4, 8  # prompt[:-1] = 29 positions: 3 chunks of 8 and one of 5
@@ -107,7 +107,7 @@ def test_phase_ticker_lines_say_the_loops_progress():
     the ETA, from the ticks' times."""
     now = [0.0]
     lines = []
-    ticker = run_log.PhaseTicker(lambda text, flush=False: lines.append(text), 60.0, clock=lambda: now[0])
+    ticker = console.PhaseTicker(lambda text, flush=False: lines.append(text), 60.0, clock=lambda: now[0])
     with contextlib.ExitStack() as stack:
         stack.enter_context(ticker.phase(2, 5, "sampling"))
         for done, at in ((1, 10.0), (2, 20.0), (3, 30.0)):

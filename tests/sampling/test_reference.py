@@ -106,8 +106,8 @@ def test_full_training_reference_stays_the_initial_params(tmp_path):
     from longstraw_jax.trainer.loop import Trainer
 
     config = RunConfig(vocab_size=32, prompt_len=24, group_size=3, response_len=3, chunk_size=8, eval_every=0,
-                       sft_steps=0, seed=1, lr=3e-2, kl_coef=0.1, reward=SPREAD, steps=1, out=str(tmp_path / "a"),
-                       log_samples_every=0)
+                       sft_steps=0, seed=1, learning_rate=3e-2, kl_coef=0.1, reward=SPREAD, steps=1,
+                       out=str(tmp_path / "a"), log_samples_every=0)
     trainer = Trainer(config)
     initial = [np.asarray(x).copy() for x in jax.tree.leaves(trainer.params)]
     assert trainer.reference.kind == "initial"
@@ -133,15 +133,15 @@ def test_trainer_logs_kl_zero_at_lora_start_then_positive(tmp_path, capsys):
     """--train lora --kl-coef 0.1 (no rollouts): step 1's policy is the base (B = 0), so its KL to the reference is
     0; the update trains the adapters, so step 2's is not. --train full: finite KL on both steps."""
     out = str(tmp_path / "lora")
-    assert run.main(SMALL + ["--steps", "2", "--out", out, "--train", "lora", "--lora-rank", "2", "--lr", "5e-2",
-                             "--kl-coef", "0.1", "--reward", SPREAD]) == 0
+    assert run.main(SMALL + ["--steps", "2", "--out", out, "--train", "lora", "--lora-rank", "2", "--learning-rate",
+                             "5e-2", "--kl-coef", "0.1", "--reward", SPREAD]) == 0
     records = _read(out)
     assert [r["step"] for r in records] == [1, 2]
     assert abs(records[0]["kl"]) < 1e-9, records[0]["kl"]
     assert 1e-9 < records[1]["kl"] < 1 and np.isfinite(records[1]["loss"])
     assert "kl 0.0000" in capsys.readouterr().out
     full = str(tmp_path / "full")
-    assert run.main(SMALL + ["--steps", "2", "--out", full, "--lr", "3e-2", "--kl-coef", "0.1", "--reward",
+    assert run.main(SMALL + ["--steps", "2", "--out", full, "--learning-rate", "3e-2", "--kl-coef", "0.1", "--reward",
                              SPREAD]) == 0
     records = _read(full)
     assert abs(records[0]["kl"]) < 1e-9 and np.isfinite(records[1]["kl"]) and records[1]["kl"] > 1e-9

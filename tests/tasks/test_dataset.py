@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from longstraw_jax.tasks import dataset, tokenizer as tokenizers
-from longstraw_jax.trainer import cli as run, setup
+from longstraw_jax.trainer import cli as run, components
 from tests.helpers import ROOT
 
 WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system", "nothink", "the", "answer",
@@ -188,7 +188,7 @@ def length_reward(prompts, completions, **columns):
 
 def data_args(data, tok_dir, *extra):
     return ["--vocab-size", str(VOCAB), "--data", data, "--tokenizer", tok_dir, "-G", "3", "-R", "3",
-            "--chunk-size", "8", "--lr", "3e-3", "--save-every", "2", "--seed", "3", "--sft-steps", "0",
+            "--chunk-size", "8", "--learning-rate", "3e-3", "--save-every", "2", "--seed", "3", "--sft-steps", "0",
             "--reward", LENGTH, "--reward", ROW_ID, "--reward", "contains", "--reward-weights", "1,0,0.5", *extra]
 
 
@@ -269,9 +269,9 @@ def test_hf_directory_gives_the_tokenizer_and_stop_ids(tmp_path, capsys):
     tiny_tokenizer(ckpt, eos_ids=[3])
     data = write_jsonl(tmp_path / "d.jsonl", rows_of(4))
     config, _ = run.parse_args(["--hf", str(ckpt), "--data", data, "--reward", "f1", "--stop-token", "9"])
-    assert setup.data_source(config, VOCAB).sampling.stops == (9,)  # --stop-token says otherwise
+    assert components.data_source(config, VOCAB).sampling.stops == (9,)  # --stop-token says otherwise
     config, _ = run.parse_args(["--hf", str(ckpt), "--data", data, "--reward", "f1"])
-    source = setup.data_source(config, VOCAB)
+    source = components.data_source(config, VOCAB)
     assert source.sampling.stops == (3,) and source.sampling.pad_token == 1
     assert source.task.prompt(0).tokens.size == 6
 
@@ -283,16 +283,16 @@ def test_held_out_rows_from_eval_data_or_eval_fraction(tmp_path, tok_dir):
     held_file = write_jsonl(tmp_path / "h.jsonl", [dict(r, id=100 + r["id"]) for r in rows_of(3, messages=True)])
     base = ["--vocab-size", str(VOCAB), "--tokenizer", tok_dir, "--data", data, "--reward", "f1"]
     config, _ = run.parse_args(base + ["--eval-data", held_file])
-    held, _, stops, _ = setup.dataset_task(config, VOCAB, held_out=True)
+    held, _, stops, _ = components.dataset_task(config, VOCAB, held_out=True)
     assert [held.prompt(i).info["id"] for i in range(4)] == [100, 101, 102, 100]  # in order, not shuffled
     assert held.format.messages_field == "messages" and held.path == held_file and stops == (3, 1)
-    assert sorted(setup.dataset_task(config, VOCAB)[0].row_of(i) for i in range(8)) == list(range(8))
+    assert sorted(components.dataset_task(config, VOCAB)[0].row_of(i) for i in range(8)) == list(range(8))
     config, _ = run.parse_args(base + ["--eval-fraction", "0.25"])
-    train, held = setup.dataset_task(config, VOCAB)[0], setup.dataset_task(config, VOCAB, held_out=True)[0]
+    train, held = components.dataset_task(config, VOCAB)[0], components.dataset_task(config, VOCAB, held_out=True)[0]
     assert sorted(train.row_of(i) for i in range(6)) == dataset.split_rows(8, 0.25)[0].tolist()
     assert [held.row_of(i) for i in range(2)] == dataset.split_rows(8, 0.25)[1].tolist()
     config, _ = run.parse_args(base)
-    assert setup.dataset_task(config, VOCAB, held_out=True)[0] is None
+    assert components.dataset_task(config, VOCAB, held_out=True)[0] is None
 
 
 # ----- bad input -----------------------------------------------------------------------------------------------------
@@ -344,7 +344,7 @@ def test_datasets_and_transformers_are_imported_only_when_used():
     import subprocess
     import sys
 
-    code = ("import sys, longstraw_jax, longstraw_jax.trainer.setup, longstraw_jax.trainer.evaluate\n"
+    code = ("import sys, longstraw_jax, longstraw_jax.trainer.components, longstraw_jax.trainer.evaluate\n"
             "from longstraw_jax.tasks import dataset, rewards, tokenizer\n"
             "print(sorted(m for m in ('datasets', 'transformers', 'math_verify', 'pyarrow') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

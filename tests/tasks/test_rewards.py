@@ -16,7 +16,7 @@ import pytest
 
 from longstraw_jax.tasks import Prompt, RewardError, TokenReward, as_scorer, rewards
 from longstraw_jax.tasks.retrieval import RetrievalTask
-from longstraw_jax.trainer import cli as run, setup
+from longstraw_jax.trainer import cli as run, components
 from tests.tasks.test_dataset import VOCAB, data_args, rows_of, tiny_tokenizer, write_jsonl
 
 G = 3
@@ -91,7 +91,8 @@ def test_text_rewards_decode_weight_and_report_each_function(tokenizer):
     np.testing.assert_array_equal(parts["judge"][0], [0, 2, 0.5])
     np.testing.assert_array_equal(parts["judge"][1], [False, True, True])
     np.testing.assert_array_equal(parts["exact_match"][0], [1, 0, 1])
-    assert setup.part_means({"judge": (parts["judge"][0][None], parts["judge"][1][None])}) == {"reward/judge": 1.25}
+    judge = {"judge": (parts["judge"][0][None], parts["judge"][1][None])}
+    assert components.part_means(judge) == {"reward/judge": 1.25}
 
 
 def bad_returns(kind):
@@ -151,7 +152,7 @@ def test_token_level_rewards_go_through_the_same_scorer_path():
     responses = np.array([[[p.info["answer"], 1], [5 + (p.info["answer"] == 5), 0], [2, 2]] for p in prompts])
     mask = np.array([[[1, 1], [1, 0], [1, 1]]] * 2, np.float32)
     assert isinstance(as_scorer(task.reward), TokenReward)
-    rewards_, correct, parts = setup.score_groups(task, task.reward, prompts, responses, mask)
+    rewards_, correct, parts = components.score_groups(task, task.reward, prompts, responses, mask)
     np.testing.assert_allclose(rewards_, [[1.0, 0.1, 0.0]] * 2)
     np.testing.assert_array_equal(correct, [[1, 0, 0]] * 2)
     assert parts == {}

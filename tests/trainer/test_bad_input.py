@@ -9,9 +9,9 @@ from longstraw_jax import models
 from longstraw_jax.tasks.retrieval import RetrievalTask
 from longstraw_jax.tasks.rollout_file import load_rollouts
 from longstraw_jax.trainer import cli as run
+from longstraw_jax.trainer.components import RunError, check_fits
 from longstraw_jax.trainer.config import parse_args
 from longstraw_jax.trainer.evaluate import Evaluator
-from longstraw_jax.trainer.setup import RunError, check_fits
 from tests.helpers import ROOT
 
 
@@ -52,7 +52,7 @@ def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, capsys):
 def test_bounds_that_used_to_escape(tmp_path, capsys):
     for argv, message in ((["-G", "1"], "--group-size=1 must be >= 2: a GRPO advantage"),
                           (["--eval-prompts", "20000000"], "--eval-prompts=20000000 must be <= 65536"),
-                          (["--lr", "-1e3"], "--lr=-1000.0 must be a finite number >= 0"),
+                          (["--learning-rate", "-1e3"], "--learning-rate=-1000.0 must be a finite number >= 0"),
                           (["-R", "-1e1"], "error: argument --response-len/-R: invalid int value: '-1e1'")):
         if message.startswith("error: argument"):  # argparse's own error (exit 2 through SystemExit)
             with pytest.raises(SystemExit):
@@ -61,7 +61,8 @@ def test_bounds_that_used_to_escape(tmp_path, capsys):
             continue
         err = one_line_error(argv, capsys, str(tmp_path / "out"))
         assert message in err, err
-    assert parse_args(["--lr", "-0.5e-3", "--lr", "1e-3"])[0].lr == 1e-3  # attached, then overridden as usual
+    # attached (to the former spelling too), then overridden as usual
+    assert parse_args(["--lr", "-0.5e-3", "--learning-rate", "1e-3"])[0].learning_rate == 1e-3
     mesh = types.SimpleNamespace(shape={"data": 2, "seq": 1})
     with pytest.raises(ValueError, match=r"^--eval-prompts=3 must be a multiple of the mesh's data size 2"):
         Evaluator(RetrievalTask(prompt_len=32, vocab_size=32), None, 3, 2, 16, mesh=mesh)

@@ -41,8 +41,8 @@ from tests.helpers import ROOT
 # lr 1e-5: AdamW moves every parameter with a non-negligible gradient by ~lr, so round-off differences between
 # process layouts (~1e-7) that flip such a gradient's sign change the next step by ~lr, not by a 3e-3 jump
 SMALL = ["--vocab-size", "32", "--prompt-len", "32", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
-         "--eval-every", "0", "--sft-steps", "0", "--save-every", "2", "--seed", "3", "--lr", "1e-5", "--reward",
-         "tests.trainer.test_distributed:token_reward", "--mesh", "2x4"]
+         "--eval-every", "0", "--sft-steps", "0", "--save-every", "2", "--seed", "3", "--learning-rate", "1e-5",
+         "--reward", "tests.trainer.test_distributed:token_reward", "--mesh", "2x4"]
 
 
 def token_reward(prompt_tokens, response_tokens, info):

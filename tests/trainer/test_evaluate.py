@@ -29,7 +29,8 @@ from tests.helpers import ROOT, o1_params
 # one LLLF block: compiles faster than the tiny preset's two
 SMALL_MODEL = models.Qwen36Config.tiny(vocab_size=32, num_hidden_layers=4, layer_types=(LINEAR, LINEAR, LINEAR, FULL))
 SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
-         "--lr", "3e-3", "--sft-lr", "1e-3", "--sft-steps", "0", "--save-every", "2", "--seed", "1"]
+         "--learning-rate", "3e-3", "--sft-learning-rate", "1e-3", "--sft-steps", "0", "--save-every", "2", "--seed",
+         "1"]
 
 
 def test_held_out_prompts_are_never_training_or_warm_up_prompts():

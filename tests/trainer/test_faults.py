@@ -34,7 +34,7 @@ from longstraw_jax.trainer import cli as run
 from tests.helpers import ROOT
 
 SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
-         "--eval-every", "0", "--sft-steps", "0", "--lr", "3e-3", "--save-every", "2", "--seed", "1"]
+         "--eval-every", "0", "--sft-steps", "0", "--learning-rate", "3e-3", "--save-every", "2", "--seed", "1"]
 
 
 def checksums(directory):

@@ -1,4 +1,4 @@
-"""Watching a run (trainer/report.py, trainer/log.py PhaseTicker): samples.jsonl, --report-to tensorboard / wandb,
+"""Watching a run (trainer/report.py, trainer/console.py PhaseTicker): samples.jsonl, --report-to tensorboard / wandb,
 --profile-steps, the progress lines inside a step.
 
 - the options: bad values are one error naming the option and the bound; they may change on --resume;
@@ -31,11 +31,11 @@ import pytest
 from longstraw_jax.common import progress
 from longstraw_jax.grpo import GroupBatch, GRPOConfig, batch_advantages
 from longstraw_jax.tasks.base import Prompt
-from longstraw_jax.trainer import cli as run, log as run_log, metrics, report
+from longstraw_jax.trainer import cli as run, console, metrics, report
 from longstraw_jax.trainer.config import RESUMABLE, RunConfig, RunError, profile_window, report_targets
 
 SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
-         "--eval-every", "0", "--sft-steps", "0", "--lr", "3e-3", "--save-every", "2", "--seed", "1"]
+         "--eval-every", "0", "--sft-steps", "0", "--learning-rate", "3e-3", "--save-every", "2", "--seed", "1"]
 
 
 # ----- options -------------------------------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def test_samples_log_keeps_until_the_checkpoint(tmp_path):
 def test_no_log_has_the_metrics_log_interface():
     """Processes other than 0 hold a NoLog where process 0 holds a MetricsLog: the same methods."""
     public = lambda cls: {n for n in vars(cls) if not n.startswith("_") and callable(getattr(cls, n))}
-    assert public(metrics.MetricsLog) == public(run_log.NoLog) == {"keep_until", "write", "write_many", "close"}
+    assert public(metrics.MetricsLog) == public(metrics.NoLog) == {"keep_until", "write", "write_many", "close"}
 
 
 # ----- tensorboard / wandb -------------------------------------------------------------------------------------------
@@ -317,17 +317,17 @@ def test_profile_window_traces_its_steps(tmp_path):
 def test_phase_ticker_prints_only_for_long_phases():
     lines = []
     say = lambda text, flush=False: lines.append(text)
-    ticker = run_log.PhaseTicker(say, 0.02)
+    ticker = console.PhaseTicker(say, 0.02)
     with ticker.phase(3, 10, "sampling"):
         time.sleep(0.15)
     assert lines[0].startswith("  step 3/10: sampling, ") and lines[0].endswith(" s so far")
     assert lines[-1].startswith("  step 3/10: sampling done in ") and len(lines) >= 3
     lines.clear()
-    with run_log.PhaseTicker(say, 5.0).phase(1, 2, "update"):
+    with console.PhaseTicker(say, 5.0).phase(1, 2, "update"):
         pass
-    with run_log.PhaseTicker(say, 0.0).phase(1, 2, "update"):
+    with console.PhaseTicker(say, 0.0).phase(1, 2, "update"):
         time.sleep(0.05)
-    with run_log.PhaseTicker(None, 0.01).phase(1, 2, "update"):  # another process: silent
+    with console.PhaseTicker(None, 0.01).phase(1, 2, "update"):  # another process: silent
         time.sleep(0.05)
     assert lines == []
 

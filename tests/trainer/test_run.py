@@ -6,12 +6,14 @@
 - --mesh 1x8 (sharded params, optimizer state and grpo_grads) and its --resume match the one-device run;
 - bad input: a one-line error naming the thing, exit status 2, and the saved run directory is not touched;
 - RunConfig (trainer/config.py): bad options are one error naming each, `parse_args` tells explicit options apart, the
-  merge with a checkpointed run's options on --resume;
+  merge with a checkpointed run's options on --resume; options that feed the library have its names and defaults,
+  and the former spellings of renamed ones (--lr, --clip-low, ...) still parse, from TOML and saved runs too;
 - a training step validates its batch once (train_step on the host; not again inside the jitted step).
 
 All runs share one model / optimizer / sampling setting, so the sampler and the train step compile once.
 """
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -20,16 +22,25 @@ import jax
 import numpy as np
 import pytest
 
-from longstraw_jax import engine, make_optimizer, models, train
+from longstraw_jax import GRPOConfig, engine, make_optimizer, models, train
 from longstraw_jax.common.validation import is_concrete
 from longstraw_jax.grpo import validate_batch
 from longstraw_jax.io.checkpoints import TrainCheckpoints, save_init_dir
-from longstraw_jax.trainer import cli as run
-from longstraw_jax.trainer.config import RESUMABLE, RunConfig, RunError, parse_args
+from longstraw_jax.sampling.branches import SamplingConfig
+from longstraw_jax.trainer import cli as run, evaluate, outdir
+from longstraw_jax.trainer.config import (
+    FORMER_NAMES,
+    RESUMABLE,
+    RunConfig,
+    RunError,
+    build_parser,
+    current_names,
+    parse_args,
+)
 from tests.helpers import ROOT
 
 SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
-         "--eval-every", "0", "--sft-steps", "0", "--lr", "3e-3", "--save-every", "2", "--seed", "1"]
+         "--eval-every", "0", "--sft-steps", "0", "--learning-rate", "3e-3", "--save-every", "2", "--seed", "1"]
 FIELDS = {"step", "loss", "reward_mean", "reward_std", "kl", "clip_frac", "entropy", "grad_norm", "skipped",
           "response_len_mean", "accuracy", "prompt_tokens", "response_tokens", "groups", "tokens_per_s", "rollout_s",
           "update_s", "step_s", "peak_mem_bytes", "peak_mem_source"}
@@ -140,11 +151,11 @@ def test_mesh_run_with_groups_and_resume_match_one_device(tmp_path):
     groups, sequence-parallel over its 4 devices; 2 steps, then --resume to 3 (restoring onto the shardings) gives
     the one-device run's rewards, losses and grad norms (the same two groups per step).
 
-    Both at --lr 1e-5: AdamW's first steps move every parameter by about lr whatever the size of its gradient, so at
-    the default 3e-3 round-off in a near-zero gradient (the mesh sampler sums the old log-probs in another order,
-    ~1e-6) becomes a full-size difference by step 3 (measured up to 1.7% in the grad norm); at 1e-5 the two runs stay
-    comparable at rtol 1e-4."""
-    slow = SMALL + ["--lr", "1e-5", "-B", "2"]
+    Both at --learning-rate 1e-5: AdamW's first steps move every parameter by about lr whatever the size of its
+    gradient, so at SMALL's 3e-3 round-off in a near-zero gradient (the mesh sampler sums the old log-probs in another
+    order, ~1e-6) becomes a full-size difference by step 3 (measured up to 1.7% in the grad norm); at 1e-5 the two
+    runs stay comparable at rtol 1e-4."""
+    slow = SMALL + ["--learning-rate", "1e-5", "-B", "2"]
     single, out = str(tmp_path / "one"), str(tmp_path / "mesh")
     assert run.main(slow + ["--steps", "3", "--out", single]) == 0
     assert run.main(slow + ["--steps", "2", "--out", out, "--mesh", "2x4"]) == 0
@@ -206,7 +217,7 @@ def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys
                               + json.dumps(dict(good_group, prompt=[1, 2, 3, 4]))), "-B", "2"],
          r"--groups-per-step=2 stacks groups side by side.*2 different shapes"),
         ([], "already holds checkpoints: pass --resume"),
-        (["--lr", "0.5", "--resume"], r"--lr=0.5 differs from the run being resumed \(0.003\)"),
+        (["--learning-rate", "0.5", "--resume"], r"--learning-rate=0.5 differs from the run being resumed \(0.003\)"),
         # KL without reference log-probs, bad rewards and log-probs in a rollout file, broken --hf files
         (["--kl-coef", "0.1", "--rollouts", write(tmp_path / "noref.jsonl", json.dumps(good_group))],
          r"noref.jsonl:1: 'ref_logprobs' is missing; --kl-coef=0.1 needs reference log-probs on every line$"),
@@ -253,8 +264,8 @@ def test_bad_input_one_line_error_and_nothing_touched(full_run, tmp_path, capsys
 
 def test_run_config_names_every_bad_option():
     with pytest.raises(ValueError) as error:
-        RunConfig(group_size=0, lr=float("nan"), hf="a", init_from="b", mesh="2", mode="fast")
-    for part in ("--group-size=0 must be >= 1", "--lr=nan must be a finite number >= 0",
+        RunConfig(group_size=0, learning_rate=float("nan"), hf="a", init_from="b", mesh="2", mode="fast")
+    for part in ("--group-size=0 must be >= 1", "--learning-rate=nan must be a finite number >= 0",
                  "give at most one of --model <config.json>, --hf, --init-from", "--mesh='2' must look like AxB",
                  "--mode='fast' must be one of exact, detached"):
         assert part in str(error.value), (part, str(error.value))
@@ -267,9 +278,9 @@ def test_run_config_names_every_bad_option():
 
 def test_parse_args_defaults_and_explicit_options():
     assert parse_args([]) == (RunConfig(), frozenset())
-    config, explicit = parse_args(["-G", "3", "--lr", "0.1", "--resume", "--mesh", "1x8"])
-    assert (config.group_size, config.lr, config.resume, config.mesh) == (3, 0.1, True, "1x8")
-    assert explicit == {"group_size", "lr", "resume", "mesh"}
+    config, explicit = parse_args(["-G", "3", "--learning-rate", "0.1", "--resume", "--mesh", "1x8"])
+    assert (config.group_size, config.learning_rate, config.resume, config.mesh) == (3, 0.1, True, "1x8")
+    assert explicit == {"group_size", "learning_rate", "resume", "mesh"}
     with pytest.raises(ValueError, match="--steps=0 must be >= 1"):
         parse_args(["--steps", "0"])
 
@@ -278,17 +289,20 @@ def test_config_file_options_and_command_line_overrides(tmp_path):
     """--config FILE.toml: its options count as given (explicit), the command line overrides them; the demo's file
     (`make run`) parses; an unknown name, a wrong type, bad TOML or a missing file is one error naming the file."""
     path = tmp_path / "run.toml"
-    path.write_text('group-size = 4\nlr = 1\nmode = "detached"\nsft_steps = 3\n')
-    config, explicit = parse_args(["--config", str(path), "--lr", "0.5"])
-    assert (config.group_size, config.lr, config.mode, config.sft_steps) == (4, 0.5, "detached", 3)
-    assert isinstance(config.lr, float) and explicit == {"config", "group_size", "lr", "mode", "sft_steps"}
+    path.write_text('group-size = 4\nlearning_rate = 1\nmode = "detached"\nsft_steps = 3\n')
+    config, explicit = parse_args(["--config", str(path), "--learning-rate", "0.5"])
+    assert (config.group_size, config.learning_rate, config.mode, config.sft_steps) == (4, 0.5, "detached", 3)
+    assert isinstance(config.learning_rate, float)
+    assert explicit == {"config", "group_size", "learning_rate", "mode", "sft_steps"}
     demo, _ = parse_args(["--config", os.path.join(ROOT, "configs", "demo.toml")])
     assert (demo.sft_steps, demo.eval_every, demo.response_len, demo.steps) == (60, 20, 2, 40)
     defaults = RunConfig()  # a real run's defaults: no warm-up, no held-out evaluation unless asked
     assert (defaults.sft_steps, defaults.eval_every) == (0, 0)
     for text, message in (("bogus = 1", "unknown option 'bogus'"),
                           ("group_size = 2.5", "group_size = 2.5 must be an int"),
-                          ("lr = \"fast\"", "lr = 'fast' must be a float"), ("steps = true", "must be an int"),
+                          ("learning_rate = \"fast\"", "learning_rate = 'fast' must be a float"),
+                          ("steps = true", "must be an int"), ("group_size = 2\ngroup-size = 3", "'group_size' and "
+                                                               "'group-size' are the same option (--group-size)"),
                           ("config = \"x.toml\"", "unknown option 'config'"), ("steps =", "not valid TOML"),
                           ("[sampling]\ngroup_size = 2", "unknown option 'sampling'")):
         path.write_text(text)
@@ -304,17 +318,102 @@ def test_config_file_options_and_command_line_overrides(tmp_path):
 def test_resume_merge():
     """The checkpoint stores every option but RESUMABLE; resuming adopts them, keeps this invocation's RESUMABLE
     ones, and refuses an explicit option that contradicts the saved run."""
-    first = RunConfig(lr=0.01, prompt_len=48, steps=2, out="a", save_every=2)
+    first = RunConfig(learning_rate=0.01, prompt_len=48, steps=2, out="a", save_every=2)
     saved = json.loads(json.dumps(first.saved()))  # as the checkpoint's JSON meta holds it
     assert set(saved) == {f.name for f in dataclasses.fields(RunConfig)} - RESUMABLE
     resumed = RunConfig(steps=5, out="a", resume=True).resumed(saved, {"steps", "out", "resume"})
     assert resumed == dataclasses.replace(first, steps=5, resume=True, save_every=20)
-    assert RunConfig(lr=0.01, resume=True).resumed(saved, {"lr", "resume"}).lr == 0.01  # explicit and equal: fine
-    assert RunConfig(lr=0.5).resumed(saved).lr == 0.01  # not explicit (a default): the saved value wins
-    with pytest.raises(RunError, match=r"--lr=0.5 differs from the run being resumed \(0.01\)"):
-        RunConfig(lr=0.5).resumed(saved, {"lr"})
+    # explicit and equal: fine
+    assert RunConfig(learning_rate=0.01, resume=True).resumed(saved, {"learning_rate", "resume"}).learning_rate == 0.01
+    assert RunConfig(learning_rate=0.5).resumed(saved).learning_rate == 0.01  # not explicit (a default): saved wins
+    with pytest.raises(RunError, match=r"--learning-rate=0.5 differs from the run being resumed \(0.01\)"):
+        RunConfig(learning_rate=0.5).resumed(saved, {"learning_rate"})
     with pytest.raises(RunError, match=r"options this version does not know: \['bogus'\]"):
         RunConfig().resumed(dict(saved, bogus=1))
+
+
+# the options renamed to their library names (former name -> field), each with a value that is not its default
+RENAMED = {"clip_low": ("clip_eps_low", 0.1), "clip_high": ("clip_eps_high", 0.3), "lr": ("learning_rate", 1e-4),
+           "sft_lr": ("sft_learning_rate", 2e-3), "facts": ("num_facts", 3)}
+
+
+def test_options_have_the_librarys_names_and_defaults():
+    """An option that feeds a library object is spelled as its field / argument and takes its default from it:
+    the command line and the library cannot disagree (the learning rate: make_optimizer's 1e-6)."""
+    defaults, grpo, sampling = RunConfig(), GRPOConfig(), SamplingConfig()
+    for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "loss_agg", "ratio"):
+        assert getattr(defaults, name) == getattr(grpo, name), name
+    assert (defaults.temperature, defaults.top_p) == (sampling.temperature, sampling.top_p)
+    optimizer = inspect.signature(make_optimizer).parameters
+    for name in ("learning_rate", "weight_decay", "max_grad_norm"):
+        assert getattr(defaults, name) == optimizer[name].default, name
+    assert defaults.learning_rate == 1e-6
+    assert defaults.mode == inspect.signature(train.train_step).parameters["mode"].default
+
+
+def test_former_option_names_still_parse(tmp_path):
+    """The former spellings (--clip-low, --lr, ...) on the command line and in a --config file give the same
+    RunConfig and the same explicit options as the library's names; --help lists both; a file that gives one option
+    under both spellings is an error naming them."""
+    assert FORMER_NAMES == {old: new for old, (new, _) in RENAMED.items()}
+    flag = lambda name: "--" + name.replace("_", "-")
+    new = [x for new, value in RENAMED.values() for x in (flag(new), str(value))]
+    old = [x for name, (_, value) in RENAMED.items() for x in (flag(name), str(value))]
+    config, explicit = parse_args(new)
+    assert parse_args(old) == (config, explicit) and explicit == {new for new, _ in RENAMED.values()}
+    assert all(getattr(config, new) == value for new, value in RENAMED.values())
+    old_file, new_file = tmp_path / "old.toml", tmp_path / "new.toml"
+    old_file.write_text("".join(f"{name.replace('_', '-') if i % 2 else name} = {value}\n"
+                                for i, (name, (_, value)) in enumerate(RENAMED.items())))
+    new_file.write_text("".join(f"{new} = {value}\n" for new, value in RENAMED.values()))
+    from_old, from_new = parse_args(["--config", str(old_file)]), parse_args(["--config", str(new_file)])
+    assert from_old[1] == from_new[1] == explicit | {"config"}
+    assert dataclasses.replace(from_old[0], config=None) == dataclasses.replace(from_new[0], config=None) == config
+    assert "--clip-eps-low CLIP_EPS_LOW, --clip-low CLIP_EPS_LOW" in build_parser().format_help()
+    old_file.write_text("lr = 1e-4\nlearning_rate = 1e-5\n")
+    with pytest.raises(ValueError, match=re.escape("'lr' and 'learning_rate' are the same option (--learning-rate)")):
+        parse_args(["--config", str(old_file)])
+
+
+def test_options_saved_under_former_names_are_read_with_the_current_ones(tmp_path):
+    """A run saved before the renames (its config.json and checkpoint meta hold clip_low, lr, ...) resumes with its
+    options, and an explicit option is compared with the saved one it replaces; a run that completed no checkpoint is
+    still recognised (and restarted or resumed); one option saved under both names is an error."""
+    saved = RunConfig(**{new: value for new, value in RENAMED.values()}, prompt_len=48).saved()
+    former = {next((old for old, (n, _) in RENAMED.items() if n == k), k): v for k, v in saved.items()}
+    assert set(former) - set(saved) == set(RENAMED) and current_names(former) == saved
+    assert RunConfig().resumed(former) == RunConfig().resumed(saved)
+    with pytest.raises(RunError, match=r"--clip-eps-low=0.5 differs from the run being resumed \(0.1\)"):
+        RunConfig(clip_eps_low=0.5).resumed(former, {"clip_eps_low"})
+    with pytest.raises(ValueError, match=r"'lr' and 'learning_rate' are the same option \(--learning-rate\)"):
+        current_names(dict(former, learning_rate=1e-4))
+    (tmp_path / "config.json").write_text(json.dumps(former))
+    assert outdir.early_run_config(str(tmp_path)) == saved
+
+
+def test_resume_of_a_run_saved_under_former_names(full_run, tmp_path):
+    """A 2-step run whose config.json and checkpoint meta are rewritten to the former names (as a run saved before
+    the renames holds them) resumes to step 3 bit-identical to the uninterrupted run, and `python -m
+    longstraw_jax.evaluate --resume` reads its options."""
+    first, _ = full_run
+    out = str(tmp_path / "old")
+    assert run.main(SMALL + ["--steps", "2", "--out", out]) == 0
+    for path in (os.path.join(out, "config.json"), os.path.join(out, "checkpoints", "2", "meta", "metadata")):
+        with open(path) as f:
+            stored = json.load(f)
+        options = stored.get("config", stored)
+        for old, (new, _) in RENAMED.items():
+            options[old] = options.pop(new)
+        with open(path, "w") as f:
+            json.dump(stored, f)
+    assert "lr" in restore(out)[2]["config"]
+    config, _ = evaluate.config_of(evaluate.build_parser().parse_args(["--resume", out]))
+    assert (config.learning_rate, config.clip_eps_low, config.sft_learning_rate) == (3e-3, 0.2, 1e-3)
+    assert run.main(["--out", out, "--resume", "--steps", "3", "--lr", "3e-3"]) == 0  # explicit, former, equal
+    resumed, resumed_opt, meta = restore(out)
+    straight, straight_opt, _ = restore(first)
+    assert meta["step"] == 3 and bits(resumed) == bits(straight) and bits(resumed_opt) == bits(straight_opt)
+    assert meta["config"]["learning_rate"] == 3e-3 and "lr" not in meta["config"]  # saved again by current names
 
 
 def test_step_validates_its_batch_once(full_run):
@@ -327,8 +426,8 @@ def test_step_validates_its_batch_once(full_run):
 def test_decode_batch_reaches_the_sampler():
     """--decode-batch N: the task sampler's SamplingConfig decodes N branches at a time (default: all G); it may
     change on --resume (the tokens do not depend on it)."""
+    from longstraw_jax.trainer.components import data_source
     from longstraw_jax.trainer.config import CHANGEABLE
-    from longstraw_jax.trainer.setup import data_source
 
     assert data_source(parse_args(["-G", "4", "--decode-batch", "2"])[0], 32).sampling.decode_batch == 2
     assert data_source(parse_args(["-G", "4"])[0], 32).sampling.decode_batch is None

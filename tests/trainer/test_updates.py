@@ -1,7 +1,7 @@
 """The trainer's update options: --updates-per-batch (mu updates from one sampled batch, the later ones capturing
 afresh), --drop-uniform-groups (groups of equal rewards left out; no update when none is left; --refill-batches:
 the next batches sampled until -B groups carry a signal) and --ratio /
---clip-low / --clip-high reaching the objective."""
+--clip-eps-low / --clip-eps-high reaching the objective."""
 import jax
 import numpy as np
 import pytest
@@ -75,7 +75,8 @@ def test_updates_per_batch_reuse_the_batch_capturing_afresh(tmp_path):
     """--updates-per-batch 2: the second update is a train_step on the same batch (the sampler's log-probs as old
     log-probs) from the first update's params, capturing the prompt itself; its ratio is no longer 1."""
     flags = SMALL + ["--reward", "tests.trainer.test_run:token_reward", "--steps", "1", "--updates-per-batch", "2",
-                     "--ratio", "sequence", "--clip-low", "0.001", "--clip-high", "0.001", "--lr", "3e-2"]
+                     "--ratio", "sequence", "--clip-eps-low", "0.001", "--clip-eps-high", "0.001",
+                     "--learning-rate", "3e-2"]
     trainer = Trainer(*parse_args(flags + ["--out", str(tmp_path / "a")]))
     assert (trainer.grpo.ratio, trainer.grpo.clip_eps_low, trainer.grpo.clip_eps_high) == ("sequence", 1e-3, 1e-3)
     batch, _, captured = trainer.data.batch(trainer.model, trainer.params, trainer.key, 0, 0)

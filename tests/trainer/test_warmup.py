@@ -21,7 +21,7 @@ import pytest
 
 from longstraw_jax import models
 from longstraw_jax.tasks import dataset
-from longstraw_jax.trainer import cli as run, setup, warmup
+from longstraw_jax.trainer import cli as run, components, warmup
 from tests.tasks.test_dataset import VOCAB, data_args, rows_of, write_jsonl
 
 STOP = 3  # <|im_end|> in tests/tasks/test_dataset.py's tokenizer ("[UNK]" is id 0)
@@ -46,7 +46,7 @@ def tiny_model():
 
 def test_targets_are_the_answer_tokens_and_the_stop_token(tmp_path, tokenizer):
     task, train, _ = training_task(tmp_path, tokenizer, rows_of(12, messages=True))
-    buckets = setup.PromptBuckets(multiple=8, max_length=32, pad_id=1)
+    buckets = components.PromptBuckets(multiple=8, max_length=32, pad_id=1)
     targets = warmup.DatasetTargets(task, "answer", STOP, response_len=4, buckets=buckets, seed=7, pad_token=1)
     prompts, left_pad, out, mask = targets.batch(0, 3)
     assert prompts.shape == (3, 16) and out.shape == (3, 4) and mask.shape == (3, 4)  # 11 tokens -> bucket 16
@@ -100,7 +100,7 @@ def test_padded_prompt_and_row_by_row_give_the_same_loss_and_gradient(tiny_model
 def test_warm_up_on_a_dataset_lowers_the_loss(tmp_path, tokenizer, tiny_model):
     model, params = tiny_model
     task, _, _ = training_task(tmp_path, tokenizer, rows_of(12, messages=True))
-    targets = warmup.DatasetTargets(task, "answer", STOP, 3, setup.PromptBuckets(8, 16), seed=1)
+    targets = warmup.DatasetTargets(task, "answer", STOP, 3, components.PromptBuckets(8, 16), seed=1)
     prompts, left_pad, out, mask = targets.batch(0, 9)  # every training row
     before = float(warmup.sft_loss(model, params, prompts, out, mask, left_pad)[0])
     first, first_pad, first_out, first_mask = targets.batch(0, 3)  # step 1's batch
@@ -145,7 +145,8 @@ def test_trainer_warm_up_on_data_then_grpo(tmp_path, tok_dir, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", rows_of(12, messages=True))
     out = str(tmp_path / "run")
     argv = data_args(data, tok_dir, "--steps", "1", "--out", out, "--sft-steps", "3", "--sft-batch", "2",
-                     "--sft-lr", "1e-2", "--eval-fraction", "0.25", "--eval-every", "1", "--eval-prompts", "2")
+                     "--sft-learning-rate", "1e-2", "--eval-fraction", "0.25", "--eval-every", "1",
+                     "--eval-prompts", "2")
     assert run.main(argv) == 0
     printed = capsys.readouterr().out
     assert "warm-up: 3 supervised steps x 2 training rows of" in printed and "warm-up    3/3" in printed

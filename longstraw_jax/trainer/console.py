@@ -1,5 +1,6 @@
-"""What a run reports: the metrics.jsonl record of one step, and the lines it prints (a header, a progress line
-per step, lines while a long phase of a step runs (`PhaseTicker`), a summary at the end)."""
+"""What a run prints on the console: a header, a progress line per step, lines while a long phase of a step runs
+(`PhaseTicker`), a summary at the end. (The metrics.jsonl record of a step, which the progress line and the summary
+read: trainer/metrics.py:step_record.)"""
 from __future__ import annotations
 
 import contextlib
@@ -11,25 +12,6 @@ import jax
 import numpy as np
 
 from longstraw_jax.trainer import metrics
-
-
-class NoLog:
-    """metrics.jsonl (samples.jsonl) on the processes other than 0: they compute the same records, process 0 writes
-    them. The interface of metrics.MetricsLog."""
-
-    path = None
-
-    def keep_until(self, step: int) -> list[str]:
-        return []
-
-    def write(self, record: dict) -> None:
-        pass
-
-    def write_many(self, records: list[dict]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class PhaseTicker:
@@ -103,22 +85,6 @@ def _count(x: float) -> str:
 def _duration(seconds: float) -> str:
     return (f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200
             else f"{seconds / 3600:.1f} h")
-
-
-def step_record(step: int, step_metrics: dict, extra: dict, batch, start: float, sampled: float,
-                done: float) -> dict:
-    """One metrics.jsonl line: the step's metrics (host values), the data source's extras, token counts, timings
-    (perf_counter at the step's start, after sampling and after the update) and peak memory."""
-    pads = 0 if batch.left_pad is None else int(np.sum(batch.left_pad))
-    prompt_tokens = int(np.size(batch.prompt)) - pads  # real tokens, over all groups of the step
-    response_tokens = int(batch.mask.sum())
-    peak, source = metrics.peak_memory()
-    return {"step": step, **{k: float(v) for k, v in step_metrics.items()}, **extra,
-            "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
-            "group_size": int(batch.responses.shape[-2]), "groups": int(np.prod(batch.responses.shape[:-2])),
-            "tokens_per_s": (prompt_tokens + response_tokens) / (done - start),
-            "rollout_s": sampled - start, "update_s": done - sampled, "step_s": done - start,
-            "peak_mem_bytes": peak, "peak_mem_source": source}
 
 
 def header(trainer) -> str:
