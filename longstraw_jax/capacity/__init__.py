@@ -85,11 +85,11 @@ reference phase.
 `--search` binary-searches the longest prompt (to --search-step positions) whose step peak fits --device-gb.
 
 **Time model** (`--time --hardware h20|h100|h200`): per device, the seconds of each phase, a roofline of the
-compiled programs' costs with every loop's trip count applied (`cost.py`: FLOPs, HBM bytes and collective bytes
+compiled programs' costs with every loop's trip count applied (`hlo/`: FLOPs, HBM bytes and collective bytes
 from the compiled HLO; `hardware.py`: the device kinds' peaks and `roofline`; `timing.py`: the phases,
 `decode_steps_per_group`). Besides the capture and the update it compiles one decode step of the mesh sampler
 (`planner.decode_step`) and the update given the sampler's capture (no capture of its own). Routed experts (GLM-5.x)
-are costed as a GPU's grouped matmul, not as XLA:CPU runs them (`cost.ExpertModel`, `Planner.expert_model`);
+are costed as a GPU's grouped matmul, not as XLA:CPU runs them (`hlo.ExpertModel`, `Planner.expert_model`);
 `--hlo-dir DIR` writes each costed program's HLO text (to cost it again without compiling). docs/architecture.md 6.
 
 Caveats: sizes come from XLA:CPU's buffer assignment for the per-device SPMD program; a GPU compile differs
@@ -101,9 +101,9 @@ float32 conversion out of loops and overstates scratch memory). Qwen3.6 and GLM-
 JAX must be set up before its backend starts (`cli.setup_jax`: the simulated device count and the XLA flag above);
 a Python caller passes `devices` (a subset of an already started backend's) to `Planner` instead.
 """
-from longstraw_jax.capacity.cost import Cost, hlo_cost, program_cost
 from longstraw_jax.capacity.footprint import largest_layer_bytes, local_bytes, memory_total, tree_bytes
 from longstraw_jax.capacity.hardware import HARDWARE, Hardware, hardware, roofline
+from longstraw_jax.capacity.hlo import Cost, hlo_cost, program_cost
 from longstraw_jax.capacity.phases import (
     REFERENCE_COLUMNS,
     SAMPLING_COLUMNS,

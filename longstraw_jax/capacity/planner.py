@@ -16,7 +16,6 @@ import numpy as np
 
 from longstraw_jax import models, sharding, train
 from longstraw_jax.adapters import lora, trainable
-from longstraw_jax.capacity.cost import Cost, ExpertModel, program_cost
 from longstraw_jax.capacity.footprint import (
     decode_gathered_bytes,
     largest_layer_bytes,
@@ -25,6 +24,7 @@ from longstraw_jax.capacity.footprint import (
     tree_bytes,
 )
 from longstraw_jax.capacity.hardware import Hardware
+from longstraw_jax.capacity.hlo import Cost, ExpertModel, program_cost
 from longstraw_jax.capacity.phases import (
     local_groups,
     ragged_exchange_bytes,
@@ -331,7 +331,7 @@ class Planner:
         return self._programs[key]
 
     def program_costs(self, prompt_len: int, group: int, mode: str) -> dict[str, Cost]:
-        """Per-device `Cost` (cost.py: loops multiplied by their trip counts) of one execution of each program:
+        """Per-device `Cost` (hlo/: loops multiplied by their trip counts) of one execution of each program:
         {"capture", "decode_step", "update"}. A loop with no bound on its trip count (`Cost.unknown_loops`) is an
         error (the time would be a lower bound); data-dependent loops are counted at their bound
         (`Cost.bounded_loops`)."""
@@ -359,7 +359,7 @@ class Planner:
         return out
 
     def expert_model(self, program: str) -> ExpertModel | None:
-        """How the time model costs a program's routed experts: as a GPU's grouped matmul (`cost.ExpertModel`), E
+        """How the time model costs a program's routed experts: as a GPU's grouped matmul (`hlo.ExpertModel`), E
         = the config's routed experts; None for a model without them. In the decode step each branch's one token is
         the same on every seq shard and, where the experts are expert-parallel, each shard sends a 1 / seq slice of
         it, padded to one row per shard (`sharding/experts.py`, replicated_over_seq): 1 of the seq rows is real."""
