@@ -1,7 +1,7 @@
 """Capacity planner: per-device memory of one whole trainer step (sampling, then the update), from shapes only.
 
 The command line of `python -m longstraw_jax.plan` (tools/plan_capacity.py runs the same); what it computes and why:
-the `longstraw_jax.capacity` package docstring.
+docs/architecture.md section 6.
 
     python -m longstraw_jax.plan --config configs/qwen3.6-27b.json --mesh 1x8 -P 2100000,4460000 -G 2,8 \
         --modes exact,detached --device-gb 96 --markdown

@@ -1,7 +1,7 @@
 """`Planner`: the per-device bytes of one trainer step for a model config on a simulated mesh, from shapes only.
 The update is the trainer's step AOT-compiled (`train.jitted_train_step_donated`), the capture is
-`engine.capture.jitted_capture_on_mesh` AOT-compiled, the rest is analytic (the model is in this package's
-docstring)."""
+`engine.capture.jitted_capture_on_mesh` AOT-compiled, the rest is analytic (the model: docs/architecture.md
+section 6)."""
 from __future__ import annotations
 
 import dataclasses
@@ -129,7 +129,7 @@ class Planner:
         return self.mesh.shape["data"]
 
     def components(self, prompt_len: int, mode: str) -> dict[str, int]:
-        """Analytic per-device bytes of what the update must hold (see the package docstring)."""
+        """Analytic per-device bytes of what the update must hold (docs/architecture.md 6)."""
         out = {"params": local_bytes(self.params), "optimizer": local_bytes(self.opt_state),
                "grads": local_bytes(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32,
                                                                                 sharding=p.sharding),
@@ -187,7 +187,7 @@ class Planner:
         return self._captures[prompt_len]
 
     def sampling(self, prompt_len: int, group: int, mode: str, groups: int) -> dict[str, int]:
-        """The sampling phase's per-device bytes (package docstring) for `groups` groups per data slice."""
+        """The sampling phase's per-device bytes (docs/architecture.md 6) for `groups` groups per data slice."""
         parts = self.components(prompt_len, mode)
         capture = self.capture(prompt_len)
         shared, per_group = self.decode_bytes(group)
