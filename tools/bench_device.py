@@ -27,7 +27,7 @@ delta rule's intra-chunk products). XLA's `cost_analysis()` counts a loop body o
 loop-free config (tests/tools/test_bench.py).
 
 **Time model vs measured**: each program timed (the capture reported, each train_step) is also costed by the
-planner's time model (`longstraw_jax.capacity`: `cost.program_cost` of the compiled executable that ran, loops
+planner's time model (`longstraw_jax.capacity`: `hlo.program_cost` of the compiled executable that ran, loops
 multiplied by their trip counts, and `hardware.breakdown`, the roofline max(FLOPs / FLOP/s, HBM bytes / HBM B/s) +
 collective bytes / link B/s) on the device's entry (`hardware.for_device`: h200, h100, b200, ... by the device kind; on
 XLA:CPU the `cpu` entry, whose peaks are rough round numbers; "n/a" for a device without an entry); a second table
@@ -129,10 +129,10 @@ def _timed(fn, reps: int) -> list[float]:
 
 def time_model(compiled, device) -> dict:
     """The planner's time model of one compiled program on `device`: {"model_cost": its per-device cost
-    (`capacity.cost.program_cost`, as a dict), "model_hardware": the device's entry (`capacity.hardware.for_device`)
+    (`capacity.hlo.program_cost`, as a dict), "model_hardware": the device's entry (`capacity.hardware.for_device`)
     or None, "model_terms": the roofline's terms in seconds (compute, memory, collectives, total) or None}."""
-    from longstraw_jax.capacity.cost import program_cost
     from longstraw_jax.capacity.hardware import breakdown, for_device
+    from longstraw_jax.capacity.hlo import program_cost
 
     hw = for_device(device.device_kind, device.platform)
     c = program_cost(compiled)

@@ -1,7 +1,7 @@
 """Capacity planner: per-device memory of one whole trainer step (sampling, then the update), from shapes only.
 
 The command line of `python -m longstraw_jax.plan` (tools/plan_capacity.py runs the same); what it computes and why:
-the `longstraw_jax.capacity` package docstring.
+docs/architecture.md section 6.
 
     python -m longstraw_jax.plan --config configs/qwen3.6-27b.json --mesh 1x8 -P 2100000,4460000 -G 2,8 \
         --modes exact,detached --device-gb 96 --markdown
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hardware", choices=sorted(HARDWARE), default="h200",
                     help="--time: the device kind whose peaks the roofline uses (default h200; capacity/hardware.py)")
     ap.add_argument("--hlo-dir", metavar="DIR", help="--time: also write each costed program's compiled HLO text "
-                    "into DIR (capacity/cost.py can cost it again: `hlo_cost(open(file).read())`)")
+                    "into DIR (capacity/hlo can cost it again: `hlo_cost(open(file).read())`)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--unit", choices=("GiB", "MiB"), default="GiB", help="table unit (default GiB)")
     ap.add_argument("--json", metavar="FILE", help="also write every row as JSON (bytes per phase; 'fits' per row)")
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 start = time.perf_counter()
                 try:
                     timing["rows"].append(planner.timing(row["P"], row["G"], row["mode"], row["B"], hw))
-                except ValueError as e:  # a loop without any bound on its trip count (cost.py)
+                except ValueError as e:  # a loop without any bound on its trip count (hlo/walk.py)
                     print(f"error: --time: {e}", file=sys.stderr)
                     return 2
                 print(f"  timed {row['mode']} G={row['G']} P={row['P']:,} ({time.perf_counter() - start:.0f} s)",

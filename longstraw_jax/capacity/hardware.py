@@ -1,5 +1,5 @@
-"""Device kinds for the planner's time model (and tools/bench_device.py's MFU), and the roofline that turns a
-`cost.Cost` into seconds.
+"""Device kinds for the planner's time model (and tools/bench_device.py's MFU), and the roofline that turns an
+`hlo.Cost` into seconds.
 
 Each number is the vendor's peak for one device, with its source next to it. Conventions:
 
@@ -9,7 +9,7 @@ Each number is the vendor's peak for one device, with its source next to it. Con
 * `link_per_s`: NVLink bytes/s **per device per direction**. NVIDIA quotes 900 GB/s for fourth-generation NVLink
   (18 links x 50 GB/s), the total of both directions: 450 GB/s each way (vendors' tables write "450 GB/s
   unidirectional, 900 GB/s bidirectional"); likewise 1.8 TB/s for fifth-generation NVLink (900 GB/s each way) and
-  600 GB/s for the H100 PCIe card's NVLink bridge (300 GB/s each way). `cost.Cost.collective_bytes` counts what
+  600 GB/s for the H100 PCIe card's NVLink bridge (300 GB/s each way). `hlo.Cost.collective_bytes` counts what
   one device sends (= what it receives, in the patterns counted there), so it is divided by the per-direction rate.
 * `hbm_bytes`: HBM capacity in bytes (1 GB = 1e9 B).
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from longstraw_jax.capacity.cost import Cost
+from longstraw_jax.capacity.hlo import Cost
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The two phases of a trainer step and the step's peak, per device, from their components' bytes (pure integer
-arithmetic; the components come from `planner.Planner`, the model is in this package's docstring)."""
+arithmetic; the components come from `planner.Planner`, the model: docs/architecture.md section 6)."""
 from __future__ import annotations
 
 UPDATE_COLUMNS = ("params", "optimizer", "grads", "state", "cotangent", "rest", "others", "total")
@@ -20,7 +20,7 @@ def local_groups(groups_per_step: int, data: int) -> int:
 
 def sampling_phase(*, params: int, optimizer: int, state: int, boundaries: int, tail: int, decode_shared: int,
                    decode_per_group: int, capture_temp: int, groups: int) -> dict[str, int]:
-    """Per-device bytes of the sampling phase for `groups` (= B / data) groups per data slice (package docstring):
+    """Per-device bytes of the sampling phase for `groups` (= B / data) groups per data slice (docs/architecture.md 6):
     resident params + optimizer + the groups' states (+ boundaries), then the larger of the capture's transient
     (groups x capture_temp) and the decode's (groups x (tail + decode_per_group) + decode_shared)."""
     out = dict(params=params, optimizer=optimizer, state=groups * state, boundaries=groups * boundaries,

@@ -1,7 +1,7 @@
 """`Planner`: the per-device bytes of one trainer step for a model config on a simulated mesh, from shapes only.
 The update is the trainer's step AOT-compiled (`train.jitted_train_step_donated`), the capture is
-`engine.capture.jitted_capture_on_mesh` AOT-compiled, the rest is analytic (the model is in this package's
-docstring)."""
+`engine.capture.jitted_capture_on_mesh` AOT-compiled, the rest is analytic (the model: docs/architecture.md
+section 6)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +16,6 @@ import numpy as np
 
 from longstraw_jax import models, sharding, train
 from longstraw_jax.adapters import lora, trainable
-from longstraw_jax.capacity.cost import Cost, ExpertModel, program_cost
 from longstraw_jax.capacity.footprint import (
     decode_gathered_bytes,
     largest_layer_bytes,
@@ -25,6 +24,7 @@ from longstraw_jax.capacity.footprint import (
     tree_bytes,
 )
 from longstraw_jax.capacity.hardware import Hardware
+from longstraw_jax.capacity.hlo import Cost, ExpertModel, program_cost
 from longstraw_jax.capacity.phases import (
     local_groups,
     ragged_exchange_bytes,
@@ -129,7 +129,7 @@ class Planner:
         return self.mesh.shape["data"]
 
     def components(self, prompt_len: int, mode: str) -> dict[str, int]:
-        """Analytic per-device bytes of what the update must hold (see the package docstring)."""
+        """Analytic per-device bytes of what the update must hold (docs/architecture.md 6)."""
         out = {"params": local_bytes(self.params), "optimizer": local_bytes(self.opt_state),
                "grads": local_bytes(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32,
                                                                                 sharding=p.sharding),
@@ -187,7 +187,7 @@ class Planner:
         return self._captures[prompt_len]
 
     def sampling(self, prompt_len: int, group: int, mode: str, groups: int) -> dict[str, int]:
-        """The sampling phase's per-device bytes (package docstring) for `groups` groups per data slice."""
+        """The sampling phase's per-device bytes (docs/architecture.md 6) for `groups` groups per data slice."""
         parts = self.components(prompt_len, mode)
         capture = self.capture(prompt_len)
         shared, per_group = self.decode_bytes(group)
@@ -331,7 +331,7 @@ class Planner:
         return self._programs[key]
 
     def program_costs(self, prompt_len: int, group: int, mode: str) -> dict[str, Cost]:
-        """Per-device `Cost` (cost.py: loops multiplied by their trip counts) of one execution of each program:
+        """Per-device `Cost` (hlo/: loops multiplied by their trip counts) of one execution of each program:
         {"capture", "decode_step", "update"}. A loop with no bound on its trip count (`Cost.unknown_loops`) is an
         error (the time would be a lower bound); data-dependent loops are counted at their bound
         (`Cost.bounded_loops`)."""
@@ -359,7 +359,7 @@ class Planner:
         return out
 
     def expert_model(self, program: str) -> ExpertModel | None:
-        """How the time model costs a program's routed experts: as a GPU's grouped matmul (`cost.ExpertModel`), E
+        """How the time model costs a program's routed experts: as a GPU's grouped matmul (`hlo.ExpertModel`), E
         = the config's routed experts; None for a model without them. In the decode step each branch's one token is
         the same on every seq shard and, where the experts are expert-parallel, each shard sends a 1 / seq slice of
         it, padded to one row per shard (`sharding/experts.py`, replicated_over_seq): 1 of the seq rows is real."""

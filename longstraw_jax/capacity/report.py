@@ -60,7 +60,7 @@ def format_times(rows: list[dict], hw, markdown: bool) -> str:
     notes = [f"{r['mode']} G={r['G']} P={r['P']:,}: " + ", ".join(
         f"{phase} {bound(r, phase)}-bound ({r['seconds'][phase]['collectives']:.3g} s of collectives)"
         for phase in ("capture", "sampling", "update"))
-        + (f"; {bounded(r)} data-dependent loops counted at their bound (cost.py)" if bounded(r) else "")
+        + (f"; {bounded(r)} data-dependent loops counted at their bound (hlo/walk.py)" if bounded(r) else "")
         for r in rows]
     programs = _table(["mode", "G", "P", "program", "GFLOP", "HBM GB", "collective GB", "by kind GB"],
                       [[r["mode"], str(r["G"]), f"{r['P']:,}", name, _figure(c["flops"] / 1e9),

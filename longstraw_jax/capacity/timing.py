@@ -7,7 +7,7 @@
     step      = capture + sampling + update
 
 `groups` = B / data, the groups one data slice handles (each slice runs in parallel with the others). Each program's
-cost (`cost.Cost`) is per device, from its compiled HLO with every loop's trip count applied (`cost.py`); the
+cost (`hlo.Cost`) is per device, from its compiled HLO with every loop's trip count applied (`hlo/`); the
 roofline (`hardware.roofline`) is max(compute, HBM) + collectives: collectives are not overlapped with anything.
 
 Approximations, all stated: the decode step is the sampler's per-token program for N branches (the model's mesh
@@ -15,12 +15,12 @@ Approximations, all stated: the decode step is the sampler's per-token program f
 single-group programs by B / data, an upper bound where the slice's groups share a program (the trainer's sampler
 decodes a slice's groups together: each decode step reads each layer's weights once for all of them; AdamW runs once
 per step, not once per group). MoE models' routed experts are costed as a GPU's grouped matmul, not as XLA:CPU's
-lowering (`cost.ExpertModel`, chosen per program by `Planner.expert_model`).
+lowering (`hlo.ExpertModel`, chosen per program by `Planner.expert_model`).
 """
 from __future__ import annotations
 
-from longstraw_jax.capacity.cost import Cost
 from longstraw_jax.capacity.hardware import Hardware, breakdown
+from longstraw_jax.capacity.hlo import Cost
 
 PHASES = ("capture", "sampling", "update")
 

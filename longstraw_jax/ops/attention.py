@@ -126,7 +126,7 @@ def for_each_block(seq_len, block_size, carry, visit, visible_prefix, outputs=No
             return i + 1, carry, store(outputs, block_outputs, i * block_size)
 
         # `i < num_blocks` is implied by `i < trips`; stated so that the compiled condition carries a static bound
-        # (a cost model that cannot evaluate `trips` counts the loop at num_blocks: capacity/cost.py)
+        # (a cost model that cannot evaluate `trips` counts the loop at num_blocks: capacity/hlo/walk.py)
         cond = lambda st: (st[0] < trips) & (st[0] < num_blocks)
         _, carry, outputs = jax.lax.while_loop(cond, body, (jnp.int32(0), carry, outputs))
     if tail:

@@ -57,7 +57,7 @@ class SamplingConfig:
     branch (it is kept, with mask 1). stop_tokens: more ids that end a branch the same way (a tuple; a list is
     turned into one): `stops` is the union. pad_token: written after the stop token (mask 0). decode_batch: how many
     branches decode together (None: all G of a group; N must divide G: G / N batches one after another, each R
-    steps). The tokens do not depend on it; memory does (N tails live at once, `capacity` package docstring).
+    steps). The tokens do not depend on it; memory does (N tails live at once, docs/architecture.md 6).
     """
 
     response_len: int = 16

@@ -1,12 +1,13 @@
-"""`capacity/cost.py`: per-device FLOPs, HBM bytes and collective bytes of compiled programs, loops multiplied by
+"""`capacity/hlo/`: per-device FLOPs, HBM bytes and collective bytes of compiled programs, loops multiplied by
 their trip counts. Tiny programs on the 8 simulated CPU devices (tests/conftest.py); every expected number is
-computed from the shapes and the formulas of the module docstring, none is a recorded result."""
+computed from the shapes and the formulas of the package's module docstrings, none is a recorded result."""
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from longstraw_jax.capacity.cost import (
+from longstraw_jax.capacity.hardware import HARDWARE, breakdown, for_device, hardware, roofline
+from longstraw_jax.capacity.hlo import (
     Cost,
     ExpertModel,
     group_size,
@@ -16,7 +17,6 @@ from longstraw_jax.capacity.cost import (
     trip_count,
     xla_cost,
 )
-from longstraw_jax.capacity.hardware import HARDWARE, breakdown, for_device, hardware, roofline
 from tests.helpers import ROOT
 
 F32 = 4
@@ -325,7 +325,7 @@ def test_a_model_forward_costs_its_analytic_flops_with_every_loop_counted():
     assert cost.flops == pytest.approx(analytic["dense"] + analytic["head"] + square, rel=1e-9)
 
 
-# ----- routed experts: costed as a GPU's grouped matmul (cost.ExpertModel) ----------------------------------------
+# ----- routed experts: costed as a GPU's grouped matmul (hlo.ExpertModel) ----------------------------------------
 
 
 def _expert_costs(compiled, routed, fraction=1.0):
@@ -395,7 +395,7 @@ def test_the_gathered_exchange_costs_this_devices_share_of_the_rows(fraction):
     assert gpu.expert_hbm_bytes == pytest.approx(3 * (rows * (d + i) + min(local, rows) * d * i) * 2, rel=1e-12)
     assert gpu.flops - gpu.expert_flops == pytest.approx(cpu.flops - cpu.expert_flops, rel=1e-12)
     assert gpu.hbm_bytes - gpu.expert_hbm_bytes == pytest.approx(cpu.hbm_bytes - cpu.expert_hbm_bytes, rel=1e-12)
-    assert gpu.collective_bytes == cpu.collective_bytes  # the exchange's collectives: as compiled (module docstring)
+    assert gpu.collective_bytes == cpu.collective_bytes  # the exchange's collectives: as compiled (hlo/experts.py)
 
 
 def test_the_expert_model_rejects_bad_input_and_a_program_without_experts_is_unchanged():
@@ -436,7 +436,8 @@ def test_for_each_blocks_compiled_condition_is_false_at_its_static_bound_whateve
     """`ops/attention.for_each_block`'s loop condition, as compiled, states the static bound num_blocks: evaluated
     with only the counter known (the data-dependent `trips` unknown, as where XLA precomputes it into a vector: the
     GLM-5.2 replay's indexer loop over its own keys), it is false at num_blocks and undecided below."""
-    from longstraw_jax.capacity import cost as cost_module
+    from longstraw_jax.capacity.hlo.parse import called
+    from longstraw_jax.capacity.hlo.walk import Walk
     from longstraw_jax.ops.attention import for_each_block
 
     blocks, size, d = 5, 8, 16
@@ -447,27 +448,28 @@ def test_for_each_blocks_compiled_condition_is_false_at_its_static_bound_whateve
 
     text = _compile(f, jax.ShapeDtypeStruct((blocks * size, d), jnp.float32),
                     jax.ShapeDtypeStruct((), jnp.int32)).as_text()
-    module = cost_module._Module(text, {})
-    loops = [i for instrs in module.computations.values() for i in instrs if i.opcode == "while"]
+    module = Walk(text, {})
+    computations = module.program.computations
+    loops = [i for instrs in computations.values() for i in instrs if i.opcode == "while"]
     assert len(loops) == 1
-    cond = cost_module._called(loops[0], "condition")[0]
-    root = next(i for i in module.computations[cond] if i.root)
+    cond = called(loops[0], "condition")[0]
+    root = next(i for i in computations[cond] if i.root)
     values = {}
-    for slot in module.reads(cond, root.name):  # the counter and the trips: set one, the other unknown
-        values[slot] = [module.value(cond, root.name, ((slot, (float(i), float(i))),)) for i in (0, blocks)]
+    for slot in module.relevance.reads(cond, root.name):  # the counter and the trips: set one, the other unknown
+        values[slot] = [module.scalars.value(cond, root.name, ((slot, (float(i), float(i))),)) for i in (0, blocks)]
     assert [(0.0, 1.0), (0.0, 0.0)] in values.values(), values
 
 
 def _costs_both_ways(compiled, experts=None):
     """(cost with walks cached by the values their loops read, brute force: every walk keyed by all known values),
     asserted equal to 1e-9 relative, and the number of walks each evaluated."""
-    from longstraw_jax.capacity import cost as cost_module
+    from longstraw_jax.capacity.hlo.walk import Walk
 
     text = compiled.as_text()
     out = []
     for project in (True, False):
-        module = cost_module._Module(text, {}, experts, project)
-        out.append((module.walk(module.entry, False), len(module._walks)))
+        module = Walk(text, {}, experts, project)
+        out.append((module.walk(module.program.entry, False), len(module._walks)))
     (fast, fast_walks), (brute, brute_walks) = out
     assert fast.flops == pytest.approx(brute.flops, rel=1e-9) and fast.flops > 0
     assert fast.hbm_bytes == pytest.approx(brute.hbm_bytes, rel=1e-9)

@@ -91,8 +91,8 @@ def test_plan_time_reports_each_phase_and_the_decode_step(tmp_path):
     """--time --hardware h200 on the golden's configuration (detached only): every phase has positive seconds, the
     decode step's per-device FLOPs, HBM bytes and collective bytes are positive and sit under the new "time" key with
     the decode steps per group (timing.decode_steps_per_group), and the memory rows are the golden's, unchanged.
-    --hlo-dir writes the three costed programs' HLO, which cost.py costs again to the JSON's figures."""
-    from longstraw_jax.capacity.cost import hlo_cost
+    --hlo-dir writes the three costed programs' HLO, which capacity/hlo costs again to the JSON's figures."""
+    from longstraw_jax.capacity.hlo import hlo_cost
     from longstraw_jax.capacity.timing import PHASES, decode_steps_per_group
 
     modes = GOLDEN_ARGS.index("--modes")
@@ -133,7 +133,7 @@ def test_the_planner_costs_routed_experts_as_a_gpus_grouped_matmul():
     branch's one token), all of them in the capture and the update and where the experts are not expert-parallel."""
     import jax
 
-    from longstraw_jax.capacity.cost import ExpertModel
+    from longstraw_jax.capacity.hlo import ExpertModel
     from longstraw_jax.capacity.planner import Planner
     from longstraw_jax.models.glm52 import Glm52Config
 
