@@ -40,6 +40,10 @@ _NVLINK4_PER_DIRECTION = 900e9 / 2  # 900 GB/s total bidirectional (NVLink 4: 18
 _NVLINK5_PER_DIRECTION = 1.8e12 / 2  # 1.8 TB/s total bidirectional (NVLink 5: 18 links x 50 GB/s each way)
 
 HARDWARE = {
+    "a100": Hardware(
+        "a100", flops_per_s=312e12, hbm_per_s=2.039e12, link_per_s=600e9 / 2, hbm_bytes=80e9,
+        source="NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column: BF16 Tensor Core 312 TFLOPS (624 with "
+               "sparsity), GPU memory 80 GB HBM2e, 2,039 GB/s, NVLink 600 GB/s (third generation)"),
     "h100-pcie": Hardware(
         "h100-pcie", flops_per_s=756e12, hbm_per_s=2.0e12, link_per_s=600e9 / 2, hbm_bytes=80e9,
         source="NVIDIA H100 Tensor Core GPU datasheet (2022), H100 PCIe column: BF16 Tensor Core 1,513 TFLOPS with "
@@ -74,9 +78,10 @@ HARDWARE = {
 }
 
 # `device.device_kind` substrings -> entry, first match wins: a longer name before its prefix (GB200 before B200,
-# H200 before H20, H100 PCIe before H100)
+# H200 before H20, H100 PCIe before H100); the A100 entry is the 80 GB SXM card's only (the 40 GB card and the PCIe
+# cards have other HBM rates: no entry)
 _DEVICE_KINDS = (("GB200", "gb200"), ("B200", "b200"), ("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100"),
-                 ("H20", "h20"))
+                 ("H20", "h20"), ("A100-SXM4-80GB", "a100"))
 
 
 def hardware(name: str) -> Hardware:

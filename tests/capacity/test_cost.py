@@ -287,13 +287,15 @@ def test_roofline_arithmetic():
     for hw in HARDWARE.values():
         assert hw.source and hw.flops_per_s > 0 and hw.hbm_per_s > 0 and hw.link_per_s > 0 and hw.hbm_bytes > 0
     with pytest.raises(ValueError, match="h100"):
-        hardware("a100")
+        hardware("v100")
     # a JAX device's entry (tools/bench_device.py): by device kind, H200 before H20; XLA:CPU the rough cpu entry
     assert for_device("NVIDIA H200", "gpu") is HARDWARE["h200"] and for_device("NVIDIA H20", "gpu") is HARDWARE["h20"]
     assert for_device("NVIDIA H100 80GB HBM3", "gpu") is HARDWARE["h100"] and for_device("cpu", "cpu").name == "cpu"
     assert for_device("NVIDIA H100 PCIe", "gpu") is HARDWARE["h100-pcie"]  # H100 PCIe before H100, GB200 before B200
     assert for_device("NVIDIA GB200", "gpu").name == "gb200" and for_device("NVIDIA B200", "gpu").name == "b200"
-    assert for_device("NVIDIA A100-SXM4-80GB", "gpu") is None and for_device("NVIDIA H200 PCIe", "gpu") is None
+    assert for_device("NVIDIA A100-SXM4-80GB", "gpu") is HARDWARE["a100"]  # the 80 GB SXM card only:
+    assert for_device("NVIDIA A100-SXM4-40GB", "gpu") is None and for_device("NVIDIA A100 80GB PCIe", "gpu") is None
+    assert for_device("NVIDIA H200 PCIe", "gpu") is None
     assert "ROUGH" in HARDWARE["cpu"].source
 
 
