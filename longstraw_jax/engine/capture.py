@@ -67,13 +67,13 @@ def capture_chunks(model, params, tokens: jax.Array, chunk_size: int, dtype, kee
 
 
 def round_layout(model, prompt_positions: int, shards: int, chunk_size: int | None) -> RoundLayout:
-    """The layout `capture` and `grpo_grads(mesh=...)` use for `prompt_positions` on `shards` seq shards, in rounds
-    of about `chunk_size` positions (None: one round)."""
+    """The layout `capture_on_mesh` and `grpo_grads(mesh=...)` use for `prompt_positions` on `shards` seq shards, in
+    rounds of about `chunk_size` positions (None: one round)."""
     return RoundLayout.for_prompt(prompt_positions, shards, model.mesh_adapter().min_segment, chunk_size)
 
 
 def capture_on_mesh(model, params: dict, tokens, mesh, attention: str = "ring", pad_id: int = 0,
-            chunk_size: int | None = None, left_pad=None) -> ShardedPromptState:
+                    chunk_size: int | None = None, left_pad=None) -> ShardedPromptState:
     """Prompt tokens int32 [P] -> ShardedPromptState, sequence-parallel over `mesh`'s `seq` axis, in rounds of about
     `chunk_size` positions (None: one round; later rounds attend over the cache of earlier ones).
 
@@ -92,10 +92,10 @@ def capture_on_mesh(model, params: dict, tokens, mesh, attention: str = "ring", 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
 def jitted_capture_on_mesh(model, params, stored_tokens, mesh, layout: RoundLayout, attention: str, left_pad=None):
-    """`capture`'s jitted program (model, mesh, layout and attention static), without its host checks: stored_tokens
-    are the prompt in `layout`'s stored order (`layout.to_stored`, valid ids) -> (ShardedPromptState, what the family's
-    exact backward needs from the capture: e.g. Qwen3.6's GDN states carried into each round). What ahead-of-time
-    tools lower (the capacity planner, tools/bench_seq_attention.py)."""
+    """`capture_on_mesh`'s jitted program (model, mesh, layout and attention static), without its host checks:
+    stored_tokens are the prompt in `layout`'s stored order (`layout.to_stored`, valid ids) -> (ShardedPromptState, what
+    the family's exact backward needs from the capture: e.g. Qwen3.6's GDN states carried into each round). What
+    ahead-of-time tools lower (the capacity planner, tools/bench_seq_attention.py)."""
     return model.mesh_adapter().capture(params, stored_tokens, mesh, layout, attention, left_pad)
 
 
