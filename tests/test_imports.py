@@ -338,6 +338,14 @@ def test_longstraw_jax_layers():
     assert not problems, "layering broken:\n" + "\n".join(problems)
 
 
+ROOT_MODULES = {"__init__", "grpo", "train", "run", "evaluate", "launch", "convert", "plan"}
+
+
+def test_the_package_root_holds_the_objective_the_step_and_the_entry_modules_only():
+    """`ls longstraw_jax` shows the architecture: everything else lives in a folder (docs/architecture.md 3)."""
+    assert {path.stem for path in PACKAGE_DIR.glob("*.py")} == ROOT_MODULES
+
+
 # ----- the cycle finder on synthetic packages -----------------------------------------------------------------------
 
 
