@@ -84,8 +84,10 @@ def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.Gra
     it alone); frozen is read, never donated or changed.
 
     metrics: the engine's metrics (reward_mean, clip_frac, kl, entropy, ...) plus "loss" (before the update),
-    "grad_norm" (global norm of the raw, unclipped gradient) and "skipped" (1.0 when the loss or a gradient was
-    non-finite and the update was not applied, else 0.0). All are scalar arrays.
+    "grad_norm" (global norm of the raw, unclipped gradient), "update_norm" (global norm of the applied update: how
+    far the step moved the weights; 0 when skipped) and "skipped" (1.0 when the loss or a gradient was non-finite
+    and the update was not applied, else 0.0). All are scalar arrays. (The weights' own norm is not taken here: on
+    XLA:CPU its reduction keeps a float32 copy of a leaf live in the step; the trainer divides by it, `param_norm`.)
 
     Host-side checks first (mode, chunk_size, and the batch's shapes and values via `validate_batch`), then one
     jitted step with model, optimizer, cfg, mode, chunk_size and mesh static (mesh is passed to `grpo_grads`).
@@ -116,16 +118,24 @@ def train_step_unvalidated(model, params, opt_state, batch, optimizer, cfg, mode
 
     def apply(params, opt_state):
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(updates).astype(jnp.float32)
 
     def keep(params, opt_state):
-        return params, opt_state
+        return params, opt_state, jnp.zeros((), jnp.float32)
 
     # Skipped steps return the inputs untouched (no arithmetic on them, so the bits are preserved).
-    params, opt_state = jax.lax.cond(finite, apply, keep, params, opt_state)
+    params, opt_state, update_norm = jax.lax.cond(finite, apply, keep, params, opt_state)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
+                   update_norm=update_norm,
                    skipped=jnp.where(finite, 0.0, 1.0).astype(jnp.float32))
     return params, opt_state, metrics
+
+
+@jax.jit
+def param_norm(params) -> jax.Array:
+    """Global norm of a parameter tree (float32 []): the trainer's `update_ratio` = update_norm / param_norm of the
+    weights before the step, a program of its own so that the step keeps no copy for it."""
+    return optax.tree.norm(params).astype(jnp.float32)
 
 
 STATIC_ARGNUMS = (0, 4, 5, 6, 7, 8)  # model, optimizer, cfg, mode, chunk_size, mesh

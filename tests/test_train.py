@@ -65,6 +65,13 @@ def test_loss_decreases_on_a_fixed_batch(setup):
     params0, state0 = trajectory[0]
     params1, state1 = trajectory[1]
     assert bits(params1) != bits(params0) and int(state1[1][0].count) == 1
+    # update_norm: how far each step moved the weights (the trainer's update_ratio divides it by param_norm)
+    for (before, _), (after, _), m in zip(trajectory, trajectory[1:], history):
+        moved = np.sqrt(sum(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)
+                            for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before))))
+        size = np.sqrt(sum(np.sum(np.asarray(b, np.float64) ** 2) for b in jax.tree.leaves(before)))
+        np.testing.assert_allclose(float(m["update_norm"]), moved, rtol=1e-3)
+        np.testing.assert_allclose(float(m["update_norm"]) / float(train.param_norm(before)), moved / size, rtol=1e-3)
     chex.assert_trees_all_equal_shapes_and_dtypes(params1, params0)  # and the same tree structure
     chex.assert_tree_all_finite(params1)
 
@@ -85,7 +92,7 @@ def test_non_finite_gradient_skips_the_update(setup, where, value):
     target[where[-1]] = jnp.asarray(poisoned)
 
     new_params, new_state, metrics = step_fn(model, params, opt_state, batch, optimizer, CFG, "exact", CHUNK)
-    assert float(metrics["skipped"]) == 1.0
+    assert float(metrics["skipped"]) == 1.0 and float(metrics["update_norm"]) == 0.0
     assert not np.isfinite(float(metrics["grad_norm"]))
     assert bits(new_params) == bits(params)
     assert bits(new_state) == bits(opt_state)

@@ -25,7 +25,7 @@ from longstraw_jax.adapters import lora, trainable
 from longstraw_jax.common import progress
 from longstraw_jax.grpo import GRPOConfig
 from longstraw_jax.io import fault_hooks, peft
-from longstraw_jax.train import train_step
+from longstraw_jax.train import param_norm, train_step
 from longstraw_jax.trainer import (
     components,
     console,
@@ -201,13 +201,19 @@ class Trainer:
 
     def update(self, batch, captured) -> dict:
         """One train_step on `batch` (captured: the sampler's capture of its prompts, or None: the step captures
-        them with the current params) -> its metrics on the host."""
+        them with the current params) -> its metrics on the host, with update_ratio (the update's norm / the trained
+        weights' norm before it)."""
         params, frozen = self.split()
+        size = param_norm(params)  # before the step donates them
         params, self.opt_state, step_metrics = train_step(
             self.model, params, self.opt_state, batch, self.optimizer, self.grpo, self.config.mode,
             self.config.chunk_size, mesh=self.mesh, captured=captured, donate=True, frozen=frozen)
         self.params = trainable.merge(params, frozen)
-        return distributed.to_host(step_metrics)
+        step_metrics = distributed.to_host(dict(step_metrics, param_norm=size))
+        # how far the step moved the trained weights, relative to their size (0 when skipped)
+        step_metrics["update_ratio"] = float(step_metrics["update_norm"]) / max(float(step_metrics.pop("param_norm")),
+                                                                                 1e-30)
+        return step_metrics
 
     def run(self) -> int:
         """Train to config.steps -> 0; Ctrl-C -> 130 (after saying which checkpoint is the last complete one)."""

@@ -87,17 +87,21 @@ def refilled(batches: list[GroupBatch], groups: int, data_size: int = 1) -> tupl
 
 
 def reward_metrics(batch: GroupBatch) -> dict:
-    """reward_mean / reward_std over every branch of every sampled group (population std)."""
+    """reward_mean / reward_std over every branch of every sampled group (population std), and signal_groups: the
+    share of the sampled groups whose rewards differ (the others have zero advantage: no gradient)."""
     rewards = np.asarray(batch.rewards, np.float64)
-    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std())}
+    signal = ~uniform_groups(rewards.reshape(-1, rewards.shape[-1]))
+    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "signal_groups": float(signal.mean())}
 
 
 def no_update_metrics(batch: GroupBatch) -> dict:
     """A step that makes no update (every group uniform): its rewards and response lengths; loss, KL, clip fraction,
-    gradient norm and advantages 0; updates 0."""
+    gradient norm, update size and advantages 0; updates 0."""
     mask = np.asarray(batch.mask, np.float64)
-    return {**reward_metrics(batch), "loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "skipped": 0.0,
-            "adv_mean": 0.0, "adv_abs_mean": 0.0, "response_len_mean": float(mask.sum(-1).mean()), "updates": 0}
+    return {**reward_metrics(batch), "loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "update_norm": 0.0,
+            "update_ratio": 0.0, "skipped": 0.0, "adv_mean": 0.0, "adv_abs_mean": 0.0,
+            "response_len_mean": float(mask.sum(-1).mean()), "updates": 0}
 
 
 def mean_metrics(per_update: list[dict]) -> dict:

@@ -41,9 +41,10 @@ from tests.helpers import ROOT
 
 SMALL = ["--vocab-size", "32", "--prompt-len", "48", "--group-size", "3", "--response-len", "2", "--chunk-size", "16",
          "--eval-every", "0", "--sft-steps", "0", "--learning-rate", "3e-3", "--save-every", "2", "--seed", "1"]
-FIELDS = {"step", "loss", "reward_mean", "reward_std", "kl", "clip_frac", "entropy", "grad_norm", "skipped",
-          "response_len_mean", "accuracy", "prompt_tokens", "response_tokens", "groups", "tokens_per_s", "rollout_s",
-          "update_s", "step_s", "peak_mem_bytes", "peak_mem_source"}
+FIELDS = {"step", "loss", "reward_mean", "reward_std", "kl", "clip_frac", "entropy", "grad_norm", "update_norm",
+          "update_ratio", "signal_groups", "skipped", "response_len_mean", "accuracy", "prompt_tokens",
+          "response_tokens", "groups", "tokens_per_s", "rollout_s", "update_s", "step_s", "peak_mem_bytes",
+          "peak_mem_source"}
 
 
 SPREAD = "tests.trainer.test_run:token_reward"
