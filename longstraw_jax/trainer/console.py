@@ -143,20 +143,20 @@ def summary(records: list[dict], history: list[dict], wall: float, trainer) -> s
         lines.append(f"warm-up: {len(warm)} supervised steps; batch accuracy first {k} "
                      f"{mean(warm[:k], 'sft_accuracy'):.3f} -> last {k} {mean(warm[-k:], 'sft_accuracy'):.3f}, "
                      f"loss {mean(warm[:k], 'sft_loss'):.3f} -> {mean(warm[-k:], 'sft_loss'):.3f}")
+    skipped = sum(int(r["skipped"]) for r in records)
+    lines.append(f"loss (last step) {records[-1]['loss']:+.4f}; skipped updates {skipped}; peak mem "
+                 f"{_gib(max(r['peak_mem_bytes'] for r in records))} ({records[-1]['peak_mem_source']})")
     if evals:
         at_length = [r for r in evals if r["eval_prompt_len"] == evals[-1]["eval_prompt_len"]
                      and not r.get("before_warm_up")]
         for r in evals:
-            if r.get("before_warm_up") and "eval_accuracy" in r:
-                lines.append(f"held-out accuracy before the warm-up (step 0, the initial policy): "
-                             f"{r['eval_accuracy']:.3f}")
-            elif r["eval_prompt_len"] != evals[-1]["eval_prompt_len"] and "eval_accuracy" in r:
+            if r["eval_prompt_len"] != evals[-1]["eval_prompt_len"] and "eval_accuracy" in r:
                 lines.append(f"the warm start at the warm-up's length ({r['eval_prompt_len']} tokens): held-out "
                              f"accuracy {r['eval_accuracy']:.3f}")
         lines.append(held_out_line(at_length, task))
-    skipped = sum(int(r["skipped"]) for r in records)
-    lines.append(f"loss (last step) {records[-1]['loss']:+.4f}; skipped updates {skipped}; peak mem "
-                 f"{_gib(max(r['peak_mem_bytes'] for r in records))} ({records[-1]['peak_mem_source']})")
+        initial = [r for r in evals if r.get("before_warm_up") and "eval_accuracy" in r]
+        if initial and "eval_accuracy" in at_length[-1]:
+            lines.append(phases_line(initial[0], at_length[0], at_length[-1], task))
     files = [os.path.join(trainer.out, "metrics.jsonl"), os.path.join(trainer.checkpoints.directory, str(trainer.step))]
     if trainer.config.export_hf:
         files.append(trainer.config.export_hf)
@@ -190,6 +190,20 @@ def held_out_line(evals: list[dict], task=None) -> str:
                                                            key == "eval_accuracy" else "")
             + (f", copying a random fact's value {copy_any:.3f}" if copy_any is not None and key == "eval_accuracy"
                and getattr(task, "num_facts", 1) > 1 else ""))
+
+
+def phases_line(initial: dict, warm: dict, final: dict, task=None) -> str:
+    """The run in one line: held-out accuracy of the initial policy, after the warm-up (the GRPO start) and after
+    GRPO, side by side with chance and copying a random fact's value (when the task has them)."""
+    chance = getattr(task, "chance_accuracy", None)
+    copy_any = getattr(task, "copy_any_fact_accuracy", None)
+    levels = ([f"chance {chance:.3f}"] if chance is not None else []) + (
+        [f"copying a random fact's value {copy_any:.3f}"] if copy_any is not None and
+        getattr(task, "num_facts", 1) > 1 else [])
+    return (f"held-out accuracy: initial policy {initial['eval_accuracy']:.3f} -> after the warm-up "
+            f"{warm['eval_accuracy']:.3f} -> after GRPO (step {final['step']}) {final['eval_accuracy']:.3f} "
+            f"(GRPO {final['eval_accuracy'] - warm['eval_accuracy']:+.3f})" + (f"; {', '.join(levels)}" if levels
+                                                                                else ""))
 
 
 def accuracy_levels(task) -> dict:

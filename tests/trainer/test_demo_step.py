@@ -126,9 +126,10 @@ def test_the_demo_step_equals_a_plain_full_graph_step_in_float64():
             assert error <= TOL
 
 
-def test_the_demo_trains_two_steps(tmp_path):
-    """`make run`'s own file, shortened: 2 warm-up and 2 GRPO steps, an evaluation before and after; it writes its
-    metrics and the summary lines."""
+def test_the_demo_trains_two_steps(tmp_path, capsys):
+    """`make run`'s own file, shortened: 2 warm-up and 2 GRPO steps, an evaluation before the warm-up, after it and
+    after GRPO; its last lines: the three held-out accuracies side by side with chance and the copy-a-fact level, then
+    where the metrics, samples and plot are."""
     out = str(tmp_path / "demo")
     argv = ["--config", DEMO, "--steps", "2", "--sft-steps", "2", "--eval-every", "2", "--eval-prompts", "8",
             "--out", out]
@@ -136,3 +137,10 @@ def test_the_demo_trains_two_steps(tmp_path):
     records = [line for line in open(os.path.join(out, "metrics.jsonl"))]
     assert sum('"sft_step"' in r for r in records) == 2
     assert any('"step": 2' in r and '"loss"' in r for r in records)
+    last = capsys.readouterr().out.strip().splitlines()[-3:]
+    assert last[0].startswith("held-out accuracy: initial policy ") and " -> after the warm-up " in last[0]
+    assert " -> after GRPO (step 2) " in last[0] and last[0].endswith("; chance 0.250, copying a random fact's value "
+                                                                      "0.625"), last[0]
+    assert last[1].startswith("wrote: ") and os.path.join(out, "metrics.jsonl") in last[1]
+    assert os.path.join(out, "samples.jsonl") in last[1]
+    assert last[2] == f"plot: {os.path.join(out, 'metrics.png')}"
