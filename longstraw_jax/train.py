@@ -18,6 +18,7 @@ it), both `jax.jit(train_step_unvalidated, static_argnums=STATIC_ARGNUMS)`; they
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -33,11 +34,17 @@ from longstraw_jax.sharding.groups import check_groups
 
 
 def make_optimizer(learning_rate=1e-6, weight_decay: float = 0.0, max_grad_norm: float | None = 1.0,
-                   b1: float = 0.9, b2: float = 0.95) -> optax.GradientTransformation:
+                   b1: float = 0.9, b2: float = 0.95, lr_warmup_steps: int = 0) -> optax.GradientTransformation:
     """AdamW after clipping the gradient to global norm `max_grad_norm` (None: no clipping).
 
     `learning_rate` is a float or an optax schedule (step -> rate). Each call returns a new transformation, and
     `train_step` compiles once per transformation object: build it once and reuse it.
+
+    lr_warmup_steps N > 0: the rate rises linearly over the first N updates, update k (1-based) at
+    learning_rate * min(1, k / N), then stays (`learning_rate_at`). Adam's first updates are about the rate on
+    every weight, whatever its gradient's signal-to-noise (its second moment has seen a few gradients only), so a
+    noisy policy gradient at the full rate first moves the policy in random directions; the ramp lets the moments
+    settle first.
 
     The defaults are the trainer's too (`python -m longstraw_jax.run` reads them from here). learning_rate 1e-6: the
     usual rate of RL post-training (GRPO / PPO) of a pretrained model with every weight trained. AdamW moves each
@@ -64,12 +71,24 @@ def make_optimizer(learning_rate=1e-6, weight_decay: float = 0.0, max_grad_norm:
     for name, value in (("b1", b1), ("b2", b2)):
         if finite(name, value) and not 0 <= value < 1:
             errors.append(f"{name}={value} must be in [0, 1)")
+    if isinstance(lr_warmup_steps, bool) or not isinstance(lr_warmup_steps, int) or lr_warmup_steps < 0:
+        errors.append(f"lr_warmup_steps={lr_warmup_steps!r} must be an int >= 0")
+    elif lr_warmup_steps and callable(learning_rate):
+        errors.append("lr_warmup_steps > 0 needs a constant learning_rate (a schedule brings its own warm-up)")
     if errors:
         raise ValueError("invalid optimizer settings: " + "; ".join(errors))
+    if lr_warmup_steps:
+        learning_rate = functools.partial(learning_rate_at, learning_rate, lr_warmup_steps)
     adamw = optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay)
     if max_grad_norm is None:
         return adamw
     return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+
+
+def learning_rate_at(learning_rate: float, lr_warmup_steps: int, count):
+    """The rate of the update after `count` updates (count 0: the first update): learning_rate * min(1, (count + 1)
+    / lr_warmup_steps) (`make_optimizer`'s linear warm-up; traceable, count an int array or a Python int)."""
+    return learning_rate * jnp.minimum(1.0, (jnp.asarray(count, jnp.float32) + 1) / lr_warmup_steps)
 
 
 def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.GradientTransformation,

@@ -158,6 +158,21 @@ def test_make_optimizer_is_clipped_adamw():
     _, state = unclipped.update(big, state, params)
     updates, _ = unclipped.update(small, state, params)
     assert abs(float(updates["w"][0]) + 0.1) > 1e-2  # without clipping the two gradients differ
-    for bad in (dict(learning_rate=-1.0), dict(max_grad_norm=0.0), dict(b2=1.0), dict(weight_decay=float("nan"))):
+    for bad in (dict(learning_rate=-1.0), dict(max_grad_norm=0.0), dict(b2=1.0), dict(weight_decay=float("nan")),
+                dict(lr_warmup_steps=-1), dict(lr_warmup_steps=2.5),
+                dict(lr_warmup_steps=2, learning_rate=lambda count: 0.1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             make_optimizer(**bad)
+
+
+def test_lr_warmup_ramps_the_rate_linearly_then_holds():
+    """lr_warmup_steps N: update k (1-based) at rate lr * min(1, k / N); a constant gradient makes Adam's direction
+    exactly -1 per element (mhat / sqrt(vhat) = 1 up to eps), so each update is minus the rate."""
+    params = {"w": jnp.zeros(3, jnp.float32)}
+    optimizer = make_optimizer(learning_rate=0.1, max_grad_norm=None, lr_warmup_steps=4)
+    state, seen = optimizer.init(params), []
+    for _ in range(6):
+        updates, state = optimizer.update({"w": jnp.ones(3)}, state, params)
+        seen.append(float(updates["w"][0]))
+    np.testing.assert_allclose(seen, [-0.025, -0.05, -0.075, -0.1, -0.1, -0.1], rtol=1e-5)
+    assert [float(train.learning_rate_at(0.1, 4, c)) for c in (0, 3, 9)] == pytest.approx([0.025, 0.1, 0.1])

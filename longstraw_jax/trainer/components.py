@@ -130,10 +130,16 @@ def mesh_for(config: RunConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def optimizer(learning_rate: float, weight_decay: float, max_grad_norm: float | None):
+def optimizer(learning_rate: float, weight_decay: float, max_grad_norm: float | None, lr_warmup_steps: int = 0):
     """One optimizer object per setting: `train_step` compiles once per optimizer object (a static argument), so
     runs in one process with equal settings (e.g. a run and its resumption) share the compiled step."""
-    return make_optimizer(learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+    return make_optimizer(learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                          lr_warmup_steps=lr_warmup_steps)
+
+
+def run_optimizer(config: RunConfig):
+    """The GRPO optimizer of a run's options (`optimizer`)."""
+    return optimizer(config.learning_rate, config.weight_decay, config.max_grad_norm or None, config.lr_warmup_steps)
 
 
 class RolloutFile:

@@ -165,6 +165,9 @@ class RunConfig:
                                    "1e-4, a small model from scratch more)", formerly=("lr",))
     weight_decay: float = _option(library_default(make_optimizer, "weight_decay"))
     max_grad_norm: float = _option(library_default(make_optimizer, "max_grad_norm"), "global-norm clip (0: none)")
+    lr_warmup_steps: int = _option(library_default(make_optimizer, "lr_warmup_steps"), "the learning rate rises "
+                                   "linearly over the first N GRPO updates (update k at rate x k / N), then stays",
+                                   metavar="N")
     mode: str = _option(library_default(train_step, "mode"), "exact: gradient through the prompt (== full graph); "
                         "detached: prompt state constant", choices=MODES)
     chunk_size: int = _option(256, "prompt chunk length for capture / prompt backward")
@@ -274,7 +277,7 @@ class RunConfig:
                           ("chunk_size", 1), ("prompt_len", 2),
                           ("save_every", 1), ("log_every", 1), ("vocab_size", 1), ("lora_rank", 1),
                           ("eval_every", 0), ("eval_prompts", 1), ("sft_steps", 0), ("sft_batch", 1),
-                          ("refill_batches", 0)):
+                          ("refill_batches", 0), ("lr_warmup_steps", 0)):
             if getattr(self, name) < low:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be >= {low}")
         if self.refill_batches and not self.drop_uniform_groups:

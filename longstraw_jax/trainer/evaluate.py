@@ -350,7 +350,7 @@ def evaluate(config, out: str | None) -> dict:
     params = components.place(params, mesh)
     checkpoint = None
     if out is not None:
-        optimizer = components.optimizer(config.learning_rate, config.weight_decay, config.max_grad_norm or None)
+        optimizer = components.run_optimizer(config)
         opt_like = components.place(jax.jit(optimizer.init)(params), mesh, params)
         checkpoints = TrainCheckpoints(out, create=False)
         try:

@@ -19,13 +19,14 @@ import time
 
 import jax
 import numpy as np
+import optax
 
 from longstraw_jax import models
 from longstraw_jax.adapters import lora, trainable
 from longstraw_jax.common import progress
 from longstraw_jax.grpo import GRPOConfig
 from longstraw_jax.io import fault_hooks, peft
-from longstraw_jax.train import param_norm, train_step
+from longstraw_jax.train import learning_rate_at, param_norm, train_step
 from longstraw_jax.trainer import (
     components,
     console,
@@ -66,7 +67,7 @@ class Trainer:
         self.data = components.data_source(config, self.model.config.vocab_size, self.mesh)
         self.grpo = GRPOConfig(loss_agg=config.loss_agg, kl_coef=config.kl_coef, ratio=config.ratio,
                                clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high)
-        self.optimizer = components.optimizer(config.learning_rate, config.weight_decay, config.max_grad_norm or None)
+        self.optimizer = components.run_optimizer(config)
         self.plan = self.plan or outdir.plan(config, explicit, self.out)
         # committed like the params: a jit output built from an uncommitted init would be committed after step 1
         # and recompile the step once more
@@ -202,18 +203,27 @@ class Trainer:
     def update(self, batch, captured) -> dict:
         """One train_step on `batch` (captured: the sampler's capture of its prompts, or None: the step captures
         them with the current params) -> its metrics on the host, with update_ratio (the update's norm / the trained
-        weights' norm before it)."""
+        weights' norm before it) and the update's learning_rate."""
         params, frozen = self.split()
         size = param_norm(params)  # before the step donates them
+        rate = self.learning_rate()
         params, self.opt_state, step_metrics = train_step(
             self.model, params, self.opt_state, batch, self.optimizer, self.grpo, self.config.mode,
             self.config.chunk_size, mesh=self.mesh, captured=captured, donate=True, frozen=frozen)
         self.params = trainable.merge(params, frozen)
-        step_metrics = distributed.to_host(dict(step_metrics, param_norm=size))
+        step_metrics = distributed.to_host(dict(step_metrics, param_norm=size, learning_rate=rate))
         # how far the step moved the trained weights, relative to their size (0 when skipped)
         step_metrics["update_ratio"] = float(step_metrics["update_norm"]) / max(float(step_metrics.pop("param_norm")),
                                                                                  1e-30)
         return step_metrics
+
+    def learning_rate(self):
+        """The rate of the next update: --learning-rate, during --lr-warmup-steps its share (the optimizer's update
+        count is in its state, so a resumed run continues the ramp)."""
+        if not self.config.lr_warmup_steps:
+            return self.config.learning_rate
+        count = optax.tree_utils.tree_get_all_with_path(self.opt_state, "count")[0][1]
+        return learning_rate_at(self.config.learning_rate, self.config.lr_warmup_steps, count)
 
     def run(self) -> int:
         """Train to config.steps -> 0; Ctrl-C -> 130 (after saying which checkpoint is the last complete one)."""
