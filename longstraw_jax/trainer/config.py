@@ -228,6 +228,9 @@ class RunConfig:
     sft_learning_rate: float = _option(1e-3, "warm-up AdamW learning rate (its own optimizer state, dropped after the "
                                        "warm-up)", formerly=("sft_lr",))
     sft_prompt_len: int | None = _option(None, "warm-up prompt length (default --prompt-len)")
+    sft_num_facts: int | None = _option(None, "retrieval task: facts per warm-up prompt (default --num-facts); 1 "
+                                        "teaches the answer format and copying, leaving which fact to copy to GRPO",
+                                        metavar="N")
     # output
     out: str | None = _option(None, "output directory (default: out/run-<UTC time>)", group="output")
     resume: bool = _option(False, "continue the run in --out from its newest intact checkpoint (a damaged newer one "
@@ -305,8 +308,9 @@ class RunConfig:
                           "carries its own ref_logprobs)")
         if self.sft_prompt_len is not None and self.sft_prompt_len < 2:
             errors.append(f"--sft-prompt-len={self.sft_prompt_len} must be >= 2")
-        if self.num_facts is not None and self.num_facts < 1:
-            errors.append(f"--num-facts={self.num_facts} must be >= 1")
+        for name in ("num_facts", "sft_num_facts"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                errors.append(f"{flag(name)}={getattr(self, name)} must be >= 1")
         if self.decode_batch is not None and (self.decode_batch < 1 or self.group_size % self.decode_batch):
             errors.append(f"--decode-batch={self.decode_batch} must divide --group-size={self.group_size} (G / N "
                           "batches of branches decode one after another)")

@@ -87,6 +87,9 @@ class Trainer:
         if config.data and config.sft_prompt_len is not None and "sft_prompt_len" in explicit:
             raise RunError(f"--sft-prompt-len={config.sft_prompt_len} sets a --task's warm-up prompt length; a --data "
                            "warm-up renders the rows' own prompts (--max-prompt-len, --truncate)")
+        if config.data and config.sft_num_facts is not None and "sft_num_facts" in explicit:
+            raise RunError(f"--sft-num-facts={config.sft_num_facts} sets the retrieval task's warm-up facts; a --data "
+                           "warm-up imitates the rows' own answers")
         # the warm-up trains every parameter: not with a frozen part (by default it is skipped there)
         self.freezes = config.train == "lora" or config.trainable is not None
         if config.sft_steps and self.freezes and "sft_steps" in explicit:
@@ -301,7 +304,9 @@ class Trainer:
             else:
                 task = warmup.warm_up_task(config, self.model.config.vocab_size)
                 say(f"warm-up: {config.sft_steps} supervised steps x {config.sft_batch} prompts of "
-                    f"{config.sft_prompt_len or config.prompt_len} tokens, lr {config.sft_learning_rate}", flush=True)
+                    f"{config.sft_prompt_len or config.prompt_len} tokens"
+                    + (f" with {task.num_facts} fact{'s' * (task.num_facts > 1)}" if hasattr(task, "num_facts") else "")
+                    + f", lr {config.sft_learning_rate}", flush=True)
             self.params, records = warmup.warm_up(self.model, self.params, task, config.sft_steps, config.sft_batch,
                                                config.sft_learning_rate, getattr(task, "pad_token", 0), say=say,
                                                place=lambda tree: components.place(tree, self.mesh, self.params))

@@ -47,6 +47,17 @@ def test_held_out_prompts_are_never_training_or_warm_up_prompts():
     assert held.seed == 5 + 2**31 and warm.seed == 5 + 2**30
 
 
+def test_the_warm_up_can_plant_fewer_facts_than_grpo():
+    config = RunConfig(prompt_len=24, seed=3, num_facts=3, sft_num_facts=1)
+    warm, train = sft.warm_up_task(config, 32), RetrievalTask(prompt_len=24, vocab_size=32, seed=3, num_facts=3)
+    assert (warm.num_facts, train.num_facts) == (1, 3)
+    assert sft.warm_up_task(RunConfig(prompt_len=24, num_facts=3), 32).num_facts == 3  # the default: --num-facts
+    facts = [int((warm.prompt(i).tokens == 3).sum()) for i in range(50)]  # FACT = 3
+    assert facts == [1] * 50
+    with pytest.raises(ValueError, match="--sft-num-facts=0 must be >= 1"):
+        RunConfig(sft_num_facts=0)
+
+
 def test_first_token_stats_and_summary():
     uniform = np.log(np.full((2, 4), 0.25))
     with np.errstate(divide="ignore"):
