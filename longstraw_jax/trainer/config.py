@@ -228,6 +228,9 @@ class RunConfig:
     sft_learning_rate: float = _option(1e-3, "warm-up AdamW learning rate (its own optimizer state, dropped after the "
                                        "warm-up)", formerly=("sft_lr",))
     sft_prompt_len: int | None = _option(None, "warm-up prompt length (default --prompt-len)")
+    sft_stop_accuracy: float | None = _option(None, "end the warm-up early once the first-token accuracy of its latest "
+                                              "4 batches (each scored before its update) reaches this, in (0, 1]: "
+                                              "--sft-steps is then the most it runs", metavar="A")
     sft_num_facts: int | None = _option(None, "retrieval task: facts per warm-up prompt (default --num-facts); 1 "
                                         "teaches the answer format and copying, leaving which fact to copy to GRPO",
                                         metavar="N")
@@ -308,6 +311,8 @@ class RunConfig:
                           "carries its own ref_logprobs)")
         if self.sft_prompt_len is not None and self.sft_prompt_len < 2:
             errors.append(f"--sft-prompt-len={self.sft_prompt_len} must be >= 2")
+        if self.sft_stop_accuracy is not None and not 0 < self.sft_stop_accuracy <= 1:
+            errors.append(f"--sft-stop-accuracy={self.sft_stop_accuracy} must be in (0, 1]")
         for name in ("num_facts", "sft_num_facts"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 errors.append(f"{flag(name)}={getattr(self, name)} must be >= 1")

@@ -309,7 +309,8 @@ class Trainer:
                     + f", lr {config.sft_learning_rate}", flush=True)
             self.params, records = warmup.warm_up(self.model, self.params, task, config.sft_steps, config.sft_batch,
                                                config.sft_learning_rate, getattr(task, "pad_token", 0), say=say,
-                                               place=lambda tree: components.place(tree, self.mesh, self.params))
+                                               place=lambda tree: components.place(tree, self.mesh, self.params),
+                                               stop_accuracy=config.sft_stop_accuracy)
             self.pending.extend(records)
             if (self.evaluator is not None and self.sft_targets is None
                     and config.sft_prompt_len not in (None, config.prompt_len)):

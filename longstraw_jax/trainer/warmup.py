@@ -212,15 +212,23 @@ class DatasetTargets:
         return tokens, left_pad, out, mask
 
 
+STOP_WINDOW = 4  # --sft-stop-accuracy: the mean over this many of the latest batches (4 x 32 prompts: std ~0.04)
+
+
 def warm_up(model, params, task, steps: int, batch: int, learning_rate: float, pad_token: int = 0, say=None,
-            place=None):
+            place=None, stop_accuracy: float | None = None):
     """`steps` supervised updates of `params` on `task`'s targets (a task with `target(info)`, or `DatasetTargets`:
     then the gradient one row at a time, `sft_grads_by_row`) -> (params, records): one record per step
     {"step": 0, "kind": "sft", "sft_step", "sft_loss", "sft_accuracy", "sft_exact", "sft_grad_norm", "sft_s"} (its
     loss and accuracies on that step's batch, before the update). params placed on a mesh keep their shardings. say: a
     print function for progress lines (every ~10% of the steps), or None. place(opt_state) -> the optimizer state
     placed like the params (the trainer's `components.place`; default: on the params' first device), so that the step
-    compiles once (per prompt bucket)."""
+    compiles once (per prompt bucket).
+
+    stop_accuracy: stop before `steps` once the mean `sft_accuracy` of the latest STOP_WINDOW batches reaches it. Each
+    batch is scored before the update that trains on it, so this is an estimate on prompts not yet trained on: the
+    warm-up then ends at the same level of skill whatever the seed, where a fixed step count lands each seed at
+    another point of a steep transition (docs/benchmarks.md 6)."""
     per_row = isinstance(task, DatasetTargets)
     optimizer = warm_up_optimizer(float(learning_rate))
     shardings = jax.tree.map(lambda x: x.sharding, params)
@@ -248,4 +256,11 @@ def warm_up(model, params, task, steps: int, batch: int, learning_rate: float, p
             say(f"warm-up {i + 1:>4}/{steps}: loss {mean('sft_loss'):.3f} accuracy {mean('sft_accuracy'):.3f} exact "
                 f"{mean('sft_exact'):.3f} (mean of the last {len(window)} batches) | {records[-1]['sft_s']:.2f} "
                 "s/step", flush=True)
+        if stop_accuracy is not None and len(records) >= STOP_WINDOW:
+            reached = np.mean([r["sft_accuracy"] for r in records[-STOP_WINDOW:]])
+            if reached >= stop_accuracy:
+                if say is not None:
+                    say(f"warm-up stopped at step {i + 1}/{steps}: accuracy {reached:.3f} over the last {STOP_WINDOW} "
+                        f"batches >= --sft-stop-accuracy {stop_accuracy}", flush=True)
+                break
     return params, records

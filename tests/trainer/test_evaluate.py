@@ -265,3 +265,36 @@ def test_length_answers_classify():
         expected[kind] += 1
         rows.append({"index": i, "response": [first, STOP], "info": p.info})
     assert tool.classify(task, rows) == expected and 0 < expected["prompts"] < 40
+
+
+def test_the_warm_up_stops_once_its_latest_batches_reach_the_accuracy(monkeypatch):
+    """--sft-stop-accuracy: the mean first-token accuracy of the latest warmup.STOP_WINDOW batches (each scored before
+    its update) ends the warm-up; never before STOP_WINDOW batches; --sft-steps bounds it."""
+    accuracies = [1.0, 1.0, 1.0, 0.25, 0.5, 1.0, 1.0, 1.0, 1.0, 0.0]  # window means from step 4: .81 .69 .69 .69 .88 1
+    calls = []
+
+    def fake_step(params, opt_state, prompts, targets, mask, left_pad):
+        calls.append(prompts.shape)
+        return params, opt_state, {"sft_loss": 1.0, "sft_accuracy": accuracies[len(calls) - 1], "sft_exact": 0.0,
+                                   "sft_grad_norm": 1.0}
+
+    monkeypatch.setattr(sft, "_jitted_step", lambda *args: fake_step)
+    model = models.build(SMALL_MODEL)
+    params = model.init(jax.random.key(0), jnp.float32)
+    task, said = RetrievalTask(prompt_len=16, vocab_size=32), []
+
+    def steps_run(steps, stop):
+        said.clear(), calls.clear()
+        records = sft.warm_up(model, params, task, steps, 2, 1e-3, stop_accuracy=stop,
+                              say=lambda line, **_: said.append(line))[1]
+        assert len(calls) == len(records) and [r["sft_step"] for r in records] == list(range(1, len(records) + 1))
+        return len(records)
+
+    assert sft.STOP_WINDOW == 4
+    assert steps_run(10, 0.8) == 4 and "warm-up stopped at step 4/10: accuracy 0.812" in said[-1]
+    assert steps_run(10, 0.85) == 8  # not at step 3: the first 3 batches are all right, but the window is 4
+    assert steps_run(10, 1.0) == 9
+    assert steps_run(8, 1.0) == 8 and not any("stopped" in line for line in said)  # --sft-steps bounds it
+    assert steps_run(10, None) == 10
+    with pytest.raises(ValueError, match=r"--sft-stop-accuracy=0.0 must be in \(0, 1\]"):
+        RunConfig(sft_stop_accuracy=0.0)
