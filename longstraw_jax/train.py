@@ -87,8 +87,9 @@ def make_optimizer(learning_rate=1e-6, weight_decay: float = 0.0, max_grad_norm:
 
 def learning_rate_at(learning_rate: float, lr_warmup_steps: int, count):
     """The rate of the update after `count` updates (count 0: the first update): learning_rate * min(1, (count + 1)
-    / lr_warmup_steps) (`make_optimizer`'s linear warm-up; traceable, count an int array or a Python int)."""
-    return learning_rate * jnp.minimum(1.0, (jnp.asarray(count, jnp.float32) + 1) / lr_warmup_steps)
+    / lr_warmup_steps) (`make_optimizer`'s linear warm-up; traceable, count an int array or a Python int). In the
+    default float dtype: float64 under x64, so that a float64 run's rate is not rounded to float32."""
+    return learning_rate * jnp.minimum(1.0, (jnp.asarray(count, float) + 1) / lr_warmup_steps)
 
 
 def train_step(model, params, opt_state, batch: GroupBatch, optimizer: optax.GradientTransformation,
