@@ -296,7 +296,7 @@ def test_config_file_options_and_command_line_overrides(tmp_path):
     assert isinstance(config.learning_rate, float)
     assert explicit == {"config", "group_size", "learning_rate", "mode", "sft_steps"}
     demo, _ = parse_args(["--config", os.path.join(ROOT, "configs", "demo.toml")])
-    assert (demo.sft_steps, demo.eval_every, demo.response_len, demo.steps) == (150, 20, 2, 100)
+    assert (demo.sft_steps, demo.eval_every, demo.response_len, demo.steps) == (150, 20, 2, 80)
     defaults = RunConfig()  # a real run's defaults: no warm-up, no held-out evaluation unless asked
     assert (defaults.sft_steps, defaults.eval_every) == (0, 0)
     for text, message in (("bogus = 1", "unknown option 'bogus'"),
