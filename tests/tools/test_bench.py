@@ -278,3 +278,22 @@ def test_bench_device_tiny(tmp_path):
                                                + cost["collective_bytes"] / cpu.link_per_s, rel=1e-12)
         assert row["model_s"] == row["model_terms"]["total"] > 0
         assert row["model_ratio"] == pytest.approx(row["seconds"] / row["model_s"], rel=1e-12)
+
+
+@pytest.mark.slow  # one short trainer run in a child process (~1 min of compiles)
+def test_bench_demo_runs_a_setting_tabulates_it_and_reuses_it(tmp_path, capsys):
+    bench = _tool("bench_demo")
+    out = str(tmp_path / "bd")
+    argv = ["--setting", "short=--steps 2 --sft-steps 2 --eval-every 2", "--seeds", "3", "--eval-prompts", "8",
+            "--jobs", "1", "--out", out, "--reuse"]
+    assert bench.main(argv) == 0
+    text = capsys.readouterr().out
+    run_dir = os.path.join(out, "short", "seed3")
+    result = bench.summary(run_dir)
+    assert result["steps"] == 2 and result["prompts"] == 8 and [s for s, _ in result["curve"]] == [0, 2]
+    row = next(line for line in text.splitlines() if line.startswith("| short | 3 |"))
+    assert f"| {result['init']:.3f} | {result['warm']:.3f} | {result['final']:.3f} |" in row
+    assert "chance 0.250; copying a random fact's value 0.625" in text
+    marker = os.path.join(run_dir, "bench_demo.json")
+    written = os.path.getmtime(marker)
+    assert bench.main(argv) == 0 and os.path.getmtime(marker) == written  # --reuse: the finished run is kept
