@@ -31,6 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from longstraw_jax import models
 from longstraw_jax.train import make_optimizer
@@ -117,7 +118,7 @@ def train_step(model, optimizer, params, opt_state, tokens):
     """One AdamW step on the batch's next-token loss -> (params, opt_state, loss before the update)."""
     loss, grads = jax.value_and_grad(lambda p: lm_loss(model, p, tokens))(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates), opt_state, loss
+    return optax.apply_updates(params, updates), opt_state, loss
 
 
 @functools.partial(jax.jit, static_argnums=0)
