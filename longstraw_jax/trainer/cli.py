@@ -14,7 +14,7 @@ Defaults serve a real run (no warm-up, no held-out evaluation unless asked). The
 `--config configs/demo.toml`: a tiny Qwen3.6 (vocabulary 32) on the synthetic retrieval task (a 32-token tool log
 with the queried fact and a distractor at random depths): held-out accuracy of the random init, a short supervised
 warm-up (until 72 % of its latest batches are right), then 80 exact-mode GRPO steps, evaluated on 512 held-out
-prompts (2-core CPU, under 4 min). `--config FILE.toml` keeps any run's options in a file; flags on the command line
+prompts (2-core CPU, ~4 min). `--config FILE.toml` keeps any run's options in a file; flags on the command line
 override it.
 
 The parts (trainer/): config.py (RunConfig: the options, their checks, the merge on --resume), outdir.py (what may be
