@@ -59,6 +59,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--eval-prompts", type=int, default=128)
     p.add_argument("--facts", type=int, default=2, help="facts per prompt (the queried one and distractors)")
+    p.add_argument("--max-depth", type=float, default=None, help="every fact of the long prompts (GRPO and their "
+                   "evaluation) in the first D of the log; the warm-up's and the short evaluation's facts stay at "
+                   "every depth (default: every depth everywhere)", metavar="D")
     p.add_argument("--table-steps", default=None, help="comma list of steps for the table (default: every evaluation "
                    "up to 7 of them, else 5 evenly spaced)")
     p.add_argument("--out", default="out/bench_length")
@@ -79,7 +82,12 @@ def trainer_args(args: argparse.Namespace, mode: str, seed: int, out: str, extra
             "--chunk-size", str(args.chunk_size or args.long), "--eval-every", str(args.eval_every),
             "--eval-prompts", str(args.eval_prompts), "--num-facts", str(args.facts), "--vocab-size", "32",
             "--response-len", "2", "--mode", mode, "--seed", str(seed), "--out", out,
-            "--save-every", str(args.steps), "--log-every", str(max(1, args.steps // 20))] + extra
+            "--save-every", str(args.steps), "--log-every", str(max(1, args.steps // 20))] + depths(args) + extra
+
+
+def depths(args: argparse.Namespace) -> list[str]:
+    """--max-depth D: the long prompts' facts in the first D; the warm-up's at every depth."""
+    return [] if args.max_depth is None else ["--max-depth", str(args.max_depth), "--sft-max-depth", "1.0"]
 
 
 def curves(records: list[dict], long: int) -> tuple[dict[int, float], float | None]:

@@ -9,7 +9,8 @@ A prompt of exactly `prompt_len` tokens is a log of tool outputs (TOOL followed 
 repeated), with `num_facts` facts "FACT key value" planted in it (distinct keys, random values) and the question
 "QUERY key" at the end. The queried fact sits at `depth` (0 = the start of the log, 1 = just before the question;
 None = uniform per prompt); the others are distractors at random depths (default 2 facts: one distractor). The answer
-is the queried fact's value.
+is the queried fact's value. `max_depth` < 1 keeps every fact in the first `max_depth` of the log (random depths are
+uniform in [0, max_depth]): with 0.1 the question is at least 90 % of the prompt away from every fact.
 
 Reward: 1.0 when the first response token is the answer, `format_reward` when it is another answer token (a
 well-formed but wrong answer), else 0. A policy that always answers but guesses uniformly scores
@@ -40,6 +41,7 @@ class RetrievalTask:
     num_keys: int = 4
     num_facts: int = 2
     depth: float | None = None
+    max_depth: float = 1.0
     format_reward: float = 0.1
     name: str = "retrieval"
 
@@ -57,6 +59,10 @@ class RetrievalTask:
             errors.append(f"prompt_len={self.prompt_len} is too short: the retrieval task needs >= {need_len} tokens")
         if self.depth is not None and not 0.0 <= self.depth <= 1.0:
             errors.append(f"depth={self.depth} must be in [0, 1] (or None: random)")
+        if not 0.0 < self.max_depth <= 1.0:
+            errors.append(f"max_depth={self.max_depth} must be in (0, 1]")
+        elif self.depth is not None and self.depth > self.max_depth:
+            errors.append(f"depth={self.depth} must be <= max_depth={self.max_depth}")
         if errors:
             raise ValueError("invalid RetrievalTask: " + "; ".join(errors))
 
@@ -97,8 +103,8 @@ class RetrievalTask:
         keys = rng.choice(self.num_keys, self.num_facts, replace=False) + self.first_key
         values = rng.integers(0, self.num_answers, self.num_facts) + FIRST_ANSWER
         log = self._tool_log(rng, log_len - 3 * self.num_facts)
-        depth = rng.uniform() if self.depth is None else self.depth
-        depths = np.concatenate([[depth], rng.uniform(size=self.num_facts - 1)])
+        depth = rng.uniform(0.0, self.max_depth) if self.depth is None else self.depth
+        depths = np.concatenate([[depth], rng.uniform(0.0, self.max_depth, size=self.num_facts - 1)])
         # insert facts deepest-first so that earlier insertions do not shift later ones' positions
         positions = np.round(depths * len(log)).astype(int)
         for i in np.argsort(-positions, kind="stable"):

@@ -143,6 +143,8 @@ class RunConfig:
     prompt_len: int = _option(32, "prompt tokens per group (task prompts; --data prompts keep their own length)")
     depth: float | None = _option(None, "retrieval task: depth of the planted fact in [0, 1] (default: random per "
                                   "prompt)")
+    max_depth: float | None = _option(None, "retrieval task: every fact in the first D of the log, random depths "
+                                      "uniform in [0, D] (default: the task's, 1)", metavar="D")
     num_facts: int | None = _option(None, "retrieval task: facts per prompt, the queried one and N-1 distractors with "
                                     "other keys at random depths (default: the task's, 2)", metavar="N",
                                     formerly=("facts",))
@@ -234,6 +236,9 @@ class RunConfig:
     sft_num_facts: int | None = _option(None, "retrieval task: facts per warm-up prompt (default --num-facts); 1 "
                                         "teaches the answer format and copying, leaving which fact to copy to GRPO",
                                         metavar="N")
+    sft_max_depth: float | None = _option(None, "retrieval task: every warm-up fact in the first D of the log "
+                                          "(default --max-depth); 1 with a small --max-depth warms up at every depth "
+                                          "and leaves the long range to GRPO", metavar="D")
     # output
     out: str | None = _option(None, "output directory (default: out/run-<UTC time>)", group="output")
     resume: bool = _option(False, "continue the run in --out from its newest intact checkpoint (a damaged newer one "
@@ -353,9 +358,10 @@ class RunConfig:
             raise ValueError("; ".join(errors))
 
     def task_options(self) -> dict:
-        """The task factory's keyword arguments beyond prompt_len, vocab_size and seed: depth and num_facts, those
-        given (a custom factory receives only the options the command line sets)."""
-        return {k: v for k, v in (("depth", self.depth), ("num_facts", self.num_facts)) if v is not None}
+        """The task factory's keyword arguments beyond prompt_len, vocab_size and seed: depth, max_depth and
+        num_facts, those given (a custom factory receives only the options the command line sets)."""
+        return {k: v for k, v in (("depth", self.depth), ("max_depth", self.max_depth), ("num_facts", self.num_facts))
+                if v is not None}
 
     def saved(self) -> dict:
         """What a checkpoint (and <out>/config.json) records: every option except the RESUMABLE ones."""

@@ -87,9 +87,10 @@ class Trainer:
         if config.data and config.sft_prompt_len is not None and "sft_prompt_len" in explicit:
             raise RunError(f"--sft-prompt-len={config.sft_prompt_len} sets a --task's warm-up prompt length; a --data "
                            "warm-up renders the rows' own prompts (--max-prompt-len, --truncate)")
-        if config.data and config.sft_num_facts is not None and "sft_num_facts" in explicit:
-            raise RunError(f"--sft-num-facts={config.sft_num_facts} sets the retrieval task's warm-up facts; a --data "
-                           "warm-up imitates the rows' own answers")
+        for name in ("sft_num_facts", "sft_max_depth"):
+            if config.data and getattr(config, name) is not None and name in explicit:
+                raise RunError(f"--{name.replace('_', '-')}={getattr(config, name)} sets the retrieval task's warm-up "
+                               "facts; a --data warm-up imitates the rows' own answers")
         # the warm-up trains every parameter: not with a frozen part (by default it is skipped there)
         self.freezes = config.train == "lora" or config.trainable is not None
         if config.sft_steps and self.freezes and "sft_steps" in explicit:
@@ -314,8 +315,10 @@ class Trainer:
             self.pending.extend(records)
             if (self.evaluator is not None and self.sft_targets is None
                     and config.sft_prompt_len not in (None, config.prompt_len)):
-                # the warm start at the warm-up's length too
-                short = evaluate.for_config(dataclasses.replace(config, prompt_len=config.sft_prompt_len),
+                # the warm start at the warm-up's length (and facts' depths) too
+                depth = config.max_depth if config.sft_max_depth is None else config.sft_max_depth
+                short = evaluate.for_config(dataclasses.replace(config, prompt_len=config.sft_prompt_len,
+                                                                max_depth=depth),
                                             self.model.config.vocab_size, self.mesh)
                 self.pending.append(self.evaluate(say, evaluator=short, label="warm start at the warm-up length"))
         if self.evaluator is not None:

@@ -41,13 +41,15 @@ def warm_up_seed(seed: int) -> int:
 
 
 def warm_up_task(config, vocab_size: int):
-    """The warm-up task of a RunConfig: its --task (and --depth, --num-facts) at --sft-prompt-len (default
-    --prompt-len) with --sft-num-facts facts (default --num-facts), seed `warm_up_seed(--seed)`."""
+    """The warm-up task of a RunConfig: its --task (and --depth, --num-facts, --max-depth) at --sft-prompt-len (default
+    --prompt-len) with --sft-num-facts facts and --sft-max-depth (defaults: GRPO's), seed `warm_up_seed(--seed)`."""
     from longstraw_jax.tasks import make_task
 
     options = config.task_options()
     if config.sft_num_facts is not None:
         options["num_facts"] = config.sft_num_facts
+    if config.sft_max_depth is not None:
+        options["max_depth"] = config.sft_max_depth
     return make_task(config.task, prompt_len=config.sft_prompt_len or config.prompt_len, vocab_size=vocab_size,
                      seed=warm_up_seed(config.seed), **options)
 

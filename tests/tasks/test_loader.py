@@ -60,6 +60,22 @@ def test_retrieval_rejects_bad_settings():
         RetrievalTask(prompt_len=4, vocab_size=64)
     with pytest.raises(ValueError, match="depth=1.5"):
         RetrievalTask(prompt_len=64, vocab_size=64, depth=1.5)
+    with pytest.raises(ValueError, match=r"max_depth=0.0 must be in \(0, 1\]"):
+        RetrievalTask(prompt_len=64, vocab_size=64, max_depth=0.0)
+    with pytest.raises(ValueError, match="depth=0.5 must be <= max_depth=0.1"):
+        RetrievalTask(prompt_len=64, vocab_size=64, depth=0.5, max_depth=0.1)
+
+
+def test_retrieval_max_depth_keeps_every_fact_near_the_start():
+    """max_depth=0.1: every fact (the queried one and the distractors) in the first ~10 % of the log, so the question
+    is ~90 % of the prompt away; the default (1.0) draws the same prompts as before the option existed."""
+    near = RetrievalTask(prompt_len=1024, vocab_size=32, num_facts=3, max_depth=0.1)
+    last = [int(np.flatnonzero(near.prompt(i).tokens == FACT).max()) for i in range(40)]
+    assert max(last) <= 0.1 * 1022 + 6 and min(last) >= 2
+    anywhere = RetrievalTask(prompt_len=1024, vocab_size=32, num_facts=3)
+    assert max(int(np.flatnonzero(anywhere.prompt(i).tokens == FACT).max()) for i in range(40)) > 500
+    np.testing.assert_array_equal(RetrievalTask(prompt_len=64, vocab_size=32, max_depth=1.0).prompt(3).tokens,
+                                  RetrievalTask(prompt_len=64, vocab_size=32).prompt(3).tokens)
 
 
 def test_score_and_load_callable():

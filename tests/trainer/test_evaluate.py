@@ -58,6 +58,13 @@ def test_the_warm_up_can_plant_fewer_facts_than_grpo():
         RunConfig(sft_num_facts=0)
 
 
+def test_the_warm_up_can_plant_facts_at_every_depth_while_grpo_keeps_them_near_the_start():
+    config = RunConfig(prompt_len=256, sft_prompt_len=64, max_depth=0.1, sft_max_depth=1.0)
+    assert evaluate.held_out_task(config, 32).max_depth == 0.1
+    assert sft.warm_up_task(config, 32).max_depth == 1.0
+    assert sft.warm_up_task(RunConfig(prompt_len=256, max_depth=0.1), 32).max_depth == 0.1  # the default: GRPO's
+
+
 def test_first_token_stats_and_summary():
     uniform = np.log(np.full((2, 4), 0.25))
     with np.errstate(divide="ignore"):

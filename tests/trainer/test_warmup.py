@@ -138,10 +138,10 @@ def test_bad_answer_rows_one_line_error(tmp_path, tok_dir, capsys):
                      "--sft-prompt-len", "8")
     assert run.main(argv) == 2
     assert "--sft-prompt-len=8 sets a --task's warm-up prompt length" in capsys.readouterr().err
-    argv = data_args(data, tok_dir, "--steps", "1", "--out", str(tmp_path / "o"), "--sft-steps", "2",
-                     "--sft-num-facts", "1")
-    assert run.main(argv) == 2
-    assert "--sft-num-facts=1 sets the retrieval task's warm-up facts" in capsys.readouterr().err
+    for flag, value in (("--sft-num-facts", "1"), ("--sft-max-depth", "0.5")):
+        argv = data_args(data, tok_dir, "--steps", "1", "--out", str(tmp_path / "o"), "--sft-steps", "2", flag, value)
+        assert run.main(argv) == 2
+        assert f"{flag}={value} sets the retrieval task's warm-up facts" in capsys.readouterr().err
 
 
 @pytest.mark.slow
