@@ -5,34 +5,52 @@ and a byte-level BPE tokenizer trained on them (a transformers tokenizer directo
                                                                   #       configs/stdlib_qa.toml
 
 Each row is one prompt: several stdlib modules concatenated (each under a `# file: <path>` line) followed by one
-question, "What is the default value of the parameter `p` of `f`?", whose answer is the default exactly as the source
-writes it (`None`, `0`, `'strict'`, ...). `f` is defined (`def f(`) in exactly one file of the prompt. The answer is
-drawn uniformly from the default values both splits offer (`None` is the most common default in the sources; drawn
-that way it would reward a policy that reads nothing). Rows are {"messages": [system, user], "answer", "file",
-"function", "parameter", "files", "prompt_tokens"}.
+question (`--question`):
+
+- `default`: "What is the default value of the parameter `p` of `f`?", whose answer is the default exactly as the
+  source writes it (`None`, `0`, `'strict'`, ...). `f` is defined (`def f(`) in exactly one file of the prompt. The
+  answer is drawn uniformly from the default values both splits offer (`None` is the most common default in the
+  sources; drawn that way it would reward a policy that reads nothing). Rows are {"messages": [system, user],
+  "answer", "file", "function", "parameter", "files", "prompt_tokens"}.
+- `next_name`: "Which name comes next in the line `<prefix>`?", where `<prefix>` is the start of a source line (its
+  indentation dropped) that occurs exactly once in the prompt's files, and the answer is the identifier that follows
+  it there (4+ characters; not a keyword, a builtin or a name found in over 10 % of the modules, such as `self`).
+  Finding the line and copying what follows it is what a small model pre-trained on the same kind of code can learn
+  (`python -m longstraw_jax.pretrain` on `corpus/`). Rows are {"messages", "answer", "file", "prefix", "files",
+  "prompt_tokens"}.
 
 The modules are split into training and held-out modules (`--held-out-fraction`), so held-out questions ask about
 functions no training prompt contains. Everything is a pure function of the options and the Python installation's
 standard library (the same Python version gives the same files): rebuilding gives identical bytes.
 
 Writes into --out: tokenizer/ (tokenizer.json, tokenizer_config.json with the chat template), train.jsonl,
-held_out.jsonl and manifest.json (the options, the Python version, row counts and prompt lengths in tokens).
+held_out.jsonl, manifest.json (the options, the Python version, row counts and prompt lengths in tokens) and corpus/
+(the training modules' texts, one file each: a pre-training corpus without the held-out modules).
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import builtins
 import dataclasses
+import io
 import json
+import keyword
 import os
 import re
 import sys
 import sysconfig
+import tokenize
 
 import numpy as np
 
 SYSTEM = "Read the Python source files and answer the question with the value only."
 QUESTION = "What is the default value of the parameter `{parameter}` of `{function}`?"
+NEXT_SYSTEM = "Read the Python source files and answer the question with the name only."
+NEXT_QUESTION = "Which name comes next in the line `{prefix}`?"
+QUESTION_KINDS = ("default", "next_name")
+CORPUS_MAX_CHARS = 100_000  # the largest source file written to corpus/
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 HEADER = "# file: {path}\n"
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # pad, turn start, end of turn (the stop token)
 CHAT_TEMPLATE = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -47,7 +65,8 @@ class BuildConfig:
     """rows / held_out_rows: prompts of each split; min_tokens <= every prompt's length in tokens <= max_tokens (the
     rendered chat, generation prompt included); vocab_size: the tokenizer's vocabulary (special tokens included);
     min_chars / max_chars: the sizes of the modules used; max_answer_chars: the longest default asked about;
-    held_out_fraction: the share of modules only held-out prompts use; seed: every random choice."""
+    held_out_fraction: the share of modules only held-out prompts use; seed: every random choice; question: the kind
+    of question (QUESTION_KINDS: the module's docstring)."""
 
     rows: int = 512
     held_out_rows: int = 64
@@ -59,6 +78,7 @@ class BuildConfig:
     max_answer_chars: int = 12
     held_out_fraction: float = 0.2
     seed: int = 0
+    question: str = "default"
 
     def __post_init__(self):
         errors = [f"--{name.replace('_', '-')}={getattr(self, name)} must be >= {low}"
@@ -69,6 +89,8 @@ class BuildConfig:
             errors.append(f"--max-tokens={self.max_tokens} must be >= --min-tokens={self.min_tokens}")
         if self.max_chars < self.min_chars:
             errors.append(f"--max-chars={self.max_chars} must be >= --min-chars={self.min_chars}")
+        if self.question not in QUESTION_KINDS:
+            errors.append(f"--question={self.question} must be one of {', '.join(QUESTION_KINDS)}")
         if not 0 < self.held_out_fraction < 1:
             errors.append(f"--held-out-fraction={self.held_out_fraction} must be in (0, 1)")
         if errors:
@@ -129,33 +151,45 @@ def literal_defaults(text: str, max_answer_chars: int) -> tuple[Default, ...]:
     return tuple(found)
 
 
-def read_modules(config: BuildConfig, root: str | None = None) -> list[Module]:
-    """The stdlib modules the example uses, sorted by path: .py files outside SKIPPED_DIRS with min_chars..max_chars
-    characters of ASCII text that parse and have at least one literal default."""
-    root = root or stdlib_dir()
-    modules = []
+def stdlib_sources(root: str, min_chars: int, max_chars: int):
+    """(path relative to root, text) of the .py files under root outside SKIPPED_DIRS (and not test*) with
+    min_chars..max_chars bytes of ASCII text, in sorted order; newlines normalised."""
     for directory, subdirs, files in os.walk(root):
         subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_DIRS and not d.startswith("test"))
         for name in sorted(files):
-            if not name.endswith(".py") or name.startswith("test"):
-                continue
             path = os.path.join(directory, name)
-            if not config.min_chars <= os.path.getsize(path) <= config.max_chars:
+            if (not name.endswith(".py") or name.startswith("test")
+                    or not min_chars <= os.path.getsize(path) <= max_chars):
                 continue
             with open(path, "rb") as f:
                 raw = f.read()
-            if not raw.isascii():
-                continue
-            text = raw.decode("ascii").replace("\r\n", "\n")
-            defaults = literal_defaults(text, config.max_answer_chars)
-            if defaults:
-                modules.append(Module(os.path.relpath(path, root).replace(os.sep, "/"), text, defaults))
+            if raw.isascii():
+                yield os.path.relpath(path, root).replace(os.sep, "/"), raw.decode("ascii").replace("\r\n", "\n")
+
+
+def parses(text: str) -> bool:
+    try:
+        ast.parse(text)
+    except (SyntaxError, ValueError):
+        return False
+    return True
+
+
+def read_modules(config: BuildConfig, root: str | None = None) -> list[Module]:
+    """The stdlib modules the example uses, sorted by path: .py files outside SKIPPED_DIRS with min_chars..max_chars
+    characters of ASCII text that parse and (for `default` questions) have at least one literal default."""
+    modules = []
+    for path, text in stdlib_sources(root or stdlib_dir(), config.min_chars, config.max_chars):
+        defaults = literal_defaults(text, config.max_answer_chars)
+        if defaults or (config.question != "default" and parses(text)):
+            modules.append(Module(path, text, defaults))
     return sorted(modules, key=lambda m: m.path)
 
 
-def train_tokenizer(modules: list[Module], vocab_size: int):
-    """A byte-level BPE (`tokenizers`) trained on the modules' prompt segments, wrapped as a transformers fast
-    tokenizer with the ChatML template: pad <|endoftext|>, EOS <|im_end|> (the end of the assistant's turn)."""
+def train_tokenizer(modules: list[Module], vocab_size: int, extra: tuple[str, ...] = ()):
+    """A byte-level BPE (`tokenizers`) trained on the modules' prompt segments (and the `extra` texts), wrapped as a
+    transformers fast tokenizer with the ChatML template: pad <|endoftext|>, EOS <|im_end|> (the end of the
+    assistant's turn)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -164,7 +198,7 @@ def train_tokenizer(modules: list[Module], vocab_size: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    texts = [m.segment for m in modules] + [SYSTEM, QUESTION]
+    texts = [m.segment for m in modules] + [SYSTEM, QUESTION, *extra]
     tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=SPECIAL[2], pad_token=SPECIAL[0],
                                    chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
@@ -213,6 +247,25 @@ def prompt_length(tokenizer, chat: list[dict]) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def fill_around(module: Module, pool: list[Module], sizes: dict[str, int], config: BuildConfig,
+                rng: np.random.Generator, excluded) -> list[Module] | None:
+    """`module` and other modules of the pool (sizes: each one's segment length in tokens), in random order, until
+    the prompt holds about min_tokens; a module that would pass max_tokens or for which excluded(module) is true is
+    skipped. `module` sits at a random place among them. None when the pool cannot fill min_tokens."""
+    others, total = [], 64 + sizes[module.path]  # 64: the system line, the question and the template, roughly
+    for i in rng.permutation(len(pool)):
+        if total >= config.min_tokens:
+            break
+        other = pool[i]
+        if other.path != module.path and total + sizes[other.path] <= config.max_tokens - 64 and not excluded(other):
+            others.append(other)
+            total += sizes[other.path]
+    if total < config.min_tokens - 64:
+        return None  # short even if the estimate of the template's tokens is off by 64
+    place = int(rng.integers(len(others) + 1))
+    return others[:place] + [module] + others[place:]
+
+
 def build_row(pool: list[Module], answers: list[str], sizes: dict[str, int], tokenizer, config: BuildConfig,
               rng: np.random.Generator, attempts: int = 100) -> dict:
     """One row: an answer drawn uniformly from `answers` (so that no answer dominates: always answering `None` scores
@@ -229,19 +282,9 @@ def build_row(pool: list[Module], answers: list[str], sizes: dict[str, int], tok
         module = holders[rng.integers(len(holders))]
         offered = questions(module)[answer]
         question = offered[rng.integers(len(offered))]
-        others, total = [], 64 + sizes[module.path]  # 64: the system line, the question and the template, roughly
-        for i in rng.permutation(len(pool)):
-            if total >= config.min_tokens:
-                break
-            other = pool[i]
-            if (other.path != module.path and total + sizes[other.path] <= config.max_tokens - 64
-                    and not defined_in(question.function, [other])):
-                others.append(other)
-                total += sizes[other.path]
-        if total < config.min_tokens - 64:
-            continue  # short even if the estimate of the template's tokens is off by 64
-        place = int(rng.integers(len(others) + 1))
-        chosen = others[:place] + [module] + others[place:]
+        chosen = fill_around(module, pool, sizes, config, rng, lambda other: defined_in(question.function, [other]))
+        if chosen is None:
+            continue
         chat = messages(chosen, question)
         length = prompt_length(tokenizer, chat)
         if config.min_tokens <= length <= config.max_tokens:
@@ -253,20 +296,94 @@ def build_row(pool: list[Module], answers: list[str], sizes: dict[str, int], tok
             "parameter": question.parameter, "files": [m.path for m in chosen], "prompt_tokens": length}
 
 
+def in_long_strings(text: str) -> set[int]:
+    """The 1-based numbers of the lines that hold part of a string spanning several lines (docstrings: prose, not
+    code)."""
+    rows = set()
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            if token.type == tokenize.STRING and token.end[0] > token.start[0]:
+                rows.update(range(token.start[0], token.end[0] + 1))
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    return rows
+
+
+def next_name_cuts(text: str, common: frozenset[str]) -> list[tuple[str, str]]:
+    """Every (prefix, name) of the module's code a `next_name` question can ask: `name` a whole identifier of 4+
+    characters, not a keyword, a builtin or in `common`, and not an attribute (no `.` before it); `prefix` the line
+    before it with its indentation dropped, 12+ characters, outside a string literal (an even number of each quote),
+    without a comment or backticks. Lines of docstrings and other multi-line strings are skipped."""
+    prose = in_long_strings(text)
+    cuts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        body = line.lstrip()
+        if not body or number in prose or "#" in body or "`" in body:
+            continue
+        for match in NAME.finditer(body):
+            name, prefix = match.group(), body[: match.start()]
+            if (len(prefix) >= 12 and len(name) >= 4 and not keyword.iskeyword(name) and not hasattr(builtins, name)
+                    and name not in common and not prefix[-1].isdigit() and prefix[-1] != "."
+                    and prefix.count("'") % 2 == 0 and prefix.count('"') % 2 == 0):
+                cuts.append((prefix, name))
+    return cuts
+
+
+def common_names(modules: list[Module], share: float = 0.1) -> frozenset[str]:
+    """The identifiers found in more than `share` of the modules (`self`, `name`, ...): answers a policy could give
+    without reading."""
+    counts: dict[str, int] = {}
+    for m in modules:
+        for name in set(NAME.findall(m.text)):
+            counts[name] = counts.get(name, 0) + 1
+    return frozenset(name for name, n in counts.items() if n > share * len(modules))
+
+
+def build_next_name_row(pool: list[Module], sizes: dict[str, int], common: frozenset[str], tokenizer,
+                        config: BuildConfig, rng: np.random.Generator, attempts: int = 100) -> dict:
+    """One `next_name` row: a module of the pool, filled around with others (fill_around), then a (prefix, name) cut
+    of that module drawn uniformly among those whose prefix occurs exactly once in the prompt's files. Drawn again
+    when no cut is unique or the rendered length is outside min_tokens..max_tokens, at most `attempts` times."""
+    for _ in range(attempts):
+        module = pool[rng.integers(len(pool))]
+        chosen = fill_around(module, pool, sizes, config, rng, lambda other: False)
+        if chosen is None:
+            continue
+        files = "".join(m.segment for m in chosen)
+        cuts = [c for c in next_name_cuts(module.text, common) if files.count(c[0]) == 1]
+        if not cuts:
+            continue
+        prefix, name = cuts[rng.integers(len(cuts))]
+        chat = [{"role": "system", "content": NEXT_SYSTEM},
+                {"role": "user", "content": files + NEXT_QUESTION.format(prefix=prefix)}]
+        length = prompt_length(tokenizer, chat)
+        if config.min_tokens <= length <= config.max_tokens:
+            return {"messages": chat, "answer": name, "file": module.path, "prefix": prefix,
+                    "files": [m.path for m in chosen], "prompt_tokens": length}
+    raise ValueError(f"cannot fill a prompt of {config.min_tokens}..{config.max_tokens} tokens with a next_name "
+                     f"question from {len(pool)} modules: lower --min-tokens or raise --max-tokens / --max-chars")
+
+
 def build(config: BuildConfig, root: str | None = None):
-    """-> (tokenizer, training rows, held-out rows): modules split into training and held-out modules, the tokenizer
-    trained on all of them, rows built from each split's modules."""
+    """-> (tokenizer, training rows, held-out rows, training modules): modules split into training and held-out
+    modules, the tokenizer trained on all of them, rows built from each split's modules."""
     modules = read_modules(config, root)
     if len(modules) < 10:
         raise ValueError(f"only {len(modules)} stdlib modules of {config.min_chars}..{config.max_chars} characters "
                          f"under {root or stdlib_dir()}: widen --min-chars / --max-chars")
-    tokenizer = train_tokenizer(modules, config.vocab_size)
+    extra = (NEXT_SYSTEM, NEXT_QUESTION) if config.question == "next_name" else ()
+    tokenizer = train_tokenizer(modules, config.vocab_size, extra)
     rng = np.random.default_rng(config.seed)
     order = rng.permutation(len(modules))
     held = max(1, int(round(len(modules) * config.held_out_fraction)))
     held_out_pool = sorted((modules[i] for i in order[:held]), key=lambda m: m.path)
     train_pool = sorted((modules[i] for i in order[held:]), key=lambda m: m.path)
     sizes = {m.path: len(tokenizer(m.segment, add_special_tokens=False)["input_ids"]) for m in modules}
+    if config.question == "next_name":
+        common = common_names(modules)
+        train, held_out = ([build_next_name_row(pool, sizes, common, tokenizer, config, rng) for _ in range(count)]
+                           for pool, count in ((train_pool, config.rows), (held_out_pool, config.held_out_rows)))
+        return tokenizer, train, held_out, train_pool
     # answers both splits can ask about, each offered by at least two modules of each (held-out rows ask about
     # values training rows ask about too, from modules training never sees)
     answers = sorted(set(common_answers(train_pool, 2)) & set(common_answers(held_out_pool, 2)))
@@ -274,7 +391,7 @@ def build(config: BuildConfig, root: str | None = None):
         raise ValueError("no default value is offered by two modules of both splits: raise --max-chars")
     train = [build_row(train_pool, answers, sizes, tokenizer, config, rng) for _ in range(config.rows)]
     held_out = [build_row(held_out_pool, answers, sizes, tokenizer, config, rng) for _ in range(config.held_out_rows)]
-    return tokenizer, train, held_out
+    return tokenizer, train, held_out, train_pool
 
 
 def majority_share(answers: list[str]) -> float:
@@ -284,9 +401,14 @@ def majority_share(answers: list[str]) -> float:
 
 def write(out: str, config: BuildConfig, root: str | None = None) -> dict:
     """Build and write everything into `out` (created; existing files replaced) -> the manifest."""
-    tokenizer, train, held_out = build(config, root)
-    os.makedirs(out, exist_ok=True)
+    tokenizer, train, held_out, train_modules = build(config, root)
+    os.makedirs(os.path.join(out, "corpus"), exist_ok=True)
     tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
+    held_out_paths = {path for row in held_out for path in row["files"]}
+    for path, text in stdlib_sources(root or stdlib_dir(), 1, CORPUS_MAX_CHARS):
+        if path not in held_out_paths:  # the pre-training corpus: every source no held-out prompt holds
+            with open(os.path.join(out, "corpus", path.replace("/", "__")), "w") as f:
+                f.write(HEADER.format(path=path) + text)
     for name, rows in (("train.jsonl", train), ("held_out.jsonl", held_out)):
         with open(os.path.join(out, name), "w") as f:
             f.writelines(json.dumps(row, sort_keys=True) + "\n" for row in rows)

@@ -173,3 +173,47 @@ def test_trainer_runs_the_example(built, tmp_path, capsys):
     assert [r["step"] for r in steps] == [1, 2]
     assert all(0.0 <= r["eval_reward"] <= 1.0 and "eval_reward/exact_literal" in r for r in evals)
     assert all("reward/exact_literal" in r for r in steps)
+
+
+NEXT = build.BuildConfig(rows=6, held_out_rows=3, min_tokens=600, max_tokens=1000, max_chars=4000, vocab_size=512,
+                         question="next_name")
+
+
+def test_next_name_rows_ask_for_the_name_after_a_line_prefix_found_once(tmp_path):
+    """--question next_name: the prefix occurs exactly once in the prompt's files, in the asked file, followed there
+    by the answer as a whole identifier (a code line, not a docstring); the answer is not a name a policy could give
+    without reading (a keyword, a builtin, or one of the names in over 10 % of the modules); corpus/ holds sources
+    for pre-training and none of the held-out prompts' files."""
+    out = tmp_path / "next"
+    manifest = build.write(str(out), NEXT)
+    train, held = read_rows(out / "train.jsonl"), read_rows(out / "held_out.jsonl")
+    assert len(train) == NEXT.rows and len(held) == NEXT.held_out_rows and manifest["config"]["question"] == "next_name"
+    modules = build.read_modules(NEXT)
+    common = build.common_names(modules)
+    assert "self" in common
+    for row in train + held:
+        system, user = row["messages"]
+        assert system == {"role": "system", "content": build.NEXT_SYSTEM}
+        question = build.NEXT_QUESTION.format(prefix=row["prefix"])
+        assert user["content"].endswith(question)
+        files_text = user["content"][: -len(question)]
+        assert files_text.count(row["prefix"]) == 1
+        files = segments(files_text)
+        assert list(files) == row["files"] and row["prefix"] in files[row["file"]]
+        assert re.search(re.escape(row["prefix"]) + re.escape(row["answer"]) + r"(?![A-Za-z0-9_])", files[row["file"]])
+        assert len(row["answer"]) >= 4 and row["answer"].isidentifier() and row["answer"] not in common
+        assert NEXT.min_tokens <= row["prompt_tokens"] <= NEXT.max_tokens
+    corpus = set(os.listdir(out / "corpus"))
+    assert corpus and not corpus & {p.replace("/", "__") for row in held for p in row["files"]}
+    assert {p.replace("/", "__") for row in train for p in row["files"]} <= corpus
+
+
+def test_next_name_cuts_skip_docstrings_comments_and_attributes():
+    text = ('def f(alpha_value, beta):\n    """Docstring line mentioning something_long\n    and more prose here"""\n'
+            '    result = compute_things(alpha_value)  # a comment\n    other = helper.attribute_name(beta)\n'
+            '    return combine_all(result, other)\n')
+    cuts = build.next_name_cuts(text, frozenset({"result"}))
+    assert ("return combine_all(result, ", "other") in cuts
+    assert ("other = helper.", "attribute_name") not in cuts  # an attribute: no '.' before the name
+    assert ("def f(alpha_value, ", "beta") in cuts and ("result = ", "compute_things") not in cuts  # a comment line
+    assert not [c for c in cuts if "Docstring" in c[0] or "prose" in c[0] or "something_long" in c[1]]
