@@ -247,6 +247,24 @@ def test_bench_length_smoke(tmp_path, capsys):
                    "--chunk-size", "16", "--seeds", "0", "--modes", "detached", "--out", out, "--reuse"])
 
 
+def test_bench_length_max_depth_keeps_the_long_prompts_facts_near_the_start():
+    """tools/bench_length.py --max-depth 0.1: GRPO's and the long evaluation's facts in the first 10 % of the log,
+    the warm-up's (and the short evaluation's) at every depth."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_length", os.path.join(ROOT, "tools", "bench_length.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    args, extra = tool.parse(["--long", "1024", "--max-depth", "0.1"])
+    config, _ = run.parse_args(tool.trainer_args(args, "exact", 0, "/tmp/unused", extra))
+    assert (config.prompt_len, config.max_depth, config.sft_max_depth, config.sft_prompt_len) == (1024, 0.1, 1.0, 32)
+    long_facts = [np.flatnonzero(evaluate.held_out_task(config, 32).prompt(i).tokens == 3) for i in range(20)]
+    assert max(f.max() for f in long_facts) < 0.11 * 1024
+    warm = sft.warm_up_task(config, 32)
+    assert (warm.prompt_len, warm.max_depth) == (32, 1.0)
+    assert "--max-depth" not in tool.trainer_args(tool.parse([])[0], "exact", 0, "/tmp/unused", [])
+
+
 def test_length_answers_classify():
     """tools/length_answers.classify: over the prompts whose distractor holds another value than the answer, a first
     token is the answer, the distractor's value, another answer id or no answer; other prompts are not counted."""
