@@ -196,7 +196,9 @@ def main(argv=None) -> int:
     steps = ([int(s) for s in args.table_steps.split(",")] if args.table_steps else common if len(common) <= 7 else
              sorted({common[round(i * (len(common) - 1) / 4)] for i in range(5)}))
     title = (f"warm-up {args.sft_steps} x {args.sft_batch} prompts of {args.short} tokens (lr {args.sft_lr:g}), then "
-             f"GRPO at {args.long} tokens ({args.facts} facts, G={args.group_size}, B={args.groups_per_step}, "
+             f"GRPO at {args.long} tokens ({args.facts} facts"
+             + ("" if args.max_depth is None else f" in the first {args.max_depth:.0%}")
+             + f", G={args.group_size}, B={args.groups_per_step}, "
              f"lr {args.lr:g})")
     plot(results, levels, os.path.join(args.out, "length.png"), title)
     warm_long = {m: [c.get(0) for c in results[m].values()] for m in modes}
