@@ -74,7 +74,8 @@ def main(argv=None) -> int:
         with open(os.path.join(out, "config.json")) as f:
             config = current_names(json.load(f), os.path.join(out, "config.json"))  # saved as --facts before too
         task = RetrievalTask(prompt_len=config["prompt_len"], vocab_size=config["vocab_size"],
-                             seed=evaluate.held_out_seed(config["seed"]), num_facts=config.get("num_facts") or 2)
+                             seed=evaluate.held_out_seed(config["seed"]), num_facts=config.get("num_facts") or 2,
+                             depth=config.get("depth"), max_depth=config.get("max_depth") or 1.0)
         counts = rows[out] = classify(task, result["answers"])
         n = max(counts["prompts"], 1)
         print(f"| {out} | {counts['prompts']} | " + " | ".join(f"{counts[k] / n:.3f}" for k in
