@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -152,7 +153,7 @@ def plot(results: dict[str, dict[int, dict[int, float]]], levels: dict[str, floa
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
