@@ -15,7 +15,8 @@ vmapped); AdamW (`train.make_optimizer`, with `--lr-warmup-steps`). The model: `
 tokenizer's size, `--vocab-size` to round it up) or a config.json (random init).
 
 Written to `--out`: config.json + model.safetensors (`save_hf`), the tokenizer's files, and pretrain.jsonl (a line
-per logged step: step, loss, tokens_per_s; and the held-out loss before training and after the last step).
+per logged step: step, and the mean loss and tokens_per_s of the steps since the previous logged one, the first
+window's including the compile; and the held-out loss before training and after the last step).
 """
 from __future__ import annotations
 
@@ -200,19 +201,21 @@ def pretrain(args: argparse.Namespace, say=print) -> dict:
     opt_state = optimizer.init(params)
     records = [{"held_out_loss": held_out_loss(model, params, corpus.held_out, args.seq_len, args.batch), "step": 0}]
     start, losses = time.perf_counter(), []
+    window_start, window_steps = start, 0  # the logging window's clock (its first step includes the compile)
     for step in range(args.steps):
-        tic = time.perf_counter()
         params, opt_state, loss = train_step(model, optimizer, params, opt_state,
                                              windows(corpus.train, args.seq_len, args.batch, args.seed, step))
         losses.append(float(loss))
+        window_steps += 1
         if not np.isfinite(losses[-1]):
             raise ValueError(f"step {step + 1}: the loss is {losses[-1]}: lower --learning-rate")
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            seconds = time.perf_counter() - tic
-            records.append({"step": step + 1, "loss": float(np.mean(losses[-args.log_every:])),
+            seconds = (time.perf_counter() - window_start) / window_steps
+            records.append({"step": step + 1, "loss": float(np.mean(losses[-window_steps:])),
                             "tokens_per_s": args.batch * args.seq_len / seconds})
-            say(f"step {step + 1}/{args.steps}: loss {records[-1]['loss']:.3f} (mean of the last "
-                f"{min(args.log_every, len(losses))}) | {seconds:.2f} s/step", flush=True)
+            say(f"step {step + 1}/{args.steps}: loss {records[-1]['loss']:.3f}, {seconds:.2f} s/step (means of the "
+                f"last {window_steps})", flush=True)
+            window_start, window_steps = time.perf_counter(), 0
     after = held_out_loss(model, params, corpus.held_out, args.seq_len, args.batch)
     records.append({"step": args.steps, "held_out_loss": after})
     os.makedirs(args.out)
