@@ -17,6 +17,7 @@ Prints one markdown row per run; with --json FILE also writes the counts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -26,7 +27,7 @@ import numpy as np
 
 from longstraw_jax.tasks.retrieval import FACT, FIRST_ANSWER, RetrievalTask
 from longstraw_jax.trainer import evaluate
-from longstraw_jax.trainer.config import current_names
+from longstraw_jax.trainer.config import RunConfig, current_names
 
 
 def classify(task: RetrievalTask, answers: list[dict]) -> dict[str, int]:
@@ -72,10 +73,10 @@ def main(argv=None) -> int:
             with open(path) as f:
                 result = json.load(f)
         with open(os.path.join(out, "config.json")) as f:
-            config = current_names(json.load(f), os.path.join(out, "config.json"))  # saved as --facts before too
-        task = RetrievalTask(prompt_len=config["prompt_len"], vocab_size=config["vocab_size"],
-                             seed=evaluate.held_out_seed(config["seed"]), num_facts=config.get("num_facts") or 2,
-                             depth=config.get("depth"), max_depth=config.get("max_depth") or 1.0)
+            saved = current_names(json.load(f), os.path.join(out, "config.json"))  # saved as --facts before too
+        known = {field.name for field in dataclasses.fields(RunConfig)}
+        config = RunConfig(**{k: v for k, v in saved.items() if k in known})
+        task = evaluate.held_out_task(config, config.vocab_size)  # the prompts the evaluation above scored
         counts = rows[out] = classify(task, result["answers"])
         n = max(counts["prompts"], 1)
         print(f"| {out} | {counts['prompts']} | " + " | ".join(f"{counts[k] / n:.3f}" for k in
