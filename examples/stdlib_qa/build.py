@@ -25,7 +25,8 @@ standard library (the same Python version gives the same files): rebuilding give
 
 Writes into --out: tokenizer/ (tokenizer.json, tokenizer_config.json with the chat template), train.jsonl,
 held_out.jsonl, manifest.json (the options, the Python version, row counts and prompt lengths in tokens) and corpus/
-(the training modules' texts, one file each: a pre-training corpus without the held-out modules).
+(a pre-training corpus: every stdlib source of up to CORPUS_MAX_CHARS characters that no held-out prompt holds, one
+file each, under its `# file:` header).
 """
 from __future__ import annotations
 
@@ -365,8 +366,8 @@ def build_next_name_row(pool: list[Module], sizes: dict[str, int], common: froze
 
 
 def build(config: BuildConfig, root: str | None = None):
-    """-> (tokenizer, training rows, held-out rows, training modules): modules split into training and held-out
-    modules, the tokenizer trained on all of them, rows built from each split's modules."""
+    """-> (tokenizer, training rows, held-out rows): modules split into training and held-out modules, the tokenizer
+    trained on all of them, rows built from each split's modules."""
     modules = read_modules(config, root)
     if len(modules) < 10:
         raise ValueError(f"only {len(modules)} stdlib modules of {config.min_chars}..{config.max_chars} characters "
@@ -383,7 +384,7 @@ def build(config: BuildConfig, root: str | None = None):
         common = common_names(modules)
         train, held_out = ([build_next_name_row(pool, sizes, common, tokenizer, config, rng) for _ in range(count)]
                            for pool, count in ((train_pool, config.rows), (held_out_pool, config.held_out_rows)))
-        return tokenizer, train, held_out, train_pool
+        return tokenizer, train, held_out
     # answers both splits can ask about, each offered by at least two modules of each (held-out rows ask about
     # values training rows ask about too, from modules training never sees)
     answers = sorted(set(common_answers(train_pool, 2)) & set(common_answers(held_out_pool, 2)))
@@ -391,7 +392,7 @@ def build(config: BuildConfig, root: str | None = None):
         raise ValueError("no default value is offered by two modules of both splits: raise --max-chars")
     train = [build_row(train_pool, answers, sizes, tokenizer, config, rng) for _ in range(config.rows)]
     held_out = [build_row(held_out_pool, answers, sizes, tokenizer, config, rng) for _ in range(config.held_out_rows)]
-    return tokenizer, train, held_out, train_pool
+    return tokenizer, train, held_out
 
 
 def majority_share(answers: list[str]) -> float:
@@ -401,7 +402,7 @@ def majority_share(answers: list[str]) -> float:
 
 def write(out: str, config: BuildConfig, root: str | None = None) -> dict:
     """Build and write everything into `out` (created; existing files replaced) -> the manifest."""
-    tokenizer, train, held_out, train_modules = build(config, root)
+    tokenizer, train, held_out = build(config, root)
     os.makedirs(os.path.join(out, "corpus"), exist_ok=True)
     tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
     held_out_paths = {path for row in held_out for path in row["files"]}

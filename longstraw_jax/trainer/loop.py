@@ -316,9 +316,8 @@ class Trainer:
             if (self.evaluator is not None and self.sft_targets is None
                     and config.sft_prompt_len not in (None, config.prompt_len)):
                 # the warm start at the warm-up's length (and facts' depths) too
-                depth = config.max_depth if config.sft_max_depth is None else config.sft_max_depth
                 short = evaluate.for_config(dataclasses.replace(config, prompt_len=config.sft_prompt_len,
-                                                                max_depth=depth),
+                                                                max_depth=warmup.warm_up_max_depth(config)),
                                             self.model.config.vocab_size, self.mesh)
                 self.pending.append(self.evaluate(say, evaluator=short, label="warm start at the warm-up length"))
         if self.evaluator is not None:

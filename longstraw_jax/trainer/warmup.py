@@ -40,6 +40,11 @@ def warm_up_seed(seed: int) -> int:
     return int(seed) ^ WARM_UP_BIT
 
 
+def warm_up_max_depth(config) -> float | None:
+    """The warm-up prompts' --max-depth: --sft-max-depth, else --max-depth (None: the task's default)."""
+    return config.max_depth if config.sft_max_depth is None else config.sft_max_depth
+
+
 def warm_up_task(config, vocab_size: int):
     """The warm-up task of a RunConfig: its --task (and --depth, --num-facts, --max-depth) at --sft-prompt-len (default
     --prompt-len) with --sft-num-facts facts and --sft-max-depth (defaults: GRPO's), seed `warm_up_seed(--seed)`."""
@@ -48,8 +53,9 @@ def warm_up_task(config, vocab_size: int):
     options = config.task_options()
     if config.sft_num_facts is not None:
         options["num_facts"] = config.sft_num_facts
-    if config.sft_max_depth is not None:
-        options["max_depth"] = config.sft_max_depth
+    depth = warm_up_max_depth(config)
+    if depth is not None:
+        options["max_depth"] = depth
     return make_task(config.task, prompt_len=config.sft_prompt_len or config.prompt_len, vocab_size=vocab_size,
                      seed=warm_up_seed(config.seed), **options)
 

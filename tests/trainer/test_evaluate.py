@@ -61,7 +61,7 @@ def test_the_warm_up_can_plant_fewer_facts_than_grpo():
 def test_the_warm_up_can_plant_facts_at_every_depth_while_grpo_keeps_them_near_the_start():
     config = RunConfig(prompt_len=256, sft_prompt_len=64, max_depth=0.1, sft_max_depth=1.0)
     assert evaluate.held_out_task(config, 32).max_depth == 0.1
-    assert sft.warm_up_task(config, 32).max_depth == 1.0
+    assert sft.warm_up_task(config, 32).max_depth == 1.0 == sft.warm_up_max_depth(config)
     assert sft.warm_up_task(RunConfig(prompt_len=256, max_depth=0.1), 32).max_depth == 0.1  # the default: GRPO's
 
 
