@@ -18,15 +18,23 @@ question (`--question`):
   Finding the line and copying what follows it is what a small model pre-trained on the same kind of code can learn
   (`python -m longstraw_jax.pretrain` on `corpus/`). Rows are {"messages", "answer", "file", "prefix", "files",
   "prompt_tokens"}.
+- `complete`: the same cut as a code completion, without a chat: the prompt is the files followed by the asked line
+  again, as indented in its file, up to the name (its trailing whitespace left to the completion, so the name's
+  token is the one the files hold, ` load` rather than `load` after `import`); the prefix without that whitespace
+  occurs exactly once in the files. The completion's first name is the answer (reward.py `first_name`). A model
+  pre-trained on code with spans written twice (`python -m longstraw_jax.pretrain --repeat`) has learned to copy
+  from its context, which is what this asks. Rows are {"prompt", "answer", "file", "prefix", "files",
+  "prompt_tokens"}.
 
 The modules are split into training and held-out modules (`--held-out-fraction`), so held-out questions ask about
 functions no training prompt contains. Everything is a pure function of the options and the Python installation's
 standard library (the same Python version gives the same files): rebuilding gives identical bytes.
 
 Writes into --out: tokenizer/ (tokenizer.json, tokenizer_config.json with the chat template), train.jsonl,
-held_out.jsonl, manifest.json (the options, the Python version, row counts and prompt lengths in tokens) and corpus/
-(a pre-training corpus: every stdlib source of up to CORPUS_MAX_CHARS characters that no held-out prompt holds, one
-file each, under its `# file:` header).
+held_out.jsonl, held_out_no_read.jsonl (the held-out rows without their files: the question alone, for the no-read
+baseline `python -m longstraw_jax.evaluate --eval-data`), manifest.json (the options, the Python version, row counts
+and prompt lengths in tokens) and corpus/ (a pre-training corpus: every stdlib source of up to CORPUS_MAX_CHARS
+characters that no held-out prompt holds, one file each, under its `# file:` header).
 """
 from __future__ import annotations
 
@@ -49,7 +57,7 @@ SYSTEM = "Read the Python source files and answer the question with the value on
 QUESTION = "What is the default value of the parameter `{parameter}` of `{function}`?"
 NEXT_SYSTEM = "Read the Python source files and answer the question with the name only."
 NEXT_QUESTION = "Which name comes next in the line `{prefix}`?"
-QUESTION_KINDS = ("default", "next_name")
+QUESTION_KINDS = ("default", "next_name", "complete")
 CORPUS_MAX_CHARS = 100_000  # the largest source file written to corpus/
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 HEADER = "# file: {path}\n"
@@ -342,27 +350,37 @@ def common_names(modules: list[Module], share: float = 0.1) -> frozenset[str]:
 
 def build_next_name_row(pool: list[Module], sizes: dict[str, int], common: frozenset[str], tokenizer,
                         config: BuildConfig, rng: np.random.Generator, attempts: int = 100) -> dict:
-    """One `next_name` row: a module of the pool, filled around with others (fill_around), then a (prefix, name) cut
-    of that module drawn uniformly among those whose prefix occurs exactly once in the prompt's files. Drawn again
-    when no cut is unique or the rendered length is outside min_tokens..max_tokens, at most `attempts` times."""
+    """One `next_name` or `complete` row: a module of the pool, filled around with others (fill_around), then a
+    (prefix, name) cut of that module drawn uniformly among those whose prefix (for `complete`: without its trailing
+    whitespace) occurs exactly once in the prompt's files. Drawn again when no cut is unique or the prompt's length
+    is outside min_tokens..max_tokens, at most `attempts` times."""
+    complete = config.question == "complete"
     for _ in range(attempts):
         module = pool[rng.integers(len(pool))]
         chosen = fill_around(module, pool, sizes, config, rng, lambda other: False)
         if chosen is None:
             continue
         files = "".join(m.segment for m in chosen)
-        cuts = [c for c in next_name_cuts(module.text, common) if files.count(c[0]) == 1]
+        cuts = [(prefix.rstrip() if complete else prefix, name) for prefix, name in next_name_cuts(module.text, common)]
+        cuts = [c for c in cuts if files.count(c[0]) == 1]
         if not cuts:
             continue
         prefix, name = cuts[rng.integers(len(cuts))]
-        chat = [{"role": "system", "content": NEXT_SYSTEM},
-                {"role": "user", "content": files + NEXT_QUESTION.format(prefix=prefix)}]
-        length = prompt_length(tokenizer, chat)
+        if complete:  # the files, then the asked line again, indented as in its file, up to the name
+            at = files.index(prefix)
+            prompt = files + files[files.rindex("\n", 0, at) + 1: at] + prefix
+            row = {"prompt": prompt}
+            length = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        else:
+            row = {"messages": [{"role": "system", "content": NEXT_SYSTEM},
+                                {"role": "user", "content": files + NEXT_QUESTION.format(prefix=prefix)}]}
+            length = prompt_length(tokenizer, row["messages"])
         if config.min_tokens <= length <= config.max_tokens:
-            return {"messages": chat, "answer": name, "file": module.path, "prefix": prefix,
-                    "files": [m.path for m in chosen], "prompt_tokens": length}
-    raise ValueError(f"cannot fill a prompt of {config.min_tokens}..{config.max_tokens} tokens with a next_name "
-                     f"question from {len(pool)} modules: lower --min-tokens or raise --max-tokens / --max-chars")
+            return {**row, "answer": name, "file": module.path, "prefix": prefix, "files": [m.path for m in chosen],
+                    "prompt_tokens": length}
+    raise ValueError(f"cannot fill a prompt of {config.min_tokens}..{config.max_tokens} tokens with a "
+                     f"{config.question} question from {len(pool)} modules: lower --min-tokens or raise --max-tokens / "
+                     "--max-chars")
 
 
 def build(config: BuildConfig, root: str | None = None):
@@ -372,7 +390,8 @@ def build(config: BuildConfig, root: str | None = None):
     if len(modules) < 10:
         raise ValueError(f"only {len(modules)} stdlib modules of {config.min_chars}..{config.max_chars} characters "
                          f"under {root or stdlib_dir()}: widen --min-chars / --max-chars")
-    extra = (NEXT_SYSTEM, NEXT_QUESTION) if config.question == "next_name" else ()
+    # next_name and complete share a tokenizer (one pre-trained base serves both)
+    extra = (NEXT_SYSTEM, NEXT_QUESTION) if config.question != "default" else ()
     tokenizer = train_tokenizer(modules, config.vocab_size, extra)
     rng = np.random.default_rng(config.seed)
     order = rng.permutation(len(modules))
@@ -380,7 +399,7 @@ def build(config: BuildConfig, root: str | None = None):
     held_out_pool = sorted((modules[i] for i in order[:held]), key=lambda m: m.path)
     train_pool = sorted((modules[i] for i in order[held:]), key=lambda m: m.path)
     sizes = {m.path: len(tokenizer(m.segment, add_special_tokens=False)["input_ids"]) for m in modules}
-    if config.question == "next_name":
+    if config.question in ("next_name", "complete"):
         common = common_names(modules)
         train, held_out = ([build_next_name_row(pool, sizes, common, tokenizer, config, rng) for _ in range(count)]
                            for pool, count in ((train_pool, config.rows), (held_out_pool, config.held_out_rows)))
@@ -400,6 +419,20 @@ def majority_share(answers: list[str]) -> float:
     return max(answers.count(a) for a in set(answers)) / len(answers)
 
 
+def without_files(row: dict) -> dict:
+    """The row asked without its files: the question alone (for `complete`: the asked line alone, as indented in its
+    file). The no-read baseline: what a policy answers from the question's own words, e.g. a prefix ending in `**` ->
+    `kwargs`."""
+    if "prompt" in row:
+        return {**row, "prompt": row["prompt"][row["prompt"].rindex("\n") + 1:], "files": [], "prompt_tokens": None}
+    system, user = row["messages"]
+    question = (NEXT_QUESTION.format(prefix=row["prefix"]) if "prefix" in row
+                else QUESTION.format(parameter=row["parameter"], function=row["function"]))
+    assert user["content"].endswith(question), "the user turn ends with the question"
+    return {**row, "messages": [system, {"role": "user", "content": question}], "files": [],
+            "prompt_tokens": None}
+
+
 def write(out: str, config: BuildConfig, root: str | None = None) -> dict:
     """Build and write everything into `out` (created; existing files replaced) -> the manifest."""
     tokenizer, train, held_out = build(config, root)
@@ -410,7 +443,8 @@ def write(out: str, config: BuildConfig, root: str | None = None) -> dict:
         if path not in held_out_paths:  # the pre-training corpus: every source no held-out prompt holds
             with open(os.path.join(out, "corpus", path.replace("/", "__")), "w") as f:
                 f.write(HEADER.format(path=path) + text)
-    for name, rows in (("train.jsonl", train), ("held_out.jsonl", held_out)):
+    no_read = [without_files(row) for row in held_out]
+    for name, rows in (("train.jsonl", train), ("held_out.jsonl", held_out), ("held_out_no_read.jsonl", no_read)):
         with open(os.path.join(out, name), "w") as f:
             f.writelines(json.dumps(row, sort_keys=True) + "\n" for row in rows)
     lengths = [row["prompt_tokens"] for row in train + held_out]

@@ -98,10 +98,24 @@ def load_corpus(paths, tokenizer, vocab_size: int, pattern: str = "*", held_out:
     return Corpus(train, tokenize_files(held_files, tokenizer, vocab_size), tuple(train_files), tuple(held_files))
 
 
-def windows(stream: np.ndarray, seq_len: int, batch: int, seed: int, step: int) -> np.ndarray:
-    """`batch` windows of seq_len + 1 tokens at offsets drawn from default_rng([seed, step]): int32 [batch, L + 1]."""
-    starts = np.random.default_rng([seed, step]).integers(0, stream.size - seq_len, size=batch)
-    return np.stack([stream[s: s + seq_len + 1] for s in starts])
+def windows(stream: np.ndarray, seq_len: int, batch: int, seed: int, step: int, repeat: float = 0.0) -> np.ndarray:
+    """`batch` windows of seq_len + 1 tokens at offsets drawn from default_rng([seed, step]): int32 [batch, L + 1].
+
+    With `repeat` > 0, the first round(repeat * batch) windows get a copy of one of their own spans: m = (L + 1) // 4
+    tokens from a random start j written again at a random later start k >= j + m (over what was there). Past its
+    first tokens the copy is predictable only by finding the span earlier in the window and reading on from there:
+    the in-context copying that a question about a long prompt needs, and that plain code, which repeats itself too
+    rarely, does not teach in a few minutes of training. The distance k - j is random, so a fixed-offset copy does not
+    pay (a copy always half a window back teaches exactly that, and nothing that transfers)."""
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, stream.size - seq_len, size=batch)
+    rows = np.stack([stream[s: s + seq_len + 1] for s in starts])
+    m = (seq_len + 1) // 4
+    for i in range(int(round(repeat * batch))):
+        j = rng.integers(0, seq_len + 2 - 2 * m)
+        k = rng.integers(j + m, seq_len + 2 - m)
+        rows[i, k: k + m] = rows[i, j: j + m]
+    return rows
 
 
 def lm_loss(model, params, tokens):
@@ -168,12 +182,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr-warmup-steps", type=int, default=0)
     p.add_argument("--held-out", type=float, default=0.0, metavar="F",
                    help="the last fraction F of the files (sorted) is not trained on: its loss is reported")
+    p.add_argument("--repeat", type=float, default=0.0, metavar="F",
+                   help="the share of each batch's windows that are a span written twice (teaches copying from the "
+                        "context: `windows`)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, metavar="DIR", help="the HF checkpoint directory to write (must not exist)")
     args = p.parse_args(argv)
     errors = [f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1"
               for name in ("seq_len", "batch", "steps", "log_every") if getattr(args, name) < 1]
+    if not 0 <= args.repeat <= 1:
+        errors.append(f"--repeat={args.repeat} must be in [0, 1]")
     if not 0 <= args.held_out < 1:
         errors.append(f"--held-out={args.held_out} must be in [0, 1)")
     if args.lr_warmup_steps < 0:
@@ -204,7 +223,8 @@ def pretrain(args: argparse.Namespace, say=print) -> dict:
     window_start, window_steps = start, 0  # the logging window's clock (its first step includes the compile)
     for step in range(args.steps):
         params, opt_state, loss = train_step(model, optimizer, params, opt_state,
-                                             windows(corpus.train, args.seq_len, args.batch, args.seed, step))
+                                             windows(corpus.train, args.seq_len, args.batch, args.seed, step,
+                                                     args.repeat))
         losses.append(float(loss))
         window_steps += 1
         if not np.isfinite(losses[-1]):

@@ -21,7 +21,7 @@ from longstraw_jax.trainer import cli as run
 from tests.helpers import ROOT
 
 SMALL = build.BuildConfig(rows=6, held_out_rows=3, min_tokens=600, max_tokens=1200, vocab_size=512)
-FILES = ("train.jsonl", "held_out.jsonl", "manifest.json", "tokenizer/tokenizer.json",
+FILES = ("train.jsonl", "held_out.jsonl", "held_out_no_read.jsonl", "manifest.json", "tokenizer/tokenizer.json",
          "tokenizer/tokenizer_config.json")
 
 
@@ -64,6 +64,8 @@ def test_rows_answer_in_exactly_one_file(built):
         assert system == {"role": "system", "content": build.SYSTEM} and user["role"] == "user"
         question = build.QUESTION.format(parameter=row["parameter"], function=row["function"])
         assert user["content"].endswith("\n\n" + question)
+        if row in held:  # held_out_no_read.jsonl: the same row asked without its files
+            assert build.without_files(row)["messages"] == [system, {"role": "user", "content": question}]
         files = segments(user["content"][: -len(question)])
         assert list(files) == row["files"] and len(files) >= 1
         defining = [p for p, text in files.items() if re.search(rf"\bdef {re.escape(row['function'])}\(", text)]
@@ -182,8 +184,9 @@ NEXT = build.BuildConfig(rows=6, held_out_rows=3, min_tokens=600, max_tokens=100
 def test_next_name_rows_ask_for_the_name_after_a_line_prefix_found_once(tmp_path):
     """--question next_name: the prefix occurs exactly once in the prompt's files, in the asked file, followed there
     by the answer as a whole identifier (a code line, not a docstring); the answer is not a name a policy could give
-    without reading (a keyword, a builtin, or one of the names in over 10 % of the modules); corpus/ holds sources
-    for pre-training and none of the held-out prompts' files."""
+    without reading (a keyword, a builtin, or one of the names in over 10 % of the modules); held_out_no_read.jsonl
+    asks the held-out questions alone; corpus/ holds sources for pre-training and none of the held-out prompts'
+    files."""
     out = tmp_path / "next"
     manifest = build.write(str(out), NEXT)
     train, held = read_rows(out / "train.jsonl"), read_rows(out / "held_out.jsonl")
@@ -203,6 +206,10 @@ def test_next_name_rows_ask_for_the_name_after_a_line_prefix_found_once(tmp_path
         assert re.search(re.escape(row["prefix"]) + re.escape(row["answer"]) + r"(?![A-Za-z0-9_])", files[row["file"]])
         assert len(row["answer"]) >= 4 and row["answer"].isidentifier() and row["answer"] not in common
         assert NEXT.min_tokens <= row["prompt_tokens"] <= NEXT.max_tokens
+    no_read = read_rows(out / "held_out_no_read.jsonl")  # the same questions without the files
+    assert [r["answer"] for r in no_read] == [r["answer"] for r in held]
+    assert [r["messages"][1]["content"] for r in no_read] == [build.NEXT_QUESTION.format(prefix=r["prefix"])
+                                                               for r in held]
     corpus = set(os.listdir(out / "corpus"))
     assert corpus and not corpus & {p.replace("/", "__") for row in held for p in row["files"]}
     assert {p.replace("/", "__") for row in train for p in row["files"]} <= corpus
@@ -217,3 +224,39 @@ def test_next_name_cuts_skip_docstrings_comments_and_attributes():
     assert ("other = helper.", "attribute_name") not in cuts  # an attribute: no '.' before the name
     assert ("def f(alpha_value, ", "beta") in cuts and ("result = ", "compute_things") not in cuts  # a comment line
     assert not [c for c in cuts if "Docstring" in c[0] or "prose" in c[0] or "something_long" in c[1]]
+
+
+def test_complete_rows_end_with_the_asked_line_and_score_its_next_name(tmp_path):
+    """--question complete: the prompt is the files, then the asked line again as indented in its file, up to the
+    name (trailing whitespace dropped); that prefix occurs once in the files, where the answer follows it; the
+    tokenizer is next_name's (one base serves both); `first_name` scores the file's own continuation 1 and a wrong or
+    cut name 0; held_out_no_read.jsonl holds the asked line alone."""
+    out = tmp_path / "complete"
+    config = build.BuildConfig(**{**NEXT.__dict__, "question": "complete"})
+    build.write(str(out), config)
+    train, held = read_rows(out / "train.jsonl"), read_rows(out / "held_out.jsonl")
+    assert len(train) == config.rows and len(held) == config.held_out_rows
+    for row in train + held:
+        assert "messages" not in row and row["prefix"] == row["prefix"].rstrip()
+        files, line = row["prompt"].rsplit("\n", 1)
+        assert files.count(row["prefix"]) == 1 and line.strip() == row["prefix"] and line.endswith(row["prefix"])
+        found = re.search(r"\n([ \t]*)" + re.escape(row["prefix"]) + r"(\s*)" + re.escape(row["answer"]) +
+                          r"(?![A-Za-z0-9_])", segments(files + "\n")[row["file"]])
+        assert found and found.group(1) == line[: -len(row["prefix"])]  # indented as in its file
+        assert reward.first_name([], [found.group(2) + row["answer"] + ")", "x" + row["answer"], row["answer"][:-1]],
+                                 [row["answer"]] * 3) == [1.0, 0.0, 0.0]
+    assert [r["prompt"] for r in read_rows(out / "held_out_no_read.jsonl")] == [r["prompt"].rsplit("\n", 1)[1]
+                                                                                for r in held]
+    next_dir = tmp_path / "next"
+    build.write(str(next_dir), NEXT)
+    tokenizer_file = os.path.join("tokenizer", "tokenizer.json")
+    assert (out / tokenizer_file).read_bytes() == (next_dir / tokenizer_file).read_bytes()
+
+
+def test_the_example_base_config_loads_at_the_build_vocabulary():
+    """examples/stdlib_qa/base.json (the base `python -m longstraw_jax.pretrain --model` starts from in
+    docs/benchmarks.md 6d): a valid Qwen3.6 config whose vocabulary is the build's default tokenizer size."""
+    from longstraw_jax import models
+
+    config = models.config_from_hf(os.path.join(ROOT, "examples", "stdlib_qa", "base.json"))
+    assert config.vocab_size == build.BuildConfig().vocab_size and config.num_hidden_layers == 2

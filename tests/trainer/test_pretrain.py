@@ -51,6 +51,28 @@ def test_corpus_files_tokens_and_windows(tmp_path, tok_dir):
     assert not np.array_equal(a, pretrain.windows(corpus.train, 8, 4, seed=1, step=6))
 
 
+def test_repeat_windows_copy_a_span_to_a_random_later_place():
+    """--repeat F: the first F of each batch's windows hold one of their spans twice, at distances that vary (a
+    fixed distance would teach a fixed-offset copy); the other windows and the window starts are as without it."""
+    stream = np.arange(100_000, dtype=np.int32)  # every token distinct: a repeated token can only be a copy
+    L, m = 63, 16
+    plain = pretrain.windows(stream, L, 8, seed=3, step=2)
+    mixed = pretrain.windows(stream, L, 8, seed=3, step=2, repeat=0.5)
+    np.testing.assert_array_equal(mixed[4:], plain[4:])
+    np.testing.assert_array_equal(mixed[:, 0], plain[:, 0])
+    distances = set()
+    for row, original in zip(mixed[:4], plain[:4]):
+        changed = np.flatnonzero(row != original)
+        assert changed.size == m and np.all(np.diff(changed) == 1)  # one span of m tokens overwritten
+        k = changed[0]
+        j = int(np.flatnonzero(original == row[k])[0])  # where the copy comes from
+        np.testing.assert_array_equal(row[k: k + m], original[j: j + m])
+        assert k - j >= m
+        distances.add(k - j)
+    assert len(distances) > 1
+    assert np.array_equal(pretrain.windows(stream, L, 8, seed=3, step=2, repeat=0.0), plain)
+
+
 @pytest.mark.slow  # ~40 s: compiles of the tiny model's forward and backward
 def test_a_short_run_lowers_the_loss_and_saves_the_trained_weights(tmp_path, tok_dir):
     corpus_dir = write_corpus(tmp_path / "c")
@@ -100,3 +122,6 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, tok_dir, capsys):
     with pytest.raises(SystemExit):
         pretrain.parse_args(base + ["--text", corpus_dir, "--out", str(tmp_path / "o2"), "--batch", "0"])
     assert "--batch=0 must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pretrain.parse_args(base + ["--text", corpus_dir, "--out", str(tmp_path / "o2"), "--repeat", "1.5"])
+    assert "--repeat=1.5 must be in [0, 1]" in capsys.readouterr().err
