@@ -9,7 +9,8 @@ The corpus: every file named by `--text` (files, or directories searched recursi
 each tokenized with the tokenizer (no special tokens) and followed by its EOS id when it has one, then all of them
 concatenated into one token stream. `--held-out F` keeps the last fraction F of the files (sorted by path) out of
 training: their loss is the run's held-out loss. Training windows: `seq_len + 1` tokens at offsets drawn uniformly
-from the training stream with `numpy.random.default_rng([seed, step])` (a pure function of seed and step). The loss
+from the training stream with `numpy.random.default_rng([seed, step])` (a pure function of seed and step); with
+`--repeat F` a share F of them also hold one of their spans twice (`windows`). The loss
 is the mean over the window's `seq_len` positions of -log p(next token) (`model.forward`, the whole graph; the batch
 vmapped); AdamW (`train.make_optimizer`, with `--lr-warmup-steps`). The model: `tiny` (`Qwen36Config.tiny` at the
 tokenizer's size, `--vocab-size` to round it up) or a config.json (random init).
@@ -183,8 +184,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--held-out", type=float, default=0.0, metavar="F",
                    help="the last fraction F of the files (sorted) is not trained on: its loss is reported")
     p.add_argument("--repeat", type=float, default=0.0, metavar="F",
-                   help="the share of each batch's windows that are a span written twice (teaches copying from the "
-                        "context: `windows`)")
+                   help="the share of each batch's windows that get one of their spans copied again at a random "
+                        "later place (teaches copying from the context: `windows`)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, metavar="DIR", help="the HF checkpoint directory to write (must not exist)")
