@@ -15,16 +15,16 @@ question (`--question`):
 - `next_name`: "Which name comes next in the line `<prefix>`?", where `<prefix>` is the start of a source line (its
   indentation dropped) that occurs exactly once in the prompt's files, and the answer is the identifier that follows
   it there (4+ characters; not a keyword, a builtin or a name found in over 10 % of the modules, such as `self`).
-  Finding the line and copying what follows it is what a small model pre-trained on the same kind of code can learn
-  (`python -m longstraw_jax.pretrain` on `corpus/`). Rows are {"messages", "answer", "file", "prefix", "files",
+  Finding the line and copying what follows it is in-context copying, which a model pre-trained on code picks up
+  given enough training (`python -m longstraw_jax.pretrain` on `corpus/`; docs/benchmarks.md 6d: minutes on a
+  2-core CPU are not enough). Rows are {"messages", "answer", "file", "prefix", "files",
   "prompt_tokens"}.
 - `complete`: the same cut as a code completion, without a chat: the prompt is the files followed by the asked line
   again, as indented in its file, up to the name (its trailing whitespace left to the completion, so the name's
   token is the one the files hold, ` load` rather than `load` after `import`); the prefix without that whitespace
-  occurs exactly once in the files. The completion's first name is the answer (reward.py `first_name`). A model
-  pre-trained on code with spans written twice (`python -m longstraw_jax.pretrain --repeat`) has learned to copy
-  from its context, which is what this asks. Rows are {"prompt", "answer", "file", "prefix", "files",
-  "prompt_tokens"}.
+  occurs exactly once in the files. The completion's first name is the answer (reward.py `first_name`): a base
+  that copies from its context answers it with no chat format to learn. Rows are {"prompt", "answer", "file",
+  "prefix", "files", "prompt_tokens"}.
 
 The modules are split into training and held-out modules (`--held-out-fraction`), so held-out questions ask about
 functions no training prompt contains. Everything is a pure function of the options and the Python installation's
