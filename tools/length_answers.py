@@ -17,7 +17,6 @@ Prints one markdown row per run; with --json FILE also writes the counts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -27,7 +26,7 @@ import numpy as np
 
 from longstraw_jax.tasks.retrieval import FACT, FIRST_ANSWER, RetrievalTask
 from longstraw_jax.trainer import evaluate
-from longstraw_jax.trainer.config import RunConfig, current_names
+from longstraw_jax.trainer.config import saved_run_config
 
 
 def classify(task: RetrievalTask, answers: list[dict]) -> dict[str, int]:
@@ -73,9 +72,7 @@ def main(argv=None) -> int:
             with open(path) as f:
                 result = json.load(f)
         with open(os.path.join(out, "config.json")) as f:
-            saved = current_names(json.load(f), os.path.join(out, "config.json"))  # saved as --facts before too
-        known = {field.name for field in dataclasses.fields(RunConfig)}
-        config = RunConfig(**{k: v for k, v in saved.items() if k in known})
+            config = saved_run_config(json.load(f), os.path.join(out, "config.json"))  # saved as --facts too
         task = evaluate.held_out_task(config, config.vocab_size)  # the prompts the evaluation above scored
         counts = rows[out] = classify(task, result["answers"])
         n = max(counts["prompts"], 1)

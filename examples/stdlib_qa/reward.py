@@ -24,4 +24,5 @@ def first_name(prompts: list[str], completions: list[str], answer: list[str], **
     """The `complete` question's reward: 1.0 when the completion (whitespace first allowed: ` load` after `import`)
     starts with the answer as a whole identifier (`kwargs)` scores for `kwargs`; `kwargs_list` and `kw` do not),
     else 0.0."""
-    return [float(bool(m) and m.group(1) == a) for m, a in ((NAME.match(c), a) for c, a in zip(completions, answer))]
+    names = [NAME.match(c) for c in completions]
+    return [float(m is not None and m.group(1) == a) for m, a in zip(names, answer)]

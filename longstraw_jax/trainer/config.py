@@ -402,6 +402,13 @@ def current_names(options: dict, source: str = "the saved options") -> dict:
     return renamed
 
 
+def saved_run_config(options: dict, source: str = "the saved options", **changes) -> RunConfig:
+    """A run's saved options (current_names applied; keys that are not RunConfig fields, e.g. those of a newer
+    version, left out) as a RunConfig, with `changes` on top."""
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    return RunConfig(**{**{k: v for k, v in current_names(options, source).items() if k in known}, **changes})
+
+
 def _data_errors(config: RunConfig) -> list[str]:
     """--data and its options (the data-dependent checks, e.g. columns and rows: trainer/components.py:data_source)."""
     errors = []

@@ -281,7 +281,7 @@ def config_of(args: argparse.Namespace):
     """The command line -> (RunConfig to evaluate with, the run directory or None). With --resume OUT the
     checkpoint's options, with the ones given here replacing them."""
     from longstraw_jax.io.checkpoints import BrokenCheckpoint, TrainCheckpoints
-    from longstraw_jax.trainer.config import RunConfig, RunError, current_names
+    from longstraw_jax.trainer.config import RunConfig, RunError, saved_run_config
 
     given = {name: getattr(args, name) for name in _OVERRIDES if hasattr(args, name)}
     if args.resume is None:
@@ -296,13 +296,12 @@ def config_of(args: argparse.Namespace):
         if step is None or step not in checkpoints.all_steps():
             raise RunError(f"--resume {args.resume}: no checkpoint {'' if step is None else step} there "
                            f"(have: {checkpoints.all_steps()})")
-        saved = current_names(checkpoints.read_meta(step)["config"])  # a run saved before a rename too
+        saved = checkpoints.read_meta(step)["config"]
     except BrokenCheckpoint as e:
         raise RunError(str(e)) from None
     finally:
         checkpoints.close()
-    known = {f.name for f in dataclasses.fields(RunConfig)}
-    config = RunConfig(**{k: v for k, v in saved.items() if k in known}, resume=True, resume_step=step)
+    config = saved_run_config(saved, resume=True, resume_step=step)  # a run saved before a rename too
     return dataclasses.replace(config, **given), args.resume
 
 
