@@ -104,7 +104,12 @@ class GroupBatch:
                   prompt[:left_pad] are pads and prompt[left_pad:] the real prompt (at least 2 tokens). Pads change
                   nothing: loss, metrics and gradients equal the unpadded prompt's (docs/architecture.md 4.6); so
                   B groups of different lengths stack as [B, L] (`sampling.padding.pad_left`).
-    Values at padded positions (mask = 0) are never used, whatever they are (NaN included).
+    valid:        None (every branch counts) or float32 [G] ([B, G]) of 0 / 1: a branch with valid 0 is left out
+                  (an agent branch whose environment failed, docs/architecture.md 11): weight 0 and no part in its
+                  group's advantage statistics; its mask may be all zero. A group with fewer than 2 valid branches
+                  has advantage 0 everywhere.
+    Values at positions with mask = 0 are never scored, whatever they are (NaN included). Tokens there are still
+    inputs of the replay: an agent branch's observation tokens (mask 0) are read by the policy tokens after them.
     """
 
     prompt: jax.Array
@@ -114,6 +119,7 @@ class GroupBatch:
     old_logprobs: jax.Array | None = None
     ref_logprobs: jax.Array | None = None
     left_pad: jax.Array | None = None
+    valid: jax.Array | None = None
 
     @property
     def groups_per_step(self) -> int | None:
@@ -206,6 +212,8 @@ def _check_shapes(batch: GroupBatch, cfg: GRPOConfig | None) -> None:
     for name in ("old_logprobs", "ref_logprobs"):
         if getattr(batch, name) is not None and shape(name) != lead + (g, r):
             raise ValueError(f"GroupBatch.{name} has shape {shape(name)}; expected {lead + (g, r)} like responses")
+    if batch.valid is not None and shape("valid") != lead + (g,):
+        raise ValueError(f"GroupBatch.valid has shape {shape('valid')}; expected {lead + (g,)} like rewards")
     if not (np.issubdtype(dtype("rewards"), np.floating) or np.issubdtype(dtype("rewards"), np.integer)):
         raise TypeError(f"GroupBatch.rewards must be a float array (float32), got dtype {dtype('rewards')}")
     for name in ("old_logprobs", "ref_logprobs"):
@@ -230,16 +238,18 @@ def _check_values(batch: GroupBatch, vocab_size: int, cfg: GRPOConfig | None) ->
                 where = tuple(int(i) for i in np.argwhere(bad)[0])
                 raise ValueError(f"GroupBatch.{name}[{', '.join(map(str, where))}] = {int(ids[where])} is out of "
                                  f"range: token ids must be in [0, vocab_size={vocab_size})")
-    mask = host("mask")
+    mask, valid = host("mask"), host("valid")
+    if valid is not None and not np.isin(valid, (0, 1)).all():
+        raise ValueError(f"GroupBatch.valid values must be 0 or 1, found {sorted(set(np.unique(valid).tolist()))[:5]}")
     if mask is not None:
         if not np.isin(mask, (0, 1)).all():
             bad = sorted(set(np.unique(mask[~np.isin(mask, (0, 1))]).tolist()))[:5]
             raise ValueError(f"GroupBatch.mask values must be 0 or 1, found {bad}")
-        empty = np.argwhere(mask.sum(axis=-1) == 0)
+        empty = np.argwhere((mask.sum(axis=-1) == 0) & (True if valid is None else valid == 1))
         if empty.size:
             which = [tuple(int(i) for i in e) if grouped else int(e[0]) for e in empty]
             raise ValueError(f"GroupBatch.mask is all zero for {'(group, branch)' if grouped else 'branch(es)'} "
-                             f"{which}: every response needs at least one real token")
+                             f"{which}: every response needs at least one real token (or valid = 0: left out)")
     rewards = host("rewards")
     if rewards is not None:
         rewards = rewards.astype(np.float64)
@@ -265,36 +275,49 @@ def _check_values(batch: GroupBatch, vocab_size: int, cfg: GRPOConfig | None) ->
                                      f"mask = 1; {rule}")
 
 
-def group_advantages(rewards: jax.Array, cfg: GRPOConfig) -> jax.Array:
-    """rewards [G] -> advantages [G]: (r - mean) / (std + eps) (population std), or r - mean for adv_norm="none".
+def group_advantages(rewards: jax.Array, cfg: GRPOConfig, valid: jax.Array | None = None) -> jax.Array:
+    """rewards [G] -> advantages [G]: (r - mean) / (std + eps) (population std), or r - mean for adv_norm="none";
+    valid [G] (0 / 1, None: all 1): the statistics are over the valid branches only, and a left-out branch gets 0.
 
-    A group whose rewards are all equal (including G = 1) gets exactly zero advantages, never NaN. Large rewards
-    (up to float32's maximum) do not overflow in the mean and std: they are first scaled by a power of two
-    2^-e <= 1 (exact, so wherever the unscaled float32 arithmetic does not overflow the result is the same bits),
-    which std normalisation cancels; adv_norm="none" scales back (`validate_batch` with the config rejects rewards
-    whose r - mean overflows float32).
+    A group whose (valid) rewards are all equal (including a single valid branch) gets exactly zero advantages,
+    never NaN. Large rewards (up to float32's maximum) do not overflow in the mean and std: they are first scaled by
+    a power of two 2^-e <= 1 (exact, so wherever the unscaled float32 arithmetic does not overflow the result is the
+    same bits), which std normalisation cancels; adv_norm="none" scales back (`validate_batch` with the config
+    rejects rewards whose r - mean overflows float32).
     """
     rewards = jnp.asarray(rewards, jnp.float32)
-    _, exponent = jnp.frexp(jnp.max(jnp.abs(rewards)))
+    keep = jnp.ones(rewards.shape, jnp.bool_) if valid is None else jnp.asarray(valid) > 0
+    count = jnp.maximum(jnp.sum(keep), 1).astype(jnp.float32)
+    _, exponent = jnp.frexp(jnp.max(jnp.where(keep, jnp.abs(rewards), 0.0)))
     exponent = jnp.clip(exponent, 0, 126)  # scale down only; 2^-126 is float32's smallest normal power
     down = jnp.ldexp(jnp.ones((), rewards.dtype), -exponent)
-    scaled = rewards * down
-    centred = scaled - jnp.mean(scaled)
+    scaled = jnp.where(keep, rewards * down, 0.0)
+    if valid is None:  # the plain statistics (bit for bit those of every earlier release)
+        mean, std = jnp.mean(scaled), jnp.std(scaled)
+    else:
+        mean = jnp.sum(scaled) / count
+        std = jnp.sqrt(jnp.sum(jnp.where(keep, (scaled - mean) ** 2, 0.0)) / count)
+    centred = scaled - mean
     if cfg.adv_norm == "std":
-        centred = centred / (jnp.std(scaled) + cfg.eps * down)
+        centred = centred / (std + cfg.eps * down)
     else:
         centred = centred / down
-    return jnp.where(jnp.all(rewards == rewards[0]), 0.0, centred)
+    uniform = jnp.max(jnp.where(keep, rewards, -jnp.inf)) == jnp.min(jnp.where(keep, rewards, jnp.inf))
+    return jnp.where(uniform | ~keep, 0.0, centred)
 
 
-def token_weights(mask: jax.Array, cfg: GRPOConfig) -> jax.Array:
+def token_weights(mask: jax.Array, cfg: GRPOConfig, valid: jax.Array | None = None) -> jax.Array:
     """mask [G, R] (one group) or [B, G, R] (a batch of groups) -> weights of the same shape, zero on padding, such
     that the batch loss is `sum(weights * per_token_loss)`. With N = G (or B * G) sequences:
 
     token-mean: mask / sum(mask); seq-mean-token-mean: mask / (N * len_n); seq-mean-token-sum-norm: mask / (N * R).
+    valid ([G] / [B, G], None: all 1): left-out branches get weight 0 and N counts the valid sequences only.
     """
     mask = jnp.asarray(mask, jnp.float32)
     sequences, r = math.prod(mask.shape[:-1]), mask.shape[-1]
+    if valid is not None:
+        mask = mask * jnp.asarray(valid, jnp.float32)[..., None]
+        sequences = jnp.maximum(jnp.sum(jnp.asarray(valid, jnp.float32)), 1.0)
     if cfg.loss_agg == "token-mean":
         return mask / jnp.maximum(jnp.sum(mask), 1.0)
     if cfg.loss_agg == "seq-mean-token-mean":
@@ -302,12 +325,25 @@ def token_weights(mask: jax.Array, cfg: GRPOConfig) -> jax.Array:
     return mask / (sequences * r)
 
 
-def batch_advantages(rewards: jax.Array, cfg: GRPOConfig) -> jax.Array:
+def batch_advantages(rewards: jax.Array, cfg: GRPOConfig, valid: jax.Array | None = None) -> jax.Array:
     """rewards [G] or [B, G] -> advantages of the same shape, each group normalised on its own
-    (`group_advantages`)."""
+    (`group_advantages`; valid: which branches count, None: all)."""
     rewards = jnp.asarray(rewards, jnp.float32)
     per_group = functools.partial(group_advantages, cfg=cfg)
-    return per_group(rewards) if rewards.ndim == 1 else jax.vmap(per_group)(rewards)
+    if rewards.ndim == 1:
+        return per_group(rewards, valid=valid)
+    return jax.vmap(lambda r, v: per_group(r, valid=v))(rewards, valid)
+
+
+def scored(batch: GroupBatch, cfg: GRPOConfig) -> tuple[GroupBatch, jax.Array, jax.Array]:
+    """What every engine scores: (the batch with the mask of left-out branches (valid 0) zeroed, its
+    `token_weights`, its `batch_advantages`). Without `valid` the batch is returned as it is."""
+    weights = token_weights(batch.mask, cfg, batch.valid)
+    advantages = batch_advantages(batch.rewards, cfg, batch.valid)
+    if batch.valid is not None:
+        batch = batch.replace(mask=jnp.asarray(batch.mask, jnp.float32)
+                              * jnp.asarray(batch.valid, jnp.float32)[..., None])
+    return batch, weights, advantages
 
 
 def per_token_loss(logp: jax.Array, old_logp: jax.Array | None, ref_logp: jax.Array | None, advantage,
@@ -404,8 +440,7 @@ def grpo_loss(logp: jax.Array, batch: GroupBatch, cfg: GRPOConfig,
 
     Exactly the sum over branches (and groups) of `branch_loss` (vmapped here), with the same advantages and weights.
     """
-    advantages = batch_advantages(batch.rewards, cfg)
-    weights = token_weights(batch.mask, cfg)
+    batch, weights, advantages = scored(batch, cfg)
     mask = jnp.asarray(batch.mask, logp.dtype)
     flat = lambda x: None if x is None else jnp.reshape(x, (-1,) + jnp.shape(x)[advantages.ndim:])
     losses, sums = jax.vmap(functools.partial(branch_loss, cfg=cfg))(

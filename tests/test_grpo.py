@@ -9,6 +9,7 @@ import pytest
 from longstraw_jax import GroupBatch, GRPOConfig
 from longstraw_jax.grpo import (
     LOSS_AGGS,
+    batch_advantages,
     branch_loss,
     finalize_metrics,
     group_advantages,
@@ -105,6 +106,38 @@ def test_single_branch_gets_zero_advantage():
     for adv_norm in ("std", "none"):
         adv = group_advantages(np.array([2.5], np.float32), GRPOConfig(adv_norm=adv_norm))
         assert np.asarray(adv).tolist() == [0.0]
+
+
+@pytest.mark.parametrize("loss_agg", LOSS_AGGS)
+@pytest.mark.parametrize("adv_norm", ["std", "none"])
+def test_left_out_branches_count_for_nothing(loss_agg, adv_norm):
+    """valid = 0 (an agent branch whose environment failed): the loss, its gradient and the advantages of the other
+    branches are those of the group without it; its own mask may be all zero."""
+    cfg = GRPOConfig(loss_agg=loss_agg, adv_norm=adv_norm, kl_coef=0.1)
+    logp, batch = make_batch()
+    valid = np.array([1, 0, 1, 1, 0], np.float32)
+    keep = valid == 1
+    mask = batch.mask.copy()
+    mask[4] = 0  # a branch that failed before its first token
+    batch = batch.replace(mask=mask, valid=valid, old_logprobs=np.minimum(batch.old_logprobs, 0),
+                          ref_logprobs=np.minimum(batch.ref_logprobs, 0))
+    validate_batch(batch, V, cfg)
+    sub = jax.tree.map(lambda x: x[keep] if np.ndim(x) and np.shape(x)[0] == G else x, batch.replace(valid=None))
+    loss_fn = lambda lp, b: grpo_loss(lp, b, cfg)[0]
+    loss, grad = jax.value_and_grad(loss_fn)(jnp.asarray(logp), batch)
+    sub_loss, sub_grad = jax.value_and_grad(loss_fn)(jnp.asarray(logp[keep]), sub)
+    np.testing.assert_allclose(loss, sub_loss, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad)[keep], sub_grad, rtol=1e-5, atol=1e-8)
+    assert (np.asarray(grad)[~keep] == 0).all()
+    adv = np.asarray(batch_advantages(batch.rewards, cfg, valid))
+    np.testing.assert_allclose(adv[keep], group_advantages(batch.rewards[keep], cfg), rtol=1e-5, atol=1e-7)
+    assert (adv[~keep] == 0).all()
+    one = np.array([0, 0, 1, 0, 0], np.float32)  # a single valid branch: no signal
+    assert (np.asarray(group_advantages(batch.rewards, cfg, one)) == 0).all()
+    with pytest.raises(ValueError, match="all zero.*valid = 0"):
+        validate_batch(batch.replace(valid=None), V, cfg)
+    with pytest.raises(ValueError, match="GroupBatch.valid has shape"):
+        validate_batch(batch.replace(valid=valid[:3]), V, cfg)
 
 
 # ----- aggregation ------------------------------------------------------------------------------------------------

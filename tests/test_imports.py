@@ -268,7 +268,8 @@ LAYERS = (
     ("grpo",),                           # the objective
     ("engine",),                         # the method: capture, replay, block-by-block backward, grpo_grads, oracle
     ("models",),                         # the families (plugged into the engine), their HF I/O, mesh adapters
-    ("sampling", "train"),               # sampling from a captured state; the optimizer step
+    ("agents",),                         # the environment protocol of agent branches, called from the host
+    ("sampling", "train"),               # sampling from a captured state (agent branches too); the optimizer step
     ("tasks",),                          # prompts and rewards
     ("capacity", "plan"),                # the capacity planner (plan: its `python -m` entry)
     ("io",),                             # conversion, checkpoints, PEFT export

@@ -29,7 +29,7 @@ from longstraw_jax.common.validation import check_size
 from longstraw_jax.engine import mesh as mesh_engine
 from longstraw_jax.engine.capture import capture_chunks, chunk_layout
 from longstraw_jax.engine.replay import replay_branches, scan_groups, zeros_f32
-from longstraw_jax.grpo import GroupBatch, GRPOConfig, batch_advantages, finalize_metrics, token_weights, validate_batch
+from longstraw_jax.grpo import GroupBatch, GRPOConfig, finalize_metrics, scored, validate_batch
 
 MODES = ("exact", "detached")
 
@@ -100,7 +100,8 @@ def jitted_grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: s
     grouped = batch.as_groups()
     if captured is not None and batch.groups_per_step is None:
         captured = jax.tree.map(lambda x: x[None], captured)
-    groups = (grouped, token_weights(grouped.mask, cfg), batch_advantages(grouped.rewards, cfg), captured)
+    grouped, weights, advantages = scored(grouped, cfg)
+    groups = (grouped, weights, advantages, captured)
 
     def one_group(grads, xs):
         group, weights, advantages, captured = xs

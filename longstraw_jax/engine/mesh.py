@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from longstraw_jax.adapters.trainable import merge, split_like
 from longstraw_jax.engine.capture import round_layout
 from longstraw_jax.engine.replay import replay_branches, scan_groups, zeros_f32
-from longstraw_jax.grpo import GroupBatch, GRPOConfig, batch_advantages, finalize_metrics, token_weights
+from longstraw_jax.grpo import GroupBatch, GRPOConfig, finalize_metrics, scored
 from longstraw_jax.sharding import groups as groups_lib
 from longstraw_jax.sharding.layout import RoundLayout
 from longstraw_jax.sharding.rules import constrain, param_specs, prompt_state_specs
@@ -61,8 +61,8 @@ def jitted_grpo_grads(model, params, batch: GroupBatch, cfg: GRPOConfig, mode: s
     grouped = batch.as_groups()
     if captured is not None and batch.groups_per_step is None:
         captured = jax.tree.map(lambda x: x[None], captured)
-    per_group = (grouped, token_weights(grouped.mask, cfg), batch_advantages(grouped.rewards, cfg), captured,
-                 jnp.arange(grouped.groups_per_step, dtype=jnp.int32))
+    grouped, weights, advantages = scored(grouped, cfg)
+    per_group = (grouped, weights, advantages, captured, jnp.arange(grouped.groups_per_step, dtype=jnp.int32))
     slice_grads = functools.partial(_slice_grads, model, cfg, mode, mesh, layout, attention, template)
     if batch.groups_per_step is None:  # one group on the whole mesh
         loss, grads, sums = slice_grads(params, per_group)

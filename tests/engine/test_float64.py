@@ -14,8 +14,9 @@ are float64 and everything runs under `jax_enable_x64` (accumulators float64 too
        prompt and `left_pad` 19 gives the unpadded batch's exact and detached gradients (the pads fill two capture
        chunks of 7 and part of the third); exact vs naive (1.) is on the padded batch,
 
-for the tiny Qwen3.6 and GLM-5.2 (index_topk 16 < P: DSA selection is sparse). The batch has ragged masks, old
-log-probs (NaN at pads) and KL on, so every term of the loss reaches the backward.
+for the tiny Qwen3.6 and GLM-5.2 (index_topk 16 < P: DSA selection is sparse). The batch has ragged masks with
+holes (an agent branch's observation tokens: read by the replay, mask 0), old log-probs (NaN at mask 0) and KL on,
+so every term of the loss reaches the backward.
 
 x64 is switched on only inside `compute` (the `jax.enable_x64` context manager, thread-local) around the whole
 computation, whose results leave it as numpy arrays: other test modules in this pytest worker keep float32.
@@ -60,7 +61,8 @@ def build(family: str, dtype):
 
 def make_batch(vocab: int) -> GroupBatch:
     rng = np.random.default_rng(0)
-    mask = (np.arange(R)[None, :] < np.array([[6], [3], [5]])).astype(np.float32)
+    # agent branches' masks: observation tokens (0) between policy turns, and padding at the end
+    mask = np.array([[1, 1, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0], [1, 0, 0, 1, 1, 0]], np.float32)
     return GroupBatch(prompt=rng.integers(0, vocab, P).astype(np.int32),
                       responses=rng.integers(0, vocab, (3, R)).astype(np.int32), mask=mask,
                       rewards=np.array([1.0, 0.0, 0.5], np.float32),

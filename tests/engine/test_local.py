@@ -3,7 +3,7 @@
 - exact == naive_grpo_grads (one graph over G copies of prompt + response): loss, gradient pytree, metrics;
 - detached == autograd through `extend` on a stop_gradient-ed captured state (vmapped over branches), and
   detached != exact (the prompt's share of the gradient is real) while their losses agree;
-- equal rewards -> zero advantages -> exactly zero gradients;
+- equal rewards -> zero advantages -> exactly zero gradients; a left-out branch (valid 0) is left out, exactly;
 - bad input raises before anything is computed;
 - AOT memory: temporaries do not grow with G; exact needs < 1/4 of naive at P = 8K, G = 8.
 
@@ -103,6 +103,19 @@ def test_equal_rewards_give_zero_advantages_and_zero_grads(model_params, cases):
     naive_loss, naive_grads, naive_metrics = naive_fn(model, params, batch, CASES["A"]["cfg"])
     assert float(metrics["adv_abs_mean"]) == 0.0 and float(loss) > 0  # k3 KL >= 0
     assert rel_err(grads, naive_grads) <= 1e-4 and abs(float(loss) - float(naive_loss)) <= 1e-5
+
+
+def test_a_left_out_branch_is_left_out_of_the_exact_gradient(model_params, cases):
+    """valid = 0 on branch 1 of case A (an agent branch whose environment failed, mask zeroed): exact still equals
+    naive, and both differ from case A's gradient (the branch really is left out)."""
+    model, params = model_params
+    batch, (full_loss, full_grads, _), _ = cases("A")
+    batch = batch.replace(valid=np.array([1, 0, 1], np.float32), mask=np.asarray(batch.mask) * [[1], [0], [1]])
+    loss, grads, metrics = grads_fn(model, params, batch, CASES["A"]["cfg"], "exact", CASES["A"]["chunk"])
+    naive_loss, naive_grads, naive_metrics = naive_fn(model, params, batch, CASES["A"]["cfg"])
+    assert rel_err(grads, naive_grads) <= 1e-4 and abs(float(loss) - float(naive_loss)) <= 1e-5
+    assert_metrics_equal(metrics, naive_metrics)
+    assert rel_err(grads, full_grads) > 1e-2
 
 
 def test_detached_equals_stop_gradient_autograd_and_differs_from_exact(model_params, cases):

@@ -1,0 +1,192 @@
+"""The environment protocol of agent branches (docs/architecture.md 11) and the host side of calling it.
+
+An environment answers one branch's policy turns:
+
+    env = FACTORY(vocab_size=V, seed=S, **env_kwargs)          once per branch slot, at start (`make_environments`)
+    env.reset(prompt_tokens, info, branch)                     before each episode (the group's prompt, unpadded)
+    observation, reward, done = env.step(turn)                 after each policy turn
+
+`turn` is the turn's token ids (int32 [n], its stop token included). `observation` is a sequence of token ids in
+[0, V) that the policy reads next (mask 0: never trained on); `reward` a real number or None (0); `done` ends the
+episode (its observation is then not appended). The branch's reward is the sum of its rewards.
+
+Every call runs in a daemon thread with a timeout (`call_all`), so a `step` that never returns costs `timeout`
+seconds and is abandoned, never a hang. A call that raises, times out or returns something malformed ends that
+branch with status "error" and the first error's text (`Reply.error`); the sampler keeps the other branches going.
+`Transcript` is what a branch did (its turns, the environment's replies, its status); `ScriptedEnvironment` replays
+one without the environment (a flaky tool's run reproduced; tests script an environment).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from longstraw_jax.common.callables import load_callable
+from longstraw_jax.common.validation import is_real
+
+# a branch's status once its episode is over
+DONE, LENGTH, MAX_TURNS, ERROR = "done", "length", "max_turns", "error"
+
+
+class Environment(Protocol):
+    def reset(self, prompt_tokens: np.ndarray, info: dict, branch: int) -> None: ...
+
+    def step(self, turn: np.ndarray) -> tuple[Sequence[int], float | None, bool]: ...
+
+
+class EnvironmentError_(RuntimeError):
+    """A factory that cannot be loaded or built (raised at start, before any work)."""
+
+
+def make_environments(spec_or_factory, count: int, vocab_size: int, seed: int, env_kwargs: dict | None = None,
+                      what: str = "--env") -> list:
+    """`count` environments from a factory (a callable, or "module:function" as `--env` names it), each built with
+    FACTORY(vocab_size=..., seed=..., **env_kwargs). A factory that cannot be found, raises, or builds something
+    without reset/step: EnvironmentError_ naming it (one line)."""
+    name = spec_or_factory if isinstance(spec_or_factory, str) else getattr(spec_or_factory, "__qualname__",
+                                                                            repr(spec_or_factory))
+    try:
+        factory = load_callable(spec_or_factory) if isinstance(spec_or_factory, str) else spec_or_factory
+    except ValueError as e:
+        raise EnvironmentError_(f"{what} {name}: {e}") from None
+    envs = []
+    for _ in range(count):
+        try:
+            env = factory(vocab_size=vocab_size, seed=seed, **(env_kwargs or {}))
+        except Exception as e:
+            raise EnvironmentError_(f"{what} {name} failed at start: {type(e).__name__}: {first_line(e)}") from None
+        missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+        if missing:
+            raise EnvironmentError_(f"{what} {name} returned {type(env).__name__}, which has no "
+                                    f"{' / '.join(missing)} method (an environment needs reset and step)")
+        envs.append(env)
+    return envs
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
+@dataclasses.dataclass
+class Reply:
+    """One environment call's outcome: observation int32 [n] (empty when done), reward (float, 0 for None), done, or
+    error (one line: the exception, a timeout, a malformed value); seconds: the call's wall time."""
+
+    observation: np.ndarray
+    reward: float = 0.0
+    done: bool = False
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def check_step_result(value, vocab_size: int) -> Reply:
+    """`step`'s return value -> a Reply, or a Reply with `error` saying what is wrong (a tuple of 3, token ids in
+    [0, vocab_size), a finite real reward or None, a bool done)."""
+    if not isinstance(value, tuple) or len(value) != 3:
+        return Reply(np.zeros(0, np.int32), error=f"step returned {type(value).__name__}, not a tuple (observation, "
+                                                  "reward, done)")
+    observation, reward, done = value
+    if observation is None:
+        observation = ()
+    ids = np.asarray(observation)
+    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        return Reply(np.zeros(0, np.int32), error=f"step's observation must be a 1-D sequence of token ids, got "
+                                                  f"{type(observation).__name__} of shape {ids.shape}")
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        return Reply(np.zeros(0, np.int32), error=f"step's observation[{bad[0]}] = {int(ids[bad[0]])} is out of "
+                                                  f"range: token ids must be in [0, vocab_size={vocab_size})")
+    if reward is not None and not (is_real(reward) and math.isfinite(reward)):
+        return Reply(np.zeros(0, np.int32), error=f"step's reward {reward!r} must be a finite real number or None")
+    if not isinstance(done, (bool, np.bool_)):
+        return Reply(np.zeros(0, np.int32), error=f"step's done {done!r} must be a bool")
+    return Reply(ids.astype(np.int32) if not done else np.zeros(0, np.int32), float(reward or 0.0), bool(done))
+
+
+def call_all(calls: list[Callable[[], Any]], timeout: float, check: Callable[[Any], Reply] | None = None) -> list:
+    """Run every call in its own daemon thread, all at once; wait for each at most until `timeout` seconds after the
+    start. Returns, per call, check(its value) (default: a Reply holding nothing), or a Reply with the error
+    (the exception's type and first line, or "timed out after T s"): a call still running is abandoned."""
+    results: list = [None] * len(calls)
+    finished: list = [None] * len(calls)
+
+    def run(i):
+        started = time.perf_counter()
+        try:
+            value = calls[i]()
+            reply = check(value) if check is not None else Reply(np.zeros(0, np.int32))
+        except Exception as e:  # the environment's own error: the observation-free reply that ends the branch
+            reply = Reply(np.zeros(0, np.int32), error=f"{type(e).__name__}: {first_line(e)}".rstrip(": "))
+        reply.seconds = time.perf_counter() - started
+        results[i] = reply
+        finished[i] = True
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    deadline = time.perf_counter() + timeout
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.perf_counter()))
+    for i in range(len(calls)):
+        if not finished[i]:
+            results[i] = Reply(np.zeros(0, np.int32), error=f"timed out after {timeout:g} s", seconds=timeout)
+    return results
+
+
+@dataclasses.dataclass
+class Transcript:
+    """What one branch did: turns alternate {"role": "assistant", "tokens": [...]} (a policy turn) and {"role": "tool",
+    "tokens": [...], "reward": r, "done": d, "truncated": n} (the environment's reply: the observation as appended,
+    cut by n tokens; after the last turn tokens is empty). status: "running", then one of "done", "length" (the
+    response length was reached), "max_turns", "error"; error: the first error's text."""
+
+    turns: list = dataclasses.field(default_factory=list)
+    status: str = "running"
+    error: str | None = None
+
+    @property
+    def reward(self) -> float:
+        return float(sum(t.get("reward", 0.0) for t in self.turns if t["role"] == "tool"))
+
+    @property
+    def policy_turns(self) -> int:
+        return sum(t["role"] == "assistant" for t in self.turns)
+
+    @property
+    def observation_tokens(self) -> int:
+        return sum(len(t["tokens"]) for t in self.turns if t["role"] == "tool")
+
+    def as_json(self) -> dict:
+        return {"turns": [dict(t, tokens=[int(x) for x in t["tokens"]]) for t in self.turns], "status": self.status,
+                "error": self.error, "reward": self.reward}
+
+
+class ScriptedEnvironment:
+    """Replays a recorded transcript (a `Transcript` or its `as_json`) instead of calling an environment: each `step`
+    returns the recorded reply (the observation as it was appended: it fits again). A turn that differs from the
+    recorded one raises, which ends the branch with status "error" (the replay diverged: other params or keys)."""
+
+    def __init__(self, transcript: Transcript | dict):
+        turns = transcript.turns if isinstance(transcript, Transcript) else transcript["turns"]
+        self.actions = [np.asarray(t["tokens"]) for t in turns if t["role"] == "assistant"]
+        self.replies = [t for t in turns if t["role"] == "tool"]
+        self.index = 0
+
+    def reset(self, prompt_tokens, info, branch) -> None:
+        self.index = 0
+
+    def step(self, turn):
+        i = self.index
+        if i >= len(self.replies):
+            raise RuntimeError(f"the scripted transcript has {len(self.replies)} replies; turn {i} has none")
+        if not np.array_equal(np.asarray(turn), self.actions[i]):
+            raise RuntimeError(f"turn {i} differs from the recorded one: the replay diverged")
+        self.index += 1
+        reply = self.replies[i]
+        return list(reply["tokens"]), reply.get("reward"), bool(reply["done"])

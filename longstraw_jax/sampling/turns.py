@@ -1,0 +1,339 @@
+"""Agent branches: each branch a multi-turn episode after one captured prompt (docs/architecture.md 11).
+
+    episodes = sample_episodes(model, params, prompts, keys, G, sampling, turns, environments)
+    episodes.responses [B, G, R]: the transcript, policy and observation tokens in order (pad_token after it)
+    episodes.mask [B, G, R]: 1 on the policy's tokens only (observations are read, never trained on)
+    episodes.rewards [B, G]: each branch's sum of the environment's rewards; episodes.transcripts[b][g]
+
+A host loop over turns drives two jitted programs over all B x G branches at once:
+
+    capture prompt[:-1] (every group), decode prompt[-1] at P - 1                    `_start`, once
+    for turn k < max_turns, while a branch is running:
+        policy turn: every running branch samples until its stop token, turn_len    `_policy_turn`
+                     tokens or the response length; each token is decoded (its tail
+                     written) so that what follows it can be appended
+        the environment's step(turn) for every branch that ended a turn           host threads, `call_all`
+        the observations appended to their branches' tails, one token position     `_observe`
+        after another for all branches together, padded to a bucket length
+        (`TurnConfig.buckets`: no recompilation per length)
+
+Transcript token j of a branch sits at position P + j (tail slot j + 1; slot 0 is prompt[-1]). Branches are at
+different positions (their observations differ in length), so decoding is vmapped over per-branch positions. A
+padded slot of `_observe` (i >= the branch's observation length) leaves that branch's tail, logits and length
+exactly as they were (a select, not a masked write), so the bucket length cannot change any result. Tokens are
+ids in and out: nothing the policy produced is decoded to text and re-encoded.
+
+Keys: branch g of group b samples token t of turn k with fold_in(fold_in(split(keys[b], G)[g], k), t), so a turn's
+draws depend on (step, group, branch, turn) and not on the other branches or the bucket lengths; a transcript is
+replayed without its environment by `agents.environment.ScriptedEnvironment`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from longstraw_jax.agents.environment import DONE, ERROR, LENGTH, MAX_TURNS, Transcript, call_all, check_step_result
+from longstraw_jax.common.validation import check_left_pad, check_size, is_int, is_real
+from longstraw_jax.engine.capture import chunk_layout
+from longstraw_jax.sampling import branches
+from longstraw_jax.sampling.branches import SamplingConfig, sampling_logits
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnConfig:
+    """How episodes run (frozen, hashable).
+
+    max_turns: policy turns per episode (the environment answers each). turn_len: tokens per policy turn at most
+    (None: the response length). max_observation: observation tokens appended per turn at most (None: whatever fits
+    in the response length); a longer one is cut at the end and counted. timeout: seconds an environment call may
+    take. min_bucket: the smallest padded observation length; buckets double from it.
+    """
+
+    max_turns: int = 4
+    turn_len: int | None = None
+    max_observation: int | None = None
+    timeout: float = 60.0
+    min_bucket: int = 8
+
+    def __post_init__(self):
+        errors = []
+        for name, minimum in (("max_turns", 1), ("turn_len", 1), ("max_observation", 0), ("min_bucket", 1)):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < minimum):
+                errors.append(f"{name}={value!r} must be an int >= {minimum}")
+        if not (is_real(self.timeout) and self.timeout > 0):
+            errors.append(f"timeout={self.timeout!r} must be a number of seconds > 0")
+        if errors:
+            raise ValueError("invalid TurnConfig: " + "; ".join(errors))
+
+    def bucket(self, n: int) -> int:
+        """The padded length of observations of at most n tokens: min_bucket * 2^i >= n."""
+        size = self.min_bucket
+        while size < n:
+            size *= 2
+        return size
+
+
+@struct.dataclass
+class Branches:
+    """The device state of B x G episodes. tails: each branch's decoding state (leaves [B, G, ...], room for R
+    positions after prompt[-1]); logits float32 [B, G, V]: the next token's; length int32 [B, G]: transcript tokens
+    so far; tokens int32 [B, G, R] (pad after length); mask float32 [B, G, R]: 1 on policy tokens; logp /
+    sample_logp float32 [B, G, R]: the policy's log-prob of each policy token (temperature 1; as sampled), 0
+    elsewhere."""
+
+    tails: Any
+    logits: jax.Array
+    length: jax.Array
+    tokens: jax.Array
+    mask: jax.Array
+    logp: jax.Array
+    sample_logp: jax.Array
+
+
+@struct.dataclass
+class Episodes:
+    """What `sample_episodes` returns. responses / mask / logprobs / sample_logprobs: as in `Branches` ([B, G, R],
+    numpy); rewards float32 [B, G]; transcripts[b][g]: `agents.environment.Transcript`; captured: the prompts'
+    capture (as `sample_groups(keep_capture=True)` returns it); timings: seconds spent decoding policy turns,
+    in the environment, appending observations."""
+
+    responses: np.ndarray
+    mask: np.ndarray
+    logprobs: np.ndarray
+    sample_logprobs: np.ndarray
+    rewards: np.ndarray
+    transcripts: list = struct.field(pytree_node=False)
+    captured: Any = None
+    timings: dict = struct.field(pytree_node=False, default_factory=dict)
+
+
+def step_all(model, params, states, left_pad, tails, tokens, positions):
+    """One decoding step of every branch: tokens int32 [B, G] at positions int32 [B, G] after group b's prompt state
+    (leaves [B, ...]; read once for its G branches) -> (tails, logits float32 [B, G, V])."""
+    def group(state, pad, tails, tokens, positions):
+        def one(tail, token, position):
+            hidden, tail = model.decode(params, state, tail, token, position, left_pad=pad)
+            return tail, model.logits(params, hidden)[0].astype(jnp.float32)
+
+        return jax.vmap(one)(tails, tokens, positions)
+
+    return jax.vmap(group)(states, left_pad, tails, tokens, positions)
+
+
+def _select(where, new, old):
+    """Per branch (where bool [B, G]): new where true, old elsewhere, for every leaf [B, G, ...]."""
+    pick = lambda a, b: jnp.where(jnp.reshape(where, where.shape + (1,) * (a.ndim - where.ndim)), a, b)
+    return jax.tree.map(pick, new, old)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+def _start(model, params, prompts, left_pad, group_size: int, sampling: SamplingConfig, chunk_size: int):
+    """Capture every group's prompt[:-1] and decode prompt[-1] -> (Branches with G copies per group, Captured)."""
+    length, p = sampling.response_len, prompts.shape[1]
+    captured = jax.lax.map(lambda x: branches.capture_prompt(model, params, x[0], chunk_size, True, x[1]),
+                           (prompts, left_pad))
+
+    def first(state, prompt, pad):
+        tail = model.init_tail(params, state, length)
+        hidden, tail = model.decode(params, state, tail, prompt[-1], p - 1, left_pad=pad)
+        return tail, model.logits(params, hidden)[0].astype(jnp.float32)
+
+    tails, logits = jax.vmap(first)(captured.state, prompts, left_pad)
+    many = lambda x: jnp.broadcast_to(x[:, None], (x.shape[0], group_size) + x.shape[1:])
+    shape = (prompts.shape[0], group_size, length)
+    zeros = jnp.zeros(shape, jnp.float32)
+    state = Branches(tails=jax.tree.map(many, tails), logits=many(logits), length=jnp.zeros(shape[:2], jnp.int32),
+                     tokens=jnp.full(shape, sampling.pad_token, jnp.int32), mask=zeros, logp=zeros, sample_logp=zeros)
+    return state, captured
+
+
+def _write(buffer, index, value, where):
+    """buffer [B, G, R] with value [B, G] written at index [B, G] where `where` [B, G]."""
+    hit = (jnp.arange(buffer.shape[-1]) == index[..., None]) & where[..., None]
+    return jnp.where(hit, jnp.asarray(value, buffer.dtype)[..., None], buffer)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 8, 9, 10), donate_argnums=(4,))
+def _policy_turn(model, params, states, left_pad, br: Branches, keys, turn, active, sampling: SamplingConfig,
+                 turn_len: int, p: int):
+    """One policy turn of every branch with `active` [B, G]: sample until its stop token, `turn_len` tokens or the
+    response length R, decoding each token it keeps (none at index R - 1). keys [B, G] (the branches'), turn int32
+    [B, G] (their turn numbers); p: the prompt length P. -> the Branches after the turn."""
+    r = sampling.response_len
+    stops = jnp.asarray(sampling.stops or (-1,), jnp.int32)
+    turn_keys = jax.vmap(jax.vmap(jax.random.fold_in))(keys, turn)
+
+    def cond(c):
+        t, _, live = c
+        return (t < turn_len) & jnp.any(live)
+
+    def body(c):
+        t, br, live = c
+        shaped = sampling_logits_all(br.logits, sampling)
+        if sampling.temperature == 0:
+            token = jnp.argmax(br.logits, axis=-1).astype(jnp.int32)
+        else:
+            draw = lambda k, row: jax.random.categorical(jax.random.fold_in(k, t), row)
+            token = jax.vmap(jax.vmap(draw))(turn_keys, shaped).astype(jnp.int32)
+        pick = lambda x: jnp.take_along_axis(x, token[..., None], axis=-1)[..., 0]
+        index = br.length
+        point = jnp.zeros(token.shape) if sampling.temperature == 0 else pick(jax.nn.log_softmax(shaped))
+        br = br.replace(tokens=_write(br.tokens, index, token, live), mask=_write(br.mask, index, 1.0, live),
+                        logp=_write(br.logp, index, pick(jax.nn.log_softmax(br.logits)), live),
+                        sample_logp=_write(br.sample_logp, index, point, live))
+        need = live & (index + 1 < r)  # a token at R - 1 has no successor
+        tails, logits = jax.lax.cond(jnp.any(need),
+                                     lambda: step_all(model, params, states, left_pad, br.tails, token, p + index),
+                                     lambda: (br.tails, br.logits))
+        new = _select(need, (tails, logits), (br.tails, br.logits))
+        ended = jnp.any(token[..., None] == stops, axis=-1) | (t + 1 >= turn_len) | (index + 1 >= r)
+        br = br.replace(tails=new[0], logits=new[1], length=br.length + live.astype(jnp.int32))
+        return t + 1, br, live & ~ended
+
+    _, br, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), br, active))
+    return br
+
+
+def sampling_logits_all(logits, sampling: SamplingConfig):
+    """`sampling_logits` over the [B, G] branches."""
+    fn = lambda row: sampling_logits(row, sampling.temperature, sampling.top_p)
+    return jax.vmap(jax.vmap(fn))(logits)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=(4,))
+def _observe(model, params, states, left_pad, br: Branches, observations, count, p: int):
+    """Append observations int32 [B, G, K] (the first count[b, g] of each row; the rest padding) to the branches:
+    one decoding step per position i < max(count) for all branches, a branch with i >= its count left exactly as
+    it was. The appended tokens keep mask 0; p: the prompt length P. -> Branches with length + count."""
+
+    def cond(c):
+        i, _ = c
+        return i < jnp.max(count)
+
+    def body(c):
+        i, br = c
+        real = i < count
+        token = jax.lax.dynamic_index_in_dim(observations, i, axis=2, keepdims=False)
+        index = br.length + i
+        tails, logits = step_all(model, params, states, left_pad, br.tails, token, p + index)
+        tails, logits = _select(real, (tails, logits), (br.tails, br.logits))
+        return i + 1, br.replace(tails=tails, logits=logits, tokens=_write(br.tokens, index, token, real))
+
+    _, br = jax.lax.while_loop(cond, body, (jnp.int32(0), br))
+    return br.replace(length=br.length + count)
+
+
+def sample_episodes(model, params, prompts, keys, group_size: int, sampling: SamplingConfig, turns: TurnConfig,
+                    environments, chunk_size: int = 2048, left_pad=None, infos=None) -> Episodes:
+    """B groups of G episodes on one device. prompts int [B, P] (P >= 2; left_pad None or int [B]: group b's pads);
+    keys: B PRNG keys; environments: B x G environments (nested [B][G] or flat, branch g of group b at b * G + g),
+    each reset with (the unpadded prompt, infos[b] or {}, g) before its episode. Host-side checks first (token ids,
+    G, stop / pad ids, chunk_size, left_pad), then the turn loop of the module docstring. The response length R is
+    the transcript's: policy and observation tokens together."""
+    prompts = np.asarray(prompts)
+    if prompts.ndim != 2:
+        raise ValueError(f"prompts must be [B, P] (one row per group), got shape {prompts.shape}")
+    if jnp.shape(keys)[:1] != prompts.shape[:1]:
+        raise ValueError(f"keys has shape {jnp.shape(keys)}; need one key per group: [B] = [{prompts.shape[0]}]")
+    for row in prompts:
+        _, group_size = branches.check_sampling_inputs(model, row, group_size, sampling)
+    chunk_size = check_size(chunk_size, "chunk_size")
+    chunk_layout(prompts.shape[1] - 1, chunk_size)
+    left_pad = check_left_pad(left_pad, prompts.shape[1] - 2, "left_pad", prompts.shape[0])
+    b_count, g_count, r, p = prompts.shape[0], group_size, sampling.response_len, prompts.shape[1]
+    envs = [list(row) for row in environments] if isinstance(environments[0], (list, tuple)) else [
+        list(environments[b * g_count:(b + 1) * g_count]) for b in range(b_count)]
+    if len(envs) != b_count or any(len(row) != g_count for row in envs):
+        raise ValueError(f"environments: need B x G = {b_count} x {g_count}, got {[len(row) for row in envs]}")
+    infos = [{} for _ in range(b_count)] if infos is None else list(infos)
+    turn_len = turns.turn_len or r
+    timings = {"decode_s": 0.0, "env_s": 0.0, "observe_s": 0.0}
+    transcripts = [[Transcript() for _ in range(g_count)] for _ in range(b_count)]
+    slots = [(b, g) for b in range(b_count) for g in range(g_count)]
+    vocab = model.config.vocab_size
+
+    def env_round(calls, check=lambda value: check_step_result(value, vocab)):
+        """calls {(b, g): callable} -> {(b, g): Reply}, timed."""
+        started = time.perf_counter()
+        replies = call_all(list(calls.values()), turns.timeout, check)
+        timings["env_s"] += time.perf_counter() - started
+        return dict(zip(calls, replies))
+
+    unpadded = [prompts[b, (0 if left_pad is None else int(left_pad[b])):] for b in range(b_count)]
+    resets = env_round({(b, g): functools.partial(envs[b][g].reset, unpadded[b].copy(), infos[b], g)
+                        for b, g in slots}, check=None)
+    for (b, g), reply in resets.items():
+        if reply.error is not None:
+            transcripts[b][g].status, transcripts[b][g].error = ERROR, "reset: " + reply.error
+
+    started = time.perf_counter()
+    pads = None if left_pad is None else jnp.asarray(left_pad)
+    br, captured = _start(model, params, jnp.asarray(prompts, jnp.int32), pads, g_count, sampling, chunk_size)
+    branch_keys = jax.vmap(lambda k: jax.random.split(k, g_count))(keys)
+    timings["decode_s"] += time.perf_counter() - started
+    for turn in range(turns.max_turns):
+        running = np.array([[t.status == "running" for t in row] for row in transcripts])
+        if not running.any():
+            break
+        before = np.asarray(br.length)
+        started = time.perf_counter()
+        br = _policy_turn(model, params, captured.state, pads, br, branch_keys, jnp.full((b_count, g_count), turn,
+                          jnp.int32), jnp.asarray(running), sampling, turn_len, p)
+        tokens, length = (np.asarray(x) for x in jax.device_get((br.tokens, br.length)))
+        timings["decode_s"] += time.perf_counter() - started
+        acted = [(b, g) for b, g in slots if running[b, g]]
+        for b, g in acted:
+            transcripts[b][g].turns.append({"role": "assistant", "tokens": tokens[b, g, before[b, g]:length[b, g]]})
+        replies = env_round({(b, g): functools.partial(envs[b][g].step, tokens[b, g, before[b, g]:length[b, g]].copy())
+                             for b, g in acted})
+        appended = {}
+        for (b, g), reply in replies.items():
+            transcript = transcripts[b][g]
+            if reply.error is not None:
+                transcript.status, transcript.error = ERROR, f"turn {turn}: {reply.error}"
+                transcript.turns.append({"role": "tool", "tokens": np.zeros(0, np.int32), "reward": 0.0,
+                                         "done": True, "truncated": 0, "error": reply.error})
+                continue
+            free = r - 1 - int(length[b, g])  # positions left once one is kept for the policy's next turn
+            keep, cut = reply.observation[:0], 0
+            if reply.done:
+                transcript.status = DONE
+            elif turn + 1 == turns.max_turns:
+                transcript.status = MAX_TURNS
+            elif free <= 0:
+                transcript.status, cut = LENGTH, len(reply.observation)
+            else:
+                room = free if turns.max_observation is None else min(free, turns.max_observation)
+                keep = reply.observation[:room]
+                cut = len(reply.observation) - len(keep)
+            transcript.turns.append({"role": "tool", "tokens": keep, "reward": reply.reward, "done": reply.done,
+                                     "truncated": cut})
+            if transcript.status == "running" and len(keep):
+                appended[(b, g)] = keep
+        if appended:
+            width = turns.bucket(max(len(k) for k in appended.values()))
+            observations = np.full((b_count, g_count, width), sampling.pad_token, np.int32)
+            count = np.zeros((b_count, g_count), np.int32)
+            for (b, g), keep in appended.items():
+                observations[b, g, :len(keep)], count[b, g] = keep, len(keep)
+            started = time.perf_counter()
+            br = _observe(model, params, captured.state, pads, br, jnp.asarray(observations), jnp.asarray(count), p)
+            jax.block_until_ready(br.length)
+            timings["observe_s"] += time.perf_counter() - started
+    for row in transcripts:
+        for transcript in row:
+            if transcript.status == "running":  # an empty observation on the last allowed turn
+                transcript.status = MAX_TURNS
+    responses, mask, logp, sample_logp = (np.asarray(x) for x in jax.device_get(
+        (br.tokens, br.mask, br.logp, br.sample_logp)))
+    rewards = np.array([[t.reward for t in row] for row in transcripts], np.float32)
+    return Episodes(responses=responses, mask=mask, logprobs=logp, sample_logprobs=sample_logp, rewards=rewards,
+                    transcripts=transcripts, captured=captured, timings=timings)
