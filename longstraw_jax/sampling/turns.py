@@ -101,15 +101,17 @@ class Branches:
 @struct.dataclass
 class Episodes:
     """What `sample_episodes` returns. responses / mask / logprobs / sample_logprobs: as in `Branches` ([B, G, R],
-    numpy); rewards float32 [B, G]; transcripts[b][g]: `agents.environment.Transcript`; captured: the prompts'
-    capture (as `sample_groups(keep_capture=True)` returns it); timings: seconds spent decoding policy turns,
-    in the environment, appending observations."""
+    numpy); rewards float32 [B, G]; first_logprobs float32 [B, V]: the policy's log-probs of every branch's first
+    token (temperature 1); transcripts[b][g]: `agents.environment.Transcript`; captured: the prompts' capture (as
+    `sample_groups(keep_capture=True)` returns it); timings: seconds spent decoding policy turns, in the environment,
+    appending observations."""
 
     responses: np.ndarray
     mask: np.ndarray
     logprobs: np.ndarray
     sample_logprobs: np.ndarray
     rewards: np.ndarray
+    first_logprobs: np.ndarray
     transcripts: list = struct.field(pytree_node=False)
     captured: Any = None
     timings: dict = struct.field(pytree_node=False, default_factory=dict)
@@ -277,6 +279,7 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
     started = time.perf_counter()
     pads = None if left_pad is None else jnp.asarray(left_pad)
     br, captured = _start(model, params, jnp.asarray(prompts, jnp.int32), pads, g_count, sampling, chunk_size)
+    first_logprobs = jax.nn.log_softmax(br.logits[:, 0])
     branch_keys = jax.vmap(lambda k: jax.random.split(k, g_count))(keys)
     timings["decode_s"] += time.perf_counter() - started
     for turn in range(turns.max_turns):
@@ -336,4 +339,5 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
         (br.tokens, br.mask, br.logp, br.sample_logp)))
     rewards = np.array([[t.reward for t in row] for row in transcripts], np.float32)
     return Episodes(responses=responses, mask=mask, logprobs=logp, sample_logprobs=sample_logp, rewards=rewards,
-                    transcripts=transcripts, captured=captured, timings=timings)
+                    first_logprobs=np.asarray(first_logprobs), transcripts=transcripts, captured=captured,
+                    timings=timings)

@@ -7,7 +7,8 @@ plain Python callables with that signature; `load_callable("package.module:funct
 arguments prompt_len, vocab_size, seed and returning a task).
 
 Built-ins (`BUILTIN_TASKS`): `retrieval` (tasks/retrieval.py: a synthetic agent log with a fact planted at a chosen
-depth). `Prompt` and the `Task` protocol live in tasks/base.py.
+depth) and `lookup` (tasks/lookup.py: an agent task, two-hop retrieval through a tool; its `environment`).
+`Prompt` and the `Task` protocol live in tasks/base.py.
 Externally generated rollouts (JSONL, e.g. from vLLM or SGLang) are read by tasks/rollout_file.py.
 Datasets of text prompts or chat messages (`--data`): tasks/dataset.py, with the checkpoint's tokenizer
 (tasks/tokenizer.py) and rewards over text (tasks/rewards.py).
@@ -26,9 +27,10 @@ import numpy as np
 from longstraw_jax.common.callables import load_callable
 from longstraw_jax.grpo import FLOAT32_MAX
 from longstraw_jax.tasks.base import Prompt, Task
+from longstraw_jax.tasks.lookup import LookupTask
 from longstraw_jax.tasks.retrieval import RetrievalTask
 
-BUILTIN_TASKS = {"retrieval": RetrievalTask}
+BUILTIN_TASKS = {"retrieval": RetrievalTask, "lookup": LookupTask}
 
 
 class RewardError(ValueError):

@@ -102,7 +102,7 @@ class RetrievalTask:
         log_len = self.prompt_len - 2  # then QUERY key
         keys = rng.choice(self.num_keys, self.num_facts, replace=False) + self.first_key
         values = rng.integers(0, self.num_answers, self.num_facts) + FIRST_ANSWER
-        log = self._tool_log(rng, log_len - 3 * self.num_facts)
+        log = tool_log(rng, log_len - 3 * self.num_facts, self.first_filler, self.vocab_size, TOOL)
         depth = rng.uniform(0.0, self.max_depth) if self.depth is None else self.depth
         depths = np.concatenate([[depth], rng.uniform(0.0, self.max_depth, size=self.num_facts - 1)])
         # insert facts deepest-first so that earlier insertions do not shift later ones' positions
@@ -112,14 +112,6 @@ class RetrievalTask:
         tokens = np.concatenate([log, [QUERY, keys[0]]]).astype(np.int32)
         fact_at = int(positions[0] + 3 * np.sum(positions[1:] <= positions[0]))
         return Prompt(tokens, {"answer": int(values[0]), "key": int(keys[0]), "depth": fact_at / log_len})
-
-    def _tool_log(self, rng, length: int) -> np.ndarray:
-        parts, total = [], 0
-        while total < length:
-            n = int(rng.integers(8, 33))
-            parts.append(np.concatenate([[TOOL], rng.integers(self.first_filler, self.vocab_size, n)]))
-            total += n + 1
-        return np.concatenate(parts)[:length]
 
     def reward(self, prompt_tokens: np.ndarray, response_tokens: np.ndarray, info: dict) -> float:
         if len(response_tokens) == 0:
@@ -135,3 +127,14 @@ class RetrievalTask:
 
     def is_correct(self, response_tokens: np.ndarray, info: dict) -> bool:
         return len(response_tokens) > 0 and int(response_tokens[0]) == info["answer"]
+
+
+def tool_log(rng, length: int, first_filler: int, vocab_size: int, tool: int) -> np.ndarray:
+    """`length` tokens of tool outputs: `tool` followed by 8..32 filler ids in [first_filler, vocab_size), repeated
+    (the last one cut)."""
+    parts, total = [], 0
+    while total < length:
+        n = int(rng.integers(8, 33))
+        parts.append(np.concatenate([[tool], rng.integers(first_filler, vocab_size, n)]))
+        total += n + 1
+    return np.concatenate(parts)[:length]

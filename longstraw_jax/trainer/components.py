@@ -28,7 +28,7 @@ from longstraw_jax.sharding.mesh import parse_mesh_spec
 from longstraw_jax.tasks import as_scorer, load_callable, make_task
 from longstraw_jax.tasks.rollout_file import load_rollouts
 from longstraw_jax.train import make_optimizer
-from longstraw_jax.trainer import distributed
+from longstraw_jax.trainer import distributed, episodes
 from longstraw_jax.trainer.config import RunConfig, RunError
 
 
@@ -293,6 +293,9 @@ def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | 
                            groups_per_step(config))
     buckets = None
     if config.data:
+        if config.env is not None:
+            raise RunError(f"--env={config.env} with --data: agent branches over text (tool messages rendered with "
+                           "the chat template) are not supported yet; token-level tasks (--task) are")
         task, scorer, stops, pad = dataset_task(config, vocab_size)
         buckets = prompt_buckets(config, pad)
     else:
@@ -302,6 +305,17 @@ def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | 
         stops = (config.stop_token if config.stop_token is not None else getattr(task, "stop_token", None),)
         pad = getattr(task, "pad_token", 0)
     sampling = sampling_config(config, stops, pad, vocab_size)
+    factory, name = episodes.environment_factory(config, task)
+    if factory is not None:
+        if mesh is not None:
+            raise RunError(f"{name} on --mesh {config.mesh}: agent branches sample on one device for now (drop "
+                           "--mesh)")
+        environments = episodes.build_environments(config, factory, name, groups_per_step(config) * config.group_size,
+                                                   vocab_size)
+        return episodes.EpisodeSampler(task, environments, name, sampling, episodes.turn_config(config),
+                                       config.group_size, config.chunk_size, groups_per_step(config), buckets,
+                                       reward_fn=load_callable(config.reward) if config.reward else None,
+                                       max_errors=config.max_env_errors)
     return TaskSampler(task, scorer, sampling, config.group_size, config.chunk_size, groups_per_step(config), mesh,
                        buckets)
 

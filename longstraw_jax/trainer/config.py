@@ -26,6 +26,7 @@ from typing import Collection
 from longstraw_jax.engine import MODES
 from longstraw_jax.grpo import LOSS_AGGS, RATIOS, GRPOConfig
 from longstraw_jax.sampling.branches import SamplingConfig
+from longstraw_jax.sampling.turns import TurnConfig
 from longstraw_jax.sharding.mesh import parse_mesh_spec
 from longstraw_jax.tasks.dataset import TRUNCATE, PromptFormat
 from longstraw_jax.tasks.rewards import load_rewards
@@ -160,6 +161,25 @@ class RunConfig:
                                      "checkpoint's end-of-turn / EOS ids (generation_config.json, the tokenizer's EOS)")
     decode_batch: int | None = _option(None, "branches decoded together, a divisor of G (default: all G; the tokens "
                                        "are the same, fewer need less memory: N tails live at once)", metavar="N")
+    # agent branches (docs/architecture.md 11)
+    env: str | None = _option(None, "each branch a multi-turn episode: FACTORY(vocab_size=, seed=, **--env-kwargs) "
+                              "builds an environment with reset(prompt_tokens, info, branch) and step(turn) -> "
+                              "(observation token ids, reward or None, done); observations are read, never trained "
+                              "on; a branch's reward is the sum of its rewards (default: the task's own environment, "
+                              "if it has one: --task lookup)", group="agent branches", metavar="MODULE:FACTORY")
+    env_kwargs: str | None = _option(None, "JSON object of keyword arguments for the --env factory", metavar="JSON")
+    max_turns: int = _option(library_default(TurnConfig, "max_turns"), "policy turns per episode (the environment "
+                             "answers each; after the last its observation is not appended)")
+    turn_len: int | None = _option(None, "tokens per policy turn at most (a turn ends at a stop token; default -R)",
+                                   metavar="N")
+    max_observation_len: int | None = _option(None, "observation tokens appended per turn at most (the rest cut and "
+                                              "counted in env/truncated; default: what fits in -R, which holds "
+                                              "policy and observation tokens together)", metavar="N")
+    env_timeout: float = _option(library_default(TurnConfig, "timeout"), "seconds an environment call may take; a "
+                                 "call past it ends its branch with status error", metavar="S")
+    max_env_errors: float = _option(0.5, "stop the run (the step not applied, checkpoints intact) when more than this "
+                                    "share of a step's branches end with an environment error; the others are left "
+                                    "out of their group (weight 0)", metavar="F")
     # training
     steps: int = _option(40, "total GRPO steps (a resumed run continues up to this)", group="training")
     learning_rate: float = _option(library_default(make_optimizer, "learning_rate"), "AdamW learning rate (the "
@@ -354,6 +374,7 @@ class RunConfig:
             if choices is not None and getattr(self, field.name) not in choices:
                 errors.append(f"{flag(field.name)}={getattr(self, field.name)!r} must be one of {', '.join(choices)}")
         errors += _watch_errors(self)
+        errors += _env_errors(self)
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -450,6 +471,30 @@ def _data_errors(config: RunConfig) -> list[str]:
 
 
 REPORT_TARGETS = ("tensorboard", "wandb")
+
+
+def _env_errors(config: RunConfig) -> list[str]:
+    """The agent-branch options: counts >= 1, a positive timeout, a share in [0, 1], a JSON object of kwargs, no
+    --env with --rollouts."""
+    errors = []
+    for name in ("max_turns", "turn_len", "max_observation_len"):
+        value = getattr(config, name)
+        if value is not None and value < (0 if name == "max_observation_len" else 1):
+            errors.append(f"{flag(name)}={value} must be >= {0 if name == 'max_observation_len' else 1}")
+    if not (math.isfinite(config.env_timeout) and config.env_timeout > 0):
+        errors.append(f"--env-timeout={config.env_timeout} must be a finite number of seconds > 0")
+    if not 0 <= config.max_env_errors <= 1:
+        errors.append(f"--max-env-errors={config.max_env_errors} must be a share in [0, 1]")
+    if config.env_kwargs is not None:
+        try:
+            kwargs = json.loads(config.env_kwargs)
+        except ValueError as e:
+            kwargs = e
+        if not isinstance(kwargs, dict):
+            errors.append(f"--env-kwargs={config.env_kwargs!r} must be a JSON object, e.g. '{{\"difficulty\": 2}}'")
+    if config.env is not None and config.rollouts is not None:
+        errors.append(f"--env={config.env} samples episodes; a --rollouts file brings its own (give one of them)")
+    return errors
 
 
 def report_targets(text: str) -> tuple[str, ...]:

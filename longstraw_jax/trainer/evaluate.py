@@ -80,7 +80,7 @@ class Evaluator:
 
     def __init__(self, task, reward_fn, num_prompts: int, response_len: int, chunk_size: int,
                  stop_token: int | None = None, pad_token: int = 0, mesh=None, stop_tokens: tuple[int, ...] = (),
-                 buckets=None):
+                 buckets=None, environments=None, turns=None):
         from longstraw_jax.sampling.branches import SamplingConfig
         from longstraw_jax.trainer.components import prompt_batches
 
@@ -95,6 +95,8 @@ class Evaluator:
         self.sampling = SamplingConfig(response_len=response_len, temperature=0.0, stop_token=stop_token,
                                        pad_token=pad_token, stop_tokens=tuple(stop_tokens))
         self.reference = None  # [K, V] log-probs of the first response token at the reference (start) evaluation
+        # agent branches: K environments (one per prompt) and the TurnConfig; the reward is the environment's
+        self.environments, self.turns = environments, turns
 
     @property
     def num_prompts(self) -> int:
@@ -115,11 +117,21 @@ class Evaluator:
         from longstraw_jax.trainer.components import place_key
 
         out = None
+        self.episode_rewards = np.zeros(self.num_prompts, np.float32)
         for indices, tokens, left_pad in self.batches:
             keys = place_key(jax.random.split(jax.random.key(0), len(indices)), self.mesh)  # unused by greedy
-            rollouts = sample_groups(model, params, tokens, keys, 1, self.sampling, self.chunk_size, mesh=self.mesh,
-                                     keep_capture=False, left_pad=left_pad)
-            parts = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.first_logprobs))
+            if self.environments is not None:  # one greedy episode per prompt
+                from longstraw_jax.sampling.turns import sample_episodes
+
+                episodes = sample_episodes(model, params, tokens, keys, 1, self.sampling, self.turns,
+                                           [self.environments[i] for i in indices], self.chunk_size,
+                                           left_pad=left_pad, infos=[self.prompts[i].info for i in indices])
+                parts = (episodes.responses, episodes.mask, episodes.first_logprobs)
+                self.episode_rewards[indices] = episodes.rewards[:, 0]
+            else:
+                rollouts = sample_groups(model, params, tokens, keys, 1, self.sampling, self.chunk_size,
+                                         mesh=self.mesh, keep_capture=False, left_pad=left_pad)
+                parts = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.first_logprobs))
             parts = (parts[0][:, 0], parts[1][:, 0], parts[2])  # the one branch of each prompt
             if out is None:
                 out = [np.zeros((self.num_prompts,) + np.shape(x)[1:], np.asarray(x).dtype) for x in parts]
@@ -140,6 +152,8 @@ class Evaluator:
         rewards, correct, parts = score_groups(self.task, self.reward_fn, self.prompts, responses[:, None],
                                                mask[:, None], self.mesh)  # K groups of one branch, each by its owner
         rewards, correct = rewards[:, 0], None if correct is None else correct[:, 0] > 0
+        if self.environments is not None:  # the environment's rewards (correct: the task's, on the policy's tokens)
+            rewards = self.episode_rewards
         if reference:
             self.reference = np.asarray(first, np.float32)
         stats = first_token_stats(first, self.reference)
@@ -186,8 +200,16 @@ def for_config(config, vocab_size: int, mesh=None) -> Evaluator:
     task = held_out_task(config, vocab_size)
     reward_fn = components.token_reward(config, task)
     stop = config.stop_token if config.stop_token is not None else getattr(task, "stop_token", None)
+    factory, name = components.episodes.environment_factory(config, task)
+    environments = turns = None
+    if factory is not None:  # agent branches: one episode per held-out prompt
+        if mesh is not None:
+            raise RunError(f"{name} on --mesh {config.mesh}: agent branches sample on one device for now")
+        environments = components.episodes.build_environments(config, factory, name, config.eval_prompts,
+                                                              vocab_size)
+        turns = components.episodes.turn_config(config)
     return Evaluator(task, reward_fn, config.eval_prompts, config.response_len, config.chunk_size, stop_token=stop,
-                     pad_token=getattr(task, "pad_token", 0), mesh=mesh)
+                     pad_token=getattr(task, "pad_token", 0), mesh=mesh, environments=environments, turns=turns)
 
 
 def for_run(config, explicit, data, vocab_size: int, mesh=None) -> Evaluator | None:

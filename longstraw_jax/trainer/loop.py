@@ -157,7 +157,7 @@ class Trainer:
             extra = dict(extra, uniform_groups=uniform)
             if self.config.refill_batches:
                 extra = dict(extra, refill_batches=0)
-                if updates.uniform_groups(batch.rewards).any():  # fewer than -B groups with a signal
+                if updates.uniform_groups(batch.rewards, batch.valid).any():  # fewer than -B groups with a signal
                     updated, batch, last, extra = self.refill(batch, extra)
                     updated_captured = None  # the update captures the pooled prompts afresh
                     sampled = time.perf_counter()  # rollout_s: every batch sampled
@@ -198,7 +198,7 @@ class Trainer:
                 more, _, _ = self.data.batch(self.model, self.params, jax.random.fold_in(self.key, len(sampled)),
                                              self.step, self.data_position)
             sampled.append(more)
-            if sum(int((~updates.uniform_groups(b.rewards)).sum()) for b in sampled) >= groups:
+            if sum(int((~updates.uniform_groups(b.rewards, b.valid)).sum()) for b in sampled) >= groups:
                 break
         updated, uniform = updates.refilled(sampled, groups, data_size)
         extra = dict(extra, uniform_groups=uniform, refill_batches=len(sampled) - 1)

@@ -6,7 +6,8 @@ which traces every process's own devices) process 0 only: every process computes
   N-th step and of the last step, {"step", "group", "prompt_tokens", "prompt_tail" (the last PROMPT_TAIL_CHARS
   characters of the prompt's text) or "prompt_tail_ids" (its last PROMPT_TAIL_IDS token ids), "completions": G x
   {"text" (decoded, special tokens skipped: what text rewards see) or "ids", "tokens", "reward", "rewards" ({function:
-  value, None where it does not apply}; text rewards only), "correct" (tasks with `is_correct`), "advantage"}}. A
+  value, None where it does not apply}; text rewards only), "correct" (tasks with `is_correct`), "advantage"; agent
+  branches also "turns", "status", "error": `transcript_view`}}. A
   resumed run drops the lines after its checkpoint first (`metrics.MetricsLog.keep_until`), so no step is listed twice.
 - `ReportedLog`: metrics.jsonl plus the reporters: each record written there also goes to `<out>/tensorboard`
   (tensorboardX; warm-up steps in `<out>/tensorboard/warm-up`, against the warm-up step) and / or wandb (`dir=<out>`,
@@ -74,14 +75,16 @@ def _float32(value) -> float:
 
 
 def sample_rows(step: int, batch, advantages: np.ndarray, tokenizer=None, prompts=None, parts=None,
-                correct=None) -> list[dict]:
+                correct=None, transcripts=None) -> list[dict]:
     """The samples.jsonl lines of one step: one per group of `batch` (a GroupBatch [B, ...]: prompt int [B, P],
     responses int [B, G, R], mask [B, G, R], rewards float [B, G]).
 
     advantages: float [B, G] (`grpo.batch_advantages` of the rewards); tokenizer: decodes the completions (None: ids);
     prompts: the B tasks.Prompt of the step (their `text`, when not None, gives the tail), None: the batch's ids;
     parts: {function: (values float [B, G], applies [B, G])} of `components.score_groups` (None or {}: no per-function
-    rewards); correct: float [B, G] or None."""
+    rewards); correct: float [B, G] or None; transcripts: [B][G] `agents.environment.Transcript` of agent branches
+    (None: single responses): each completion then also has "turns" ({"role": "assistant" | "tool", "tokens": ids,
+    "text" with a tokenizer; a tool turn also its reward, done and truncated}), "status" and "error"."""
     responses, mask = np.asarray(batch.responses), np.asarray(batch.mask)
     rewards, advantages = np.asarray(batch.rewards), np.asarray(advantages)
     prompt_ids = np.asarray(batch.prompt)
@@ -99,10 +102,24 @@ def sample_rows(step: int, batch, advantages: np.ndarray, tokenizer=None, prompt
             if correct is not None:
                 completion["correct"] = bool(correct[b, g])
             completion["advantage"] = _float32(advantages[b, g])
+            if transcripts is not None:
+                completion.update(transcript_view(transcripts[b][g], tokenizer))
             completions.append(completion)
         text = prompts[b].text if prompts is not None else None
         rows.append({"step": step, "group": b, **prompt_view(prompt_ids[b], text), "completions": completions})
     return rows
+
+
+def transcript_view(transcript, tokenizer=None) -> dict:
+    """An agent branch's transcript as samples.jsonl shows it: {"turns": [...], "status", "error"}."""
+    turns = []
+    for turn in transcript.turns:
+        view = {"role": turn["role"], "tokens": [int(t) for t in turn["tokens"]]}
+        if tokenizer is not None:
+            view["text"] = decode(tokenizer, [view["tokens"]])[0]
+        view.update({k: turn[k] for k in ("reward", "done", "truncated", "error") if k in turn})
+        turns.append(view)
+    return {"turns": turns, "status": transcript.status, "error": transcript.error}
 
 
 def step_samples(step: int, batch, grpo: GRPOConfig, data) -> list[dict]:
@@ -110,8 +127,9 @@ def step_samples(step: int, batch, grpo: GRPOConfig, data) -> list[dict]:
     parts and correctness (`last_scored`) and its task's tokenizer (datasets); a rollout file's ids."""
     prompts, parts, correct = getattr(data, "last_scored", None) or (None, None, None)
     tokenizer = getattr(getattr(data, "task", None), "tokenizer", None)
-    advantages = np.asarray(jax.device_get(batch_advantages(np.asarray(batch.rewards), grpo)))
-    return sample_rows(step, batch, advantages, tokenizer, prompts, parts, correct)
+    advantages = np.asarray(jax.device_get(batch_advantages(np.asarray(batch.rewards), grpo, batch.valid)))
+    return sample_rows(step, batch, advantages, tokenizer, prompts, parts, correct,
+                       getattr(data, "last_transcripts", None))
 
 
 # ------------------------------------------------------------------------------------------ tensorboard and wandb

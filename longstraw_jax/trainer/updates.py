@@ -14,10 +14,16 @@ import numpy as np
 from longstraw_jax.grpo import GroupBatch
 
 
-def uniform_groups(rewards: np.ndarray) -> np.ndarray:
-    """rewards [B, G] -> bool [B]: the groups whose rewards are all equal."""
+def uniform_groups(rewards: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+    """rewards [B, G] (valid [B, G] or None: the branches that count, `GroupBatch.valid`) -> bool [B]: the groups
+    whose (valid) rewards are all equal, or that have fewer than 2 valid branches."""
     rewards = np.asarray(rewards)
-    return np.all(rewards == rewards[:, :1], axis=1)
+    if valid is None:
+        return np.all(rewards == rewards[:, :1], axis=1)
+    keep = np.asarray(valid) > 0
+    high = np.where(keep, rewards, -np.inf).max(axis=1)
+    low = np.where(keep, rewards, np.inf).min(axis=1)
+    return (keep.sum(axis=1) < 2) | (high == low)
 
 
 def kept_groups(uniform: np.ndarray, data_size: int = 1) -> np.ndarray:
@@ -35,7 +41,7 @@ def without_uniform_groups(batch: GroupBatch, captured, mesh=None):
     """(batch [B, ...], the sampler's captures [B, ...] or None) -> (the kept groups' batch [B', ...] and captures,
     or (None, None) when every group is uniform; the number of uniform groups left out). On a mesh the kept
     captures keep their sharding (B' is a multiple of the data size)."""
-    uniform = uniform_groups(batch.rewards)
+    uniform = uniform_groups(batch.rewards, batch.valid)
     kept = kept_groups(uniform, 1 if mesh is None else mesh.shape["data"])
     if kept.size == 0:
         return None, None, int(uniform.sum())
@@ -79,7 +85,7 @@ def refilled(batches: list[GroupBatch], groups: int, data_size: int = 1) -> tupl
     `data_size` with uniform ones, as `kept_groups`); None when every group is uniform. -> (batch, uniform groups
     sampled)."""
     pool = pooled(batches)
-    uniform = uniform_groups(pool.rewards)
+    uniform = uniform_groups(pool.rewards, pool.valid)
     signal = np.flatnonzero(~uniform)
     kept = signal[:groups] if signal.size >= groups else kept_groups(uniform, data_size)
     chosen = None if kept.size == 0 else jax.tree.map(lambda x: np.asarray(x)[kept], pool)
@@ -90,7 +96,8 @@ def reward_metrics(batch: GroupBatch) -> dict:
     """reward_mean / reward_std over every branch of every sampled group (population std), and signal_groups: the
     share of the sampled groups whose rewards differ (the others have zero advantage: no gradient)."""
     rewards = np.asarray(batch.rewards, np.float64)
-    signal = ~uniform_groups(rewards.reshape(-1, rewards.shape[-1]))
+    valid = None if batch.valid is None else np.asarray(batch.valid).reshape(-1, rewards.shape[-1])
+    signal = ~uniform_groups(rewards.reshape(-1, rewards.shape[-1]), valid)
     return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
             "signal_groups": float(signal.mean())}
 

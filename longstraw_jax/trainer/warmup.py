@@ -4,9 +4,10 @@ e.g. to give a random tiny model the answer format and short-range retrieval bef
     params, records = warm_up(model, params, task, steps=N, batch=16, learning_rate=1e-3)            # a --task
     params, records = warm_up(model, params, DatasetTargets(...), steps=N, batch=4, learning_rate=1e-3)  # --data
 
-A task needs `target(info) -> int tokens [T]` (the retrieval task: [answer, STOP]). Step i takes the task's prompts
-i * batch .. i * batch + batch - 1 (build the task with `warm_up_seed(seed)`: a stream that neither GRPO nor the
-held-out evaluation draws). A --data run's targets are `DatasetTargets`: each training row's --answer-field
+A task needs `target(info) -> int tokens [T]` (the retrieval task: [answer, STOP]), or (tokens [T], mask [T]): an
+agent task's episode, whose tool replies (mask 0) are read but not imitated (tasks/lookup.py). Step i takes the
+task's prompts i * batch .. i * batch + batch - 1 (build the task with `warm_up_seed(seed)`: a stream that neither
+GRPO nor the held-out evaluation draws). A --data run's targets are `DatasetTargets`: each training row's --answer-field
 tokenized + the run's stop token, right-padded to --response-len, its prompt rendered and left-padded to the GRPO
 phase's bucket (one compile per bucket), rows in an order drawn from `warm_up_seed(seed)` over the training rows only.
 
@@ -68,14 +69,17 @@ def target_batch(task, start: int, size: int, pad_token: int = 0) -> tuple[np.nd
         raise ValueError(f"task {getattr(task, 'name', task)!r} has no target(info) method: the supervised warm-up "
                          "(--sft-steps) needs the response to imitate; pass --sft-steps 0")
     prompts = [task.prompt(i) for i in range(start, start + size)]
-    targets = [np.asarray(task.target(p.info), np.int32) for p in prompts]
-    if any(t.ndim != 1 or t.size == 0 for t in targets):
-        raise ValueError("task.target(info) must return a non-empty 1-d list of token ids")
-    length = max(t.size for t in targets)
+    targets = [task.target(p.info) for p in prompts]
+    targets = [(np.asarray(t[0], np.int32), np.asarray(t[1], np.float32)) if isinstance(t, tuple)
+               else (np.asarray(t, np.int32), np.ones(np.shape(t), np.float32)) for t in targets]
+    if any(t.ndim != 1 or t.size == 0 or m.shape != t.shape or not m.any() for t, m in targets):
+        raise ValueError("task.target(info) must return a non-empty 1-d list of token ids, or (ids, mask) with a "
+                         "mask of the same length that keeps at least one of them")
+    length = max(t.size for t, _ in targets)
     out = np.full((size, length), pad_token, np.int32)
     mask = np.zeros((size, length), np.float32)
-    for i, t in enumerate(targets):
-        out[i, : t.size], mask[i, : t.size] = t, 1.0
+    for i, (t, m) in enumerate(targets):
+        out[i, : t.size], mask[i, : t.size] = t, m
     return np.stack([p.tokens for p in prompts]).astype(np.int32), out, mask
 
 

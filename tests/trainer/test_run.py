@@ -66,8 +66,8 @@ def snapshot(directory):
                   for root, _, files in os.walk(directory) for f in files)
 
 
-def restore(out, step=None):
-    model = models.build(models.Qwen36Config.tiny(vocab_size=32))
+def restore(out, step=None, vocab_size=32):
+    model = models.build(models.Qwen36Config.tiny(vocab_size=vocab_size))
     abstract = jax.eval_shape(model.init, jax.random.key(0))
     optimizer = make_optimizer(3e-3)
     checkpoints = TrainCheckpoints(out, create=False)

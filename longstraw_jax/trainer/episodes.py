@@ -1,0 +1,114 @@
+"""The trainer's data source for agent branches (--env, or a task with its own environment such as --task lookup):
+B groups per step of G multi-turn episodes (`sampling.turns.sample_episodes`), docs/architecture.md 11.
+
+A branch's reward is the sum of its environment's rewards (plus, with --reward, the reward function's score of the
+whole transcript, tool replies included). A branch whose environment failed (raised, timed out, returned something
+malformed) ends with status "error" and is left out of its group (`GroupBatch.valid` 0: weight 0, not in the
+advantage statistics); a group with fewer than 2 valid branches is left out whole. When more than --max-env-errors of
+a step's branches fail, the step stops with one line naming the environment, the prompt, the branch, the turn and
+the exception, before any update: the checkpoints stay as they were and the run resumes.
+"""
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+
+from longstraw_jax.agents.environment import ERROR, make_environments
+from longstraw_jax.grpo import GroupBatch
+from longstraw_jax.sampling.turns import TurnConfig, sample_episodes
+from longstraw_jax.trainer.config import RunConfig, RunError
+
+
+def environment_factory(config: RunConfig, task):
+    """(the factory of --env, or the task's own `environment`, or None; its name for messages)."""
+    if config.env is not None:
+        return config.env, config.env
+    own = getattr(task, "environment", None)
+    return (own, f"the {getattr(task, 'name', 'task')} task's environment") if callable(own) else (None, None)
+
+
+def turn_config(config: RunConfig) -> TurnConfig:
+    return TurnConfig(max_turns=config.max_turns, turn_len=config.turn_len,
+                      max_observation=config.max_observation_len, timeout=config.env_timeout)
+
+
+def build_environments(config: RunConfig, factory, name: str, count: int, vocab_size: int) -> list:
+    """`count` environments of the factory with --env-kwargs; a factory that is missing or fails: RunError (one
+    line, before any work)."""
+    kwargs = json.loads(config.env_kwargs) if config.env_kwargs else {}
+    try:
+        return make_environments(factory, count, vocab_size, config.seed, kwargs, what=f"--env ({name})"
+                                 if not isinstance(factory, str) else "--env")
+    except Exception as e:
+        raise RunError(str(e)) from None
+
+
+class EpisodeSampler:
+    """B groups of G episodes per step: group b of step position p is the task's prompt p * B + b (key fold_in(
+    fold_in(run key, step), b), as `components.TaskSampler`), its branches run by environments[b * G + g]. The
+    update reuses the episodes' captures. Extra metrics: accuracy (tasks with `is_correct`, over the policy's
+    tokens), and env/...: turns (policy turns per branch), observation_tokens (per branch), truncated (observation
+    tokens cut), errors (branches that ended with an environment error, their share in errors_share, the first's
+    text in first_error), left_out_groups, time_s, and the sampling split decode_s / observe_s."""
+
+    def __init__(self, task, environments: list, env_name: str, sampling, turns: TurnConfig, group_size: int,
+                 chunk_size: int, groups_per_step: int = 1, buckets=None, reward_fn=None, max_errors: float = 0.5):
+        self.task, self.environments, self.env_name = task, environments, env_name
+        self.sampling, self.turns, self.buckets = sampling, turns, buckets
+        self.group_size, self.chunk_size, self.groups_per_step = group_size, chunk_size, groups_per_step
+        self.reward_fn, self.max_errors = reward_fn, max_errors
+        self.description = f"task {task.name} with {env_name}"
+        self.last_scored = None
+        self.last_transcripts = None
+
+    def batch(self, model, params, key, step: int, position: int) -> tuple[GroupBatch, dict, object]:
+        from longstraw_jax.trainer.components import score_groups, stack_prompts
+
+        first = position * self.groups_per_step
+        prompts = [self.task.prompt(first + b) for b in range(self.groups_per_step)]
+        tokens, left_pad = stack_prompts(prompts, self.buckets)
+        step_key = jax.random.fold_in(key, step)
+        keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(np.arange(self.groups_per_step))
+        episodes = sample_episodes(model, params, tokens, keys, self.group_size, self.sampling, self.turns,
+                                   self.environments, self.chunk_size, left_pad=left_pad,
+                                   infos=[p.info for p in prompts])
+        transcripts = episodes.transcripts
+        status = np.array([[t.status for t in row] for row in transcripts])
+        failed = status == ERROR
+        if failed.mean() > self.max_errors:
+            b, g = (int(i) for i in np.argwhere(failed)[0])
+            raise RunError(f"{self.env_name} failed on {int(failed.sum())} of {failed.size} branches of step "
+                           f"{step + 1} (more than --max-env-errors={self.max_errors}): prompt {first + b}, branch "
+                           f"{g}, {transcripts[b][g].error}; the step was not applied")
+        rewards = episodes.rewards.copy()
+        if self.reward_fn is not None:  # --reward: the whole transcript, tool replies included
+            length = np.array([[sum(len(x["tokens"]) for x in t.turns) for t in row] for row in transcripts])
+            whole = (np.arange(episodes.responses.shape[-1]) < length[..., None]).astype(np.float32)
+            scored, _, _ = score_groups(self.task, self.reward_fn, prompts, episodes.responses, whole)
+            rewards = rewards + scored
+        valid = (~failed).astype(np.float32)
+        few = valid.sum(axis=1) < 2
+        valid[few] = 0.0
+        correct = None
+        if hasattr(self.task, "is_correct"):
+            correct = np.array([[self.task.is_correct(r[m > 0], p.info) for r, m in zip(rs, ms)]
+                                for rs, ms, p in zip(episodes.responses, episodes.mask, prompts)], np.float32)
+        self.last_scored, self.last_transcripts = (prompts, {}, correct), transcripts
+        flat = [t for row in transcripts for t in row]
+        extra = {"accuracy": float(correct.mean())} if correct is not None else {}
+        extra.update({
+            "env/turns": float(np.mean([t.policy_turns for t in flat])),
+            "env/observation_tokens": float(np.mean([t.observation_tokens for t in flat])),
+            "env/truncated": int(sum(x.get("truncated", 0) for t in flat for x in t.turns if x["role"] == "tool")),
+            "env/errors": int(failed.sum()), "env/errors_share": float(failed.mean()),
+            "env/left_out_groups": int(few.sum()),
+            "env/time_s": episodes.timings["env_s"], "env/decode_s": episodes.timings["decode_s"],
+            "env/observe_s": episodes.timings["observe_s"]})
+        if failed.any():
+            b, g = (int(i) for i in np.argwhere(failed)[0])
+            extra["env/first_error"] = f"prompt {first + b}, branch {g}: {transcripts[b][g].error}"
+        batch = GroupBatch(prompt=tokens, responses=episodes.responses, mask=episodes.mask, rewards=rewards,
+                           old_logprobs=episodes.logprobs, left_pad=left_pad, valid=valid)
+        return batch, extra, episodes.captured
