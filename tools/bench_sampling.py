@@ -1,4 +1,5 @@
-"""Benchmark the sampler: branches decoded one after another (--decode-batch 1) vs all G together, per family.
+"""Benchmark the sampler: branches decoded one after another (--decode-batch 1) vs all G together, per family; and
+agent branches (episodes with tool turns) vs the same number of tokens decoded without turns.
 
     .venv/bin/python tools/bench_sampling.py --quick                 # smoke run (tiny models, P 256, G 4, R 8)
     .venv/bin/python tools/bench_sampling.py                         # P 2048, G 8, R 64, one device and 1x8
@@ -10,6 +11,11 @@ groups, captures kept), checks that both batches draw the same tokens, and times
 median seconds and the ratio sequential / batched, all measured in one run (compare ratios, not absolute times,
 across machines). "decode steps" is the sampling phase's sequential length per group: G x R one at a time, R
 together. On CPU the ratio shows the removed sequential steps; on a GPU it also shows the batched matmuls.
+
+The second table (one device, --turns K > 0): G episodes of K policy turns of --turn-len tokens, an environment
+answering each but the last with --observation-len tokens (`sampling.turns.sample_episodes`), against
+`sample_groups` decoding the same number of positions, K x turn-len + (K - 1) x observation-len, without turns;
+the episodes' time split into policy decoding, the environment's calls and the observation extends.
 """
 from __future__ import annotations
 
@@ -18,7 +24,8 @@ import statistics
 import sys
 import time
 
-QUICK = dict(prompt_len=256, group_size=4, response_len=8, reps=2, chunk_size=64)
+QUICK = dict(prompt_len=256, group_size=4, response_len=8, reps=2, chunk_size=64, turns=2, turn_len=4,
+             observation_len=4)
 
 
 def parse_args(argv=None):
@@ -30,6 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--response-len", "-R", type=int, default=64)
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--turns", type=int, default=4, help="policy turns per episode in the agent table (0: no table)")
+    p.add_argument("--turn-len", type=int, default=16, help="tokens per policy turn in the agent table")
+    p.add_argument("--observation-len", type=int, default=16, help="tokens of each observation in the agent table")
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args(argv)
@@ -104,16 +114,82 @@ def measure(family: str, mesh_spec: str | None, args) -> list[dict]:
     return rows
 
 
-def format_table(rows: list[dict], markdown: bool) -> str:
-    head = ["family", "where", "decode batch", "decode steps / group", "first call s", "median s", "speed-up",
-            "same tokens"]
-    body = [[r["family"], r["where"], str(r["batch"]), f"{r['decode_steps']:,}", f"{r['compile_and_first_s']:.2f}",
-             f"{r['median_s']:.3f}", f"{r['ratio']:.2f}x", "yes" if r["same_tokens"] else "NO"] for r in rows]
+class FixedReplies:
+    """An environment answering every turn with `length` token ids (never done: episodes run --turns turns)."""
+
+    def __init__(self, vocab_size, seed, length=16):
+        self.reply = list(range(2, 2 + length))
+
+    def reset(self, prompt_tokens, info, branch):
+        pass
+
+    def step(self, turn):
+        return self.reply, 0.0, False
+
+
+def measure_turns(family: str, args) -> dict:
+    """One device: G episodes with --turns tool turns vs the same positions decoded without turns (median of
+    --reps each, after a first call that compiles)."""
+    import jax
+    import numpy as np
+
+    from longstraw_jax.sampling.branches import SamplingConfig
+    from longstraw_jax.sampling.groups import sample_groups
+    from longstraw_jax.sampling.turns import TurnConfig, sample_episodes
+
+    model, params = _model(family)
+    prompts = np.random.default_rng(0).integers(0, 512, (1, args.prompt_len)).astype(np.int32)
+    keys = jax.random.split(jax.random.key(2), 1)
+    positions = args.turns * args.turn_len + (args.turns - 1) * args.observation_len
+    sampling = SamplingConfig(response_len=positions)  # no stop token: every turn is turn-len tokens
+    turns = TurnConfig(max_turns=args.turns, turn_len=args.turn_len)
+    envs = [FixedReplies(512, 0, args.observation_len) for _ in range(args.group_size)]
+    episodes = lambda: sample_episodes(model, params, prompts, keys, args.group_size, sampling, turns, envs,
+                                       args.chunk_size)
+    plain = lambda: jax.block_until_ready(sample_groups(model, params, prompts, keys, args.group_size, sampling,
+                                                        args.chunk_size))
+    row = dict(family=family, positions=positions)
+    for name, call in (("plain", plain), ("episodes", episodes)):
+        call()
+        times, splits = [], []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            out = call()
+            times.append(time.perf_counter() - start)
+            if name == "episodes":
+                splits.append(out.timings)
+                transcript = out.transcripts[0][0]
+        row[name] = statistics.median(times)
+    for part in ("decode_s", "env_s", "observe_s"):
+        row[part] = statistics.median(s[part] for s in splits)
+    row["observed"] = transcript.observation_tokens
+    row["ratio"] = row["episodes"] / row["plain"]
+    return row
+
+
+def format_turns(rows: list[dict], args, markdown: bool) -> str:
+    head = ["family", "positions / branch", "observation tokens", "no turns s", "with turns s", "ratio",
+            "policy decode s", "environment s", "observation extend s"]
+    body = [[r["family"], str(r["positions"]), str(r["observed"]), f"{r['plain']:.3f}", f"{r['episodes']:.3f}",
+             f"{r['ratio']:.2f}x", f"{r['decode_s']:.3f}", f"{r['env_s']:.3f}", f"{r['observe_s']:.3f}"]
+            for r in rows]
+    return _table(head, body, markdown)
+
+
+def _table(head: list[str], body: list[list[str]], markdown: bool) -> str:
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     return "\n".join("  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in [head] + body)
+
+
+def format_table(rows: list[dict], markdown: bool) -> str:
+    head = ["family", "where", "decode batch", "decode steps / group", "first call s", "median s", "speed-up",
+            "same tokens"]
+    body = [[r["family"], r["where"], str(r["batch"]), f"{r['decode_steps']:,}", f"{r['compile_and_first_s']:.2f}",
+             f"{r['median_s']:.3f}", f"{r['ratio']:.2f}x", "yes" if r["same_tokens"] else "NO"] for r in rows]
+    return _table(head, body, markdown)
 
 
 def main(argv=None) -> int:
@@ -127,6 +203,12 @@ def main(argv=None) -> int:
     print(f"sampling: P {args.prompt_len}, G {args.group_size}, R {args.response_len}, chunk {args.chunk_size}, "
           f"median of {args.reps}")
     print(format_table(rows, args.markdown))
+    if args.turns:
+        turns = [measure_turns(family, args) for family in args.families.split(",")]
+        print(f"\nagent branches, one device: G {args.group_size} episodes of {args.turns} turns x {args.turn_len} "
+              f"tokens, observations of {args.observation_len} tokens, vs the same positions without turns; median of "
+              f"{args.reps}")
+        print(format_turns(turns, args, args.markdown))
     return 0 if all(r["same_tokens"] for r in rows) else 1
 
 

@@ -14,9 +14,11 @@ answer with what the tool said:
     policy: CALL id STOP          tool: RESULT table[id]          policy: answer STOP
 
 `LookupEnvironment.step` answers a turn "CALL id ..." (id an id token) with the observation [RESULT, table[id]],
-reward 0; any other turn is the answer: reward 1 when its first token is table[queried id], else 0, and the episode
-ends. A policy that calls a random id scores 1/num_ids + (1 - 1/num_ids) / num_answers (`call_any_accuracy`); one
-that reads the log but never calls the tool can only guess: 1/num_answers (`chance_accuracy`).
+reward 0; any other turn is the answer, and the episode ends: reward 1 when its first token is table[queried id]
+and the tool was called before it, else 0 (a guess is not rewarded, even a lucky one: the table is only the tool's).
+A policy that calls a random id scores 1/num_ids + (1 - 1/num_ids) / num_answers (`call_any_accuracy`), one that
+calls one of the planted facts' ids at random 1/num_facts + (1 - 1/num_facts) / num_answers
+(`call_any_fact_accuracy`); `chance_accuracy` is 1/num_answers (an answer drawn at random after any call).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class LookupTask:
     prompt_len: int
     vocab_size: int
     seed: int = 0
-    num_answers: int = 4
+    num_answers: int = 8
     num_ids: int = 4
     num_keys: int = 4
     num_facts: int = 2
@@ -90,6 +92,11 @@ class LookupTask:
         """Accuracy of calling a uniformly chosen id and answering what the tool says."""
         return 1 / self.num_ids + (1 - 1 / self.num_ids) / self.num_answers
 
+    @property
+    def call_any_fact_accuracy(self) -> float:
+        """Accuracy of calling the id of a uniformly chosen planted fact and answering what the tool says."""
+        return 1 / self.num_facts + (1 - 1 / self.num_facts) / self.num_answers
+
     def environment(self, vocab_size: int, seed: int) -> "LookupEnvironment":
         """The task's environment factory (the `--env` default of `--task lookup`)."""
         return LookupEnvironment(self)
@@ -123,10 +130,12 @@ class LookupTask:
 
     def is_correct(self, response_tokens: np.ndarray, info: dict) -> bool:
         """The policy's tokens (turns ending at STOP): the first turn that is not a tool call answers; right when
-        its first token is the answer."""
+        a call came before it and its first token is the answer."""
+        called = False
         for turn in turns_of(np.asarray(response_tokens)):
             if not self.is_call(turn):
-                return len(turn) > 0 and int(turn[0]) == info["answer"]
+                return called and len(turn) > 0 and int(turn[0]) == info["answer"]
+            called = True
         return False
 
     def is_call(self, turn: np.ndarray) -> bool:
@@ -148,13 +157,14 @@ class LookupEnvironment:
         self.task = task
 
     def reset(self, prompt_tokens, info: dict, branch: int) -> None:
-        self.table, self.answer = info["table"], info["answer"]
+        self.table, self.answer, self.called = info["table"], info["answer"], False
 
     def step(self, turn):
         turn = np.asarray(turn)
         if self.task.is_call(turn):
+            self.called = True
             return [RESULT, self.table[int(turn[1]) - self.task.first_id]], None, False
-        return [], float(len(turn) > 0 and int(turn[0]) == self.answer), True
+        return [], float(self.called and len(turn) > 0 and int(turn[0]) == self.answer), True
 
 
 def environment(vocab_size: int, seed: int, prompt_len: int = 32, **options) -> LookupEnvironment:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from longstraw_jax.tasks import BUILTIN_TASKS, Prompt, RewardError, load_callable, make_task, score
+from longstraw_jax.tasks.lookup import LookupTask
 from longstraw_jax.tasks.retrieval import FACT, QUERY, STOP, TOOL, RetrievalTask
 from longstraw_jax.tasks.rollout_file import load_rollouts
 from tests.helpers import ROOT
@@ -100,7 +101,8 @@ def test_score_and_load_callable():
             load_callable(spec)
     assert isinstance(make_task("retrieval", prompt_len=64, vocab_size=64, seed=0), RetrievalTask)
     assert make_task("retrieval", prompt_len=64, vocab_size=64, seed=0, depth=1.0).depth == 1.0  # run --depth
-    with pytest.raises(ValueError, match="--task 'bogus': unknown task; built-ins: retrieval, or 'module:function'"):
+    with pytest.raises(ValueError, match="--task 'bogus': unknown task; built-ins: retrieval, lookup, or "
+                                         "'module:function'"):
         make_task("bogus", prompt_len=64, vocab_size=64, seed=0)
     task = make_task("tests.tasks.test_loader:small_retrieval", prompt_len=64, vocab_size=64, seed=2, depth=0.5)
     assert task == RetrievalTask(prompt_len=64, vocab_size=64, seed=2, depth=0.5, num_answers=2)
@@ -120,7 +122,7 @@ def test_task_modules_import_alone():
     from longstraw_jax.tasks import base, retrieval
 
     assert Prompt is base.Prompt and retrieval.Prompt is base.Prompt
-    assert BUILTIN_TASKS == {"retrieval": RetrievalTask}
+    assert BUILTIN_TASKS == {"retrieval": RetrievalTask, "lookup": LookupTask}
 
 
 def write_lines(path, records):
@@ -150,6 +152,38 @@ def test_rollout_file_ids_and_text(tmp_path):
     assert first.ref_logprobs is None and first.rewards.dtype == np.float32
     np.testing.assert_array_equal(second.prompt, [6, 1, 2, 3])
     np.testing.assert_array_equal(second.responses, [[4, 7, 7], [5, 5, 7]])
+
+
+def test_rollout_file_multi_turn_trajectories(tmp_path):
+    """An agent harness's trajectories: "turns" (assistant tokens trained, tool tokens read) or "responses" with a
+    "loss_mask"; both give the same batch, and old log-probs at mask 0 may be anything."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "call": 1, "result": 2, "blue": 3}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    turns = [[{"role": "assistant", "tokens": [1, 4]}, {"role": "tool", "text": "result blue"},
+              {"role": "assistant", "tokens": [3]}],
+             [{"role": "assistant", "text": "blue"}]]
+    path = write_lines(tmp_path / "r.jsonl", [
+        {"prompt": [5, 6, 7], "turns": turns, "rewards": [1.0, 0.0]},
+        {"prompt": [5, 6, 7], "responses": [[1, 4, 2, 3, 3], [3]], "loss_mask": [[1, 1, 0, 0, 1], [1]],
+         "rewards": [1.0, 0.0], "old_logprobs": [[-1.0, -1.0, 0.5, float("nan"), -2.0], [-3.0]]},
+    ])
+    as_turns, as_mask = load_rollouts(path, vocab_size=8, tokenizer_path=str(tmp_path / "tokenizer.json"))
+    for batch in (as_turns, as_mask):
+        np.testing.assert_array_equal(batch.responses, [[1, 4, 2, 3, 3], [3, 0, 0, 0, 0]])
+        np.testing.assert_array_equal(batch.mask, [[1, 1, 0, 0, 1], [1, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(as_mask.old_logprobs[0], [-1, -1, 0, 0, -2])
+    bad = [({"prompt": [1, 2], "turns": [[{"role": "tool", "tokens": [1]}]], "rewards": [0]},
+            "no token with loss mask"),
+           ({"prompt": [1, 2], "turns": [[{"role": "user", "tokens": [1]}]], "rewards": [0]}, "role 'assistant' or"),
+           ({"prompt": [1, 2], "responses": [[1, 2]], "loss_mask": [[1]], "rewards": [0]}, "must be 2 values 0 or 1"),
+           ({"prompt": [1, 2], "turns": [[{"role": "assistant", "tokens": [1]}]], "loss_mask": [[1]],
+             "rewards": [0]}, "drop 'loss_mask'")]
+    for line, message in bad:
+        with pytest.raises(ValueError, match=message):
+            load_rollouts(write_lines(tmp_path / "bad.jsonl", [line]), vocab_size=8)
 
 
 @pytest.mark.parametrize("line, message", [

@@ -144,8 +144,11 @@ def test_the_lookup_task():
         assert tokens[at + 2] == info["id"] and info["answer"] == info["table"][info["id"] - task.first_id]
         env = task.environment(48, 0)
         env.reset(prompt.tokens, info, 0)
+        assert env.step([info["answer"], 1]) == ([], 0.0, True)  # a guess, even a right one, is not rewarded
+        env.reset(prompt.tokens, info, 0)
         assert env.step([5, info["id"], 1]) == ([RESULT, info["answer"]], None, False)
         assert env.step([info["answer"], 1]) == ([], 1.0, True)
         target, mask = task.target(info)
         assert task.is_correct(target[mask > 0], info) and not task.is_correct(target[:3], info)
-    assert task.call_any_accuracy == pytest.approx(1 / 4 + 3 / 16)
+        assert not task.is_correct(target[-2:], info)  # the answer alone: no call
+    assert task.call_any_accuracy == pytest.approx(1 / 4 + 3 / 32)
