@@ -41,9 +41,11 @@ from flax import struct
 
 from longstraw_jax.agents.environment import DONE, ERROR, LENGTH, MAX_TURNS, Transcript, call_all, check_step_result
 from longstraw_jax.common.validation import check_left_pad, check_size, is_int, is_real
-from longstraw_jax.engine.capture import chunk_layout
-from longstraw_jax.sampling import branches
+from longstraw_jax.engine.capture import chunk_layout, round_layout
+from longstraw_jax.sampling import branches, mesh as mesh_sampling
 from longstraw_jax.sampling.branches import SamplingConfig, sampling_logits
+from longstraw_jax.sharding.groups import DATA, check_groups, over_data
+from longstraw_jax.sharding.rules import manual_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,12 +119,55 @@ class Episodes:
     timings: dict = struct.field(pytree_node=False, default_factory=dict)
 
 
-def step_all(model, params, states, left_pad, tails, tokens, positions):
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where episodes run (static): one device (mesh None; the capture in chunks of chunk_size), or a ("data",
+    "seq") mesh (the groups split over `data`, each captured sequence-parallel in `layout`'s rounds)."""
+
+    chunk_size: int | None = None
+    mesh: Any = None
+    layout: Any = None
+
+    def decoder(self, model, params, state, left_pad):
+        """decode(tail, token, position) -> (hidden [1, D], tail) after one group's captured prompt, and the empty
+        tail of R positions."""
+        if self.mesh is None:
+            return functools.partial(model.decode, params, state, left_pad=left_pad), model.init_tail
+        family = model.mesh_adapter()
+        return functools.partial(family.decode, params, state, mesh=self.mesh, left_pad=left_pad), family.init_tail
+
+    def capture(self, model, params, prompt, left_pad):
+        """One group's capture of prompt[:-1], as the update wants it (`Captured` / `ShardedCaptured`)."""
+        if self.mesh is None:
+            return branches.capture_prompt(model, params, prompt, self.chunk_size, True, left_pad)
+        return mesh_sampling.capture_prompt(model, params, prompt, self.mesh, self.layout, left_pad=left_pad)
+
+    def state(self, captured):
+        return captured.state if self.mesh is None else captured.sstate
+
+    def run(self, fn, params, per_group):
+        """fn(params, per_group) on one device, or over the mesh's data slices (each its groups, in lockstep)."""
+        if self.mesh is None:
+            return fn(params, per_group)
+        return over_data(self.mesh, fn, params, per_group, summed=False)
+
+
+def _anywhere(x):
+    """Any of x, over every data slice inside `over_data` (its loops run in lockstep: a decode step's collectives
+    need every slice), else over this one."""
+    if DATA in manual_axes():
+        return jax.lax.psum(jnp.any(x).astype(jnp.int32), DATA) > 0
+    return jnp.any(x)
+
+
+def step_all(model, params, place: Place, states, left_pad, tails, tokens, positions):
     """One decoding step of every branch: tokens int32 [B, G] at positions int32 [B, G] after group b's prompt state
     (leaves [B, ...]; read once for its G branches) -> (tails, logits float32 [B, G, V])."""
     def group(state, pad, tails, tokens, positions):
+        decode, _ = place.decoder(model, params, state, pad)
+
         def one(tail, token, position):
-            hidden, tail = model.decode(params, state, tail, token, position, left_pad=pad)
+            hidden, tail = decode(tail, token, position)
             return tail, model.logits(params, hidden)[0].astype(jnp.float32)
 
         return jax.vmap(one)(tails, tokens, positions)
@@ -137,24 +182,29 @@ def _select(where, new, old):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
-def _start(model, params, prompts, left_pad, group_size: int, sampling: SamplingConfig, chunk_size: int):
-    """Capture every group's prompt[:-1] and decode prompt[-1] -> (Branches with G copies per group, Captured)."""
+def _start(model, params, prompts, left_pad, group_size: int, sampling: SamplingConfig, place: Place):
+    """Capture every group's prompt[:-1] and decode prompt[-1] -> (Branches with G copies per group, the captures)."""
     length, p = sampling.response_len, prompts.shape[1]
-    captured = jax.lax.map(lambda x: branches.capture_prompt(model, params, x[0], chunk_size, True, x[1]),
-                           (prompts, left_pad))
 
-    def first(state, prompt, pad):
-        tail = model.init_tail(params, state, length)
-        hidden, tail = model.decode(params, state, tail, prompt[-1], p - 1, left_pad=pad)
-        return tail, model.logits(params, hidden)[0].astype(jnp.float32)
+    def slice_start(params, local):
+        prompts, left_pad = local
+        captured = jax.lax.map(lambda x: place.capture(model, params, x[0], x[1]), (prompts, left_pad))
 
-    tails, logits = jax.vmap(first)(captured.state, prompts, left_pad)
-    many = lambda x: jnp.broadcast_to(x[:, None], (x.shape[0], group_size) + x.shape[1:])
-    shape = (prompts.shape[0], group_size, length)
-    zeros = jnp.zeros(shape, jnp.float32)
-    state = Branches(tails=jax.tree.map(many, tails), logits=many(logits), length=jnp.zeros(shape[:2], jnp.int32),
-                     tokens=jnp.full(shape, sampling.pad_token, jnp.int32), mask=zeros, logp=zeros, sample_logp=zeros)
-    return state, captured
+        def first(state, prompt, pad):
+            decode, init_tail = place.decoder(model, params, state, pad)
+            hidden, tail = decode(init_tail(params, state, length), prompt[-1], p - 1)
+            return tail, model.logits(params, hidden)[0].astype(jnp.float32)
+
+        tails, logits = jax.vmap(first)(place.state(captured), prompts, left_pad)
+        many = lambda x: jnp.broadcast_to(x[:, None], (x.shape[0], group_size) + x.shape[1:])
+        shape = (prompts.shape[0], group_size, length)
+        zeros = jnp.zeros(shape, jnp.float32)
+        state = Branches(tails=jax.tree.map(many, tails), logits=many(logits),
+                         length=jnp.zeros(shape[:2], jnp.int32), tokens=jnp.full(shape, sampling.pad_token, jnp.int32),
+                         mask=zeros, logp=zeros, sample_logp=zeros)
+        return state, captured
+
+    return place.run(slice_start, params, (prompts, left_pad))
 
 
 def _write(buffer, index, value, where):
@@ -163,45 +213,48 @@ def _write(buffer, index, value, where):
     return jnp.where(hit, jnp.asarray(value, buffer.dtype)[..., None], buffer)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 8, 9, 10), donate_argnums=(4,))
-def _policy_turn(model, params, states, left_pad, br: Branches, keys, turn, active, sampling: SamplingConfig,
-                 turn_len: int, p: int):
+@functools.partial(jax.jit, static_argnums=(0, 2, 9, 10, 11), donate_argnums=(5,))
+def _policy_turn(model, params, place: Place, states, left_pad, br: Branches, keys, turn, active,
+                 sampling: SamplingConfig, turn_len: int, p: int):
     """One policy turn of every branch with `active` [B, G]: sample until its stop token, `turn_len` tokens or the
     response length R, decoding each token it keeps (none at index R - 1). keys [B, G] (the branches'), turn int32
     [B, G] (their turn numbers); p: the prompt length P. -> the Branches after the turn."""
     r = sampling.response_len
     stops = jnp.asarray(sampling.stops or (-1,), jnp.int32)
-    turn_keys = jax.vmap(jax.vmap(jax.random.fold_in))(keys, turn)
 
-    def cond(c):
-        t, _, live = c
-        return (t < turn_len) & jnp.any(live)
+    def slice_turn(params, local):
+        states, left_pad, br, keys, turn, active = local
+        turn_keys = jax.vmap(jax.vmap(jax.random.fold_in))(keys, turn)
 
-    def body(c):
-        t, br, live = c
-        shaped = sampling_logits_all(br.logits, sampling)
-        if sampling.temperature == 0:
-            token = jnp.argmax(br.logits, axis=-1).astype(jnp.int32)
-        else:
-            draw = lambda k, row: jax.random.categorical(jax.random.fold_in(k, t), row)
-            token = jax.vmap(jax.vmap(draw))(turn_keys, shaped).astype(jnp.int32)
-        pick = lambda x: jnp.take_along_axis(x, token[..., None], axis=-1)[..., 0]
-        index = br.length
-        point = jnp.zeros(token.shape) if sampling.temperature == 0 else pick(jax.nn.log_softmax(shaped))
-        br = br.replace(tokens=_write(br.tokens, index, token, live), mask=_write(br.mask, index, 1.0, live),
-                        logp=_write(br.logp, index, pick(jax.nn.log_softmax(br.logits)), live),
-                        sample_logp=_write(br.sample_logp, index, point, live))
-        need = live & (index + 1 < r)  # a token at R - 1 has no successor
-        tails, logits = jax.lax.cond(jnp.any(need),
-                                     lambda: step_all(model, params, states, left_pad, br.tails, token, p + index),
-                                     lambda: (br.tails, br.logits))
-        new = _select(need, (tails, logits), (br.tails, br.logits))
-        ended = jnp.any(token[..., None] == stops, axis=-1) | (t + 1 >= turn_len) | (index + 1 >= r)
-        br = br.replace(tails=new[0], logits=new[1], length=br.length + live.astype(jnp.int32))
-        return t + 1, br, live & ~ended
+        def cond(c):
+            t, _, live = c
+            return (t < turn_len) & _anywhere(live)
 
-    _, br, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), br, active))
-    return br
+        def body(c):
+            t, br, live = c
+            shaped = sampling_logits_all(br.logits, sampling)
+            if sampling.temperature == 0:
+                token = jnp.argmax(br.logits, axis=-1).astype(jnp.int32)
+            else:
+                draw = lambda k, row: jax.random.categorical(jax.random.fold_in(k, t), row)
+                token = jax.vmap(jax.vmap(draw))(turn_keys, shaped).astype(jnp.int32)
+            pick = lambda x: jnp.take_along_axis(x, token[..., None], axis=-1)[..., 0]
+            index = br.length
+            point = jnp.zeros(token.shape) if sampling.temperature == 0 else pick(jax.nn.log_softmax(shaped))
+            br = br.replace(tokens=_write(br.tokens, index, token, live), mask=_write(br.mask, index, 1.0, live),
+                            logp=_write(br.logp, index, pick(jax.nn.log_softmax(br.logits)), live),
+                            sample_logp=_write(br.sample_logp, index, point, live))
+            need = live & (index + 1 < r)  # a token at R - 1 has no successor
+            decoded = lambda: step_all(model, params, place, states, left_pad, br.tails, token, p + index)
+            tails, logits = jax.lax.cond(_anywhere(need), decoded, lambda: (br.tails, br.logits))
+            new = _select(need, (tails, logits), (br.tails, br.logits))
+            ended = jnp.any(token[..., None] == stops, axis=-1) | (t + 1 >= turn_len) | (index + 1 >= r)
+            br = br.replace(tails=new[0], logits=new[1], length=br.length + live.astype(jnp.int32))
+            return t + 1, br, live & ~ended
+
+        return jax.lax.while_loop(cond, body, (jnp.int32(0), br, active))[1]
+
+    return place.run(slice_turn, params, (states, left_pad, br, keys, turn, active))
 
 
 def sampling_logits_all(logits, sampling: SamplingConfig):
@@ -210,32 +263,37 @@ def sampling_logits_all(logits, sampling: SamplingConfig):
     return jax.vmap(jax.vmap(fn))(logits)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=(4,))
-def _observe(model, params, states, left_pad, br: Branches, observations, count, p: int):
+@functools.partial(jax.jit, static_argnums=(0, 2, 8), donate_argnums=(5,))
+def _observe(model, params, place: Place, states, left_pad, br: Branches, observations, count, p: int):
     """Append observations int32 [B, G, K] (the first count[b, g] of each row; the rest padding) to the branches:
     one decoding step per position i < max(count) for all branches, a branch with i >= its count left exactly as
     it was. The appended tokens keep mask 0; p: the prompt length P. -> Branches with length + count."""
+    def slice_observe(params, local):
+        states, left_pad, br, observations, count = local
+        longest = jnp.max(count)
+        if DATA in manual_axes():
+            longest = jax.lax.pmax(longest, DATA)
 
-    def cond(c):
-        i, _ = c
-        return i < jnp.max(count)
+        def body(c):
+            i, br = c
+            real = i < count
+            token = jax.lax.dynamic_index_in_dim(observations, i, axis=2, keepdims=False)
+            index = br.length + i
+            tails, logits = step_all(model, params, place, states, left_pad, br.tails, token, p + index)
+            tails, logits = _select(real, (tails, logits), (br.tails, br.logits))
+            return i + 1, br.replace(tails=tails, logits=logits, tokens=_write(br.tokens, index, token, real))
 
-    def body(c):
-        i, br = c
-        real = i < count
-        token = jax.lax.dynamic_index_in_dim(observations, i, axis=2, keepdims=False)
-        index = br.length + i
-        tails, logits = step_all(model, params, states, left_pad, br.tails, token, p + index)
-        tails, logits = _select(real, (tails, logits), (br.tails, br.logits))
-        return i + 1, br.replace(tails=tails, logits=logits, tokens=_write(br.tokens, index, token, real))
+        br = jax.lax.while_loop(lambda c: c[0] < longest, body, (jnp.int32(0), br))[1]
+        return br.replace(length=br.length + count)
 
-    _, br = jax.lax.while_loop(cond, body, (jnp.int32(0), br))
-    return br.replace(length=br.length + count)
+    return place.run(slice_observe, params, (states, left_pad, br, observations, count))
 
 
 def sample_episodes(model, params, prompts, keys, group_size: int, sampling: SamplingConfig, turns: TurnConfig,
-                    environments, chunk_size: int = 2048, left_pad=None, infos=None) -> Episodes:
-    """B groups of G episodes on one device. prompts int [B, P] (P >= 2; left_pad None or int [B]: group b's pads);
+                    environments, chunk_size: int | None = 2048, left_pad=None, infos=None, mesh=None) -> Episodes:
+    """B groups of G episodes, on one device or on `mesh` (B split over its `data` axis, each group captured and
+    decoded sequence-parallel over `seq` as `sampling.groups.sample_groups` does; chunk_size the round length, None:
+    one round; one process). prompts int [B, P] (P >= 2; left_pad None or int [B]: group b's pads);
     keys: B PRNG keys; environments: B x G environments (nested [B][G] or flat, branch g of group b at b * G + g),
     each reset with (the unpadded prompt, infos[b] or {}, g) before its episode. Host-side checks first (token ids,
     G, stop / pad ids, chunk_size, left_pad), then the turn loop of the module docstring. The response length R is
@@ -247,9 +305,15 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
         raise ValueError(f"keys has shape {jnp.shape(keys)}; need one key per group: [B] = [{prompts.shape[0]}]")
     for row in prompts:
         _, group_size = branches.check_sampling_inputs(model, row, group_size, sampling)
-    chunk_size = check_size(chunk_size, "chunk_size")
-    chunk_layout(prompts.shape[1] - 1, chunk_size)
     left_pad = check_left_pad(left_pad, prompts.shape[1] - 2, "left_pad", prompts.shape[0])
+    if mesh is None:
+        chunk_size = check_size(chunk_size, "chunk_size")
+        chunk_layout(prompts.shape[1] - 1, chunk_size)
+        place = Place(chunk_size)
+    else:
+        model.mesh_adapter()  # a family without a sharded path says so before any work
+        check_groups(prompts.shape[0], mesh)
+        place = Place(mesh=mesh, layout=round_layout(model, prompts.shape[1] - 1, mesh.shape["seq"], chunk_size))
     b_count, g_count, r, p = prompts.shape[0], group_size, sampling.response_len, prompts.shape[1]
     envs = [list(row) for row in environments] if isinstance(environments[0], (list, tuple)) else [
         list(environments[b * g_count:(b + 1) * g_count]) for b in range(b_count)]
@@ -278,7 +342,8 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
 
     started = time.perf_counter()
     pads = None if left_pad is None else jnp.asarray(left_pad)
-    br, captured = _start(model, params, jnp.asarray(prompts, jnp.int32), pads, g_count, sampling, chunk_size)
+    br, captured = _start(model, params, jnp.asarray(prompts, jnp.int32), pads, g_count, sampling, place)
+    states = place.state(captured)
     first_logprobs = jax.nn.log_softmax(br.logits[:, 0])
     branch_keys = jax.vmap(lambda k: jax.random.split(k, g_count))(keys)
     timings["decode_s"] += time.perf_counter() - started
@@ -288,8 +353,8 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
             break
         before = np.asarray(br.length)
         started = time.perf_counter()
-        br = _policy_turn(model, params, captured.state, pads, br, branch_keys, jnp.full((b_count, g_count), turn,
-                          jnp.int32), jnp.asarray(running), sampling, turn_len, p)
+        br = _policy_turn(model, params, place, states, pads, br, branch_keys,
+                          jnp.full((b_count, g_count), turn, jnp.int32), jnp.asarray(running), sampling, turn_len, p)
         tokens, length = (np.asarray(x) for x in jax.device_get((br.tokens, br.length)))
         timings["decode_s"] += time.perf_counter() - started
         acted = [(b, g) for b, g in slots if running[b, g]]
@@ -328,7 +393,7 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
             for (b, g), keep in appended.items():
                 observations[b, g, :len(keep)], count[b, g] = keep, len(keep)
             started = time.perf_counter()
-            br = _observe(model, params, captured.state, pads, br, jnp.asarray(observations), jnp.asarray(count), p)
+            br = _observe(model, params, place, states, pads, br, jnp.asarray(observations), jnp.asarray(count), p)
             jax.block_until_ready(br.length)
             timings["observe_s"] += time.perf_counter() - started
     for row in transcripts:

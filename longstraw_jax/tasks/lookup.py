@@ -129,10 +129,16 @@ class LookupTask:
         return float(self.is_correct(response_tokens, info))
 
     def is_correct(self, response_tokens: np.ndarray, info: dict) -> bool:
-        """The policy's tokens (turns ending at STOP): the first turn that is not a tool call answers; right when
-        a call came before it and its first token is the answer."""
+        """The policy's tokens, split into turns at STOP (`turns_of`): `episode_correct`."""
+        return self.episode_correct(turns_of(np.asarray(response_tokens)), info)
+
+    def episode_correct(self, turns: list, info: dict) -> bool:
+        """The policy's turns (as the episode split them: at STOP or at the turn length): the first that is not a
+        tool call answers; right when a call came before it and its first token is the answer (what the environment
+        rewards)."""
         called = False
-        for turn in turns_of(np.asarray(response_tokens)):
+        for turn in turns:
+            turn = np.asarray(turn)
             if not self.is_call(turn):
                 return called and len(turn) > 0 and int(turn[0]) == info["answer"]
             called = True

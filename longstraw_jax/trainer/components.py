@@ -307,15 +307,13 @@ def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | 
     sampling = sampling_config(config, stops, pad, vocab_size)
     factory, name = episodes.environment_factory(config, task)
     if factory is not None:
-        if mesh is not None:
-            raise RunError(f"{name} on --mesh {config.mesh}: agent branches sample on one device for now (drop "
-                           "--mesh)")
+        episodes.check_processes(name)
         environments = episodes.build_environments(config, factory, name, groups_per_step(config) * config.group_size,
                                                    vocab_size)
         return episodes.EpisodeSampler(task, environments, name, sampling, episodes.turn_config(config),
                                        config.group_size, config.chunk_size, groups_per_step(config), buckets,
                                        reward_fn=load_callable(config.reward) if config.reward else None,
-                                       max_errors=config.max_env_errors)
+                                       max_errors=config.max_env_errors, mesh=mesh)
     return TaskSampler(task, scorer, sampling, config.group_size, config.chunk_size, groups_per_step(config), mesh,
                        buckets)
 

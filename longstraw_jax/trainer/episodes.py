@@ -1,5 +1,6 @@
 """The trainer's data source for agent branches (--env, or a task with its own environment such as --task lookup):
-B groups per step of G multi-turn episodes (`sampling.turns.sample_episodes`), docs/architecture.md 11.
+B groups per step of G multi-turn episodes (`sampling.turns.sample_episodes`; on --mesh the groups split over its
+data axis, as `components.TaskSampler`'s), docs/architecture.md 11.
 
 A branch's reward is the sum of its environment's rewards (plus, with --reward, the reward function's score of the
 whole transcript, tool replies included). A branch whose environment failed (raised, timed out, returned something
@@ -29,6 +30,14 @@ def environment_factory(config: RunConfig, task):
     return (own, f"the {getattr(task, 'name', 'task')} task's environment") if callable(own) else (None, None)
 
 
+def check_processes(name: str) -> None:
+    """Agent branches run their environments on the host of a single process (one device or a mesh of its
+    devices): RunError in a multi-process run."""
+    if jax.process_count() > 1:
+        raise RunError(f"{name}: agent branches run in one process for now ({jax.process_count()} processes here: "
+                       "the environments' host calls are not yet split over processes)")
+
+
 def turn_config(config: RunConfig) -> TurnConfig:
     return TurnConfig(max_turns=config.max_turns, turn_len=config.turn_len,
                       max_observation=config.max_observation_len, timeout=config.env_timeout)
@@ -45,6 +54,19 @@ def build_environments(config: RunConfig, factory, name: str, count: int, vocab_
         raise RunError(str(e)) from None
 
 
+def episode_correctness(task, transcripts, responses, mask, prompts) -> np.ndarray | None:
+    """float32 [B, G]: each episode judged by the task, on its policy turns as the episode split them
+    (`task.episode_correct(turns, info)`) or else on the policy's tokens (`task.is_correct`); None when the task
+    judges neither way."""
+    if hasattr(task, "episode_correct"):
+        return np.array([[task.episode_correct([x["tokens"] for x in t.turns if x["role"] == "assistant"], p.info)
+                          for t in row] for row, p in zip(transcripts, prompts)], np.float32)
+    if hasattr(task, "is_correct"):
+        return np.array([[task.is_correct(r[m > 0], p.info) for r, m in zip(rs, ms)]
+                         for rs, ms, p in zip(responses, mask, prompts)], np.float32)
+    return None
+
+
 class EpisodeSampler:
     """B groups of G episodes per step: group b of step position p is the task's prompt p * B + b (key fold_in(
     fold_in(run key, step), b), as `components.TaskSampler`), its branches run by environments[b * G + g]. The
@@ -54,11 +76,12 @@ class EpisodeSampler:
     text in first_error), left_out_groups, time_s, and the sampling split decode_s / observe_s."""
 
     def __init__(self, task, environments: list, env_name: str, sampling, turns: TurnConfig, group_size: int,
-                 chunk_size: int, groups_per_step: int = 1, buckets=None, reward_fn=None, max_errors: float = 0.5):
+                 chunk_size: int, groups_per_step: int = 1, buckets=None, reward_fn=None, max_errors: float = 0.5,
+                 mesh=None):
         self.task, self.environments, self.env_name = task, environments, env_name
         self.sampling, self.turns, self.buckets = sampling, turns, buckets
         self.group_size, self.chunk_size, self.groups_per_step = group_size, chunk_size, groups_per_step
-        self.reward_fn, self.max_errors = reward_fn, max_errors
+        self.reward_fn, self.max_errors, self.mesh = reward_fn, max_errors, mesh
         self.description = f"task {task.name} with {env_name}"
         self.last_scored = None
         self.last_transcripts = None
@@ -73,7 +96,7 @@ class EpisodeSampler:
         keys = jax.vmap(lambda b: jax.random.fold_in(step_key, b))(np.arange(self.groups_per_step))
         episodes = sample_episodes(model, params, tokens, keys, self.group_size, self.sampling, self.turns,
                                    self.environments, self.chunk_size, left_pad=left_pad,
-                                   infos=[p.info for p in prompts])
+                                   infos=[p.info for p in prompts], mesh=self.mesh)
         transcripts = episodes.transcripts
         status = np.array([[t.status for t in row] for row in transcripts])
         failed = status == ERROR
@@ -91,10 +114,7 @@ class EpisodeSampler:
         valid = (~failed).astype(np.float32)
         few = valid.sum(axis=1) < 2
         valid[few] = 0.0
-        correct = None
-        if hasattr(self.task, "is_correct"):
-            correct = np.array([[self.task.is_correct(r[m > 0], p.info) for r, m in zip(rs, ms)]
-                                for rs, ms, p in zip(episodes.responses, episodes.mask, prompts)], np.float32)
+        correct = episode_correctness(self.task, transcripts, episodes.responses, episodes.mask, prompts)
         self.last_scored, self.last_transcripts = (prompts, {}, correct), transcripts
         flat = [t for row in transcripts for t in row]
         extra = {"accuracy": float(correct.mean())} if correct is not None else {}

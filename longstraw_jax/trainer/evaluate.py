@@ -113,11 +113,12 @@ class Evaluator:
         import jax
 
         from longstraw_jax.sampling.groups import sample_groups
-        from longstraw_jax.trainer import distributed
+        from longstraw_jax.trainer import components, distributed
         from longstraw_jax.trainer.components import place_key
 
         out = None
         self.episode_rewards = np.zeros(self.num_prompts, np.float32)
+        self.episode_correct = np.zeros(self.num_prompts, bool)
         for indices, tokens, left_pad in self.batches:
             keys = place_key(jax.random.split(jax.random.key(0), len(indices)), self.mesh)  # unused by greedy
             if self.environments is not None:  # one greedy episode per prompt
@@ -125,9 +126,15 @@ class Evaluator:
 
                 episodes = sample_episodes(model, params, tokens, keys, 1, self.sampling, self.turns,
                                            [self.environments[i] for i in indices], self.chunk_size,
-                                           left_pad=left_pad, infos=[self.prompts[i].info for i in indices])
+                                           left_pad=left_pad, infos=[self.prompts[i].info for i in indices],
+                                           mesh=self.mesh)
                 parts = (episodes.responses, episodes.mask, episodes.first_logprobs)
                 self.episode_rewards[indices] = episodes.rewards[:, 0]
+                judged = components.episodes.episode_correctness(
+                    self.task, episodes.transcripts, episodes.responses, episodes.mask,
+                    [self.prompts[i] for i in indices])
+                if judged is not None:
+                    self.episode_correct[indices] = judged[:, 0] > 0
             else:
                 rollouts = sample_groups(model, params, tokens, keys, 1, self.sampling, self.chunk_size,
                                          mesh=self.mesh, keep_capture=False, left_pad=left_pad)
@@ -152,8 +159,9 @@ class Evaluator:
         rewards, correct, parts = score_groups(self.task, self.reward_fn, self.prompts, responses[:, None],
                                                mask[:, None], self.mesh)  # K groups of one branch, each by its owner
         rewards, correct = rewards[:, 0], None if correct is None else correct[:, 0] > 0
-        if self.environments is not None:  # the environment's rewards (correct: the task's, on the policy's tokens)
+        if self.environments is not None:  # the environment's rewards, the task's judgement of each episode
             rewards = self.episode_rewards
+            correct = None if correct is None else self.episode_correct
         if reference:
             self.reference = np.asarray(first, np.float32)
         stats = first_token_stats(first, self.reference)
@@ -203,8 +211,7 @@ def for_config(config, vocab_size: int, mesh=None) -> Evaluator:
     factory, name = components.episodes.environment_factory(config, task)
     environments = turns = None
     if factory is not None:  # agent branches: one episode per held-out prompt
-        if mesh is not None:
-            raise RunError(f"{name} on --mesh {config.mesh}: agent branches sample on one device for now")
+        components.episodes.check_processes(name)
         environments = components.episodes.build_environments(config, factory, name, config.eval_prompts,
                                                               vocab_size)
         turns = components.episodes.turn_config(config)

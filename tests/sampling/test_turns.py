@@ -9,6 +9,7 @@
 - a transcript replays without its environment (ScriptedEnvironment) to the same tokens; a turn that differs
   ends the branch with status "error";
 - limits: max_turns, turn_len, max_observation (cut and counted), the response length (status "length");
+- on a 2x4 mesh (groups over `data`, each sequence-parallel over `seq`): the one-device episodes (slow);
 - faults: an environment that raises, times out or returns a malformed value ends only that branch ("error",
   the first error's text), the others go on; a factory that is not found or fails is one clear error.
 """
@@ -191,3 +192,26 @@ def test_factory_errors_are_one_line():
     with pytest.raises(environment.EnvironmentError_, match="no reset / step"):
         environment.make_environments(lambda vocab_size, seed: object(), 1, V, 0)
     assert len(environment.make_environments(Echo, 3, V, 0, {"turns": 2})) == 3
+
+
+@pytest.mark.slow  # the sharded capture and decode compiled for both families
+def test_episodes_on_a_mesh_equal_one_device(setup):
+    """B = 2 groups on a 2x4 mesh (one group per data slice, each sequence-parallel over 4 devices): the same
+    transcripts and, up to float round-off, log-probs as one device; the captures are the mesh sampler's."""
+    from longstraw_jax import sharding
+    from longstraw_jax.sampling.mesh import ShardedCaptured
+    from longstraw_jax.sharding import rules
+
+    model, params, prompts = setup
+    mesh = sharding.make_mesh("2x4")
+    placed = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
+    one = run(model, params, prompts, envs_of(2 * G))
+    keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.key(0), b))(np.arange(2))
+    sampling = SamplingConfig(response_len=R, stop_token=STOP, temperature=1.0)
+    two = sample_episodes(model, placed, prompts, keys, G, sampling, TurnConfig(max_turns=4, turn_len=4),
+                          envs_of(2 * G), chunk_size=8, mesh=mesh)
+    np.testing.assert_array_equal(one.responses, two.responses)
+    np.testing.assert_array_equal(one.mask, two.mask)
+    np.testing.assert_allclose(one.logprobs, two.logprobs, atol=2e-4)
+    assert isinstance(two.captured, ShardedCaptured)
+    assert [t.status for row in one.transcripts for t in row] == [t.status for row in two.transcripts for t in row]

@@ -152,3 +152,21 @@ def test_the_lookup_task():
         assert task.is_correct(target[mask > 0], info) and not task.is_correct(target[:3], info)
         assert not task.is_correct(target[-2:], info)  # the answer alone: no call
     assert task.call_any_accuracy == pytest.approx(1 / 4 + 3 / 32)
+
+
+@pytest.mark.slow  # a 2x4 trainer run of the lookup task
+def test_a_mesh_run_samples_the_same_episodes(tmp_path):
+    """--mesh 2x4 with B = 2 (a group per data slice): the episodes, rewards and env metrics of the one-device run
+    (2 steps, no warm-up), the losses equal up to float round-off."""
+    outs = {}
+    for where in ("one", "mesh"):
+        outs[where] = str(tmp_path / where)
+        extra = ["--mesh", "2x4"] if where == "mesh" else []
+        assert run.main(AGENT + ["--steps", "2", "--out", outs[where], "--log-samples-every", "1"] + extra) == 0
+    one, mesh = read(outs["one"]), read(outs["mesh"])
+    for a, b in zip(one, mesh):
+        for key in ("reward_mean", "accuracy", "env/turns", "env/observation_tokens", "response_tokens"):
+            assert a[key] == b[key], key
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    turns = lambda out: [c["turns"] for row in read(out, "samples.jsonl") for c in row["completions"]]
+    assert turns(outs["one"]) == turns(outs["mesh"])
