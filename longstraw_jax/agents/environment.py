@@ -22,7 +22,7 @@ import dataclasses
 import math
 import threading
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -73,16 +73,45 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
+class Framed(NamedTuple):
+    """An observation whose content sits in a wrapper (a chat template's tool message: agents/text.py): token ids
+    prefix + content + suffix. When it does not fit, the content is cut, never the wrapper."""
+
+    prefix: list
+    content: list
+    suffix: list
+
+    @property
+    def ids(self) -> list:
+        return list(self.prefix) + list(self.content) + list(self.suffix)
+
+
 @dataclasses.dataclass
 class Reply:
     """One environment call's outcome: observation int32 [n] (empty when done), reward (float, 0 for None), done, or
-    error (one line: the exception, a timeout, a malformed value); seconds: the call's wall time."""
+    error (one line: the exception, a timeout, a malformed value); seconds: the call's wall time. frame: (prefix,
+    content) lengths of a `Framed` observation (the content is what a cut may shorten), None for plain ids."""
 
     observation: np.ndarray
     reward: float = 0.0
     done: bool = False
     error: str | None = None
     seconds: float = 0.0
+    frame: tuple | None = None
+
+    def fit(self, room: int) -> np.ndarray:
+        """The observation cut to at most `room` tokens: a framed one loses content first (its wrapper kept whole
+        while it fits), a plain one its end."""
+        ids = self.observation
+        if len(ids) <= room:
+            return ids
+        if self.frame is not None:
+            prefix, content = self.frame
+            wrapper = len(ids) - content
+            if wrapper <= room:
+                keep = room - wrapper
+                return np.concatenate([ids[:prefix + keep], ids[prefix + content:]])
+        return ids[:max(room, 0)]
 
 
 def check_step_result(value, vocab_size: int) -> Reply:
@@ -92,6 +121,10 @@ def check_step_result(value, vocab_size: int) -> Reply:
         return Reply(np.zeros(0, np.int32), error=f"step returned {type(value).__name__}, not a tuple (observation, "
                                                   "reward, done)")
     observation, reward, done = value
+    frame = None
+    if isinstance(observation, Framed):
+        frame = (len(observation.prefix), len(observation.content))
+        observation = observation.ids
     if observation is None:
         observation = ()
     ids = np.asarray(observation)
@@ -106,7 +139,8 @@ def check_step_result(value, vocab_size: int) -> Reply:
         return Reply(np.zeros(0, np.int32), error=f"step's reward {reward!r} must be a finite real number or None")
     if not isinstance(done, (bool, np.bool_)):
         return Reply(np.zeros(0, np.int32), error=f"step's done {done!r} must be a bool")
-    return Reply(ids.astype(np.int32) if not done else np.zeros(0, np.int32), float(reward or 0.0), bool(done))
+    return Reply(ids.astype(np.int32) if not done else np.zeros(0, np.int32), float(reward or 0.0), bool(done),
+                 frame=None if done else frame)
 
 
 def call_all(calls: list[Callable[[], Any]], timeout: float, check: Callable[[Any], Reply] | None = None) -> list:

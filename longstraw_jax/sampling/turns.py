@@ -380,7 +380,7 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
                 transcript.status, cut = LENGTH, len(reply.observation)
             else:
                 room = free if turns.max_observation is None else min(free, turns.max_observation)
-                keep = reply.observation[:room]
+                keep = reply.fit(room)
                 cut = len(reply.observation) - len(keep)
             transcript.turns.append({"role": "tool", "tokens": keep, "reward": reply.reward, "done": reply.done,
                                      "truncated": cut})

@@ -293,9 +293,6 @@ def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | 
                            groups_per_step(config))
     buckets = None
     if config.data:
-        if config.env is not None:
-            raise RunError(f"--env={config.env} with --data: agent branches over text (tool messages rendered with "
-                           "the chat template) are not supported yet; token-level tasks (--task) are")
         task, scorer, stops, pad = dataset_task(config, vocab_size)
         buckets = prompt_buckets(config, pad)
     else:
@@ -308,12 +305,13 @@ def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | 
     factory, name = episodes.environment_factory(config, task)
     if factory is not None:
         episodes.check_processes(name)
-        environments = episodes.build_environments(config, factory, name, groups_per_step(config) * config.group_size,
-                                                   vocab_size)
+        count = groups_per_step(config) * config.group_size
+        environments, counts = episodes.build_environments(config, factory, name, count, vocab_size, task, sampling)
+        reward_fn = scorer if config.data else (load_callable(config.reward) if config.reward else None)
         return episodes.EpisodeSampler(task, environments, name, sampling, episodes.turn_config(config),
                                        config.group_size, config.chunk_size, groups_per_step(config), buckets,
-                                       reward_fn=load_callable(config.reward) if config.reward else None,
-                                       max_errors=config.max_env_errors, mesh=mesh)
+                                       reward_fn=reward_fn, max_errors=config.max_env_errors, mesh=mesh,
+                                       tool_counts=counts)
     return TaskSampler(task, scorer, sampling, config.group_size, config.chunk_size, groups_per_step(config), mesh,
                        buckets)
 

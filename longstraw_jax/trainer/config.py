@@ -168,6 +168,11 @@ class RunConfig:
                               "on; a branch's reward is the sum of its rewards (default: the task's own environment, "
                               "if it has one: --task lookup)", group="agent branches", metavar="MODULE:FACTORY")
     env_kwargs: str | None = _option(None, "JSON object of keyword arguments for the --env factory", metavar="JSON")
+    tools: str | None = _option(None, "--data: a list of plain Python functions (type hints, a docstring with Args:) "
+                                "the policy calls with Hermes / Qwen3 <tool_call> JSON blocks; their schemas go to "
+                                "the chat template, each result (or error text) comes back as a tool message; a turn "
+                                "without a call ends the episode (the --reward functions score the transcript)",
+                                metavar="MODULE:LIST")
     max_turns: int = _option(library_default(TurnConfig, "max_turns"), "policy turns per episode (the environment "
                              "answers each; after the last its observation is not appended)")
     turn_len: int | None = _option(None, "tokens per policy turn at most (a turn ends at a stop token; default -R)",
@@ -494,6 +499,9 @@ def _env_errors(config: RunConfig) -> list[str]:
             errors.append(f"--env-kwargs={config.env_kwargs!r} must be a JSON object, e.g. '{{\"difficulty\": 2}}'")
     if config.env is not None and config.rollouts is not None:
         errors.append(f"--env={config.env} samples episodes; a --rollouts file brings its own (give one of them)")
+    if config.tools is not None and (config.env is not None or config.data is None):
+        errors.append(f"--tools={config.tools} is the environment of a --data run's episodes: give --data, and not "
+                      "--env too")
     return errors
 
 

@@ -16,16 +16,20 @@ import json
 import jax
 import numpy as np
 
+from longstraw_jax.agents import text
 from longstraw_jax.agents.environment import ERROR, make_environments
+from longstraw_jax.common.callables import load_object
 from longstraw_jax.grpo import GroupBatch
 from longstraw_jax.sampling.turns import TurnConfig, sample_episodes
 from longstraw_jax.trainer.config import RunConfig, RunError
 
 
 def environment_factory(config: RunConfig, task):
-    """(the factory of --env, or the task's own `environment`, or None; its name for messages)."""
+    """(the factory of --env (or --tools), or the task's own `environment`, or None; its name for messages)."""
     if config.env is not None:
         return config.env, config.env
+    if config.tools is not None:
+        return config.tools, f"--tools {config.tools}"
     own = getattr(task, "environment", None)
     return (own, f"the {getattr(task, 'name', 'task')} task's environment") if callable(own) else (None, None)
 
@@ -43,15 +47,68 @@ def turn_config(config: RunConfig) -> TurnConfig:
                       max_observation=config.max_observation_len, timeout=config.env_timeout)
 
 
-def build_environments(config: RunConfig, factory, name: str, count: int, vocab_size: int) -> list:
-    """`count` environments of the factory with --env-kwargs; a factory that is missing or fails: RunError (one
-    line, before any work)."""
+def build_environments(config: RunConfig, factory, name: str, count: int, vocab_size: int, task=None,
+                       sampling=None) -> tuple[list, object]:
+    """(`count` environments with --env-kwargs, a `ToolCounts` for --tools or None). A --data run's are text
+    environments behind `agents.text.TextEpisode` (the chat template checked first: `text_turns`). A factory that is
+    missing or fails, or a template that cannot frame tool turns: RunError (one line, before any work)."""
     kwargs = json.loads(config.env_kwargs) if config.env_kwargs else {}
+    chat, counts = (text_turns(config, task, sampling) if config.data else None), None
     try:
-        return make_environments(factory, count, vocab_size, config.seed, kwargs, what=f"--env ({name})"
-                                 if not isinstance(factory, str) else "--env")
+        if config.tools is not None:
+            counts = text.ToolCounts()
+            functions = load_tools(config.tools)
+            environments = [text.ToolEnvironment(functions, counts) for _ in range(count)]
+        else:
+            what = "--env" if isinstance(factory, str) else f"--env ({name})"
+            environments = make_environments(factory, count, vocab_size, config.seed, kwargs, what=what)
     except Exception as e:
         raise RunError(str(e)) from None
+    if chat is not None:
+        environments = [text.TextEpisode(env, chat) for env in environments]
+    return environments, counts
+
+
+def load_tools(spec: str) -> list:
+    """--tools MODULE:LIST -> the list of functions (RunError unless it is a non-empty list of callables)."""
+    functions = load_object(spec)
+    if not isinstance(functions, (list, tuple)) or not functions or not all(callable(f) for f in functions):
+        raise RunError(f"--tools {spec}: must name a non-empty list of functions, got {type(functions).__name__}")
+    return list(functions)
+
+
+def text_turns(config: RunConfig, task, sampling) -> text.ChatTurns:
+    """The chat template's framing of tool turns for a --data run's episodes: the policy's end-of-turn token is the
+    run's first stop id; --tools' schemas passed to the template (refused when the template ignores them); the
+    scripted 3-turn conversation must render alike turn by turn and whole (`ChatTurns.check`). RunError otherwise."""
+    from longstraw_jax.tasks import dataset
+
+    if sampling.stop_token is None:
+        raise RunError("agent branches over text need an end-of-turn token: the checkpoint has none (--stop-token)")
+    schemas = text.tool_schemas(load_tools(config.tools)) if config.tools else None
+    chat = text.ChatTurns(task.tokenizer, sampling.stop_token, schemas,
+                          dataset.template_kwargs(config.chat_template_kwargs))
+    if schemas is not None and not chat.supports_tools():
+        raise RunError(f"--tools {config.tools}: the tokenizer's chat template ignores tools (it renders the same "
+                       "with and without them): its model was not trained to call them")
+    try:
+        chat.check()
+    except text.TemplateError as e:
+        raise RunError(f"--data {config.data}: {e}") from None
+    return chat
+
+
+def episode_rewards(task, reward_fn, prompts, episodes) -> tuple[np.ndarray, dict]:
+    """(rewards float32 [B, G], per-function parts): the environment's rewards, plus with reward_fn (--reward; a
+    --data run's text rewards) its score of the whole transcript, the tool replies included."""
+    from longstraw_jax.trainer.components import score_groups
+
+    if reward_fn is None:
+        return episodes.rewards.copy(), {}
+    length = np.array([[sum(len(x["tokens"]) for x in t.turns) for t in row] for row in episodes.transcripts])
+    whole = (np.arange(episodes.responses.shape[-1]) < length[..., None]).astype(np.float32)
+    scored, _, parts = score_groups(task, reward_fn, prompts, episodes.responses, whole)
+    return episodes.rewards + scored, parts
 
 
 def episode_correctness(task, transcripts, responses, mask, prompts) -> np.ndarray | None:
@@ -77,17 +134,17 @@ class EpisodeSampler:
 
     def __init__(self, task, environments: list, env_name: str, sampling, turns: TurnConfig, group_size: int,
                  chunk_size: int, groups_per_step: int = 1, buckets=None, reward_fn=None, max_errors: float = 0.5,
-                 mesh=None):
+                 mesh=None, tool_counts=None):
         self.task, self.environments, self.env_name = task, environments, env_name
         self.sampling, self.turns, self.buckets = sampling, turns, buckets
         self.group_size, self.chunk_size, self.groups_per_step = group_size, chunk_size, groups_per_step
-        self.reward_fn, self.max_errors, self.mesh = reward_fn, max_errors, mesh
+        self.reward_fn, self.max_errors, self.mesh, self.tool_counts = reward_fn, max_errors, mesh, tool_counts
         self.description = f"task {task.name} with {env_name}"
         self.last_scored = None
         self.last_transcripts = None
 
     def batch(self, model, params, key, step: int, position: int) -> tuple[GroupBatch, dict, object]:
-        from longstraw_jax.trainer.components import score_groups, stack_prompts
+        from longstraw_jax.trainer.components import part_means, stack_prompts
 
         first = position * self.groups_per_step
         prompts = [self.task.prompt(first + b) for b in range(self.groups_per_step)]
@@ -105,19 +162,15 @@ class EpisodeSampler:
             raise RunError(f"{self.env_name} failed on {int(failed.sum())} of {failed.size} branches of step "
                            f"{step + 1} (more than --max-env-errors={self.max_errors}): prompt {first + b}, branch "
                            f"{g}, {transcripts[b][g].error}; the step was not applied")
-        rewards = episodes.rewards.copy()
-        if self.reward_fn is not None:  # --reward: the whole transcript, tool replies included
-            length = np.array([[sum(len(x["tokens"]) for x in t.turns) for t in row] for row in transcripts])
-            whole = (np.arange(episodes.responses.shape[-1]) < length[..., None]).astype(np.float32)
-            scored, _, _ = score_groups(self.task, self.reward_fn, prompts, episodes.responses, whole)
-            rewards = rewards + scored
+        rewards, parts = episode_rewards(self.task, self.reward_fn, prompts, episodes)
         valid = (~failed).astype(np.float32)
         few = valid.sum(axis=1) < 2
         valid[few] = 0.0
         correct = episode_correctness(self.task, transcripts, episodes.responses, episodes.mask, prompts)
-        self.last_scored, self.last_transcripts = (prompts, {}, correct), transcripts
+        self.last_scored, self.last_transcripts = (prompts, parts, correct), transcripts
         flat = [t for row in transcripts for t in row]
         extra = {"accuracy": float(correct.mean())} if correct is not None else {}
+        extra.update(part_means(parts))
         extra.update({
             "env/turns": float(np.mean([t.policy_turns for t in flat])),
             "env/observation_tokens": float(np.mean([t.observation_tokens for t in flat])),
@@ -126,6 +179,9 @@ class EpisodeSampler:
             "env/left_out_groups": int(few.sum()),
             "env/time_s": episodes.timings["env_s"], "env/decode_s": episodes.timings["decode_s"],
             "env/observe_s": episodes.timings["observe_s"]})
+        if self.tool_counts is not None:
+            calls, failures = self.tool_counts.take()
+            extra.update({"tools/calls": calls, "tools/failures": failures})
         if failed.any():
             b, g = (int(i) for i in np.argwhere(failed)[0])
             extra["env/first_error"] = f"prompt {first + b}, branch {g}: {transcripts[b][g].error}"

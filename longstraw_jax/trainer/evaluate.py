@@ -80,7 +80,7 @@ class Evaluator:
 
     def __init__(self, task, reward_fn, num_prompts: int, response_len: int, chunk_size: int,
                  stop_token: int | None = None, pad_token: int = 0, mesh=None, stop_tokens: tuple[int, ...] = (),
-                 buckets=None, environments=None, turns=None):
+                 buckets=None, environments=None, turns=None, episode_reward_fn=None):
         from longstraw_jax.sampling.branches import SamplingConfig
         from longstraw_jax.trainer.components import prompt_batches
 
@@ -96,7 +96,7 @@ class Evaluator:
                                        pad_token=pad_token, stop_tokens=tuple(stop_tokens))
         self.reference = None  # [K, V] log-probs of the first response token at the reference (start) evaluation
         # agent branches: K environments (one per prompt) and the TurnConfig; the reward is the environment's
-        self.environments, self.turns = environments, turns
+        self.environments, self.turns, self.episode_reward_fn = environments, turns, episode_reward_fn
 
     @property
     def num_prompts(self) -> int:
@@ -129,10 +129,12 @@ class Evaluator:
                                            left_pad=left_pad, infos=[self.prompts[i].info for i in indices],
                                            mesh=self.mesh)
                 parts = (episodes.responses, episodes.mask, episodes.first_logprobs)
-                self.episode_rewards[indices] = episodes.rewards[:, 0]
-                judged = components.episodes.episode_correctness(
-                    self.task, episodes.transcripts, episodes.responses, episodes.mask,
-                    [self.prompts[i] for i in indices])
+                prompts = [self.prompts[i] for i in indices]
+                rewards, _ = components.episodes.episode_rewards(self.task, self.episode_reward_fn, prompts,
+                                                                 episodes)
+                self.episode_rewards[indices] = rewards[:, 0]
+                judged = components.episodes.episode_correctness(self.task, episodes.transcripts,
+                                                                 episodes.responses, episodes.mask, prompts)
                 if judged is not None:
                     self.episode_correct[indices] = judged[:, 0] > 0
             else:
@@ -204,19 +206,32 @@ def for_config(config, vocab_size: int, mesh=None) -> Evaluator:
         sampling = components.sampling_config(config, stops, pad, vocab_size, temperature=0.0)
         return Evaluator(task, scorer, count, config.response_len, config.chunk_size, stop_token=sampling.stop_token,
                          pad_token=pad, mesh=mesh, stop_tokens=sampling.stop_tokens,
-                         buckets=components.prompt_buckets(config, pad))
+                         buckets=components.prompt_buckets(config, pad),
+                         **episode_options(config, task, count, vocab_size, sampling, scorer))
     task = held_out_task(config, vocab_size)
     reward_fn = components.token_reward(config, task)
     stop = config.stop_token if config.stop_token is not None else getattr(task, "stop_token", None)
-    factory, name = components.episodes.environment_factory(config, task)
-    environments = turns = None
-    if factory is not None:  # agent branches: one episode per held-out prompt
-        components.episodes.check_processes(name)
-        environments = components.episodes.build_environments(config, factory, name, config.eval_prompts,
-                                                              vocab_size)
-        turns = components.episodes.turn_config(config)
+    sampling = components.sampling_config(config, (stop,), getattr(task, "pad_token", 0), vocab_size, temperature=0.0)
+    episodic = episode_options(config, task, config.eval_prompts, vocab_size, sampling,
+                               components.load_callable(config.reward) if config.reward else None)
     return Evaluator(task, reward_fn, config.eval_prompts, config.response_len, config.chunk_size, stop_token=stop,
-                     pad_token=getattr(task, "pad_token", 0), mesh=mesh, environments=environments, turns=turns)
+                     pad_token=getattr(task, "pad_token", 0), mesh=mesh, **episodic)
+
+
+def episode_options(config, task, count: int, vocab_size: int, sampling, reward_fn) -> dict:
+    """An evaluation of agent branches (--env, --tools or a task's own environment): one greedy episode per held-out
+    prompt, its reward the environment's (+ reward_fn's score of the transcript) -> the Evaluator's keyword
+    arguments ({} without an environment)."""
+    from longstraw_jax.trainer import components
+
+    factory, name = components.episodes.environment_factory(config, task)
+    if factory is None:
+        return {}
+    components.episodes.check_processes(name)
+    environments, _ = components.episodes.build_environments(config, factory, name, count, vocab_size, task,
+                                                             sampling)
+    return dict(environments=environments, turns=components.episodes.turn_config(config),
+                episode_reward_fn=reward_fn)
 
 
 def for_run(config, explicit, data, vocab_size: int, mesh=None) -> Evaluator | None:
