@@ -21,6 +21,7 @@ from longstraw_jax.agents.environment import ERROR, make_environments
 from longstraw_jax.common.callables import load_object
 from longstraw_jax.grpo import GroupBatch
 from longstraw_jax.sampling.turns import TurnConfig, sample_episodes
+from longstraw_jax.trainer.batches import part_means, score_groups, stack_prompts
 from longstraw_jax.trainer.config import RunConfig, RunError
 
 
@@ -101,8 +102,6 @@ def text_turns(config: RunConfig, task, sampling) -> text.ChatTurns:
 def episode_rewards(task, reward_fn, prompts, episodes) -> tuple[np.ndarray, dict]:
     """(rewards float32 [B, G], per-function parts): the environment's rewards, plus with reward_fn (--reward; a
     --data run's text rewards) its score of the whole transcript, the tool replies included."""
-    from longstraw_jax.trainer.components import score_groups
-
     if reward_fn is None:
         return episodes.rewards.copy(), {}
     length = np.array([[sum(len(x["tokens"]) for x in t.turns) for t in row] for row in episodes.transcripts])
@@ -144,8 +143,6 @@ class EpisodeSampler:
         self.last_transcripts = None
 
     def batch(self, model, params, key, step: int, position: int) -> tuple[GroupBatch, dict, object]:
-        from longstraw_jax.trainer.components import part_means, stack_prompts
-
         first = position * self.groups_per_step
         prompts = [self.task.prompt(first + b) for b in range(self.groups_per_step)]
         tokens, left_pad = stack_prompts(prompts, self.buckets)

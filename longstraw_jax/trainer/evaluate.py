@@ -74,8 +74,8 @@ class Evaluator:
     float, or a group scorer (`tasks.as_scorer`, e.g. text rewards: then the mean of each function is reported too);
     num_prompts: K; response_len: R; stop_token / stop_tokens / pad_token as in sampling; chunk_size: the capture's
     chunk (round length on a mesh); mesh: None or the ("data", "seq") mesh (K must then be a multiple of its data
-    size). Prompts of different lengths are left-padded to `buckets` (a `components.PromptBuckets`; None: to the
-    longest) and answered one bucket at a time (`components.prompt_batches`; on a mesh all together).
+    size). Prompts of different lengths are left-padded to `buckets` (a `batches.PromptBuckets`; None: to the
+    longest) and answered one bucket at a time (`batches.prompt_batches`; on a mesh all together).
     """
 
     def __init__(self, task, reward_fn, num_prompts: int, response_len: int, chunk_size: int,

@@ -81,7 +81,7 @@ def sample_rows(step: int, batch, advantages: np.ndarray, tokenizer=None, prompt
 
     advantages: float [B, G] (`grpo.batch_advantages` of the rewards); tokenizer: decodes the completions (None: ids);
     prompts: the B tasks.Prompt of the step (their `text`, when not None, gives the tail), None: the batch's ids;
-    parts: {function: (values float [B, G], applies [B, G])} of `components.score_groups` (None or {}: no per-function
+    parts: {function: (values float [B, G], applies [B, G])} of `batches.score_groups` (None or {}: no per-function
     rewards); correct: float [B, G] or None; transcripts: [B][G] `agents.environment.Transcript` of agent branches
     (None: single responses): each completion then also has "turns" ({"role": "assistant" | "tool", "tokens": ids,
     "text" with a tokenizer; a tool turn also its reward, done and truncated}), "status" and "error"."""

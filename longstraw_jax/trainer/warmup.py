@@ -173,7 +173,7 @@ class DatasetTargets:
     no special tokens added, then `stop_token` (None: none), 1 <= k <= response_len.
     batch(start, size) -> (prompts int32 [N, L], left_pad int32 [N] or None, targets int32 [N, response_len], mask
     float32 [N, response_len]): prompts start .. start + size - 1 stacked like the GRPO phase stacks them
-    (`components.stack_prompts` with `buckets`: left-padded to one bucket length), targets right-padded with
+    (`batches.stack_prompts` with `buckets`: left-padded to one bucket length), targets right-padded with
     `pad_token`. ValueError "FILE: row N: 'FIELD' ..." for a training row without the answer (when built: the
     column's nulls) or with one that is not a string or does not fit --response-len (when drawn)."""
 
