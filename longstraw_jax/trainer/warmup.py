@@ -86,7 +86,9 @@ def target_batch(task, start: int, size: int, pad_token: int = 0) -> tuple[np.nd
 def row_loss(model, params, prompt, target, mask, left_pad=None, remat: bool = False):
     """One row: prompt int32 [P], target int32 [T], mask float32 [T], left_pad int32 [] or None (prompt[:left_pad]
     are pads) -> (sum over the real target tokens of -log p(token), (first target token is the argmax, every real
-    target token is the argmax) as float32 0/1). Logits only at the T positions that predict the target."""
+    target token is the argmax) as float32 0/1). An episode's target (a tool reply inside it: mask 0 between 1s)
+    counts as right only when every real token is: its first token (a tool call's opening) says nothing. Logits
+    only at the T positions that predict the target."""
     p = prompt.shape[0]
     tokens = jnp.concatenate([prompt, target[:-1]])  # [P + T - 1]
     hidden = model._extend_hidden(params, model.init_state(0, params["embed"].dtype), tokens, remat=remat,
@@ -94,9 +96,16 @@ def row_loss(model, params, prompt, target, mask, left_pad=None, remat: bool = F
     logits = model.logits(params, hidden)  # [T, V]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]  # [T]
-    hit = jnp.argmax(logits, axis=-1) == target
+    return -jnp.sum(picked * mask), target_accuracy(jnp.argmax(logits, axis=-1) == target, mask)
+
+
+def target_accuracy(hit, mask) -> tuple[jax.Array, jax.Array]:
+    """hit bool [T] (each target token the argmax), mask [T] -> (accuracy, exact) float32 0/1: exact when every real
+    token is hit; accuracy the first token's hit, or for an agent episode's target (a hole in its mask: a tool
+    reply) its exactness (an episode is right only as a whole)."""
     exact = jnp.all(hit | (mask == 0))
-    return -jnp.sum(picked * mask), (hit[0].astype(jnp.float32), exact.astype(jnp.float32))
+    episode = jnp.any((mask[:-1] == 0) & (mask[1:] > 0))
+    return jnp.where(episode, exact, hit[0]).astype(jnp.float32), exact.astype(jnp.float32)
 
 
 def _metrics(total, first, exact, mask) -> tuple[jax.Array, dict]:
@@ -107,8 +116,9 @@ def _metrics(total, first, exact, mask) -> tuple[jax.Array, dict]:
 def sft_loss(model, params, prompts, targets, mask, left_pad=None) -> tuple[jax.Array, dict]:
     """prompts int32 [N, P], targets int32 [N, T], mask float32 [N, T], left_pad int32 [N] or None -> (token-mean
     cross-entropy over the real target tokens, {"sft_loss": same, "sft_accuracy": fraction of rows whose first target
-    token is the argmax, "sft_exact": fraction of rows whose every target token is (teacher-forced)}). The rows
-    vmapped: every row's activations live together (short prompts)."""
+    token is the argmax (an episode's: whose every real token is, `row_loss`), "sft_exact": fraction of rows whose
+    every target token is (teacher-forced)}). The rows vmapped: every row's activations live together (short
+    prompts)."""
     pads = left_pad if left_pad is not None else jnp.zeros(prompts.shape[:1], jnp.int32)
     one = lambda p, t, m, lp: row_loss(model, params, p, t, m, lp if left_pad is not None else None)  # noqa: E731
     sums, (first, exact) = jax.vmap(one)(prompts, targets, mask, pads)

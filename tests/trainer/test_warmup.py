@@ -158,3 +158,25 @@ def test_trainer_warm_up_on_data_then_grpo(tmp_path, tok_dir, capsys):
         records = [json.loads(line) for line in f]
     assert [r.get("kind") for r in records] == ["eval", "sft", "sft", "sft", "eval", None, "eval"]
     assert records[0]["before_warm_up"] and all(np.isfinite(r["sft_loss"]) for r in records[1:4])
+
+
+def test_an_episode_target_is_imitated_without_its_tool_reply(tiny_model):
+    """A task's target with a mask (an agent episode, tasks/lookup.py): the batch keeps the mask; the tool reply's
+    tokens (mask 0) add nothing to the loss; the accuracy of an episode is its exactness, not its first token."""
+    from longstraw_jax.tasks.lookup import LookupTask
+
+    model, params = tiny_model
+    task = LookupTask(prompt_len=32, vocab_size=VOCAB + 16, seed=0)
+    prompts, targets, mask = warmup.target_batch(task, 0, 3)
+    np.testing.assert_array_equal(mask, np.tile([1, 1, 1, 0, 0, 1, 1], (3, 1)))
+    model = models.build(models.Qwen36Config.tiny(vocab_size=VOCAB + 16))
+    params = model.init(jax.random.key(0), jnp.float32)
+    loss, metrics = warmup.sft_loss(model, params, prompts, targets, mask)
+    other = targets.copy()
+    other[:, 3:5] = 2  # another tool reply: different inputs after it, the same imitated tokens before it
+    assert float(warmup.sft_loss(model, params, prompts, other, mask)[0]) != float(loss)
+    hit = np.array([1, 0, 1, 0, 0, 1, 1], bool)  # the call's opening right, its id wrong
+    assert [float(x) for x in warmup.target_accuracy(hit, mask[0])] == [0.0, 0.0]
+    assert [float(x) for x in warmup.target_accuracy(hit | (mask[0] == 0) | True, mask[0])] == [1.0, 1.0]
+    plain = np.array([1, 1, 1, 0, 0, 0, 0], np.float32)  # no hole: a plain answer, its first token decides
+    assert [float(x) for x in warmup.target_accuracy(np.array([1, 0, 1, 1, 1, 1, 1], bool), plain)] == [1.0, 0.0]
