@@ -289,6 +289,33 @@ def _observe(model, params, place: Place, states, left_pad, br: Branches, observ
     return place.run(slice_observe, params, (states, left_pad, br, observations, count))
 
 
+def settle(transcript: Transcript, reply, turn: int, length: int, r: int, turns: TurnConfig) -> np.ndarray:
+    """Record the environment's reply to turn `turn` of a branch whose transcript holds `length` tokens (of R) ->
+    the observation ids to append (empty when the episode is over). The status becomes "error" (the reply's error),
+    "done", "max_turns" (the last turn: its observation is not appended) or "length" (no position left for another
+    policy token); otherwise the observation is cut to the room left (and --max-observation-len), counted in the
+    reply's "truncated"."""
+    if reply.error is not None:
+        transcript.status, transcript.error = ERROR, f"turn {turn}: {reply.error}"
+        transcript.turns.append({"role": "tool", "tokens": np.zeros(0, np.int32), "reward": 0.0, "done": True,
+                                 "truncated": 0, "error": reply.error})
+        return transcript.turns[-1]["tokens"]
+    free = r - 1 - length  # positions left once one is kept for the policy's next turn
+    keep, cut = reply.observation[:0], 0
+    if reply.done:
+        transcript.status = DONE
+    elif turn + 1 == turns.max_turns:
+        transcript.status = MAX_TURNS
+    elif free <= 0:
+        transcript.status, cut = LENGTH, len(reply.observation)
+    else:
+        keep = reply.fit(free if turns.max_observation is None else min(free, turns.max_observation))
+        cut = len(reply.observation) - len(keep)
+    transcript.turns.append({"role": "tool", "tokens": keep, "reward": reply.reward, "done": reply.done,
+                             "truncated": cut})
+    return keep
+
+
 def sample_episodes(model, params, prompts, keys, group_size: int, sampling: SamplingConfig, turns: TurnConfig,
                     environments, chunk_size: int | None = 2048, left_pad=None, infos=None, mesh=None) -> Episodes:
     """B groups of G episodes, on one device or on `mesh` (B split over its `data` axis, each group captured and
@@ -364,27 +391,8 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
                              for b, g in acted})
         appended = {}
         for (b, g), reply in replies.items():
-            transcript = transcripts[b][g]
-            if reply.error is not None:
-                transcript.status, transcript.error = ERROR, f"turn {turn}: {reply.error}"
-                transcript.turns.append({"role": "tool", "tokens": np.zeros(0, np.int32), "reward": 0.0,
-                                         "done": True, "truncated": 0, "error": reply.error})
-                continue
-            free = r - 1 - int(length[b, g])  # positions left once one is kept for the policy's next turn
-            keep, cut = reply.observation[:0], 0
-            if reply.done:
-                transcript.status = DONE
-            elif turn + 1 == turns.max_turns:
-                transcript.status = MAX_TURNS
-            elif free <= 0:
-                transcript.status, cut = LENGTH, len(reply.observation)
-            else:
-                room = free if turns.max_observation is None else min(free, turns.max_observation)
-                keep = reply.fit(room)
-                cut = len(reply.observation) - len(keep)
-            transcript.turns.append({"role": "tool", "tokens": keep, "reward": reply.reward, "done": reply.done,
-                                     "truncated": cut})
-            if transcript.status == "running" and len(keep):
+            keep = settle(transcripts[b][g], reply, turn, int(length[b, g]), r, turns)
+            if len(keep):
                 appended[(b, g)] = keep
         if appended:
             width = turns.bucket(max(len(k) for k in appended.values()))
@@ -396,10 +404,6 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
             br = _observe(model, params, place, states, pads, br, jnp.asarray(observations), jnp.asarray(count), p)
             jax.block_until_ready(br.length)
             timings["observe_s"] += time.perf_counter() - started
-    for row in transcripts:
-        for transcript in row:
-            if transcript.status == "running":  # an empty observation on the last allowed turn
-                transcript.status = MAX_TURNS
     responses, mask, logp, sample_logp = (np.asarray(x) for x in jax.device_get(
         (br.tokens, br.mask, br.logp, br.sample_logp)))
     rewards = np.array([[t.reward for t in row] for row in transcripts], np.float32)

@@ -170,3 +170,16 @@ def test_a_mesh_run_samples_the_same_episodes(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
     turns = lambda out: [c["turns"] for row in read(out, "samples.jsonl") for c in row["completions"]]
     assert turns(outs["one"]) == turns(outs["mesh"])
+
+
+def test_the_agent_demo_config_builds_episodes():
+    """configs/agent_demo.toml parses, and its data source samples episodes with the lookup task's own tool."""
+    from longstraw_jax.trainer import components
+    from longstraw_jax.trainer.config import parse_args
+    from tests.helpers import ROOT
+
+    config, _ = parse_args(["--config", os.path.join(ROOT, "configs", "agent_demo.toml")])
+    assert (config.task, config.mode, config.max_turns, config.response_len) == ("lookup", "exact", 2, 8)
+    source = components.data_source(config, config.vocab_size)
+    assert isinstance(source, components.episodes.EpisodeSampler)
+    assert source.env_name == "the lookup task's environment" and len(source.environments) == 64
