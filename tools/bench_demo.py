@@ -1,6 +1,7 @@
-"""The demo's learning (`make run`, configs/demo.toml) over seeds and settings: what GRPO adds to the warm-up.
+"""The demo's learning (`make run`, configs/demo.toml; or --config configs/agent_demo.toml, the agent demo) over
+seeds and settings: what GRPO adds to the warm-up.
 
-Each (setting, seed) is one trainer run, `python -m longstraw_jax.run --config configs/demo.toml --seed S
+Each (setting, seed) is one trainer run, `python -m longstraw_jax.run --config CONFIG --seed S
 --eval-prompts N <the setting's options>`, in a child process (--jobs of them at a time). From each run's metrics.jsonl
 it reads the held-out accuracy before the warm-up, after it (GRPO step 0) and after GRPO, and the per-step signal:
 the share of groups whose rewards differ (`signal_groups`: the others give no gradient), the mean |advantage|, the
@@ -10,6 +11,7 @@ on every seed, the smallest, the mean final accuracy), next to chance and the co
 
     python tools/bench_demo.py --seeds 0,1,2 --eval-prompts 512 --out out/bench_demo \\
         --setting demo= --setting "lr3e-4=--learning-rate 3e-4 --steps 80"
+    python tools/bench_demo.py --config configs/agent_demo.toml --seeds 0,1,2 --jobs 1 --out out/bench_agent
 
 A setting is NAME=OPTIONS (trainer options, split like a shell line). `--reuse` reads a run directory that already
 holds a finished run of the same command instead of running it again. Not a test: minutes per run on 2 CPU cores.
@@ -27,7 +29,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from longstraw_jax.tasks.retrieval import RetrievalTask
+from longstraw_jax.tasks import make_task
 from longstraw_jax.trainer.config import parse_args
 from longstraw_jax.trainer.metrics import read_metrics, split_records
 
@@ -35,8 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "configs", "demo.toml")
 
 
-def command(options: list[str], seed: int, eval_prompts: int, out: str) -> list[str]:
-    return ["--config", DEMO, "--seed", str(seed), "--eval-prompts", str(eval_prompts), "--out", out, *options]
+def command(options: list[str], seed: int, eval_prompts: int, out: str, config: str = DEMO) -> list[str]:
+    return ["--config", config, "--seed", str(seed), "--eval-prompts", str(eval_prompts), "--out", out, *options]
 
 
 def finished(out: str, argv: list[str]) -> bool:
@@ -90,7 +92,7 @@ def summary(out: str) -> dict:
     }
 
 
-def table(results: dict, chance: float, copy_any: float) -> str:
+def table(results: dict, chance: float, copy_any: float | None) -> str:
     rows = ["| setting | seed | init | warm-up | after GRPO | gain | curve | signal groups | mean abs adv | update / "
             "weights | grad norm | entropy first -> last quarter | sampled acc first -> last | KL to start | wall s |",
             "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |"]
@@ -108,7 +110,7 @@ def table(results: dict, chance: float, copy_any: float) -> str:
         gains = [r["final"] - r["warm"] for r in mine]
         rows.append(f"| {name} | {' '.join(f'{g:+.3f}' for g in gains)} | {min(gains):+.3f} | "
                     f"{mean(r['final'] for r in mine):.3f} | {mean(r['wall'] for r in mine):.0f} |")
-    rows.append(f"\nchance {chance:.3f}; copying a random fact's value {copy_any:.3f}")
+    rows.append(f"\nchance {chance:.3f}" + (f"; copying a random fact's value {copy_any:.3f}" if copy_any else ""))
     return "\n".join(rows)
 
 
@@ -116,6 +118,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--setting", action="append", default=[], metavar="NAME=OPTIONS",
                    help="trainer options of one setting (repeatable; default: the demo as it is)")
+    p.add_argument("--config", default=DEMO, help="the trainer's config file (default configs/demo.toml)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--eval-prompts", type=int, default=512, help="held-out prompts per evaluation")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time")
@@ -128,14 +131,16 @@ def main(argv=None) -> int:
     for name, _, options in settings:
         for seed in seeds:
             out = os.path.join(args.out, name, f"seed{seed}")
-            runs[(name, seed)] = (command(shlex.split(options), seed, args.eval_prompts, out), out)
+            runs[(name, seed)] = (command(shlex.split(options), seed, args.eval_prompts, out, args.config), out)
     with ThreadPoolExecutor(args.jobs) as pool:
         for future in [pool.submit(run_one, argv, out, args.reuse, out + ".log") for argv, out in runs.values()]:
             future.result()
     results = {key: summary(out) for key, (_, out) in runs.items()}
     config, _ = parse_args(next(iter(runs.values()))[0])
-    task = RetrievalTask(prompt_len=config.prompt_len, vocab_size=config.vocab_size, **config.task_options())
-    print(table(results, 1 / task.num_answers, task.copy_any_fact_accuracy))
+    task = make_task(config.task, prompt_len=config.prompt_len, vocab_size=config.vocab_size, seed=config.seed,
+                     **config.task_options())
+    copy_any = getattr(task, "copy_any_fact_accuracy", None) or getattr(task, "call_any_fact_accuracy", None)
+    print(table(results, task.chance_accuracy, copy_any))
     return 0
 
 

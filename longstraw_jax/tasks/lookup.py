@@ -39,7 +39,7 @@ class LookupTask:
     vocab_size: int
     seed: int = 0
     num_answers: int = 8
-    num_ids: int = 4
+    num_ids: int = 8
     num_keys: int = 4
     num_facts: int = 2
     max_depth: float = 1.0

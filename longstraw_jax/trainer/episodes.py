@@ -126,8 +126,8 @@ def episode_correctness(task, transcripts, responses, mask, prompts) -> np.ndarr
 class EpisodeSampler:
     """B groups of G episodes per step: group b of step position p is the task's prompt p * B + b (key fold_in(
     fold_in(run key, step), b), as `components.TaskSampler`), its branches run by environments[b * G + g]. The
-    update reuses the episodes' captures. Extra metrics: accuracy (tasks with `is_correct`, over the policy's
-    tokens), and env/...: turns (policy turns per branch), observation_tokens (per branch), truncated (observation
+    update reuses the episodes' captures. Extra metrics: accuracy (`episode_correctness`), reward/<name> (text
+    rewards), tools/calls and tools/failures (--tools), and env/...: turns (policy turns per branch), observation_tokens (per branch), truncated (observation
     tokens cut), errors (branches that ended with an environment error, their share in errors_share, the first's
     text in first_error), left_out_groups, time_s, and the sampling split decode_s / observe_s."""
 

@@ -40,14 +40,20 @@ def test_bench_step_quick_prints_a_table():
 @pytest.mark.slow  # a subprocess compiling the sampler twice
 def test_bench_sampling_quick_draws_the_same_tokens_one_at_a_time_and_together():
     """tools/bench_sampling.py --quick on one device (tiny Qwen3.6, G 4): both decode batches in the table, the
-    same tokens, R (not G x R) decode steps per group when the branches decode together."""
+    same tokens, R (not G x R) decode steps per group when the branches decode together; the agent table: episodes
+    of 2 turns x 4 tokens with one observation of 4 (12 positions) against 12 positions without turns, and the
+    split of the episodes' time."""
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "bench_sampling.py"), "--quick", "--families", "qwen36",
          "--mesh", "", "--reps", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ))
     assert result.returncode == 0, result.stderr[-2000:] + result.stdout[-2000:]
-    rows = [line.split() for line in result.stdout.splitlines() if line.lstrip().startswith("qwen36")]
+    plain, _, agents = result.stdout.partition("agent branches")
+    rows = [line.split() for line in plain.splitlines() if line.lstrip().startswith("qwen36")]
     assert [(r[3], r[4]) for r in rows] == [("1", "32"), ("4", "8")], result.stdout  # batch, steps (R = 8)
     assert all(r[-1] == "yes" for r in rows) and rows[0][-2] == "1.00x", result.stdout
+    (row,) = [line.split() for line in agents.splitlines() if line.lstrip().startswith("qwen36")]
+    assert row[1:3] == ["12", "4"] and row[5].endswith("x"), result.stdout  # positions, observation tokens
+    assert float(row[5][:-1]) == pytest.approx(float(row[4]) / float(row[3]), rel=0.02), result.stdout
 
 
 def _plan(*args):

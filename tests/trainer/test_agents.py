@@ -151,7 +151,7 @@ def test_the_lookup_task():
         target, mask = task.target(info)
         assert task.is_correct(target[mask > 0], info) and not task.is_correct(target[:3], info)
         assert not task.is_correct(target[-2:], info)  # the answer alone: no call
-    assert task.call_any_accuracy == pytest.approx(1 / 4 + 3 / 32)
+    assert task.call_any_accuracy == pytest.approx(1 / 8 + 7 / 64)
 
 
 @pytest.mark.slow  # a 2x4 trainer run of the lookup task
