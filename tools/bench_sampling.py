@@ -15,7 +15,8 @@ together. On CPU the ratio shows the removed sequential steps; on a GPU it also 
 The second table (one device, --turns K > 0): G episodes of K policy turns of --turn-len tokens, an environment
 answering each but the last with --observation-len tokens (`sampling.turns.sample_episodes`), against
 `sample_groups` decoding the same number of positions, K x turn-len + (K - 1) x observation-len, without turns;
-the episodes' time split into policy decoding, the environment's calls and the observation extends.
+the episodes' time split into the prompt's capture, policy decoding, the environment's calls and the observation
+extends.
 """
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ def measure_turns(family: str, args) -> dict:
                 splits.append(out.timings)
                 transcript = out.transcripts[0][0]
         row[name] = statistics.median(times)
-    for part in ("decode_s", "env_s", "observe_s"):
+    for part in ("capture_s", "decode_s", "env_s", "observe_s"):
         row[part] = statistics.median(s[part] for s in splits)
     row["observed"] = transcript.observation_tokens
     row["ratio"] = row["episodes"] / row["plain"]
@@ -169,10 +170,10 @@ def measure_turns(family: str, args) -> dict:
 
 def format_turns(rows: list[dict], args, markdown: bool) -> str:
     head = ["family", "positions / branch", "observation tokens", "no turns s", "with turns s", "ratio",
-            "policy decode s", "environment s", "observation extend s"]
+            "capture s", "policy decode s", "environment s", "observation extend s"]
     body = [[r["family"], str(r["positions"]), str(r["observed"]), f"{r['plain']:.3f}", f"{r['episodes']:.3f}",
-             f"{r['ratio']:.2f}x", f"{r['decode_s']:.3f}", f"{r['env_s']:.3f}", f"{r['observe_s']:.3f}"]
-            for r in rows]
+             f"{r['ratio']:.2f}x", f"{r['capture_s']:.3f}", f"{r['decode_s']:.3f}", f"{r['env_s']:.3f}",
+             f"{r['observe_s']:.3f}"] for r in rows]
     return _table(head, body, markdown)
 
 

@@ -105,8 +105,8 @@ class Episodes:
     """What `sample_episodes` returns. responses / mask / logprobs / sample_logprobs: as in `Branches` ([B, G, R],
     numpy); rewards float32 [B, G]; first_logprobs float32 [B, V]: the policy's log-probs of every branch's first
     token (temperature 1); transcripts[b][g]: `agents.environment.Transcript`; captured: the prompts' capture (as
-    `sample_groups(keep_capture=True)` returns it); timings: seconds spent decoding policy turns, in the environment,
-    appending observations."""
+    `sample_groups(keep_capture=True)` returns it); timings: seconds spent capturing the prompts (and decoding
+    prompt[-1]), decoding policy turns, in the environment, appending observations."""
 
     responses: np.ndarray
     mask: np.ndarray
@@ -181,9 +181,10 @@ def _select(where, new, old):
     return jax.tree.map(pick, new, old)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
-def _start(model, params, prompts, left_pad, group_size: int, sampling: SamplingConfig, place: Place):
-    """Capture every group's prompt[:-1] and decode prompt[-1] -> (Branches with G copies per group, the captures)."""
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7))
+def _start(model, params, prompts, left_pad, keys, group_size: int, sampling: SamplingConfig, place: Place):
+    """Capture every group's prompt[:-1] and decode prompt[-1] -> (Branches with G copies per group, the captures,
+    the branches' keys [B, G]: split(keys[b], G))."""
     length, p = sampling.response_len, prompts.shape[1]
 
     def slice_start(params, local):
@@ -204,7 +205,8 @@ def _start(model, params, prompts, left_pad, group_size: int, sampling: Sampling
                          mask=zeros, logp=zeros, sample_logp=zeros)
         return state, captured
 
-    return place.run(slice_start, params, (prompts, left_pad))
+    state, captured = place.run(slice_start, params, (prompts, left_pad))
+    return state, captured, jax.vmap(lambda k: jax.random.split(k, group_size))(keys)
 
 
 def _write(buffer, index, value, where):
@@ -348,7 +350,7 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
         raise ValueError(f"environments: need B x G = {b_count} x {g_count}, got {[len(row) for row in envs]}")
     infos = [{} for _ in range(b_count)] if infos is None else list(infos)
     turn_len = turns.turn_len or r
-    timings = {"decode_s": 0.0, "env_s": 0.0, "observe_s": 0.0}
+    timings = {"capture_s": 0.0, "decode_s": 0.0, "env_s": 0.0, "observe_s": 0.0}
     transcripts = [[Transcript() for _ in range(g_count)] for _ in range(b_count)]
     slots = [(b, g) for b in range(b_count) for g in range(g_count)]
     vocab = model.config.vocab_size
@@ -369,11 +371,12 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
 
     started = time.perf_counter()
     pads = None if left_pad is None else jnp.asarray(left_pad)
-    br, captured = _start(model, params, jnp.asarray(prompts, jnp.int32), pads, g_count, sampling, place)
+    br, captured, branch_keys = _start(model, params, jnp.asarray(prompts, jnp.int32), pads, keys, g_count, sampling,
+                                       place)
     states = place.state(captured)
     first_logprobs = jax.nn.log_softmax(br.logits[:, 0])
-    branch_keys = jax.vmap(lambda k: jax.random.split(k, g_count))(keys)
-    timings["decode_s"] += time.perf_counter() - started
+    jax.block_until_ready(br.length)
+    timings["capture_s"] = time.perf_counter() - started
     for turn in range(turns.max_turns):
         running = np.array([[t.status == "running" for t in row] for row in transcripts])
         if not running.any():

@@ -127,9 +127,10 @@ class EpisodeSampler:
     """B groups of G episodes per step: group b of step position p is the task's prompt p * B + b (key fold_in(
     fold_in(run key, step), b), as `components.TaskSampler`), its branches run by environments[b * G + g]. The
     update reuses the episodes' captures. Extra metrics: accuracy (`episode_correctness`), reward/<name> (text
-    rewards), tools/calls and tools/failures (--tools), and env/...: turns (policy turns per branch), observation_tokens (per branch), truncated (observation
-    tokens cut), errors (branches that ended with an environment error, their share in errors_share, the first's
-    text in first_error), left_out_groups, time_s, and the sampling split decode_s / observe_s."""
+    rewards), tools/calls and tools/failures (--tools), and env/...: turns (policy turns per branch),
+    observation_tokens (per branch), truncated (observation tokens cut), errors (branches that ended with an
+    environment error, their share in errors_share, the first's text in first_error), left_out_groups, time_s, and
+    the sampling split capture_s / decode_s / observe_s."""
 
     def __init__(self, task, environments: list, env_name: str, sampling, turns: TurnConfig, group_size: int,
                  chunk_size: int, groups_per_step: int = 1, buckets=None, reward_fn=None, max_errors: float = 0.5,
@@ -174,8 +175,8 @@ class EpisodeSampler:
             "env/truncated": int(sum(x.get("truncated", 0) for t in flat for x in t.turns if x["role"] == "tool")),
             "env/errors": int(failed.sum()), "env/errors_share": float(failed.mean()),
             "env/left_out_groups": int(few.sum()),
-            "env/time_s": episodes.timings["env_s"], "env/decode_s": episodes.timings["decode_s"],
-            "env/observe_s": episodes.timings["observe_s"]})
+            "env/time_s": episodes.timings["env_s"], "env/capture_s": episodes.timings["capture_s"],
+            "env/decode_s": episodes.timings["decode_s"], "env/observe_s": episodes.timings["observe_s"]})
         if self.tool_counts is not None:
             calls, failures = self.tool_counts.take()
             extra.update({"tools/calls": calls, "tools/failures": failures})

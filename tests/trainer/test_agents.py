@@ -113,7 +113,7 @@ def test_an_environment_down_stops_the_run_and_it_resumes(agent_run, tmp_path, c
     straight = str(tmp_path / "straight")
     assert run.main(switched + ["--steps", "3", "--out", straight]) == 0
     drop = {"tokens_per_s", "rollout_s", "update_s", "step_s", "peak_mem_bytes", "env/time_s", "env/decode_s",
-            "env/observe_s"}
+            "env/observe_s", "env/capture_s"}
     strip = lambda records: [{k: v for k, v in r.items() if k not in drop} for r in records]
     assert strip(read(out)) == strip(read(straight))
     (resumed, resumed_opt, _), (whole, whole_opt, _) = (restore(d, vocab_size=48) for d in (out, straight))
