@@ -39,7 +39,7 @@ class Environment(Protocol):
     def step(self, turn: np.ndarray) -> tuple[Sequence[int], float | None, bool]: ...
 
 
-class EnvironmentError_(RuntimeError):
+class FactoryError(RuntimeError):
     """A factory that cannot be loaded or built (raised at start, before any work)."""
 
 
@@ -47,22 +47,22 @@ def make_environments(spec_or_factory, count: int, vocab_size: int, seed: int, e
                       what: str = "--env") -> list:
     """`count` environments from a factory (a callable, or "module:function" as `--env` names it), each built with
     FACTORY(vocab_size=..., seed=..., **env_kwargs). A factory that cannot be found, raises, or builds something
-    without reset/step: EnvironmentError_ naming it (one line)."""
+    without reset/step: FactoryError naming it (one line)."""
     name = spec_or_factory if isinstance(spec_or_factory, str) else getattr(spec_or_factory, "__qualname__",
                                                                             repr(spec_or_factory))
     try:
         factory = load_callable(spec_or_factory) if isinstance(spec_or_factory, str) else spec_or_factory
     except ValueError as e:
-        raise EnvironmentError_(f"{what} {name}: {e}") from None
+        raise FactoryError(f"{what} {name}: {e}") from None
     envs = []
     for _ in range(count):
         try:
             env = factory(vocab_size=vocab_size, seed=seed, **(env_kwargs or {}))
         except Exception as e:
-            raise EnvironmentError_(f"{what} {name} failed at start: {type(e).__name__}: {first_line(e)}") from None
+            raise FactoryError(f"{what} {name} failed at start: {type(e).__name__}: {first_line(e)}") from None
         missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
         if missing:
-            raise EnvironmentError_(f"{what} {name} returned {type(env).__name__}, which has no "
+            raise FactoryError(f"{what} {name} returned {type(env).__name__}, which has no "
                                     f"{' / '.join(missing)} method (an environment needs reset and step)")
         envs.append(env)
     return envs

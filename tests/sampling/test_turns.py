@@ -181,15 +181,15 @@ def test_faults_end_only_their_branch(setup):
 
 
 def test_factory_errors_are_one_line():
-    with pytest.raises(environment.EnvironmentError_, match="no attribute"):
+    with pytest.raises(environment.FactoryError, match="no attribute"):
         environment.make_environments("tests.sampling.test_turns:Nope", 2, V, 0)
 
     def broken(vocab_size, seed):
         raise OSError("no sandbox")
 
-    with pytest.raises(environment.EnvironmentError_, match="failed at start: OSError: no sandbox"):
+    with pytest.raises(environment.FactoryError, match="failed at start: OSError: no sandbox"):
         environment.make_environments(broken, 2, V, 0)
-    with pytest.raises(environment.EnvironmentError_, match="no reset / step"):
+    with pytest.raises(environment.FactoryError, match="no reset / step"):
         environment.make_environments(lambda vocab_size, seed: object(), 1, V, 0)
     assert len(environment.make_environments(Echo, 3, V, 0, {"turns": 2})) == 3
 
