@@ -19,6 +19,7 @@ import pytest
 from longstraw_jax.agents import text
 from longstraw_jax.agents.environment import Reply, check_step_result
 from longstraw_jax.trainer import cli as run
+from tests.tasks.test_dataset import tiny_tokenizer
 
 WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system", "tool", "tools:", "colour",
          "<tool_response>", "</tool_response>", "<tool_call>", "</tool_call>", '{"name":', '"colour",', '"nope",',
@@ -44,16 +45,7 @@ NO_TOOLS = TEMPLATE.replace("{% if tools %}", "{% if false %}")
 
 
 def tokenizer_dir(directory, template=TEMPLATE):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *WORDS])}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = template
-    fast.save_pretrained(str(directory))
-    return str(directory)
+    return tiny_tokenizer(directory, WORDS, template=template)
 
 
 def load(directory):

@@ -28,7 +28,7 @@ TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content']
 VOCAB = 32  # the tiny model's (--vocab-size): the tokenizer has len(WORDS) + 1 = 23 tokens
 
 
-def tiny_tokenizer(directory, words=WORDS, eos_ids=None):
+def tiny_tokenizer(directory, words=WORDS, eos_ids=None, template=TEMPLATE):
     """A word-level tokenizer ("[UNK]" + words, split on whitespace) with a chat template, saved with
     save_pretrained into `directory` (tokenizer.json, tokenizer_config.json, chat_template.jinja) and, with
     eos_ids, a generation_config.json. Returns the directory."""
@@ -39,7 +39,7 @@ def tiny_tokenizer(directory, words=WORDS, eos_ids=None):
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = TEMPLATE
+    fast.chat_template = template
     fast.save_pretrained(str(directory))
     if eos_ids is not None:
         (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
