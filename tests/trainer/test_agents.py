@@ -183,3 +183,17 @@ def test_the_agent_demo_config_builds_episodes():
     source = components.data_source(config, config.vocab_size)
     assert isinstance(source, components.episodes.EpisodeSampler)
     assert source.env_name == "the lookup task's environment" and len(source.environments) == 64
+
+
+def test_agent_options_name_every_bad_value():
+    from longstraw_jax.trainer.config import parse_args
+
+    with pytest.raises(ValueError) as info:
+        parse_args(["--max-turns", "0", "--env-timeout", "0", "--max-env-errors", "2", "--env-kwargs", "[1]",
+                    "--env", "a:b", "--rollouts", "r.jsonl", "--turn-len", "0"])
+    for part in ("--max-turns=0 must be >= 1", "--turn-len=0 must be >= 1", "--env-timeout=0.0 must be",
+                 "--max-env-errors=2.0 must be a share in [0, 1]", "--env-kwargs='[1]' must be a JSON object",
+                 "a --rollouts file brings its own"):
+        assert part in str(info.value), part
+    with pytest.raises(ValueError, match="--tools=m:T is the environment of a --data run"):
+        parse_args(["--tools", "m:T"])
