@@ -182,7 +182,7 @@ def test_the_agent_demo_config_builds_episodes():
     assert (config.task, config.mode, config.max_turns, config.response_len) == ("lookup", "exact", 2, 8)
     source = components.data_source(config, config.vocab_size)
     assert isinstance(source, components.episodes.EpisodeSampler)
-    assert source.env_name == "the lookup task's environment" and len(source.environments) == 64
+    assert source.env_name == "the lookup task's environment" and len(source.environments) == 16 * 8
 
 
 def test_agent_options_name_every_bad_value():
