@@ -5,7 +5,8 @@
     episodes.mask [B, G, R]: 1 on the policy's tokens only (observations are read, never trained on)
     episodes.rewards [B, G]: each branch's sum of the environment's rewards; episodes.transcripts[b][g]
 
-A host loop over turns drives two jitted programs over all B x G branches at once:
+A host loop over turns drives three jitted programs over all B x G branches at once (on a mesh each runs per data
+slice, `Place`):
 
     capture prompt[:-1] (every group), decode prompt[-1] at P - 1                    `_start`, once
     for turn k < max_turns, while a branch is running:
@@ -15,7 +16,7 @@ A host loop over turns drives two jitted programs over all B x G branches at onc
         the environment's step(turn) for every branch that ended a turn           host threads, `call_all`
         the observations appended to their branches' tails, one token position     `_observe`
         after another for all branches together, padded to a bucket length
-        (`TurnConfig.buckets`: no recompilation per length)
+        (`TurnConfig.bucket`: no recompilation per length)
 
 Transcript token j of a branch sits at position P + j (tail slot j + 1; slot 0 is prompt[-1]). Branches are at
 different positions (their observations differ in length), so decoding is vmapped over per-branch positions. A
