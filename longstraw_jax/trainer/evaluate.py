@@ -95,7 +95,7 @@ class Evaluator:
         self.sampling = SamplingConfig(response_len=response_len, temperature=0.0, stop_token=stop_token,
                                        pad_token=pad_token, stop_tokens=tuple(stop_tokens))
         self.reference = None  # [K, V] log-probs of the first response token at the reference (start) evaluation
-        # agent branches: K environments (one per prompt) and the TurnConfig; the reward is the environment's
+        # agent branches: K environments (one per prompt), the TurnConfig, the episodes' reward function (or None)
         self.environments, self.turns, self.episode_reward_fn = environments, turns, episode_reward_fn
 
     @property
@@ -113,35 +113,53 @@ class Evaluator:
         import jax
 
         from longstraw_jax.sampling.groups import sample_groups
-        from longstraw_jax.trainer import components, distributed
+        from longstraw_jax.trainer import distributed
         from longstraw_jax.trainer.components import place_key
 
-        out = None
-        self.episode_rewards = np.zeros(self.num_prompts, np.float32)
-        self.episode_correct = np.zeros(self.num_prompts, bool)
-        for indices, tokens, left_pad in self.batches:
+        def answer(tokens, left_pad, indices):
             keys = place_key(jax.random.split(jax.random.key(0), len(indices)), self.mesh)  # unused by greedy
-            if self.environments is not None:  # one greedy episode per prompt
-                from longstraw_jax.sampling.turns import sample_episodes
+            rollouts = sample_groups(model, params, tokens, keys, 1, self.sampling, self.chunk_size, mesh=self.mesh,
+                                     keep_capture=False, left_pad=left_pad)
+            responses, mask, first = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.first_logprobs))
+            return responses[:, 0], mask[:, 0], first  # the one branch of each prompt
 
-                episodes = sample_episodes(model, params, tokens, keys, 1, self.sampling, self.turns,
-                                           [self.environments[i] for i in indices], self.chunk_size,
-                                           left_pad=left_pad, infos=[self.prompts[i].info for i in indices],
-                                           mesh=self.mesh)
-                parts = (episodes.responses, episodes.mask, episodes.first_logprobs)
-                prompts = [self.prompts[i] for i in indices]
-                rewards, _ = components.episodes.episode_rewards(self.task, self.episode_reward_fn, prompts,
-                                                                 episodes)
-                self.episode_rewards[indices] = rewards[:, 0]
-                judged = components.episodes.episode_correctness(self.task, episodes.transcripts,
-                                                                 episodes.responses, episodes.mask, prompts)
-                if judged is not None:
-                    self.episode_correct[indices] = judged[:, 0] > 0
-            else:
-                rollouts = sample_groups(model, params, tokens, keys, 1, self.sampling, self.chunk_size,
-                                         mesh=self.mesh, keep_capture=False, left_pad=left_pad)
-                parts = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.first_logprobs))
-            parts = (parts[0][:, 0], parts[1][:, 0], parts[2])  # the one branch of each prompt
+        return self._per_batch(answer)
+
+    def episodes(self, model, params) -> tuple[np.ndarray, ...]:
+        """One greedy episode per prompt (agent branches) -> (responses int32 [K, R] (the transcripts), mask float32
+        [K, R] (the policy's tokens), first-token log-probs float32 [K, V], rewards float32 [K] (the environment's,
+        + the episode reward function's), correct float32 [K] (`episodes.episode_correctness`; zeros when the task
+        judges nothing), and per reward function its values and where it applies, [K] each)."""
+        import jax
+
+        from longstraw_jax.sampling.turns import sample_episodes
+        from longstraw_jax.trainer import episodes as agents
+
+        names = list(getattr(self.episode_reward_fn, "names", ()))
+
+        def answer(tokens, left_pad, indices):
+            prompts = [self.prompts[i] for i in indices]
+            keys = jax.random.split(jax.random.key(0), len(indices))  # unused by greedy
+            out = sample_episodes(model, params, tokens, keys, 1, self.sampling, self.turns,
+                                  [self.environments[i] for i in indices], self.chunk_size, left_pad=left_pad,
+                                  infos=[p.info for p in prompts], mesh=self.mesh)
+            rewards, parts = agents.episode_rewards(self.task, self.episode_reward_fn, prompts, out)
+            correct = agents.episode_correctness(self.task, out.transcripts, out.responses, out.mask, prompts)
+            correct = np.zeros_like(rewards) if correct is None else correct
+            columns = [x for name in names for x in parts[name]]
+            return (out.responses[:, 0], out.mask[:, 0], out.first_logprobs, rewards[:, 0], correct[:, 0],
+                    *(x[:, 0] for x in columns))
+
+        whole = self._per_batch(answer)
+        parts = {name: (whole[5 + 2 * i], whole[6 + 2 * i]) for i, name in enumerate(names)}
+        return (*whole[:5], parts)
+
+    def _per_batch(self, answer) -> tuple[np.ndarray, ...]:
+        """answer(tokens, left_pad, indices) -> per-prompt arrays of one batch of `self.batches`; -> those arrays
+        for all K prompts, in prompt order."""
+        out = None
+        for indices, tokens, left_pad in self.batches:
+            parts = answer(tokens, left_pad, indices)
             if out is None:
                 out = [np.zeros((self.num_prompts,) + np.shape(x)[1:], np.asarray(x).dtype) for x in parts]
             for whole, part in zip(out, parts):
@@ -153,17 +171,20 @@ class Evaluator:
         (per text reward function: its mean over the answers it applies to), eval_entropy (first response token),
         eval_kl_to_start (when a reference is set), eval_prompts (K), eval_prompt_len (P, the mean when prompts
         differ), eval_s (wall time). reference=True: these answers' first-token distribution becomes the
-        reference."""
-        from longstraw_jax.trainer.components import part_means, score_groups
+        reference. Agent branches (`environments`): one greedy episode per prompt, scored as the trainer scores
+        episodes."""
+        from longstraw_jax.trainer.batches import part_means, score_groups
 
         start = time.perf_counter()
-        responses, mask, first = self.answers(model, params)
-        rewards, correct, parts = score_groups(self.task, self.reward_fn, self.prompts, responses[:, None],
-                                               mask[:, None], self.mesh)  # K groups of one branch, each by its owner
-        rewards, correct = rewards[:, 0], None if correct is None else correct[:, 0] > 0
-        if self.environments is not None:  # the environment's rewards, the task's judgement of each episode
-            rewards = self.episode_rewards
-            correct = None if correct is None else self.episode_correct
+        if self.environments is not None:
+            responses, mask, first, rewards, correct, parts = self.episodes(model, params)
+            judged = hasattr(self.task, "episode_correct") or hasattr(self.task, "is_correct")
+            correct = correct > 0 if judged else None
+        else:
+            responses, mask, first = self.answers(model, params)
+            rewards, correct, parts = score_groups(self.task, self.reward_fn, self.prompts, responses[:, None],
+                                                   mask[:, None], self.mesh)  # K groups of one branch, by owners
+            rewards, correct = rewards[:, 0], None if correct is None else correct[:, 0] > 0
         if reference:
             self.reference = np.asarray(first, np.float32)
         stats = first_token_stats(first, self.reference)
@@ -222,16 +243,14 @@ def episode_options(config, task, count: int, vocab_size: int, sampling, reward_
     """An evaluation of agent branches (--env, --tools or a task's own environment): one greedy episode per held-out
     prompt, its reward the environment's (+ reward_fn's score of the transcript) -> the Evaluator's keyword
     arguments ({} without an environment)."""
-    from longstraw_jax.trainer import components
+    from longstraw_jax.trainer import episodes
 
-    factory, name = components.episodes.environment_factory(config, task)
+    factory, name = episodes.environment_factory(config, task)
     if factory is None:
         return {}
-    components.episodes.check_processes(name)
-    environments, _ = components.episodes.build_environments(config, factory, name, count, vocab_size, task,
-                                                             sampling)
-    return dict(environments=environments, turns=components.episodes.turn_config(config),
-                episode_reward_fn=reward_fn)
+    episodes.check_processes(name)
+    environments, _ = episodes.build_environments(config, factory, name, count, vocab_size, task, sampling)
+    return dict(environments=environments, turns=episodes.turn_config(config), episode_reward_fn=reward_fn)
 
 
 def for_run(config, explicit, data, vocab_size: int, mesh=None) -> Evaluator | None:

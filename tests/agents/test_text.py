@@ -150,8 +150,13 @@ def test_text_episodes_through_the_trainer(tmp_path, capsys):
     tokenizer = tokenizer_dir(tmp_path / "tok")
     data = write_data(tmp_path / "d.jsonl")
     out = str(tmp_path / "echo")
+    held_out = ["--eval-every", "1", "--eval-fraction", "0.5", "--eval-prompts", "2"]
     assert run.main(TEXT_RUN + ["--data", data, "--tokenizer", tokenizer, "--out", out,
-                                "--env", "tests.agents.test_text:echo_factory"]) == 0
+                                "--env", "tests.agents.test_text:echo_factory"] + held_out) == 0
+    evals = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if r.get("kind") == "eval"]
+    # held-out episodes scored as training scores them: the environment's reward (1 after 2 turns) + the text
+    # reward on the transcript
+    assert evals and all(e["eval_reward"] >= 1.0 and "eval_reward/contains" in e for e in evals)
     rows = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
     tools = [t for c in rows[0]["completions"] for t in c["turns"] if t["role"] == "tool" and t["tokens"]]
     wrapped = ["user", "<tool_response>", "ok", "</tool_response>", "assistant"]  # (special tokens skipped)
