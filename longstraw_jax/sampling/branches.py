@@ -42,8 +42,7 @@ from flax import struct
 from longstraw_jax.common import progress
 from longstraw_jax.common.validation import check_left_pad, check_size, check_tokens, is_int, is_real
 from longstraw_jax.engine.capture import capture_chunks, chunk_layout
-from longstraw_jax.sharding.groups import DATA
-from longstraw_jax.sharding.rules import manual_axes
+from longstraw_jax.sharding.groups import any_slice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,15 +238,16 @@ def sample_captured(model, params, state, prompt, key, group_size: int, sampling
 _sample_group = jax.jit(sample_traced, static_argnums=(0, 4, 5, 6, 7))
 
 
-def batched_step(model, params, decode):
-    """One decode step of N branches: (tails [N, ...], tokens int32 [N], position) -> (tails, float32 logits [N, V]),
-    `decode` (as `sample_after_prompt` takes it) vmapped over the tails and tokens; what is closed over in decode
-    (the prompt state, params) is read once for all N."""
+def batched_step(model, params, decode, per_branch_positions: bool = False):
+    """One decode step of N branches: (tails [N, ...], tokens int32 [N], position: int32 [] shared, or [N] with
+    per_branch_positions) -> (tails, logits [N, V] (`model.logits`)), `decode` (as `sample_after_prompt` takes it)
+    vmapped over the tails and tokens; what is closed over in decode (the prompt state, params) is read once for all
+    N."""
     def step(tail, token, position):
         hidden, tail = decode(tail, token, position)
         return tail, model.logits(params, hidden)[0]
 
-    return jax.vmap(step, in_axes=(0, 0, None))
+    return jax.vmap(step, in_axes=(0, 0, 0 if per_branch_positions else None))
 
 
 def sample_after_prompt(model, params, decode, tail, prompt, key, group_size: int, sampling: SamplingConfig) -> Rollout:
@@ -271,15 +271,13 @@ def sample_after_prompt(model, params, decode, tail, prompt, key, group_size: in
 
     step_all = batched_step(model, params, decode)
     # Inside `sharding/groups.over_data` each data slice samples its own group, but a decode step's collectives
-    # (e.g. the FSDP all-gather of a layer over ("data", "seq")) need every slice: the loops then run in lockstep,
-    # as long as any slice's branch is still sampling, and a slice whose branches have stopped discards its results.
-    lockstep = DATA in manual_axes()
-    anywhere = (lambda x: jax.lax.psum(x.astype(jnp.int32), DATA) > 0) if lockstep else (lambda x: x)
+    # need every slice: the loops run in lockstep (`any_slice`), as long as any slice's branch is still sampling,
+    # and a slice whose branches have stopped discards its results.
 
     def batch(_, branch_keys):
         def cond(c):
             t, _, _, done, *_ = c
-            return (t < length) & anywhere(~jnp.all(done))
+            return (t < length) & any_slice(~done)
 
         def body(c):
             t, tails, logits, done, count, tokens, logp, sample_logp = c
@@ -299,7 +297,7 @@ def sample_after_prompt(model, params, decode, tail, prompt, key, group_size: in
             done = done | (live & jnp.any(token[:, None] == stops[None, :], axis=-1))
             # the last token (or a stop) needs no successor: no step once no branch needs one
             need = jnp.any(~done) & (t + 1 < length)
-            tails, logits = jax.lax.cond(anywhere(need), lambda: step_all(tails, token, p + t),
+            tails, logits = jax.lax.cond(any_slice(need), lambda: step_all(tails, token, p + t),
                                          lambda: (tails, logits))
             progress.tick("sampling", t + 1, length, n, after=logits)
             return t + 1, tails, logits, done, count + live.astype(jnp.int32), tokens, logp, sample_logp

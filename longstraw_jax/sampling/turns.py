@@ -44,8 +44,8 @@ from longstraw_jax.agents.environment import DONE, ERROR, LENGTH, MAX_TURNS, Tra
 from longstraw_jax.common.validation import check_left_pad, check_size, is_int, is_real
 from longstraw_jax.engine.capture import chunk_layout, round_layout
 from longstraw_jax.sampling import branches, mesh as mesh_sampling
-from longstraw_jax.sampling.branches import SamplingConfig, sampling_logits
-from longstraw_jax.sharding.groups import DATA, check_groups, over_data
+from longstraw_jax.sampling.branches import SamplingConfig, batched_step, sampling_logits
+from longstraw_jax.sharding.groups import DATA, any_slice, check_groups, over_data
 from longstraw_jax.sharding.rules import manual_axes
 
 
@@ -153,25 +153,13 @@ class Place:
         return over_data(self.mesh, fn, params, per_group, summed=False)
 
 
-def _anywhere(x):
-    """Any of x, over every data slice inside `over_data` (its loops run in lockstep: a decode step's collectives
-    need every slice), else over this one."""
-    if DATA in manual_axes():
-        return jax.lax.psum(jnp.any(x).astype(jnp.int32), DATA) > 0
-    return jnp.any(x)
-
-
 def step_all(model, params, place: Place, states, left_pad, tails, tokens, positions):
     """One decoding step of every branch: tokens int32 [B, G] at positions int32 [B, G] after group b's prompt state
     (leaves [B, ...]; read once for its G branches) -> (tails, logits float32 [B, G, V])."""
     def group(state, pad, tails, tokens, positions):
         decode, _ = place.decoder(model, params, state, pad)
-
-        def one(tail, token, position):
-            hidden, tail = decode(tail, token, position)
-            return tail, model.logits(params, hidden)[0].astype(jnp.float32)
-
-        return jax.vmap(one)(tails, tokens, positions)
+        tails, logits = batched_step(model, params, decode, per_branch_positions=True)(tails, tokens, positions)
+        return tails, logits.astype(jnp.float32)
 
     return jax.vmap(group)(states, left_pad, tails, tokens, positions)
 
@@ -231,7 +219,7 @@ def _policy_turn(model, params, place: Place, states, left_pad, br: Branches, ke
 
         def cond(c):
             t, _, live = c
-            return (t < turn_len) & _anywhere(live)
+            return (t < turn_len) & any_slice(live)
 
         def body(c):
             t, br, live = c
@@ -249,7 +237,7 @@ def _policy_turn(model, params, place: Place, states, left_pad, br: Branches, ke
                             sample_logp=_write(br.sample_logp, index, point, live))
             need = live & (index + 1 < r)  # a token at R - 1 has no successor
             decoded = lambda: step_all(model, params, place, states, left_pad, br.tails, token, p + index)
-            tails, logits = jax.lax.cond(_anywhere(need), decoded, lambda: (br.tails, br.logits))
+            tails, logits = jax.lax.cond(any_slice(need), decoded, lambda: (br.tails, br.logits))
             new = _select(need, (tails, logits), (br.tails, br.logits))
             ended = jnp.any(token[..., None] == stops, axis=-1) | (t + 1 >= turn_len) | (index + 1 >= r)
             br = br.replace(tails=new[0], logits=new[1], length=br.length + live.astype(jnp.int32))

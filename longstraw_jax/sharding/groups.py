@@ -25,6 +25,16 @@ from longstraw_jax.sharding import rules
 DATA = "data"
 
 
+def any_slice(x) -> jax.Array:
+    """jnp.any(x) over this data slice's values and, inside `over_data`, over every slice's: a loop whose body holds
+    collectives (e.g. the FSDP all-gather of a layer over ("data", "seq")) must run in lockstep on all slices, as
+    long as any slice still has work."""
+    local = jax.numpy.any(x)
+    if DATA in rules.manual_axes():
+        return jax.lax.psum(local.astype(jax.numpy.int32), DATA) > 0
+    return local
+
+
 def observe(group_index) -> None:
     """Called once per group inside the engines' group loop with the group's index in the batch (a traced int32).
     A no-op: a test seam (tests replace it with a `jax.debug.callback` to see which device computes which group)."""
