@@ -147,8 +147,7 @@ def call_all(calls: list[Callable[[], Any]], timeout: float, check: Callable[[An
     """Run every call in its own daemon thread, all at once; wait for each at most until `timeout` seconds after the
     start. Returns, per call, check(its value) (default: a Reply holding nothing), or a Reply with the error
     (the exception's type and first line, or "timed out after T s"): a call still running is abandoned."""
-    results: list = [None] * len(calls)
-    finished: list = [None] * len(calls)
+    results: list = [None] * len(calls)  # written by each call's thread when it is done
 
     def run(i):
         started = time.perf_counter()
@@ -159,7 +158,6 @@ def call_all(calls: list[Callable[[], Any]], timeout: float, check: Callable[[An
             reply = Reply(np.zeros(0, np.int32), error=f"{type(e).__name__}: {first_line(e)}".rstrip(": "))
         reply.seconds = time.perf_counter() - started
         results[i] = reply
-        finished[i] = True
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
     deadline = time.perf_counter() + timeout
@@ -167,10 +165,9 @@ def call_all(calls: list[Callable[[], Any]], timeout: float, check: Callable[[An
         thread.start()
     for thread in threads:
         thread.join(max(0.0, deadline - time.perf_counter()))
-    for i in range(len(calls)):
-        if not finished[i]:
-            results[i] = Reply(np.zeros(0, np.int32), error=f"timed out after {timeout:g} s", seconds=timeout)
-    return results
+    late = lambda: Reply(np.zeros(0, np.int32), error=f"timed out after {timeout:g} s", seconds=timeout)  # noqa: E731
+    # a new list: an abandoned call that finishes later writes only into `results`
+    return [late() if reply is None else reply for reply in list(results)]
 
 
 @dataclasses.dataclass
