@@ -366,21 +366,21 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
     first_logprobs = jax.nn.log_softmax(br.logits[:, 0])
     jax.block_until_ready(br.length)
     timings["capture_s"] = time.perf_counter() - started
+    length = np.zeros((b_count, g_count), np.int32)  # the transcripts' lengths, as on the device
     for turn in range(turns.max_turns):
         running = np.array([[t.status == "running" for t in row] for row in transcripts])
         if not running.any():
             break
-        before = np.asarray(br.length)
+        before = length
         started = time.perf_counter()
         br = _policy_turn(model, params, place, states, pads, br, branch_keys,
                           jnp.full((b_count, g_count), turn, jnp.int32), jnp.asarray(running), sampling, turn_len, p)
         tokens, length = (np.asarray(x) for x in jax.device_get((br.tokens, br.length)))
         timings["decode_s"] += time.perf_counter() - started
-        acted = [(b, g) for b, g in slots if running[b, g]]
-        for b, g in acted:
-            transcripts[b][g].turns.append({"role": "assistant", "tokens": tokens[b, g, before[b, g]:length[b, g]]})
-        replies = env_round({(b, g): functools.partial(envs[b][g].step, tokens[b, g, before[b, g]:length[b, g]].copy())
-                             for b, g in acted})
+        acted = {(b, g): tokens[b, g, before[b, g]:length[b, g]] for b, g in slots if running[b, g]}
+        for (b, g), said in acted.items():
+            transcripts[b][g].turns.append({"role": "assistant", "tokens": said})
+        replies = env_round({(b, g): functools.partial(envs[b][g].step, said.copy()) for (b, g), said in acted.items()})
         appended = {}
         for (b, g), reply in replies.items():
             keep = settle(transcripts[b][g], reply, turn, int(length[b, g]), r, turns)
@@ -396,6 +396,7 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
             br = _observe(model, params, place, states, pads, br, jnp.asarray(observations), jnp.asarray(count), p)
             jax.block_until_ready(br.length)
             timings["observe_s"] += time.perf_counter() - started
+            length = length + count
     responses, mask, logp, sample_logp = (np.asarray(x) for x in jax.device_get(
         (br.tokens, br.mask, br.logp, br.sample_logp)))
     rewards = np.array([[t.reward for t in row] for row in transcripts], np.float32)
