@@ -277,7 +277,7 @@ def sample_after_prompt(model, params, decode, tail, prompt, key, group_size: in
     def batch(_, branch_keys):
         def cond(c):
             t, _, _, done, *_ = c
-            return (t < length) & any_slice(~done)
+            return (t < length) & any_slice(~jnp.all(done))
 
         def body(c):
             t, tails, logits, done, count, tokens, logp, sample_logp = c

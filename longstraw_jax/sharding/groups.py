@@ -29,7 +29,7 @@ def any_slice(x) -> jax.Array:
     """jnp.any(x) over this data slice's values and, inside `over_data`, over every slice's: a loop whose body holds
     collectives (e.g. the FSDP all-gather of a layer over ("data", "seq")) must run in lockstep on all slices, as
     long as any slice still has work."""
-    local = jax.numpy.any(x)
+    local = x if jax.numpy.ndim(x) == 0 else jax.numpy.any(x)  # a scalar as it is: no op added to the program
     if DATA in rules.manual_axes():
         return jax.lax.psum(local.astype(jax.numpy.int32), DATA) > 0
     return local
