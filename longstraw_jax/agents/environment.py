@@ -11,7 +11,9 @@ An environment answers one branch's policy turns:
 episode (its observation is then not appended). The branch's reward is the sum of its rewards.
 
 Every call runs in a daemon thread with a timeout (`call_all`), so a `step` that never returns costs `timeout`
-seconds and is abandoned, never a hang. A call that raises, times out or returns something malformed ends that
+seconds and is abandoned, never a hang. In a multi-process run each environment lives on one process (the one that
+owns its group's data slice) and the replies are exchanged after each round of calls (`call_owned`), so every
+process records the same transcripts. A call that raises, times out or returns something malformed ends that
 branch with status "error" and the first error's text (`Reply.error`); the sampler keeps the other branches going.
 `Transcript` is what a branch did (its turns, the environment's replies, its status); `ScriptedEnvironment` replays
 one without the environment (a flaky tool's run reproduced; tests script an environment).
@@ -24,10 +26,12 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
+import jax
 import numpy as np
 
 from longstraw_jax.common.callables import load_callable
 from longstraw_jax.common.validation import is_real
+from longstraw_jax.sharding.hosts import gather_objects
 
 # a branch's status once its episode is over
 DONE, LENGTH, MAX_TURNS, ERROR = "done", "length", "max_turns", "error"
@@ -99,6 +103,16 @@ class Reply:
     seconds: float = 0.0
     frame: tuple | None = None
 
+    def as_json(self) -> dict:
+        return {"observation": [int(x) for x in self.observation], "reward": self.reward, "done": self.done,
+                "error": self.error, "seconds": self.seconds, "frame": None if self.frame is None else list(self.frame)}
+
+    @classmethod
+    def from_json(cls, row: dict) -> "Reply":
+        frame = row["frame"]
+        return cls(np.asarray(row["observation"], np.int32), row["reward"], row["done"], row["error"], row["seconds"],
+                   None if frame is None else tuple(frame))
+
     def fit(self, room: int) -> np.ndarray:
         """The observation cut to at most `room` tokens: a framed one loses content first (its wrapper kept whole
         while it fits), a plain one its end."""
@@ -168,6 +182,31 @@ def call_all(calls: list[Callable[[], Any]], timeout: float, check: Callable[[An
     late = lambda: Reply(np.zeros(0, np.int32), error=f"timed out after {timeout:g} s", seconds=timeout)  # noqa: E731
     # a new list: an abandoned call that finishes later writes only into `results`
     return [late() if reply is None else reply for reply in list(results)]
+
+
+def call_owned(calls: dict, timeout: float, check: Callable[[Any], Reply] | None = None) -> dict:
+    """calls {slot: callable, or None where another process holds that slot's environment} -> {slot: Reply} for
+    every slot, on every process. Each process runs its own calls (`call_all`, in parallel threads, `timeout` each);
+    in a multi-process run the replies are then exchanged (`sharding.hosts.gather_objects`: a collective, so every
+    process calls this at the same point with the same slots), and every process records the same transcripts.
+    Slots are tuples of ints, e.g. (group, branch). A slot that no process or more than one process called:
+    ValueError."""
+    own = {slot: call for slot, call in calls.items() if call is not None}
+    replies = dict(zip(own, call_all(list(own.values()), timeout, check)))
+    if jax.process_count() > 1:
+        shared = gather_objects([[list(slot), reply.as_json()] for slot, reply in replies.items()])
+        replies, callers = {}, {}
+        for process, rows in enumerate(shared):
+            for slot, row in rows:
+                slot = tuple(slot)
+                if slot in replies:
+                    raise ValueError(f"environment slot {slot}: called by processes {callers[slot]} and {process}; "
+                                     "each slot's environment must live on one process")
+                replies[slot], callers[slot] = Reply.from_json(row), process
+    missing = [slot for slot in calls if slot not in replies]
+    if missing:
+        raise ValueError(f"environment slot {missing[0]}: no process holds its environment (None on every process)")
+    return {slot: replies[slot] for slot in calls}
 
 
 @dataclasses.dataclass

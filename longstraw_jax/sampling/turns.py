@@ -40,12 +40,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from longstraw_jax.agents.environment import DONE, ERROR, LENGTH, MAX_TURNS, Transcript, call_all, check_step_result
+from longstraw_jax.agents.environment import DONE, ERROR, LENGTH, MAX_TURNS, Transcript, call_owned, check_step_result
 from longstraw_jax.common.validation import check_left_pad, check_size, is_int, is_real
 from longstraw_jax.engine.capture import chunk_layout, round_layout
 from longstraw_jax.sampling import branches, mesh as mesh_sampling
 from longstraw_jax.sampling.branches import SamplingConfig, batched_step, sampling_logits
 from longstraw_jax.sharding.groups import DATA, any_slice, check_groups, over_data
+from longstraw_jax.sharding.hosts import to_host
 from longstraw_jax.sharding.rules import manual_axes
 
 
@@ -173,7 +174,7 @@ def _select(where, new, old):
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7))
 def _start(model, params, prompts, left_pad, keys, group_size: int, sampling: SamplingConfig, place: Place):
     """Capture every group's prompt[:-1] and decode prompt[-1] -> (Branches with G copies per group, the captures,
-    the branches' keys [B, G]: split(keys[b], G))."""
+    the branches' keys [B, G]: split(keys[b], G), the first token's log-probs float32 [B, V] (temperature 1))."""
     length, p = sampling.response_len, prompts.shape[1]
 
     def slice_start(params, local):
@@ -195,7 +196,8 @@ def _start(model, params, prompts, left_pad, keys, group_size: int, sampling: Sa
         return state, captured
 
     state, captured = place.run(slice_start, params, (prompts, left_pad))
-    return state, captured, jax.vmap(lambda k: jax.random.split(k, group_size))(keys)
+    return (state, captured, jax.vmap(lambda k: jax.random.split(k, group_size))(keys),
+            jax.nn.log_softmax(state.logits[:, 0]))
 
 
 def _write(buffer, index, value, where):
@@ -315,7 +317,12 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
     keys: B PRNG keys; environments: B x G environments (nested [B][G] or flat, branch g of group b at b * G + g),
     each reset with (the unpadded prompt, infos[b] or {}, g) before its episode. Host-side checks first (token ids,
     G, stop / pad ids, chunk_size, left_pad), then the turn loop of the module docstring. The response length R is
-    the transcript's: policy and observation tokens together."""
+    the transcript's: policy and observation tokens together.
+
+    Several processes (a mesh spanning them): every process calls this with the same arguments, except that its
+    `environments` hold None where another process holds the environment (each slot on exactly one process, e.g.
+    the process owning the group's data slice); the replies are exchanged after every round of calls
+    (`agents.environment.call_owned`), so every process returns the same Episodes."""
     prompts = np.asarray(prompts)
     if prompts.ndim != 2:
         raise ValueError(f"prompts must be [B, P] (one row per group), got shape {prompts.shape}")
@@ -345,25 +352,25 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
     vocab = model.config.vocab_size
 
     def env_round(calls, check=lambda value: check_step_result(value, vocab)):
-        """calls {(b, g): callable} -> {(b, g): Reply}, timed."""
+        """calls {(b, g): (method name, arguments)} -> {(b, g): Reply}, each environment called where it lives."""
         started = time.perf_counter()
-        replies = call_all(list(calls.values()), turns.timeout, check)
+        bound = lambda env, name, args: None if env is None else functools.partial(getattr(env, name), *args)
+        replies = call_owned({(b, g): bound(envs[b][g], *call) for (b, g), call in calls.items()}, turns.timeout, check)
         timings["env_s"] += time.perf_counter() - started
-        return dict(zip(calls, replies))
+        return replies
 
     unpadded = [prompts[b, (0 if left_pad is None else int(left_pad[b])):] for b in range(b_count)]
-    resets = env_round({(b, g): functools.partial(envs[b][g].reset, unpadded[b].copy(), infos[b], g)
-                        for b, g in slots}, check=None)
+    resets = env_round({(b, g): ("reset", (unpadded[b].copy(), infos[b], g)) for b, g in slots}, check=None)
     for (b, g), reply in resets.items():
         if reply.error is not None:
             transcripts[b][g].status, transcripts[b][g].error = ERROR, "reset: " + reply.error
 
     started = time.perf_counter()
-    pads = None if left_pad is None else jnp.asarray(left_pad)
-    br, captured, branch_keys = _start(model, params, jnp.asarray(prompts, jnp.int32), pads, keys, g_count, sampling,
-                                       place)
+    # host arrays in (equal on every process), `to_host` out (gathered from the other processes' data slices)
+    pads = None if left_pad is None else np.asarray(left_pad, np.int32)
+    br, captured, branch_keys, first_logprobs = _start(model, params, prompts.astype(np.int32), pads, keys, g_count,
+                                                       sampling, place)
     states = place.state(captured)
-    first_logprobs = jax.nn.log_softmax(br.logits[:, 0])
     jax.block_until_ready(br.length)
     timings["capture_s"] = time.perf_counter() - started
     length = np.zeros((b_count, g_count), np.int32)  # the transcripts' lengths, as on the device
@@ -374,13 +381,13 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
         before = length
         started = time.perf_counter()
         br = _policy_turn(model, params, place, states, pads, br, branch_keys,
-                          jnp.full((b_count, g_count), turn, jnp.int32), jnp.asarray(running), sampling, turn_len, p)
-        tokens, length = (np.asarray(x) for x in jax.device_get((br.tokens, br.length)))
+                          np.full((b_count, g_count), turn, np.int32), running, sampling, turn_len, p)
+        tokens, length = to_host((br.tokens, br.length))
         timings["decode_s"] += time.perf_counter() - started
         acted = {(b, g): tokens[b, g, before[b, g]:length[b, g]] for b, g in slots if running[b, g]}
         for (b, g), said in acted.items():
             transcripts[b][g].turns.append({"role": "assistant", "tokens": said})
-        replies = env_round({(b, g): functools.partial(envs[b][g].step, said.copy()) for (b, g), said in acted.items()})
+        replies = env_round({(b, g): ("step", (said.copy(),)) for (b, g), said in acted.items()})
         appended = {}
         for (b, g), reply in replies.items():
             keep = settle(transcripts[b][g], reply, turn, int(length[b, g]), r, turns)
@@ -393,13 +400,13 @@ def sample_episodes(model, params, prompts, keys, group_size: int, sampling: Sam
             for (b, g), keep in appended.items():
                 observations[b, g, :len(keep)], count[b, g] = keep, len(keep)
             started = time.perf_counter()
-            br = _observe(model, params, place, states, pads, br, jnp.asarray(observations), jnp.asarray(count), p)
+            br = _observe(model, params, place, states, pads, br, observations, count, p)
             jax.block_until_ready(br.length)
             timings["observe_s"] += time.perf_counter() - started
             length = length + count
-    responses, mask, logp, sample_logp = (np.asarray(x) for x in jax.device_get(
-        (br.tokens, br.mask, br.logp, br.sample_logp)))
+    responses, mask, logp, sample_logp, first_logprobs = to_host(
+        (br.tokens, br.mask, br.logp, br.sample_logp, first_logprobs))
     rewards = np.array([[t.reward for t in row] for row in transcripts], np.float32)
     return Episodes(responses=responses, mask=mask, logprobs=logp, sample_logprobs=sample_logp, rewards=rewards,
-                    first_logprobs=np.asarray(first_logprobs), transcripts=transcripts, captured=captured,
+                    first_logprobs=first_logprobs, transcripts=transcripts, captured=captured,
                     timings=timings)

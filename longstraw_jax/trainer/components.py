@@ -20,7 +20,7 @@ from longstraw_jax.grpo import GroupBatch
 from longstraw_jax.io import checkpoints, peft
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sampling.groups import sample_groups
-from longstraw_jax.sharding import make_mesh, rules
+from longstraw_jax.sharding import hosts, make_mesh, rules
 from longstraw_jax.sharding.mesh import parse_mesh_spec
 from longstraw_jax.tasks import load_callable, make_task
 from longstraw_jax.tasks.rollout_file import load_rollouts
@@ -199,7 +199,7 @@ class TaskSampler:
                                            self.chunk_size, mesh=self.mesh, left_pad=left_pad)
         # the full values on every process (gathered when sharded over several); each group is scored by the
         # process that owns its data slice, and the rewards are summed over processes (zero where not owned)
-        responses, mask, logprobs = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.logprobs))
+        responses, mask, logprobs = hosts.to_host((rollouts.responses, rollouts.mask, rollouts.logprobs))
         rewards, correct, parts = score_groups(self.task, self.reward_fn, prompts, responses, mask, self.mesh)
         self.last_scored = (prompts, parts, correct)
         extra = {"accuracy": float(correct.mean())} if correct is not None else {}
@@ -230,9 +230,8 @@ def data_source(config: RunConfig, vocab_size: int, mesh=None) -> RolloutFile | 
     sampling = sampling_config(config, stops, pad, vocab_size)
     factory, name = episodes.environment_factory(config, task)
     if factory is not None:
-        episodes.check_processes(name)
-        count = groups_per_step(config) * config.group_size
-        environments, counts = episodes.build_environments(config, factory, name, count, vocab_size, task, sampling)
+        environments, counts = episodes.build_environments(config, factory, name, groups_per_step(config),
+                                                           config.group_size, vocab_size, task, sampling, mesh)
         reward_fn = scorer if config.data else (load_callable(config.reward) if config.reward else None)
         return episodes.EpisodeSampler(task, environments, name, sampling, episodes.turn_config(config),
                                        config.group_size, config.chunk_size, groups_per_step(config), buckets,

@@ -396,26 +396,6 @@ def is_primary() -> bool:
     return process_index() == 0
 
 
-def to_host(tree):
-    """Numpy copies of a pytree of arrays, the same full value on every process: a process-local or fully replicated
-    array is read directly; one sharded over other processes' devices is gathered (a collective: every process
-    must call this in the same order). Non-arrays pass through."""
-    import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    def one(x):
-        if not isinstance(x, jax.Array):
-            return x
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return jax.random.wrap_key_data(one(jax.random.key_data(x)), impl=jax.random.key_impl(x))
-        if x.is_fully_addressable or x.is_fully_replicated:
-            return np.asarray(x)
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-    return jax.tree.map(one, tree)
-
-
 def to_global(tree, shardings):
     """A pytree of values that are equal on every process (host arrays, process-local jax arrays) -> global arrays
     with `shardings` (a matching pytree, or one sharding for all leaves); each process builds only its own
@@ -439,7 +419,8 @@ def to_global(tree, shardings):
 def from_process_local(tree, shardings):
     """Each process's own rows (e.g. the groups it sampled and scored) -> global arrays: leaf by leaf
     `jax.make_array_from_process_local_data`, the global leading dimension being the processes' rows in process
-    order (data-parallel inputs along `data`). `to_host` turns the result back into the full value everywhere."""
+    order (data-parallel inputs along `data`). `sharding.hosts.to_host` turns the result back into the full value
+    everywhere."""
     import jax
 
     if isinstance(shardings, jax.sharding.Sharding):

@@ -21,6 +21,7 @@ from longstraw_jax.agents.environment import ERROR, make_environments
 from longstraw_jax.common.callables import load_object
 from longstraw_jax.grpo import GroupBatch
 from longstraw_jax.sampling.turns import TurnConfig, sample_episodes
+from longstraw_jax.trainer import distributed
 from longstraw_jax.trainer.batches import part_means, score_groups, stack_prompts
 from longstraw_jax.trainer.config import RunConfig, RunError
 
@@ -35,38 +36,40 @@ def environment_factory(config: RunConfig, task):
     return (own, f"the {getattr(task, 'name', 'task')} task's environment") if callable(own) else (None, None)
 
 
-def check_processes(name: str) -> None:
-    """Agent branches run their environments on the host of a single process (one device or a mesh of its
-    devices): RunError in a multi-process run."""
-    if jax.process_count() > 1:
-        raise RunError(f"{name}: agent branches run in one process for now ({jax.process_count()} processes here: "
-                       "the environments' host calls are not yet split over processes)")
-
-
 def turn_config(config: RunConfig) -> TurnConfig:
     return TurnConfig(max_turns=config.max_turns, turn_len=config.turn_len,
                       max_observation=config.max_observation_len, timeout=config.env_timeout)
 
 
-def build_environments(config: RunConfig, factory, name: str, count: int, vocab_size: int, task=None,
-                       sampling=None) -> tuple[list, object]:
-    """(`count` environments with --env-kwargs, a `ToolCounts` for --tools or None). A --data run's are text
-    environments behind `agents.text.TextEpisode` (the chat template checked first: `text_turns`). A factory that is
-    missing or fails, or a template that cannot frame tool turns: RunError (one line, before any work)."""
+def build_environments(config: RunConfig, factory, name: str, groups: int, group_size: int, vocab_size: int,
+                       task=None, sampling=None, mesh=None) -> tuple[list, object]:
+    """(groups x group_size environments with --env-kwargs, flat (branch g of group b at b * G + g); a `ToolCounts`
+    for --tools or None). In a multi-process run each process builds only the environments of the groups it owns
+    (`distributed.group_owners` on `mesh`: those of its data slice) and holds None for the others
+    (`sampling.turns.sample_episodes` exchanges their replies). A --data run's are text environments behind
+    `agents.text.TextEpisode` (the chat template checked first: `text_turns`). A factory that is missing or fails, or
+    a template that cannot frame tool turns: RunError (one line, before any work; on every process when it fails on
+    one)."""
     kwargs = json.loads(config.env_kwargs) if config.env_kwargs else {}
-    chat, counts = (text_turns(config, task, sampling) if config.data else None), None
-    try:
-        if config.tools is not None:
-            counts = text.ToolCounts()
-            functions = load_tools(config.tools)
-            environments = [text.ToolEnvironment(functions, counts) for _ in range(count)]
-        else:
-            what = "--env" if isinstance(factory, str) else f"--env ({name})"
-            environments = make_environments(factory, count, vocab_size, config.seed, kwargs, what=what)
-    except Exception as e:
-        raise RunError(str(e)) from None
+    owners = distributed.group_owners(mesh, groups)
+    count = sum(owner == distributed.process_index() for owner in owners) * group_size
+    with distributed.agreed("environments", (RunError,)):
+        chat, counts = (text_turns(config, task, sampling) if config.data else None), None
+        try:
+            if config.tools is not None:
+                counts = text.ToolCounts()
+                functions = load_tools(config.tools)
+                built = [text.ToolEnvironment(functions, counts) for _ in range(count)]
+            else:
+                what = "--env" if isinstance(factory, str) else f"--env ({name})"
+                built = make_environments(factory, count, vocab_size, config.seed, kwargs, what=what)
+        except Exception as e:
+            raise RunError(str(e)) from None
     if chat is not None:
-        environments = [text.TextEpisode(env, chat) for env in environments]
+        built = [text.TextEpisode(env, chat) for env in built]
+    mine = iter(built)
+    environments = [next(mine) if owners[b] == distributed.process_index() else None
+                    for b in range(groups) for _ in range(group_size)]
     return environments, counts
 
 
@@ -99,14 +102,15 @@ def text_turns(config: RunConfig, task, sampling) -> text.ChatTurns:
     return chat
 
 
-def episode_rewards(task, reward_fn, prompts, episodes) -> tuple[np.ndarray, dict]:
+def episode_rewards(task, reward_fn, prompts, episodes, mesh=None) -> tuple[np.ndarray, dict]:
     """(rewards float32 [B, G], per-function parts): the environment's rewards, plus with reward_fn (--reward; a
-    --data run's text rewards) its score of the whole transcript, the tool replies included."""
+    --data run's text rewards) its score of the whole transcript, the tool replies included (each group scored by
+    the process owning it on `mesh`: `score_groups`)."""
     if reward_fn is None:
         return episodes.rewards.copy(), {}
     length = np.array([[sum(len(x["tokens"]) for x in t.turns) for t in row] for row in episodes.transcripts])
     whole = (np.arange(episodes.responses.shape[-1]) < length[..., None]).astype(np.float32)
-    scored, _, parts = score_groups(task, reward_fn, prompts, episodes.responses, whole)
+    scored, _, parts = score_groups(task, reward_fn, prompts, episodes.responses, whole, mesh)
     return episodes.rewards + scored, parts
 
 
@@ -160,7 +164,7 @@ class EpisodeSampler:
             raise RunError(f"{self.env_name} failed on {int(failed.sum())} of {failed.size} branches of step "
                            f"{step + 1} (more than --max-env-errors={self.max_errors}): prompt {first + b}, branch "
                            f"{g}, {transcripts[b][g].error}; the step was not applied")
-        rewards, parts = episode_rewards(self.task, self.reward_fn, prompts, episodes)
+        rewards, parts = episode_rewards(self.task, self.reward_fn, prompts, episodes, self.mesh)
         valid = (~failed).astype(np.float32)
         few = valid.sum(axis=1) < 2
         valid[few] = 0.0
@@ -178,8 +182,9 @@ class EpisodeSampler:
             "env/time_s": episodes.timings["env_s"], "env/capture_s": episodes.timings["capture_s"],
             "env/decode_s": episodes.timings["decode_s"], "env/observe_s": episodes.timings["observe_s"]})
         if self.tool_counts is not None:
-            calls, failures = self.tool_counts.take()
-            extra.update({"tools/calls": calls, "tools/failures": failures})
+            # each process counts the calls of its own environments
+            calls, failures = distributed.sum_over_processes(np.array(self.tool_counts.take()))
+            extra.update({"tools/calls": int(calls), "tools/failures": int(failures)})
         if failed.any():
             b, g = (int(i) for i in np.argwhere(failed)[0])
             extra["env/first_error"] = f"prompt {first + b}, branch {g}: {transcripts[b][g].error}"

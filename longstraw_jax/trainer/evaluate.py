@@ -113,14 +113,14 @@ class Evaluator:
         import jax
 
         from longstraw_jax.sampling.groups import sample_groups
-        from longstraw_jax.trainer import distributed
+        from longstraw_jax.sharding import hosts
         from longstraw_jax.trainer.components import place_key
 
         def answer(tokens, left_pad, indices):
             keys = place_key(jax.random.split(jax.random.key(0), len(indices)), self.mesh)  # unused by greedy
             rollouts = sample_groups(model, params, tokens, keys, 1, self.sampling, self.chunk_size, mesh=self.mesh,
                                      keep_capture=False, left_pad=left_pad)
-            responses, mask, first = distributed.to_host((rollouts.responses, rollouts.mask, rollouts.first_logprobs))
+            responses, mask, first = hosts.to_host((rollouts.responses, rollouts.mask, rollouts.first_logprobs))
             return responses[:, 0], mask[:, 0], first  # the one branch of each prompt
 
         return self._per_batch(answer)
@@ -134,16 +134,17 @@ class Evaluator:
 
         from longstraw_jax.sampling.turns import sample_episodes
         from longstraw_jax.trainer import episodes as agents
+        from longstraw_jax.trainer.components import place_key
 
         names = list(getattr(self.episode_reward_fn, "names", ()))
 
         def answer(tokens, left_pad, indices):
             prompts = [self.prompts[i] for i in indices]
-            keys = jax.random.split(jax.random.key(0), len(indices))  # unused by greedy
+            keys = place_key(jax.random.split(jax.random.key(0), len(indices)), self.mesh)  # unused by greedy
             out = sample_episodes(model, params, tokens, keys, 1, self.sampling, self.turns,
                                   [self.environments[i] for i in indices], self.chunk_size, left_pad=left_pad,
                                   infos=[p.info for p in prompts], mesh=self.mesh)
-            rewards, parts = agents.episode_rewards(self.task, self.episode_reward_fn, prompts, out)
+            rewards, parts = agents.episode_rewards(self.task, self.episode_reward_fn, prompts, out, self.mesh)
             correct = agents.episode_correctness(self.task, out.transcripts, out.responses, out.mask, prompts)
             correct = np.zeros_like(rewards) if correct is None else correct
             columns = [x for name in names for x in parts[name]]
@@ -228,28 +229,27 @@ def for_config(config, vocab_size: int, mesh=None) -> Evaluator:
         return Evaluator(task, scorer, count, config.response_len, config.chunk_size, stop_token=sampling.stop_token,
                          pad_token=pad, mesh=mesh, stop_tokens=sampling.stop_tokens,
                          buckets=components.prompt_buckets(config, pad),
-                         **episode_options(config, task, count, vocab_size, sampling, scorer))
+                         **episode_options(config, task, count, vocab_size, sampling, scorer, mesh))
     task = held_out_task(config, vocab_size)
     reward_fn = components.token_reward(config, task)
     stop = config.stop_token if config.stop_token is not None else getattr(task, "stop_token", None)
     sampling = components.sampling_config(config, (stop,), getattr(task, "pad_token", 0), vocab_size, temperature=0.0)
     episodic = episode_options(config, task, config.eval_prompts, vocab_size, sampling,
-                               components.load_callable(config.reward) if config.reward else None)
+                               components.load_callable(config.reward) if config.reward else None, mesh)
     return Evaluator(task, reward_fn, config.eval_prompts, config.response_len, config.chunk_size, stop_token=stop,
                      pad_token=getattr(task, "pad_token", 0), mesh=mesh, **episodic)
 
 
-def episode_options(config, task, count: int, vocab_size: int, sampling, reward_fn) -> dict:
+def episode_options(config, task, count: int, vocab_size: int, sampling, reward_fn, mesh=None) -> dict:
     """An evaluation of agent branches (--env, --tools or a task's own environment): one greedy episode per held-out
     prompt, its reward the environment's (+ reward_fn's score of the transcript) -> the Evaluator's keyword
-    arguments ({} without an environment)."""
+    arguments ({} without an environment). Each prompt's environment lives on the process owning it on `mesh`."""
     from longstraw_jax.trainer import episodes
 
     factory, name = episodes.environment_factory(config, task)
     if factory is None:
         return {}
-    episodes.check_processes(name)
-    environments, _ = episodes.build_environments(config, factory, name, count, vocab_size, task, sampling)
+    environments, _ = episodes.build_environments(config, factory, name, count, 1, vocab_size, task, sampling, mesh)
     return dict(environments=environments, turns=episodes.turn_config(config), episode_reward_fn=reward_fn)
 
 

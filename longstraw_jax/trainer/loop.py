@@ -26,6 +26,7 @@ from longstraw_jax.adapters import lora, trainable
 from longstraw_jax.common import progress
 from longstraw_jax.grpo import GRPOConfig
 from longstraw_jax.io import fault_hooks, peft
+from longstraw_jax.sharding import hosts
 from longstraw_jax.train import learning_rate_at, param_norm, train_step
 from longstraw_jax.trainer import (
     components,
@@ -215,7 +216,7 @@ class Trainer:
             self.model, params, self.opt_state, batch, self.optimizer, self.grpo, self.config.mode,
             self.config.chunk_size, mesh=self.mesh, captured=captured, donate=True, frozen=frozen)
         self.params = trainable.merge(params, frozen)
-        step_metrics = distributed.to_host(dict(step_metrics, param_norm=size, learning_rate=rate))
+        step_metrics = hosts.to_host(dict(step_metrics, param_norm=size, learning_rate=rate))
         # how far the step moved the trained weights, relative to their size (0 when skipped)
         step_metrics["update_ratio"] = float(step_metrics["update_norm"]) / max(float(step_metrics.pop("param_norm")),
                                                                                  1e-30)
@@ -265,7 +266,7 @@ class Trainer:
                 self.checkpoints.close()
                 self.close_watchers()
                 # a collective: all processes
-                final = distributed.to_host(self.params) if config.export_hf or config.export_peft else None
+                final = hosts.to_host(self.params) if config.export_hf or config.export_peft else None
                 with distributed.agreed("finish", (RunError, OSError, ValueError)):
                     if distributed.is_primary():  # process 0 writes the plot and the export, and prints the summary
                         history = metrics.read_metrics(self.log.path)

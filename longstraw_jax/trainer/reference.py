@@ -23,7 +23,7 @@ from longstraw_jax import models
 from longstraw_jax.adapters import lora, trainable
 from longstraw_jax.io import checkpoints
 from longstraw_jax.sampling.reference import reference_logprobs
-from longstraw_jax.trainer import distributed
+from longstraw_jax.sharding import hosts
 from longstraw_jax.trainer.config import RunConfig, RunError
 
 KINDS = ("base", "initial", "loaded")
@@ -53,7 +53,7 @@ class Reference:
         temperature 1, as the loss's policy log-probs. On the host (every process the whole array)."""
         ref = reference_logprobs(model, self.params(policy), batch.prompt, batch.responses, chunk_size, mesh=mesh,
                                  left_pad=batch.left_pad, logprob_chunk=logprob_chunk)
-        return np.asarray(distributed.to_host(ref), np.float32)
+        return np.asarray(hosts.to_host(ref), np.float32)
 
 
 _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from longstraw_jax.sharding import hosts
 from longstraw_jax.train import make_optimizer
-from longstraw_jax.trainer import distributed
 
 # the warm-up's AdamW weight decay: optax.adamw's default, the warm-up's since it began (GRPO's: make_optimizer's, 0)
 WARM_UP_WEIGHT_DECAY = 1e-4
@@ -270,7 +270,7 @@ def warm_up(model, params, task, steps: int, batch: int, learning_rate: float, p
         else:
             (prompts, targets, mask), left_pad = target_batch(task, i * batch, batch, pad_token), None
         params, opt_state, metrics = step(params, opt_state, prompts, targets, mask, left_pad)
-        metrics = {k: float(v) for k, v in distributed.to_host(metrics).items()}
+        metrics = {k: float(v) for k, v in hosts.to_host(metrics).items()}
         records.append({"step": 0, "kind": "sft", "sft_step": i + 1, **metrics, "sft_s": time.perf_counter() - start})
         if say is not None and ((i + 1) % max(1, steps // 10) == 0 or i + 1 == steps):
             window = records[-max(1, steps // 10):]

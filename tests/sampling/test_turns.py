@@ -11,8 +11,11 @@
 - limits: max_turns, turn_len, max_observation (cut and counted), the response length (status "length");
 - on a 2x4 mesh (groups over `data`, each sequence-parallel over `seq`): the one-device episodes (slow);
 - faults: an environment that raises, times out or returns a malformed value ends only that branch ("error",
-  the first error's text), the others go on; a factory that is not found or fails is one clear error.
+  the first error's text), the others go on; a factory that is not found or fails is one clear error;
+- the calls where the environments live (`call_owned`: several processes, each its own; tests/trainer/test_agents.py
+  runs two).
 """
+import json
 import time
 
 import jax
@@ -26,6 +29,7 @@ from longstraw_jax.engine.naive import response_logprobs
 from longstraw_jax.models.qwen36.config import FULL, LINEAR
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sampling.turns import TurnConfig, sample_episodes
+from longstraw_jax.sharding.hosts import gather_objects
 from tests.helpers import glm_o1_params, o1_params
 
 P, G, R, V, STOP = 13, 3, 24, 64, 1
@@ -192,6 +196,22 @@ def test_factory_errors_are_one_line():
     with pytest.raises(environment.FactoryError, match="no reset / step"):
         environment.make_environments(lambda vocab_size, seed: object(), 1, V, 0)
     assert len(environment.make_environments(Echo, 3, V, 0, {"turns": 2})) == 3
+
+
+def test_calls_where_the_environments_live():
+    """call_owned: the calls of the slots whose environment is here run (a None slot lives on another process); a
+    slot that no process holds is a clear error; a reply survives its exchange form (JSON) unchanged."""
+    calls = {(0, 0): lambda: ([3, 4], 0.5, False), (0, 1): lambda: ([], None, True)}
+    replies = environment.call_owned(calls, 5.0, lambda v: environment.check_step_result(v, V))
+    assert replies[(0, 0)].observation.tolist() == [3, 4] and replies[(0, 1)].done
+    with pytest.raises(ValueError, match=r"slot \(1, 2\): no process holds its environment"):
+        environment.call_owned({**calls, (1, 2): None}, 5.0)
+    framed = environment.check_step_result((environment.Framed([5], [6, 7], [8]), 1.0, False), V)
+    again = environment.Reply.from_json(json.loads(json.dumps(framed.as_json())))
+    assert again.observation.tolist() == [5, 6, 7, 8] and again.frame == (1, 2) and again.fit(3).tolist() == [5, 6, 8]
+    assert again.observation.dtype == np.int32 and (again.reward, again.done, again.error) == (1.0, False, None)
+    # one process: gather_objects is the value alone
+    assert gather_objects({"a": [1, 2]}) == [{"a": [1, 2]}]
 
 
 @pytest.mark.slow  # the sharded capture and decode compiled for both families

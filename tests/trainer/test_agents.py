@@ -6,15 +6,22 @@
 - one that fails on more than --max-env-errors of a step's branches stops the run with one line naming the
   environment, prompt, branch and turn, the step not applied and the checkpoints intact; resumed once it works
   again, the run ends where an uninterrupted run does (bit for bit);
-- a factory that is missing or fails at start: one line, nothing written.
+- a factory that is missing or fails at start: one line, nothing written;
+- two processes: each calls only its own groups' environments (one of them never returning), and the run equals a
+  one-process run on the same mesh.
 """
 import json
 import os
+import subprocess
+import sys
+import time
 
+import numpy as np
 import pytest
 
 from longstraw_jax.tasks.lookup import RESULT, LookupTask
 from longstraw_jax.trainer import cli as run
+from tests.helpers import ROOT
 from tests.trainer.test_run import bits, restore, snapshot
 
 AGENT = ["--task", "lookup", "--vocab-size", "48", "--prompt-len", "32", "--response-len", "8", "--turn-len", "3",
@@ -176,7 +183,6 @@ def test_the_agent_demo_config_builds_episodes():
     """configs/agent_demo.toml parses, and its data source samples episodes with the lookup task's own tool."""
     from longstraw_jax.trainer import components
     from longstraw_jax.trainer.config import parse_args
-    from tests.helpers import ROOT
 
     config, _ = parse_args(["--config", os.path.join(ROOT, "configs", "agent_demo.toml")])
     assert (config.task, config.mode, config.max_turns, config.response_len) == ("lookup", "exact", 2, 8)
@@ -197,3 +203,68 @@ def test_agent_options_name_every_bad_value():
         assert part in str(info.value), part
     with pytest.raises(ValueError, match="--tools=m:T is the environment of a --data run"):
         parse_args(["--tools", "m:T"])
+
+
+class WatchedLookup:
+    """The lookup tool, recording each step's caller ("process prompt-head branch" lines in
+    $LONGSTRAW_TEST_CALLED.<process>); branch `hang` of a prompt whose key is a multiple of 4 never returns from its
+    step (seed 2, B = 2: in step 1 on process 0, in step 2 on process 1, none in step 3)."""
+
+    def __init__(self, vocab_size, seed, hang=None):
+        self.inner = LookupTask(prompt_len=32, vocab_size=vocab_size).environment(vocab_size, seed)
+        self.hang = hang
+
+    def reset(self, prompt_tokens, info, branch):
+        self.inner.reset(prompt_tokens, info, branch)
+        self.head, self.branch, self.key = " ".join(map(str, prompt_tokens[:8])), branch, info["key"]
+
+    def step(self, turn):
+        import jax
+
+        with open(f"{os.environ['LONGSTRAW_TEST_CALLED']}.{jax.process_index()}", "a") as f:
+            f.write(f"{jax.process_index()} {self.head} {self.branch}\n")
+        if self.branch == self.hang and self.key % 4 == 0:
+            time.sleep(3600)  # abandoned after --env-timeout (a daemon thread)
+        return self.inner.step(turn)
+
+
+@pytest.mark.slow  # a 2-process launch and a one-process run of 3 steps, side by side
+def test_two_processes_call_their_own_environments(tmp_path):
+    """`launch --processes 2 -- --mesh 2x1` with --env (B = 2: a group per process): each process builds and calls
+    only its own group's environments, the replies are exchanged, and the run equals a one-process --mesh 2x1 run:
+    transcripts, rewards, env metrics, losses, held-out episodes; a step that never returns (on either process) ends
+    only its branch after --env-timeout, no hang."""
+    from tests.trainer.test_distributed import env, run_cli
+
+    args = AGENT + ["--steps", "3", "--mesh", "2x1", "--log-samples-every", "1", "--save-every", "3",
+                    "--env", "tests.trainer.test_agents:WatchedLookup", "--env-kwargs", '{"hang": 1}',
+                    "--env-timeout", "2", "--max-env-errors", "0.9", "--eval-every", "3", "--eval-prompts", "4"]
+    called = {n: str(tmp_path / f"called-{n}") for n in ("one", "two")}
+    outs = {n: str(tmp_path / n) for n in ("one", "two")}
+    cache = tmp_path / "cache"
+    single = run_cli(args + ["--out", outs["one"]], cache, LONGSTRAW_TEST_CALLED=called["one"])
+    two = subprocess.run([sys.executable, "-m", "longstraw_jax.launch", "--processes", "2", "--", *args, "--out",
+                          outs["two"]], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                         env=env(LONGSTRAW_TEST_CALLED=called["two"]))
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-2000:]
+    output = single.communicate(timeout=900)[0]
+    assert single.returncode == 0, output[-3000:]
+    got, want = read(outs["two"]), read(outs["one"])
+    evals = lambda rows: [(r["step"], r["eval_accuracy"], round(r["eval_entropy"], 4)) for r in rows if "kind" in r]
+    assert evals(got) == evals(want) and len(evals(want)) == 2  # greedy episodes of held-out prompts, steps 0 and 3
+    got, want = ([r for r in records if "kind" not in r] for records in (got, want))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
+    for g, w in zip(got, want):
+        for key in ("reward_mean", "accuracy", "env/turns", "env/observation_tokens", "env/errors", "response_tokens"):
+            assert g[key] == w[key], key
+        np.testing.assert_allclose([g["loss"], g["grad_norm"]], [w["loss"], w["grad_norm"]], rtol=1e-4, atol=1e-6)
+    assert [r["env/errors"] for r in want] == [1, 1, 0]  # the hanging branches, ended by the timeout
+    assert all("timed out after 2 s" in r["env/first_error"] for r in want if r["env/errors"])
+    turns = lambda out: [(c["turns"], c["status"]) for row in read(out, "samples.jsonl") for c in row["completions"]]
+    assert turns(outs["two"]) == turns(outs["one"])
+    # every step call of the one-process run was made once in the two-process run, by the process owning the group
+    lines = lambda path: sorted(line.split(" ", 1)[1] for line in open(path))
+    mine = {p: lines(f"{called['two']}.{p}") for p in (0, 1)}
+    assert sorted(mine[0] + mine[1]) == lines(f"{called['one']}.0")
+    heads = {p: {line.rsplit(" ", 1)[0] for line in mine[p]} for p in (0, 1)}
+    assert heads[0] and heads[1] and not heads[0] & heads[1]

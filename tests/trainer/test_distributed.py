@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 from longstraw_jax import sharding
+from longstraw_jax.sharding import hosts
 from longstraw_jax.trainer import cli as run, distributed, launch
 from longstraw_jax.trainer.config import RunConfig, RunError
 from longstraw_jax.trainer.distributed import Cluster, DistributedError
@@ -355,12 +356,12 @@ def test_host_and_global_arrays():
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "seq")))
     g = distributed.to_global({"x": x}, rows)["x"]
     assert g.sharding == rows and len(g.addressable_shards) == 8
-    np.testing.assert_array_equal(distributed.to_host({"x": g})["x"], x)
+    np.testing.assert_array_equal(hosts.to_host({"x": g})["x"], x)
     key = distributed.to_global(jax.random.key(5), distributed.replicated(mesh))
     assert key.sharding.is_fully_replicated
-    assert np.array_equal(jax.random.key_data(distributed.to_host(key)), jax.random.key_data(jax.random.key(5)))
+    assert np.array_equal(jax.random.key_data(hosts.to_host(key)), jax.random.key_data(jax.random.key(5)))
     local = distributed.from_process_local(x, rows)  # one process: its rows are all rows
-    np.testing.assert_array_equal(distributed.to_host(local), x)
+    np.testing.assert_array_equal(hosts.to_host(local), x)
     distributed.agree("test", None)  # one process: nothing to wait for
     with pytest.raises(DistributedError, match="broken"):
         distributed.agree("test", "broken")
