@@ -79,9 +79,15 @@ def _chunk(state, inputs):
 def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
     """Same contract as `gated_delta_rule_sequential`; T need not be a multiple of chunk_size.
 
-    The tail is padded with g = 0, beta = 0, k = 0: such tokens leave the state unchanged and are dropped.
+    The tail is padded with g = 0, beta = 0, k = 0: such tokens leave the state unchanged and are dropped. T <=
+    chunk_size (a decoded token, a short replay or prompt) is one chunk of exactly T tokens, without padding or a
+    loop: a padded chunk would cost chunk_size rows (and log2(chunk_size) doubling steps) for T.
     """
     length, heads = q.shape[0], q.shape[1]
+    if length <= chunk_size:
+        heads_first = lambda x: jnp.moveaxis(_at_least_f32(x), 0, 1)  # [H, T, ...]
+        state, o = _chunk(_at_least_f32(state), tuple(map(heads_first, (q, k, v, g, beta))))
+        return jnp.moveaxis(o, 0, 1), state
     num_chunks = -(-length // chunk_size)
     pad = num_chunks * chunk_size - length
 

@@ -29,9 +29,18 @@ def test_chunked_gated_delta_matches_sequential(length, chunk):
     np.testing.assert_allclose(s_chk, s_seq, atol=2e-5, rtol=1e-4)
 
 
-def test_chunked_gated_delta_gradients_match_sequential():
-    args = _gdn_inputs(90)
-    w_o = jax.random.normal(jax.random.key(9), (90, 3, 12))
+def test_a_short_input_is_one_unpadded_chunk():
+    """T <= chunk_size (a decoded token, a short replay): one chunk of T rows, no loop and no padding to chunk_size
+    (the doubling solve's matrices are [H, T, T])."""
+    jaxpr = str(jax.make_jaxpr(lambda *a: gated_delta_rule_chunked(*a, chunk_size=64))(*_gdn_inputs(8)))
+    assert "scan" not in jaxpr and "while" not in jaxpr and "64" not in jaxpr and "3,8,8" in jaxpr.replace(" ", "")
+    assert "scan" in str(jax.make_jaxpr(lambda *a: gated_delta_rule_chunked(*a, chunk_size=4))(*_gdn_inputs(8)))
+
+
+@pytest.mark.parametrize("length,chunk", [(90, 32), (7, 64)])
+def test_chunked_gated_delta_gradients_match_sequential(length, chunk):
+    args = _gdn_inputs(length)
+    w_o = jax.random.normal(jax.random.key(9), (length, 3, 12))
     w_s = jax.random.normal(jax.random.key(10), (3, 8, 12))
 
     def loss(fn, *a):
@@ -39,7 +48,7 @@ def test_chunked_gated_delta_gradients_match_sequential():
         return jnp.sum(o * w_o) + jnp.sum(s * w_s)
 
     g_seq = jax.jit(jax.grad(lambda *a: loss(gated_delta_rule_sequential, *a), argnums=tuple(range(6))))(*args)
-    g_chk = jax.jit(jax.grad(lambda *a: loss(lambda *b: gated_delta_rule_chunked(*b, chunk_size=32), *a),
+    g_chk = jax.jit(jax.grad(lambda *a: loss(lambda *b: gated_delta_rule_chunked(*b, chunk_size=chunk), *a),
                              argnums=tuple(range(6))))(*args)
     for name, a, b in zip("q k v g beta state".split(), g_chk, g_seq):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-3, err_msg=name)
