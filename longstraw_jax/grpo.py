@@ -44,6 +44,9 @@ class GRPOConfig:
       geometric mean of its tokens' ratios, clipped as a whole; with loss_agg="seq-mean-token-mean" the loss is
       GSPO's objective exactly; GSPO's clip ranges are much narrower than the token ratio's, e.g. 3e-4 / 4e-4).
     logprob_chunk: tokens per chunk when computing log-probs, so [chunk, vocab] is the largest logits array.
+    replay_batch: branches replayed together (a divisor of G; the engines' replay, `engine/replay.py`): k branches'
+      forward and backward at once cost k branches' activations instead of one, but run k times fewer, larger
+      operations (small models are bound by per-operation overhead). The same loss and gradients up to round-off.
     """
 
     clip_eps_low: float = 0.2
@@ -54,6 +57,7 @@ class GRPOConfig:
     ratio: str = "token"
     eps: float = 1e-6
     logprob_chunk: int = 1024
+    replay_batch: int = 1
 
     def __post_init__(self):
         errors = []
@@ -79,6 +83,10 @@ class GRPOConfig:
             errors.append(f"adv_norm={self.adv_norm!r}; allowed: {', '.join(map(repr, ADV_NORMS))}")
         if self.ratio not in RATIOS:
             errors.append(f"ratio={self.ratio!r}; allowed: {', '.join(map(repr, RATIOS))}")
+        if not is_int(self.replay_batch) or self.replay_batch < 1:
+            errors.append(f"replay_batch={self.replay_batch!r} must be a positive int")
+        else:
+            object.__setattr__(self, "replay_batch", int(self.replay_batch))
         chunk = self.logprob_chunk
         if not is_int(chunk) or chunk < 1:
             errors.append(f"logprob_chunk={chunk!r} must be a positive int")

@@ -119,6 +119,32 @@ class Forwarding:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Branches(Forwarding):
+    """k branches replayed together: `inner`'s embedding, blocks and final norm run per branch (vmapped over the
+    leading branch axis of tokens [k, R] and of every block carry leaf), sharing the parameters and the state, so a
+    vjp sums their cotangents over the branches."""
+
+    def embed(self, params, tokens):
+        return jax.vmap(lambda t: self.inner.embed(params, t))(tokens)
+
+    def block(self, bp, h, state_block, positions, cache_length, left_pad=None):
+        return jax.vmap(lambda h: self.inner.block(bp, h, state_block, positions, cache_length, left_pad=left_pad))(h)
+
+    def final_norm(self, params, h):
+        return jax.vmap(lambda h: self.inner.final_norm(params, h))(h)
+
+
+def _each_branch(embed_grads):
+    """An `embed_grads` of one branch's tokens [R] -> one of k branches' tokens [k, R] (added branch by branch)."""
+    def add(grads, tokens, dh):
+        for i in range(tokens.shape[0]):
+            grads = embed_grads(grads, tokens[i], jax.tree.map(lambda x: x[i], dh))
+        return grads
+
+    return add
+
+
+@dataclasses.dataclass(frozen=True)
 class _Uniform(Forwarding):
     """A `BlockModel`'s own blocks as one stage: every leaf of a state (and of its entries) has the block axis
     first."""
@@ -134,9 +160,9 @@ class _Uniform(Forwarding):
 
 
 def _forward(model, stages, params, state, tokens, start, cache_length, left_pad=None):
-    """The stages' blocks in order over tokens [T]: (the carry after the last block, per stage each block's input
-    carry stacked [nb, ...])."""
-    positions = _positions(start, tokens.shape[0])
+    """The stages' blocks in order over tokens [T] ([k, T]: k branches, `_Branches`): (the carry after the last
+    block, per stage each block's input carry stacked [nb, ...])."""
+    positions = _positions(start, tokens.shape[-1])
     h, inputs = model.embed(params, tokens), []
     for stage in stages:
         def body(h, xs, stage=stage):
@@ -198,7 +224,7 @@ def _backward(model, stages, params, state, tokens, start, cache_length, inputs,
 
     Returns (grads + the gradient of params through the blocks and the embedding, acc).
     """
-    positions = _positions(start, tokens.shape[0])
+    positions = _positions(start, tokens.shape[-1])
     # The entries' cotangents, read for all blocks before the scans (chunk-sized): inside them, acc is only read and
     # written at block b, which XLA then updates in place.
     entries_cot = model.read_entries(acc, start, tokens.shape[0]) if chunk_entries else None
@@ -213,7 +239,9 @@ def _backward(model, stages, params, state, tokens, start, cache_length, inputs,
 
 def branch_grads(model, params, state, tokens, head, grads, acc, stages=None, embed_grads=None, left_pad=None):
     """One branch replayed after `state`: tokens [R] at positions state.length.. attend over the state's positions
-    < state.length (a state with spare capacity keeps whatever it holds beyond its length out of sight).
+    < state.length (a state with spare capacity keeps whatever it holds beyond its length out of sight). tokens
+    [k, R]: k branches at once (each its own forward, `_Branches`; head then gets hidden [k, R, D]), their
+    gradients and state cotangents added.
 
     head(params, hidden [R, D] final-normed) -> (loss, aux). grads: the float32 gradient accumulator (params-shaped).
     acc: the float32 state cotangent accumulator (None: detached, no state gradient); a None leaf in it (a state
@@ -224,6 +252,9 @@ def branch_grads(model, params, state, tokens, head, grads, acc, stages=None, em
     grads + this branch's parameter gradient, acc + the state cotangent of this branch).
     """
     stages = (_Uniform(model),) if stages is None else stages
+    if tokens.ndim == 2:
+        model, stages = _Branches(model), tuple(_Branches(stage) for stage in stages)
+        embed_grads = None if embed_grads is None else _each_branch(embed_grads)
     h, inputs = _forward(model, stages, params, state, tokens, state.length, state.length, left_pad)
     loss, vjp, aux = trainable.vjp(lambda p, hf: head(p, model.final_norm(p, _fill(hf, h))), params, grads,
                                    _floats(h), has_aux=True)
@@ -250,12 +281,15 @@ def chunk_grads(model, params, state, tokens, start, grads, acc, stages=None, em
 
 
 def branch_grads_autodiff(extend_hidden, params, state, tokens, head, grads, acc):
-    """As `branch_grads`, by autodiff of `extend_hidden(params, state, tokens) -> final-normed hidden [R, D]`."""
+    """As `branch_grads`, by autodiff of `extend_hidden(params, state, tokens) -> final-normed hidden [R, D]`
+    (tokens [k, R]: vmapped over the k branches)."""
     # with respect to the trainable leaves only (grads has their structure: adapters/trainable.py)
     part, rest = trainable.split_like(params, grads)
 
     def objective(part, state):
         params = trainable.merge(part, rest)
+        if tokens.ndim == 2:
+            return head(params, jax.vmap(lambda t: extend_hidden(params, state, t))(tokens))
         return head(params, extend_hidden(params, state, tokens))
 
     if acc is None:

@@ -29,7 +29,9 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
                     branch_grads=None, like_params=lambda tree: tree, like_state=lambda tree: tree,
                     weights=None, advantages=None, grads=None):
     """Scan over the G branches; each step runs one branch's forward and backward to completion, so only one
-    branch's graph is ever live (the replay is recomputed per branch; nothing is stored across steps).
+    branch's graph is ever live (the replay is recomputed per branch; nothing is stored across steps). With
+    cfg.replay_batch = k > 1 each step runs k branches at once (G / k steps): tokens [k, R] go to branch_grads, whose
+    blocks run per branch (vmapped) on the shared params and state, so their cotangents arrive summed over the k.
 
     branch_grads(params, state, tokens, head, grads, acc) -> (loss, aux, grads, acc) does one branch and adds its
     parameter gradient into `grads` (default `model.branch_grads`; the sharded engine passes the family's own).
@@ -53,11 +55,23 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
               advantage=group_advantages(batch.rewards, cfg) if advantages is None else advantages,
               old=batch.old_logprobs, ref=batch.ref_logprobs)
     chunk = min(cfg.logprob_chunk, length)
+    together = cfg.replay_batch
+    if group_size % together:
+        raise ValueError(f"replay_batch={together} must divide the group size G={group_size}")
 
-    def head(params, hidden, x):
+    def one_head(params, hidden, x):
         logp, entropy = token_logprobs(hidden, model.lm_head(params), x["targets"], chunk)
         return branch_loss(logp, x["old"], x["ref"], x["advantage"], x["weights"], x["mask"], cfg,
                            entropy=jax.lax.stop_gradient(entropy))
+
+    if together == 1:
+        head = one_head
+    else:  # k branches a step: hidden [k, R, D], every x leaf [k, ...]; the branches' losses and sums added
+        xs = jax.tree.map(lambda a: a.reshape((group_size // together, together) + a.shape[1:]), xs)
+
+        def head(params, hidden, x):
+            losses, sums = jax.vmap(lambda h, x: one_head(params, h, x))(hidden, x)
+            return jnp.sum(losses), jax.tree.map(lambda s: jnp.sum(s, axis=0), sums)
 
     def step(carry, x):
         loss, grads, state_cot, sums = carry
@@ -67,7 +81,7 @@ def replay_branches(model, params, state, batch: GroupBatch, cfg: GRPOConfig, wi
         return (loss + branch, like_params(grads), state_cot, _add(sums, branch_sums)), None
 
     head_matrix = model.lm_head(params)  # [V, D]
-    hidden = jax.ShapeDtypeStruct((length, head_matrix.shape[1]), head_matrix.dtype)
+    hidden = jax.ShapeDtypeStruct((together,) * (together > 1) + (length, head_matrix.shape[1]), head_matrix.dtype)
     loss0, sums0 = jax.eval_shape(lambda h: head(params, h, jax.tree.map(lambda a: a[0], xs)), hidden)
     carry = (zeros_f32(loss0), like_params(zeros_f32(params) if grads is None else grads),
              like_state(zeros_f32(model.differentiable_state(state))) if with_state_grad else None, zeros_f32(sums0))

@@ -46,7 +46,7 @@ RESUMABLE = frozenset({"config", "steps", "resume", "resume_step", "out", "expor
                        "log_samples_every", "report_to", "profile_steps", "progress_every", "progress_rounds"})
 # Options a checkpoint records and a resumed run adopts, but that may be given differently on --resume (a run saved by
 # 2 processes on a 2x4 mesh continues on one process, on 2x4 or 1x8; evaluations may come more or less often).
-CHANGEABLE = frozenset({"mesh", "eval_every", "decode_batch"})
+CHANGEABLE = frozenset({"mesh", "eval_every", "decode_batch", "replay_batch"})
 
 
 MAX_EVAL_PROMPTS = 65536
@@ -198,6 +198,10 @@ class RunConfig:
     mode: str = _option(library_default(train_step, "mode"), "exact: gradient through the prompt (== full graph); "
                         "detached: prompt state constant", choices=MODES)
     chunk_size: int = _option(256, "prompt chunk length for capture / prompt backward")
+    replay_batch: int = _option(library_default(GRPOConfig, "replay_batch"), "branches replayed together in the "
+                                "update, a divisor of G: k branches' activations at once, k times fewer and larger "
+                                "operations (faster for small models; the same gradients up to round-off)",
+                                metavar="K")
     loss_agg: str = _option(library_default(GRPOConfig, "loss_agg"), choices=LOSS_AGGS)
     kl_coef: float = _option(library_default(GRPOConfig, "kl_coef"), "k3 KL weight to a reference policy: sampled runs "
                              "compute the reference log-probs (--train lora: the base without adapters; else the "
@@ -349,6 +353,9 @@ class RunConfig:
         if self.decode_batch is not None and (self.decode_batch < 1 or self.group_size % self.decode_batch):
             errors.append(f"--decode-batch={self.decode_batch} must divide --group-size={self.group_size} (G / N "
                           "batches of branches decode one after another)")
+        if self.replay_batch < 1 or self.group_size % self.replay_batch:
+            errors.append(f"--replay-batch={self.replay_batch} must divide --group-size={self.group_size} (G / K "
+                          "replay steps of K branches each)")
         if self.groups_per_step is not None and self.groups_per_step < 1:
             errors.append(f"--groups-per-step={self.groups_per_step} must be >= 1")
         if self.num_processes is not None and self.num_processes < 1:

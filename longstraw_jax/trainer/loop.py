@@ -67,7 +67,8 @@ class Trainer:
                                            lambda tree: components.place(tree, self.mesh))
         self.data = components.data_source(config, self.model.config.vocab_size, self.mesh)
         self.grpo = GRPOConfig(loss_agg=config.loss_agg, kl_coef=config.kl_coef, ratio=config.ratio,
-                               clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high)
+                               clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high,
+                               replay_batch=config.replay_batch)
         self.optimizer = components.run_optimizer(config)
         self.plan = self.plan or outdir.plan(config, explicit, self.out)
         # committed like the params: a jit output built from an uncommitted init would be committed after step 1

@@ -10,7 +10,8 @@ are float64 and everything runs under `jax_enable_x64` (accumulators float64 too
     3. exact on a 2x4 mesh == one device: Qwen3.6 in rounds (chunk_size 8 -> a full round of 24 positions and a
        last one of 5), GLM-5.2 in one round (its rounds cost another ~15 s of compile; float32 covers them in
        engine/test_mesh.py),
-    4. left padding changes nothing (docs/architecture.md 4.6): the batch with PAD = 19 random tokens before its
+    4. the G branches replayed together (`GRPOConfig.replay_batch`, one device and the mesh) == one at a time,
+    5. left padding changes nothing (docs/architecture.md 4.6): the batch with PAD = 19 random tokens before its
        prompt and `left_pad` 19 gives the unpadded batch's exact and detached gradients (the pads fill two capture
        chunks of 7 and part of the third); exact vs naive (1.) is on the padded batch,
 
@@ -39,10 +40,13 @@ P, R, PAD = 30, 6, 19
 LAYOUTS = (7, 32)  # P - 1 = 29 prompt positions: 4 x 7 + 1, one chunk
 MESH, ROUND = "2x4", {"qwen36": 8, "glm52": 64}  # chunk_size on the mesh: several rounds, one round
 CFG = GRPOConfig(kl_coef=0.1)
+TOGETHER = GRPOConfig(kl_coef=0.1, replay_batch=3)  # the G = 3 branches replayed at once
 TOL = 1e-10
 PAIRS = {"exact vs naive": ("exact7_padded", "naive_padded"), "layouts": ("exact32", "exact7"),
          "mesh vs one device": ("mesh", "exact7"), "padded vs unpadded exact": ("exact7_padded", "exact7"),
-         "padded vs unpadded detached": ("detached7_padded", "detached7")}
+         "padded vs unpadded detached": ("detached7_padded", "detached7"),
+         "branches together vs naive": ("together7_padded", "naive_padded"),
+         "branches together on the mesh vs one device": ("mesh_together", "exact7")}
 
 
 def build(family: str, dtype):
@@ -92,9 +96,12 @@ def compute(family: str, x64: bool = True) -> tuple[GroupBatch, dict]:
         out["exact7_padded"] = host(grpo_grads(model, params, padded, CFG, "exact", chunk_size=7))
         out["detached7"] = host(grpo_grads(model, params, batch, CFG, "detached", chunk_size=7))
         out["detached7_padded"] = host(grpo_grads(model, params, padded, CFG, "detached", chunk_size=7))
+        out["together7_padded"] = host(grpo_grads(model, params, padded, TOGETHER, "exact", chunk_size=7))
         mesh = sharding.make_mesh(MESH)
         placed = jax.device_put(params, rules.named(rules.param_specs(params, mesh), mesh))
         out["mesh"] = host(grpo_grads(model, placed, batch, CFG, "exact", chunk_size=ROUND[family], mesh=mesh))
+        out["mesh_together"] = host(grpo_grads(model, placed, batch, TOGETHER, "exact", chunk_size=ROUND[family],
+                                               mesh=mesh))
     return batch, out
 
 

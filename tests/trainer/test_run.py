@@ -273,6 +273,8 @@ def test_run_config_names_every_bad_option():
     assert RunConfig(mesh="2x4").mesh == "2x4"
     with pytest.raises(ValueError, match=r"--decode-batch=3 must divide --group-size=8"):
         RunConfig(decode_batch=3)
+    with pytest.raises(ValueError, match=r"--replay-batch=3 must divide --group-size=8"):
+        RunConfig(replay_batch=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         RunConfig().steps = 3
 
@@ -342,7 +344,7 @@ def test_options_have_the_librarys_names_and_defaults():
     """An option that feeds a library object is spelled as its field / argument and takes its default from it:
     the command line and the library cannot disagree (the learning rate: make_optimizer's 1e-6)."""
     defaults, grpo, sampling = RunConfig(), GRPOConfig(), SamplingConfig()
-    for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "loss_agg", "ratio"):
+    for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "loss_agg", "ratio", "replay_batch"):
         assert getattr(defaults, name) == getattr(grpo, name), name
     assert (defaults.temperature, defaults.top_p) == (sampling.temperature, sampling.top_p)
     optimizer = inspect.signature(make_optimizer).parameters
@@ -422,6 +424,23 @@ def test_step_validates_its_batch_once(full_run):
     step, the first step (which traces the step: its cache was cleared) included."""
     _, calls = full_run
     assert calls == [True, True, True]
+
+
+def test_replay_batch_reaches_the_update(tmp_path):
+    """--replay-batch K: the update replays K branches at a time (all G here), the same run up to float round-off
+    (the same samples: the update's params feed the next step's sampling); it may change on --resume."""
+    from longstraw_jax.trainer.config import CHANGEABLE
+
+    runs = {}
+    for k in (1, 3):
+        out = str(tmp_path / f"k{k}")
+        assert run.main(SMALL + ["--steps", "2", "--out", out, "--replay-batch", str(k)]) == 0
+        runs[k] = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        assert json.load(open(os.path.join(out, "config.json")))["replay_batch"] == k
+    for a, b in zip(runs[1], runs[3], strict=True):
+        assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] > 0
+        np.testing.assert_allclose([a["loss"], a["grad_norm"]], [b["loss"], b["grad_norm"]], rtol=1e-4, atol=1e-7)
+    assert "replay_batch" in CHANGEABLE
 
 
 def test_decode_batch_reaches_the_sampler():
