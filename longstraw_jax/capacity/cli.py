@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "slice holds B / data groups' captured states at once")
     ap.add_argument("--decode-batch", type=int, default=None, metavar="N",
                     help="branches decoded together (a divisor of every G; default all G), as the trainer's")
+    ap.add_argument("--replay-batch", type=int, default=1, metavar="K",
+                    help="branches the update replays together (a divisor of every G; default 1), as the trainer's")
     ap.add_argument("--modes", default="exact,detached")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device-gb", type=float, default=96.0, help="device memory in GB (1e9 bytes; default 96)")
@@ -113,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         setup_jax(data * seq)
         planner = Planner(args.config, args.mesh, args.dtype, args.response_len, args.chunk_size, train_mode=args.train,
                           lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
-                          decode_batch=args.decode_batch, hlo_dir=args.hlo_dir, kl_coef=args.kl_coef)
+                          decode_batch=args.decode_batch, hlo_dir=args.hlo_dir, kl_coef=args.kl_coef,
+                          replay_batch=args.replay_batch)
         for group in args.group_size:
-            planner.branches_together(group)  # --decode-batch must divide every G
+            planner.branches_together(group)  # --decode-batch and --replay-batch must divide every G
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

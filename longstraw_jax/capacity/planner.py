@@ -63,7 +63,7 @@ class Planner:
     def __init__(self, config, mesh_spec: str, dtype: str, response_len: int, chunk: int, devices=None,
                  train_mode: str = "full", lora_rank: int = 64, lora_alpha: float | None = None,
                  lora_targets: str = "all", decode_batch: int | None = None, hlo_dir: str | None = None,
-                 kl_coef: float = 0.0):
+                 kl_coef: float = 0.0, replay_batch: int = 1):
         """`config`: an HF config.json path or a model config object; `devices`: the mesh's devices (default all of
         jax.devices(); a process with more passes a subset). train_mode "lora": LoRA adapters of `lora_rank` on
         `lora_targets` (`lora.resolve_targets`), built abstractly, and the trainer's split (`trainable.split` by
@@ -73,7 +73,8 @@ class Planner:
         program's HLO text (`<program>_P<P>[_G<G>_<mode>|_N<N>].hlo.txt`), to be costed again without compiling.
         kl_coef > 0: the trainer's KL to a reference policy while sampling (`trainer/reference.py`): a reference
         phase (`reference`), the reference params copy held all step (full training; LoRA's reference is the base
-        without adapters: no copy), and the update compiled with the KL term."""
+        without adapters: no copy), and the update compiled with the KL term. replay_batch: the update's branches
+        replayed together (`GRPOConfig.replay_batch`, a divisor of every G): K branches' activations at once."""
         self.model = models.build(models.config_from_hf(config) if isinstance(config, (str, os.PathLike)) else config)
         self.model.mesh_adapter()  # a family without a sharded path says so here
         self.mesh = sharding.make_mesh(mesh_spec, devices)
@@ -121,7 +122,7 @@ class Planner:
         if not (math.isfinite(kl_coef) and kl_coef >= 0):
             raise ValueError(f"--kl-coef {kl_coef!r} must be a finite number >= 0")
         self.kl_coef = float(kl_coef)
-        self.grpo = GRPOConfig(kl_coef=self.kl_coef)
+        self.grpo = GRPOConfig(kl_coef=self.kl_coef, replay_batch=replay_batch)
         self._references: dict[tuple, dict] = {}
 
     @property
@@ -317,6 +318,8 @@ class Planner:
         n = group if self.decode_batch is None else self.decode_batch
         if group % n:
             raise ValueError(f"--decode-batch {n} must divide the group size G={group}")
+        if group % self.grpo.replay_batch:
+            raise ValueError(f"--replay-batch {self.grpo.replay_batch} must divide the group size G={group}")
         return n
 
     def update_program(self, prompt_len: int, group: int, mode: str):

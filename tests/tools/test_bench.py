@@ -122,6 +122,20 @@ def test_plan_capacity_groups_per_step_must_divide_over_data():
     assert result.stdout == ""
 
 
+@pytest.mark.slow  # AOT compiles of two updates
+def test_planner_replay_batch():
+    """--replay-batch K in the planner: the update compiled with K branches replayed together holds more (their
+    activations at once), the sampling phase is unchanged; K must divide every G."""
+    cfg_path = os.path.join(ROOT, "configs", "qwen3.6-tiny.json")
+    rows = {k: capacity.Planner(cfg_path, "1x1", "float32", 16, 64, devices=jax.devices()[:1], replay_batch=k).plan(
+        128, 4, "detached", 1, limit=1e12) for k in (1, 4)}
+    assert rows[4]["update"]["total"] > rows[1]["update"]["total"]
+    assert rows[4]["sampling"] == rows[1]["sampling"]
+    with pytest.raises(ValueError, match="--replay-batch 3 must divide the group size G=4"):
+        capacity.Planner(cfg_path, "1x1", "float32", 16, 64, devices=jax.devices()[:1],
+                         replay_batch=3).branches_together(4)
+
+
 @pytest.mark.slow  # AOT compiles of the update and the capture
 def test_planner_phases():
     """In-process, tiny Qwen3.6 on a 2x1 mesh (data 2): the sampling phase grows with R (exactly by the tail's KV
