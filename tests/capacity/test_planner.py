@@ -11,7 +11,10 @@ after that merge otherwise); and again for the sampler decoding its G branches t
 (issue 25: "decode_steps" G x R = 128 -> R = 64; sampling "tail" 118,016 -> 226,176 bytes: G + 1 tails instead of
 one and a saved carried part; "decode" 188,800 -> 83,512: no layer gathered, only its non-matrix leaves, and G
 [vocab] rows; nothing else changed); and for `train_step`'s `update_norm` metric (issue 39: update "rest" +908
-bytes in both modes, the scalar and its reduction; nothing else changed). Normalised:
+bytes in both modes, the scalar and its reduction; nothing else changed); and for the Gated DeltaNet's short inputs
+run as one unpadded chunk without a loop (ops/gated_delta.py: the R = 64 replay was a one-step scan over a 64-row
+chunk; update "rest" 90,635,070 -> 90,634,942 bytes exact, 9,148,254 -> 9,002,174 detached; nothing else changed).
+Normalised:
 each row's "compile_s" (wall-clock seconds) is removed; nothing else in the JSON depends on the run (the jax version
 and compile times are printed on stdout only). Every byte count comes from XLA's buffer assignment and analytic
 shapes, deterministic for pinned versions (jax 0.10.2 here): after a JAX / XLA upgrade, or a deliberate change of
