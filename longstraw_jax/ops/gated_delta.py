@@ -23,17 +23,18 @@ import jax.numpy as jnp
 from longstraw_jax.ops.dtypes import at_least_f32 as _at_least_f32
 
 
+def _step(s, inputs):
+    """One token of the recurrence, all heads: s [H, dk, dv]; q_t, k_t [H, dk]; v_t [H, dv]; g_t, b_t [H]."""
+    q_t, k_t, v_t, g_t, b_t = inputs
+    s = s * jnp.exp(g_t)[:, None, None]
+    kv = jnp.einsum("hd,hdv->hv", k_t, s)
+    s = s + jnp.einsum("hd,hv->hdv", k_t, (v_t - kv) * b_t[:, None])
+    return s, jnp.einsum("hd,hdv->hv", q_t, s)
+
+
 def gated_delta_rule_sequential(q, k, v, g, beta, state):
     """q, k: [T, H, dk]; v: [T, H, dv]; g, beta: [T, H]; state: [H, dk, dv]. Returns (o [T, H, dv], state)."""
-
-    def step(s, inputs):
-        q_t, k_t, v_t, g_t, b_t = inputs
-        s = s * jnp.exp(g_t)[:, None, None]
-        kv = jnp.einsum("hd,hdv->hv", k_t, s)
-        s = s + jnp.einsum("hd,hv->hdv", k_t, (v_t - kv) * b_t[:, None])
-        return s, jnp.einsum("hd,hdv->hv", q_t, s)
-
-    state, o = jax.lax.scan(step, _at_least_f32(state), tuple(map(_at_least_f32, (q, k, v, g, beta))))
+    state, o = jax.lax.scan(_step, _at_least_f32(state), tuple(map(_at_least_f32, (q, k, v, g, beta))))
     return o, state
 
 
@@ -80,10 +81,14 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
     """Same contract as `gated_delta_rule_sequential`; T need not be a multiple of chunk_size.
 
     The tail is padded with g = 0, beta = 0, k = 0: such tokens leave the state unchanged and are dropped. T <=
-    chunk_size (a decoded token, a short replay or prompt) is one chunk of exactly T tokens, without padding or a
-    loop: a padded chunk would cost chunk_size rows (and log2(chunk_size) doubling steps) for T.
+    chunk_size (a short replay or prompt) is one chunk of exactly T tokens, without padding or a loop: a padded chunk
+    would cost chunk_size rows (and log2(chunk_size) doubling steps) for T; T = 1 (a decoded token) is one step of
+    the recurrence.
     """
     length, heads = q.shape[0], q.shape[1]
+    if length == 1:  # a decoded token: the recurrence's own step
+        state, o = _step(_at_least_f32(state), tuple(_at_least_f32(x)[0] for x in (q, k, v, g, beta)))
+        return o[None], state
     if length <= chunk_size:
         heads_first = lambda x: jnp.moveaxis(_at_least_f32(x), 0, 1)  # [H, T, ...]
         state, o = _chunk(_at_least_f32(state), tuple(map(heads_first, (q, k, v, g, beta))))

@@ -54,6 +54,16 @@ def assert_bitwise(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+def assert_round_off(a, b):
+    """Equal up to a few float32 ulps: a callback in a loop body may change how XLA:CPU fuses the body around it
+    (the short unpadded GDN chunks of the capture do: 1.4e-6 on log-probs near -5); the sampled tokens are equal."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        if np.issubdtype(np.asarray(x).dtype, np.floating):
+            np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(x, y)
+
+
 @pytest.mark.slow  # two compiles (with and without ticks) of the sampler and the exact gradient
 def test_one_device_ticks_change_nothing():
     """Sampling (capture + decode) and the exact gradient (capture, replay, prompt backward), Qwen3.6."""
@@ -66,7 +76,7 @@ def test_one_device_ticks_change_nothing():
         return rollout, grpo_grads(model, params, group, GRPOConfig(), "exact", chunk_size=CHUNK)
 
     plain, ticked, ticks = with_and_without(compute)
-    assert_bitwise(plain, ticked)
+    assert_round_off(plain, ticked)
     chunks = [(1, 4, 8), (2, 4, 8), (3, 4, 8), (4, 4, 5)]
     assert phase(ticks, "capture") == chunks * 2  # sampling's capture, then the gradient's
     assert phase(ticks, "sampling") == [(t, R, G) for t in range(1, R + 1)]

@@ -53,14 +53,21 @@ def test_drop_uniform_groups_updates_from_the_others_only(tmp_path):
     uniform = updates.uniform_groups(batch.rewards)
     assert 0 < uniform.sum() < 4, batch.rewards  # the seed gives a mix (else the test checks nothing)
     kept = np.flatnonzero(~uniform)
-    want, _, _ = train.train_step(trainer.model, trainer.params, trainer.opt_state,
+    want, _, want_metrics = train.train_step(trainer.model, trainer.params, trainer.opt_state,
                                   jax.tree.map(lambda x: np.asarray(x)[kept], batch), trainer.optimizer, trainer.grpo,
                                   "exact", 16)
     record = trainer.train_one()
     assert record["uniform_groups"] == uniform.sum() and record["updates"] == 1 and record["groups"] == 4
     np.testing.assert_allclose(record["reward_mean"], np.mean(batch.rewards), rtol=1e-6)  # over all 4 groups
-    for got, expected in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(want)):
-        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose([record["loss"], record["grad_norm"]],
+                               [float(want_metrics["loss"]), float(want_metrics["grad_norm"])], rtol=1e-4)
+    # AdamW moves a parameter with a near-zero gradient by ~lr (3e-3) in a direction that round-off (the sampler's
+    # capture reused vs captured again) can tip: a handful of such elements may differ by a fraction of lr; a wrong
+    # set of groups would move most parameters differently
+    flat = lambda tree: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
+    got, expected = flat(trainer.params), flat(want)
+    off = np.abs(got - expected) > 1e-6 + 2e-5 * np.abs(expected)
+    assert off.mean() < 1e-3 and np.abs(got - expected).max() < 2 * 3e-3, (off.sum(), off.size)
 
     reward = ["--reward", "tests.trainer.test_updates:constant"]
     flat = Trainer(*parse_args(flags + reward + ["--out", str(tmp_path / "b")]))
@@ -135,10 +142,17 @@ def test_refill_batches_fill_the_step_with_groups_that_carry_a_signal(tmp_path):
             break
     assert len(sampled) >= 2, "the seed gives no refill: the test checks nothing"
     chosen, uniform = updates.refilled(sampled, 4)
-    want, _, _ = train.train_step(trainer.model, trainer.params, trainer.opt_state, chosen, trainer.optimizer,
-                                  trainer.grpo, "exact", 16)
+    want, _, want_metrics = train.train_step(trainer.model, trainer.params, trainer.opt_state, chosen,
+                                             trainer.optimizer, trainer.grpo, "exact", 16)
     record = trainer.train_one()
     assert record["refill_batches"] == len(sampled) - 1 and record["uniform_groups"] == uniform
     assert record["groups"] == 4 * len(sampled) and trainer.data_position == len(sampled)
-    for got, expected in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(want)):
-        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose([record["loss"], record["grad_norm"]],
+                               [float(want_metrics["loss"]), float(want_metrics["grad_norm"])], rtol=1e-4)
+    # AdamW moves a parameter with a near-zero gradient by ~lr (3e-3) in a direction that round-off (the sampler's
+    # capture reused vs captured again) can tip: a handful of such elements may differ by a fraction of lr; a wrong
+    # set of groups would move most parameters differently
+    flat = lambda tree: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
+    got, expected = flat(trainer.params), flat(want)
+    off = np.abs(got - expected) > 1e-6 + 2e-5 * np.abs(expected)
+    assert off.mean() < 1e-3 and np.abs(got - expected).max() < 2 * 3e-3, (off.sum(), off.size)
