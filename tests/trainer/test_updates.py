@@ -43,6 +43,19 @@ def test_kept_groups_and_rounding_to_the_data_size():
     assert metrics == {"loss": 2.0, "skipped": 1.0, "updates": 2}
 
 
+def assert_same_update(record, params, want_metrics, want):
+    """A trainer step (its metrics record, its new params) equals a direct train_step (metrics, params): loss and
+    grad norm to 1e-4; parameters to round-off except a handful. AdamW moves a parameter with a near-zero gradient by
+    ~lr (3e-3) in a direction that round-off (the sampler's capture reused vs captured again) can tip, so a few such
+    elements may differ by a fraction of lr; a wrong set of groups would move most parameters differently."""
+    np.testing.assert_allclose([record["loss"], record["grad_norm"]],
+                               [float(want_metrics["loss"]), float(want_metrics["grad_norm"])], rtol=1e-4)
+    flat = lambda tree: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
+    got, expected = flat(params), flat(want)
+    off = np.abs(got - expected) > 1e-6 + 2e-5 * np.abs(expected)
+    assert off.mean() < 1e-3 and np.abs(got - expected).max() < 2 * 3e-3, (off.sum(), off.size)
+
+
 @pytest.mark.slow  # two trainer set-ups with B = 4 and a direct step (~55 s)
 def test_drop_uniform_groups_updates_from_the_others_only(tmp_path):
     """-B 4 with some groups uniform: the step's update equals a train_step on the kept groups alone (with their
@@ -59,15 +72,7 @@ def test_drop_uniform_groups_updates_from_the_others_only(tmp_path):
     record = trainer.train_one()
     assert record["uniform_groups"] == uniform.sum() and record["updates"] == 1 and record["groups"] == 4
     np.testing.assert_allclose(record["reward_mean"], np.mean(batch.rewards), rtol=1e-6)  # over all 4 groups
-    np.testing.assert_allclose([record["loss"], record["grad_norm"]],
-                               [float(want_metrics["loss"]), float(want_metrics["grad_norm"])], rtol=1e-4)
-    # AdamW moves a parameter with a near-zero gradient by ~lr (3e-3) in a direction that round-off (the sampler's
-    # capture reused vs captured again) can tip: a handful of such elements may differ by a fraction of lr; a wrong
-    # set of groups would move most parameters differently
-    flat = lambda tree: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
-    got, expected = flat(trainer.params), flat(want)
-    off = np.abs(got - expected) > 1e-6 + 2e-5 * np.abs(expected)
-    assert off.mean() < 1e-3 and np.abs(got - expected).max() < 2 * 3e-3, (off.sum(), off.size)
+    assert_same_update(record, trainer.params, want_metrics, want)
 
     reward = ["--reward", "tests.trainer.test_updates:constant"]
     flat = Trainer(*parse_args(flags + reward + ["--out", str(tmp_path / "b")]))
@@ -147,12 +152,4 @@ def test_refill_batches_fill_the_step_with_groups_that_carry_a_signal(tmp_path):
     record = trainer.train_one()
     assert record["refill_batches"] == len(sampled) - 1 and record["uniform_groups"] == uniform
     assert record["groups"] == 4 * len(sampled) and trainer.data_position == len(sampled)
-    np.testing.assert_allclose([record["loss"], record["grad_norm"]],
-                               [float(want_metrics["loss"]), float(want_metrics["grad_norm"])], rtol=1e-4)
-    # AdamW moves a parameter with a near-zero gradient by ~lr (3e-3) in a direction that round-off (the sampler's
-    # capture reused vs captured again) can tip: a handful of such elements may differ by a fraction of lr; a wrong
-    # set of groups would move most parameters differently
-    flat = lambda tree: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
-    got, expected = flat(trainer.params), flat(want)
-    off = np.abs(got - expected) > 1e-6 + 2e-5 * np.abs(expected)
-    assert off.mean() < 1e-3 and np.abs(got - expected).max() < 2 * 3e-3, (off.sum(), off.size)
+    assert_same_update(record, trainer.params, want_metrics, want)
