@@ -6,39 +6,25 @@ saved log-sum-exp, instead of letting autodiff store every tile).
 
 The result over one run of keys is `Attended(out, lse)`: the normalised output and the log-sum-exp of the scores.
 Attention over several disjoint key sets (a captured prompt cache, then the new tokens; or the shards of a
-sequence-parallel cache) merges exactly: `merge(a, b)`. GQA: query head h reads key/value head h // rep, where
-rep = Hq / Hkv.
+sequence-parallel cache) merges exactly: `merge(a, b)` (both from ops/attended.py). GQA: query head h reads
+key/value head h // rep, where rep = Hq / Hkv.
+
+This is the XLA path, the CPU path and the oracle; `attend(..., kernels="pallas")` runs the same contract as the
+Pallas kernels of `ops.flash_attention`.
 """
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from longstraw_jax.ops import flash_attention
+from longstraw_jax.ops.attended import MASKED, Attended, merge  # noqa: F401 (merge: part of this module's API)
 from longstraw_jax.ops.dtypes import accum_dtype, int32_indices
-
-MASKED = -1e30  # finite "minus infinity": exp(MASKED - x) == 0 and (MASKED) - (MASKED) is not NaN
-
-
-class Attended(NamedTuple):
-    """out: [T, H, value_dim] normalised output over the visited keys (value_dim: hd for `attend`, kv_lora_rank for
-    `ops.mla`); lse: [T, H] log-sum-exp of their scores (MASKED when a query saw no key, with out = 0). Both in the
-    accumulation dtype (float32)."""
-
-    out: jax.Array
-    lse: jax.Array
-
-
-def merge(a: Attended, b: Attended) -> Attended:
-    """Exact softmax attention over the union of two disjoint key sets."""
-    lse = jnp.logaddexp(a.lse, b.lse)
-    wa, wb = jnp.exp(a.lse - lse)[..., None], jnp.exp(b.lse - lse)[..., None]
-    return Attended(a.out * wa + b.out * wb, lse)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, k_offset, scale: float,
            causal: bool, kv_length=None, block_size: int = 512, kv_index: tuple = (), left_pad=None,
-           kv_positions=None) -> Attended:
+           kv_positions=None, kernels: str = "xla") -> Attended:
     """Softmax attention of queries over one contiguous run of keys.
 
     q: [T, Hq, hd]; q_positions: int [T]. k, v: [*lead, S, Hkv, hd]; `kv_index` selects the leading entries (e.g.
@@ -50,7 +36,16 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
     left_pad (int32 [], traced; None: no padding): keys at positions < left_pad are a left-padded prompt's pads and
     are never visible (their probability is exactly 0, so their cotangents are exactly 0). A key's position is
     `k_offset + i`, or `kv_positions[i]` (int32 [S]) when given (a sharded cache in stored order).
+
+    kernels: "xla" (this module) or "pallas" (`ops.flash_attention`, the same contract; `block_size` is then the
+    kernels' own).
     """
+    if kernels == "pallas":
+        return flash_attention.attend(q, k, v, q_positions=q_positions, k_offset=k_offset, scale=scale, causal=causal,
+                                      kv_length=kv_length, kv_index=kv_index, left_pad=left_pad,
+                                      kv_positions=kv_positions)
+    if kernels != "xla":
+        raise ValueError(f"attend: kernels={kernels!r}; allowed: 'xla', 'pallas'")
     kv_length = jnp.asarray(k.shape[-3] if kv_length is None else kv_length, jnp.int32)
     k_offset = jnp.asarray(k_offset, jnp.int32)
     index = tuple(jnp.asarray(i, jnp.int32) for i in kv_index)

@@ -94,7 +94,7 @@ def _to_next_shard(x, shards: int):
 
 
 def causal_attention(q, k, v, positions, layout: SeqLayout, *, scale: float, block_size: int,
-                     method: str = "ring", left_pad=None) -> attn_ops.Attended:
+                     method: str = "ring", left_pad=None, kernels: str = "xla") -> attn_ops.Attended:
     """q [2, L, Hq, hd], k, v [2, L, Hkv, hd], positions int [2, L] (this shard's segments). left_pad (int32 [],
     in the same coordinates as positions, or None): keys at positions < left_pad are pads, never visible.
 
@@ -102,7 +102,7 @@ def causal_attention(q, k, v, positions, layout: SeqLayout, *, scale: float, blo
     Key blocks that lie wholly in a query segment's future are skipped inside `attend`, and the zigzag layout
     gives every shard the same number of visible (query, key) segment pairs.
     """
-    common = dict(scale=scale, block_size=block_size, causal=True)
+    common = dict(scale=scale, block_size=block_size, causal=True, kernels=kernels)
     if left_pad is not None:
         common["left_pad"] = left_pad
     if method == "allgather":

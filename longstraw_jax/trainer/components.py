@@ -4,6 +4,7 @@ the device mesh, the model and its params (placed on one device or FSDP-sharded)
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -18,6 +19,7 @@ from longstraw_jax import models
 from longstraw_jax.adapters import lora, trainable
 from longstraw_jax.grpo import GroupBatch
 from longstraw_jax.io import checkpoints, peft
+from longstraw_jax.ops import kernels as kernel_choice
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sampling.groups import sample_groups
 from longstraw_jax.sharding import hosts, make_mesh, rules
@@ -41,8 +43,26 @@ def default_out() -> str:
 
 
 def load_model(config: RunConfig):
-    """(model, params) from --hf, --init-from, a --model config.json (random init) or the tiny preset. Unknown
-    config.json fields are errors here, not warnings (the model configs warn about them)."""
+    """(model, params) from --hf, --init-from, a --model config.json (random init) or the tiny preset, running the
+    --kernels it resolves to. Unknown config.json fields are errors here, not warnings (the model configs warn about
+    them)."""
+    model, params = _load_model(config)
+    return with_kernels(model, config.kernels), params
+
+
+def with_kernels(model, choice: str):
+    """The model running softmax attention as `kernel_choice.resolve(choice)` (GLM-5.2 has no Pallas kernels yet:
+    auto keeps XLA there, pallas is an error)."""
+    impl = kernel_choice.resolve(choice)
+    if not hasattr(model.config, "kernels"):
+        if choice == "pallas":
+            raise RunError("--kernels pallas: GLM-5.2 has no Pallas kernels yet (its sparse latent attention runs as "
+                           "XLA); use --kernels xla or auto")
+        return model
+    return model if model.config.kernels == impl else models.build(dataclasses.replace(model.config, kernels=impl))
+
+
+def _load_model(config: RunConfig):
     dtype = jnp.dtype(config.dtype)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=r"(?i).*unknown", category=UserWarning)

@@ -25,6 +25,7 @@ from typing import Collection
 
 from longstraw_jax.engine import MODES
 from longstraw_jax.grpo import LOSS_AGGS, RATIOS, GRPOConfig
+from longstraw_jax.ops import kernels as kernel_choice
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sampling.turns import TurnConfig
 from longstraw_jax.sharding.mesh import parse_mesh_spec
@@ -46,7 +47,7 @@ RESUMABLE = frozenset({"config", "steps", "resume", "resume_step", "out", "expor
                        "log_samples_every", "report_to", "profile_steps", "progress_every", "progress_rounds"})
 # Options a checkpoint records and a resumed run adopts, but that may be given differently on --resume (a run saved by
 # 2 processes on a 2x4 mesh continues on one process, on 2x4 or 1x8; evaluations may come more or less often).
-CHANGEABLE = frozenset({"mesh", "eval_every", "decode_batch", "replay_batch"})
+CHANGEABLE = frozenset({"mesh", "eval_every", "decode_batch", "replay_batch", "kernels"})
 
 
 MAX_EVAL_PROMPTS = 65536
@@ -202,6 +203,9 @@ class RunConfig:
                                 "update, a divisor of G: k branches' activations at once, k times fewer and larger "
                                 "operations (faster for small models; the same gradients up to round-off)",
                                 metavar="K")
+    kernels: str = _option("auto", "softmax attention as XLA ops or as Pallas kernels (Qwen3.6; GLM-5.2 runs XLA); "
+                           "auto: pallas on a GPU, xla elsewhere; pallas on a CPU interprets the kernels (slow, for "
+                           "checking: the same results up to round-off)", choices=kernel_choice.CHOICES)
     loss_agg: str = _option(library_default(GRPOConfig, "loss_agg"), choices=LOSS_AGGS)
     kl_coef: float = _option(library_default(GRPOConfig, "kl_coef"), "k3 KL weight to a reference policy: sampled runs "
                              "compute the reference log-probs (--train lora: the base without adapters; else the "

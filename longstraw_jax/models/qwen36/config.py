@@ -13,6 +13,7 @@ import numpy as np
 from flax import struct
 
 from longstraw_jax.models.base import check_config_fields, read_json_config
+from longstraw_jax.ops import kernels as kernel_choice
 from longstraw_jax.ops.rope import RopeConfig
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -54,10 +55,12 @@ class Qwen36Config:
     rope: RopeConfig = RopeConfig()
     max_position_embeddings: int = 262144
     tie_word_embeddings: bool = False
-    # Execution choices (not part of the checkpoint): attention key block and GDN core implementation.
+    # Execution choices (not part of the checkpoint): attention key block, GDN core implementation, and whether
+    # softmax attention runs as XLA or as the Pallas kernels (`ops.kernels`; the trainer's --kernels sets it).
     attention_block_size: int = 512
     gdn_impl: str = "chunked"
     gdn_chunk_size: int = 64
+    kernels: str = "xla"
 
     def __post_init__(self):
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -83,6 +86,8 @@ class Qwen36Config:
                           " must be even and in (0, head_dim]")
         if self.gdn_impl not in ("chunked", "sequential"):
             errors.append(f"gdn_impl={self.gdn_impl!r}; allowed: 'chunked', 'sequential'")
+        if kernel_error := kernel_choice.check(self.kernels, ""):
+            errors.append(kernel_error)
         if not errors and not unknown:
             try:
                 self.block_pattern  # noqa: B018  (validates periodicity)

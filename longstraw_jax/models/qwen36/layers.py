@@ -121,7 +121,8 @@ def gated_attention(cfg: Qwen36Config, p: dict, x: jax.Array, reader, j):
     """
     positions = rope_positions(reader.positions, reader.left_pad)  # real tokens at the unpadded prompt's positions
     q, gate, k, v = reader.rowwise(lambda x, pos: attention_inputs(cfg, p, x, pos), x, positions)
-    attended = reader.attend(q, k, v, j, scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size)
+    attended = reader.attend(q, k, v, j, scale=cfg.head_dim**-0.5, block_size=cfg.attention_block_size,
+                             kernels=cfg.kernels)
     return reader.rowwise(lambda out, gate: attention_output(cfg, p, out, gate, x.dtype), attended.out, gate), (k, v)
 
 
@@ -162,10 +163,11 @@ class PromptReader(NamedTuple):
         """core(q, k, v, g, beta, S_0) from layer j's carried recurrent matrix S_0 -> (o [T, Hv, dv], S_T float32)."""
         return core(q, k, v, g, beta, self.state.recurrent[self.prefix + (j,)])
 
-    def attend(self, q, k, v, j, *, scale: float, block_size: int) -> attn_ops.Attended:
+    def attend(self, q, k, v, j, *, scale: float, block_size: int, kernels: str) -> attn_ops.Attended:
         """q [T, Hq, hd] over full layer j's cached keys/values, merged by log-sum-exp with causal attention over
         the tokens' own k, v [T, Hkv, hd]."""
-        common = dict(q_positions=self.positions, scale=scale, block_size=block_size, left_pad=self.left_pad)
+        common = dict(q_positions=self.positions, scale=scale, block_size=block_size, left_pad=self.left_pad,
+                      kernels=kernels)
         cached = attn_ops.attend(q, self.state.keys, self.state.values, k_offset=0, causal=False,
                                  kv_length=self.cache_length, kv_index=self.prefix + (j,), **common)
         new = attn_ops.attend(q, k, v, k_offset=self.positions[0], causal=True, **common)
@@ -200,12 +202,13 @@ class DecodeReader(NamedTuple):
     def delta_rule(self, core, q, k, v, g, beta, j):
         return self.local.delta_rule(core, q, k, v, g, beta, j)
 
-    def attend(self, q, k, v, j, *, scale: float, block_size: int) -> attn_ops.Attended:
+    def attend(self, q, k, v, j, *, scale: float, block_size: int, kernels: str) -> attn_ops.Attended:
         prompt = attn_ops.attend(q, self.state.keys, self.state.values, k_offset=0, causal=False,
                                  kv_length=self.state.length, kv_index=self.local.prefix + (j,),
                                  q_positions=self.positions, scale=scale, block_size=block_size,
-                                 left_pad=self.left_pad)
-        return attn_ops.merge(prompt, self.local.attend(q, k, v, j, scale=scale, block_size=block_size))
+                                 left_pad=self.left_pad, kernels=kernels)
+        return attn_ops.merge(prompt, self.local.attend(q, k, v, j, scale=scale, block_size=block_size,
+                                                        kernels=kernels))
 
 
 def kind_runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int]]:

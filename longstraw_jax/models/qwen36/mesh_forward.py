@@ -140,11 +140,11 @@ class RoundReader(NamedTuple):
         o = o_aug[..., :dv] + jnp.einsum("athd,ahdv->athv", o_aug[..., dv:], incoming)
         return rearrange(o, "a t h v -> (a t) h v"), final
 
-    def attend(self, q, k, v, j, *, scale, block_size):
+    def attend(self, q, k, v, j, *, scale, block_size, kernels):
         """Causal attention within the round across shards, merged with attention over earlier rounds' cache."""
         layout, rounds = self.layout, self.rounds
         per_segment = lambda x: rearrange(x, "(a t) ... -> a t ...", a=2)
-        common = dict(scale=scale, block_size=block_size)
+        common = dict(scale=scale, block_size=block_size, kernels=kernels)
         within_pad = None if self.left_pad is None else self.left_pad - self.index * rounds.round_positions
         att = sequence.causal_attention(per_segment(q), per_segment(k), per_segment(v), self.within, layout,
                                         method=self.method, left_pad=within_pad, **common)
@@ -288,25 +288,25 @@ class ReplayReader(NamedTuple):
     def delta_rule(self, core, q, k, v, g, beta, j):
         return self.local.delta_rule(core, q, k, v, g, beta, j)
 
-    def attend(self, q, k, v, j, *, scale, block_size):
-        common = dict(q_positions=self.positions, scale=scale, block_size=block_size)
+    def attend(self, q, k, v, j, *, scale, block_size, kernels):
+        common = dict(q_positions=self.positions, scale=scale, block_size=block_size, kernels=kernels)
         prompt = prompt_attention(self.prompt, self.local.prefix + (j,), self.rounds, q, left_pad=self.left_pad,
                                   **common)
         if self.decoding:
-            rest = self.local.attend(q, k, v, j, scale=scale, block_size=block_size)
+            rest = self.local.attend(q, k, v, j, scale=scale, block_size=block_size, kernels=kernels)
         else:
             rest = attn_ops.attend(q, k, v, k_offset=self.rounds.length, causal=True, **common)
         return attn_ops.merge(prompt, rest)
 
 
 def prompt_attention(state, index: tuple, rounds: RoundLayout, q, *, q_positions, scale: float,
-                     block_size: int, left_pad=None) -> attn_ops.Attended:
+                     block_size: int, kernels: str = "xla", left_pad=None) -> attn_ops.Attended:
     """Inside `shard_map`: q [T, Hq, hd] (the same on every shard, after the prompt) over the prompt cache of the
     full layer at `index` ((b, j) of state.keys / values [nb, nf, S, Hkv, hd], this shard's slots), merged across
     shards by log-sum-exp: exact attention over the whole prompt. Every slot of the full rounds is a real position;
     of the last round's two segments, a prefix of each (padding slots are never visited). Slots at natural
     positions < left_pad (int32 [] or None) are the prompt's left pads: never visible."""
-    common = dict(q_positions=q_positions, scale=scale, block_size=block_size)
+    common = dict(q_positions=q_positions, scale=scale, block_size=block_size, kernels=kernels)
     earlier, last = rounds.full * rounds.round_slots, rounds.last
     slot_positions = rounds.slot_positions(jax.lax.axis_index(SEQ))  # [S]
     pads = lambda positions: {} if left_pad is None else dict(left_pad=left_pad, kv_positions=positions)

@@ -1,0 +1,348 @@
+"""Flash attention as Pallas kernels for the Triton (GPU) backend: the contract of `ops.attention.attend`.
+
+Same arguments, same result `Attended(out, lse)` (float32 output and log-sum-exp), same masks: causal by
+`q_positions` against key positions `k_offset + i` (or `kv_positions[i]` for pads), `kv_length`, left pads; GQA
+(query head h reads key/value head h // rep). The log-sum-exp is differentiable, so partial results over disjoint
+key sets (a prompt cache and new tokens, the shards of a ring) still merge exactly under autodiff: the backward
+takes dO and dLSE and uses delta = rowsum(dO * O) - dLSE.
+
+Three kernels, each over a grid of (row block, head) programs; every tile is [block, D] (powers of two >= 16, what
+Triton's `dot` needs), scores and accumulators float32, matmul inputs in the input dtype (bf16 tensor cores):
+- forward, one program per (query block, query head): an online softmax over the key blocks a causal query block
+  can see (later blocks are never loaded);
+- dQ, one program per (query block, query head): the same loop, dq += ds k;
+- dK / dV, one program per (key block, key/value head): a loop over the query blocks of each of the rep query
+  heads that read it, dk += ds^T q, dv += p^T dO (no atomics: each program owns its rows).
+
+The cache is read in place: k, v [*lead, S, Hkv, D] are viewed as [lead * S, Hkv, D] (a reshape, no copy) and the
+kernels load rows `row0 + i` of the layer `kv_index` selects, masked at S (a masked load never reads past the
+end, on a GPU or in interpret mode). Queries are padded to a multiple of the query block (position -1: no key
+visible, cotangent 0) and head dims that are not a power of two >= 16 are zero-padded (exact: zero channels add
+nothing to a score and give zero output channels); production head dims (Qwen3.6: 256) need neither.
+
+On a host without a GPU the kernels run with `interpret=True` (numerics only, slow): the proof on CPU
+(tests/ops/test_flash_attention.py) compares them with the XLA path of `ops.attention` and a naive softmax, and
+lowers each kernel for CUDA on the CPU host (`lowering_platforms=("cuda",)`), which checks what interpretation
+does not (Triton's block-shape rules).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from longstraw_jax.ops.attended import MASKED, Attended
+from longstraw_jax.ops.dtypes import accum_dtype
+
+BLOCK_Q = 64  # query rows per program (fewer, rounded up to a power of two >= 16, when there are fewer queries)
+BLOCK_K = 64  # key rows per loop step
+MIN_TILE = 16  # Triton's dot needs every dimension >= 16
+NO_PAD = -(2**30)  # left_pad when there is none: every key position is >= it
+# the scalars every kernel reads: [row0 (the layer's first row in the flattened cache), k_offset, kv_length, left_pad]
+_ROW0, _K_OFFSET, _KV_LENGTH, _LEFT_PAD = range(4)
+
+
+def on_gpu() -> bool:
+    """Whether the default backend compiles Pallas kernels (else they run in interpret mode)."""
+    return jax.default_backend() == "gpu"
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, k_offset, scale: float,
+           causal: bool, kv_length=None, kv_index: tuple = (), left_pad=None, kv_positions=None,
+           interpret: bool | None = None) -> Attended:
+    """`ops.attention.attend` as flash kernels. q [T, Hq, D]; k [*lead, S, Hkv, D]; v [*lead, S, Hkv, Dv];
+    `kv_index` selects the leading entries. interpret: None = interpret unless the default backend is a GPU.
+    Returns out [T, Hq, Dv] and lse [T, Hq], float32."""
+    num_q, num_heads, _ = q.shape
+    lead, (seq_len, kv_heads, value_dim) = k.shape[:-3], v.shape[-3:]
+    if num_heads % kv_heads:
+        raise ValueError(f"attend: {num_heads} query heads are not a multiple of {kv_heads} key/value heads")
+    if interpret is None:
+        interpret = not on_gpu()
+    if len(kv_index) != len(lead):
+        raise ValueError(f"attend: kv_index selects {len(kv_index)} of the cache's {len(lead)} leading axes")
+    rows = math.prod(lead) * seq_len
+    k_flat, v_flat = k.reshape((rows,) + k.shape[-2:]), v.reshape((rows,) + v.shape[-2:])
+    row0 = jnp.int32(0)
+    for i, size in zip(kv_index, lead):  # row-major flat index of the selected layer, times S
+        row0 = row0 * size + jnp.asarray(i, jnp.int32)
+    row0 = row0 * (seq_len if lead else 0)
+    kv_length = seq_len if kv_length is None else kv_length
+    scalars = jnp.stack([row0, jnp.asarray(k_offset, jnp.int32), jnp.asarray(kv_length, jnp.int32),
+                         jnp.asarray(NO_PAD if left_pad is None else left_pad, jnp.int32)])
+    kv_positions = None if left_pad is None or kv_positions is None else kv_positions.astype(jnp.int32)
+
+    block_q = min(BLOCK_Q, _tile(num_q))
+    padded_q = -(-num_q // block_q) * block_q
+    q = jnp.pad(_pad_dim(q), ((0, padded_q - num_q), (0, 0), (0, 0)))
+    q_positions = jnp.pad(q_positions.astype(jnp.int32), (0, padded_q - num_q), constant_values=-1)
+    static = _Static(scale=scale, causal=causal, seq_len=seq_len, block_q=block_q,
+                     block_k=min(BLOCK_K, _tile(seq_len)), interpret=interpret)
+    out, lse = _flash(static, q, _pad_dim(k_flat), _pad_dim(v_flat), q_positions, scalars, kv_positions)
+    return Attended(out[:num_q, :, :value_dim], lse[:num_q])
+
+
+def _tile(n: int) -> int:
+    """The smallest power of two >= max(n, MIN_TILE)."""
+    return max(MIN_TILE, 1 << max(0, n - 1).bit_length())
+
+
+def _pad_dim(x: jax.Array) -> jax.Array:
+    """Zero-pad the last (head) axis to a tile size; no copy when it already is one."""
+    pad = _tile(x.shape[-1]) - x.shape[-1]
+    return x if not pad else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The static configuration of one call (hashable: a custom_vjp nondiff argument)."""
+
+    scale: float
+    causal: bool
+    seq_len: int  # S, the keys of one layer
+    block_q: int
+    block_k: int
+    interpret: bool
+
+
+# ----- masks, shared by the kernels -----
+
+
+def _read_scalars(ref):
+    """The four scalars, each loaded on its own (Triton cannot slice a loaded vector)."""
+    return tuple(ref[i] for i in range(4))
+
+
+def _key_mask(scalars, kv_positions_ref, start, block_k, seq_len):
+    """[block_k] bool: keys start..start+block_k-1 that exist, are < kv_length and are not left pads."""
+    idx = start + jnp.arange(block_k)
+    ok = (idx < seq_len) & (idx < scalars[_KV_LENGTH])
+    if kv_positions_ref is None:
+        positions = scalars[_K_OFFSET] + idx
+    else:
+        positions = plt.load(kv_positions_ref.at[pl.ds(start, block_k)], mask=idx < seq_len, other=0)
+    return ok & (positions >= scalars[_LEFT_PAD])
+
+
+def _visible(key_ok, q_positions, scalars, start, block_k, causal):
+    """[block_q, block_k] visibility of one tile."""
+    mask = key_ok[None, :]
+    if causal:
+        mask = mask & ((scalars[_K_OFFSET] + start + jnp.arange(block_k))[None, :] <= q_positions[:, None])
+    return mask
+
+
+def _key_trips(scalars, q_positions, static):
+    """Key blocks a query block can see: up to kv_length, and for causal up to its last position."""
+    limit = jnp.minimum(scalars[_KV_LENGTH], static.seq_len)
+    if static.causal:
+        limit = jnp.minimum(limit, jnp.max(q_positions) - scalars[_K_OFFSET] + 1)
+    return (jnp.maximum(limit, 0) + static.block_k - 1) // static.block_k
+
+
+def _load_rows(ref, scalars, start, block_k, seq_len):
+    """Rows start..start+block_k-1 of the selected layer: [block_k, D], zeros past S."""
+    idx = start + jnp.arange(block_k)
+    return plt.load(ref.at[pl.ds(scalars[_ROW0] + start, block_k), :], mask=(idx < seq_len)[:, None], other=0.0)
+
+
+# ----- kernels -----
+
+
+def _forward_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, *rest, static, has_kv_positions):
+    kv_positions_ref = rest[0] if has_kv_positions else None
+    out_ref, lse_ref = rest[-2:]
+    scalars, q_positions, q = _read_scalars(scalars_ref), q_positions_ref[...], q_ref[...]
+    block_q, block_k = q.shape[0], static.block_k
+    acc = accum_dtype(q.dtype)
+
+    def body(j, carry):
+        m, denom, numer = carry
+        start = j * block_k
+        k_blk = _load_rows(k_ref, scalars, start, block_k, static.seq_len)
+        v_blk = _load_rows(v_ref, scalars, start, block_k, static.seq_len)
+        key_ok = _key_mask(scalars, kv_positions_ref, start, block_k, static.seq_len)
+        visible = _visible(key_ok, q_positions, scalars, start, block_k, static.causal)
+        s = jnp.where(visible, plt.dot(q, k_blk, trans_b=True).astype(acc) * static.scale, MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        numer = numer * alpha[:, None] + plt.dot(p.astype(v_blk.dtype), v_blk).astype(acc)
+        return m_new, denom * alpha + jnp.sum(p, axis=1), numer
+
+    init = (jnp.full((block_q,), MASKED, acc), jnp.zeros((block_q,), acc), jnp.zeros((block_q, v_ref.shape[-1]), acc))
+    m, denom, numer = jax.lax.fori_loop(0, _key_trips(scalars, q_positions, static), body, init)
+    seen = denom > 0
+    out_ref[...] = jnp.where(seen[:, None], numer / jnp.where(seen, denom, 1.0)[:, None], 0.0).astype(out_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), MASKED).astype(lse_ref.dtype)
+
+
+def _probabilities(q, k_blk, lse, visible, scale):
+    """p = exp(s - lse) of one tile, recomputed from the saved log-sum-exp: [block_q, block_k] float32."""
+    s = plt.dot(q, k_blk, trans_b=True).astype(lse.dtype) * scale
+    return jnp.where(visible, jnp.exp(s - lse[:, None]), 0.0)
+
+
+def _dq_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static,
+               has_kv_positions):
+    kv_positions_ref = rest[0] if has_kv_positions else None
+    dq_ref = rest[-1]
+    scalars, q_positions, q = _read_scalars(scalars_ref), q_positions_ref[...], q_ref[...]
+    do, lse, delta = do_ref[...], lse_ref[...], delta_ref[...]
+    block_k = static.block_k
+
+    def body(j, dq):
+        start = j * block_k
+        k_blk = _load_rows(k_ref, scalars, start, block_k, static.seq_len)
+        v_blk = _load_rows(v_ref, scalars, start, block_k, static.seq_len)
+        key_ok = _key_mask(scalars, kv_positions_ref, start, block_k, static.seq_len)
+        p = _probabilities(q, k_blk, lse, _visible(key_ok, q_positions, scalars, start, block_k, static.causal),
+                           static.scale)
+        ds = p * (plt.dot(do, v_blk, trans_b=True).astype(p.dtype) - delta[:, None]) * static.scale
+        return dq + plt.dot(ds.astype(k_blk.dtype), k_blk).astype(dq.dtype)
+
+    dq = jax.lax.fori_loop(0, _key_trips(scalars, q_positions, static), body, jnp.zeros(q.shape, lse.dtype))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _dkv_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static,
+                has_kv_positions, rep):
+    kv_positions_ref = rest[0] if has_kv_positions else None
+    dk_ref, dv_ref = rest[-2:]
+    scalars = _read_scalars(scalars_ref)
+    block_q, block_k = static.block_q, static.block_k
+    start = pl.program_id(0) * block_k
+    k_blk = _load_rows(k_ref, scalars, start, block_k, static.seq_len)
+    v_blk = _load_rows(v_ref, scalars, start, block_k, static.seq_len)
+    key_ok = _key_mask(scalars, kv_positions_ref, start, block_k, static.seq_len)
+    acc = accum_dtype(q_ref.dtype)
+    dk, dv = jnp.zeros(k_blk.shape, acc), jnp.zeros(v_blk.shape, acc)
+    for g in range(rep):  # the query heads that read this key/value head
+        def body(i, carry, g=g):
+            dk, dv = carry
+            rows = pl.ds(i * block_q, block_q)
+            q, do = q_ref[rows, g, :], do_ref[rows, g, :]
+            q_positions = q_positions_ref[rows]
+            p = _probabilities(q, k_blk, lse_ref[rows, g],
+                               _visible(key_ok, q_positions, scalars, start, block_k, static.causal), static.scale)
+            dv = dv + plt.dot(p.astype(do.dtype), do, trans_a=True).astype(acc)
+            ds = p * (plt.dot(do, v_blk, trans_b=True).astype(acc) - delta_ref[rows, g][:, None]) * static.scale
+            return dk + plt.dot(ds.astype(q.dtype), q, trans_a=True).astype(acc), dv
+
+        dk, dv = jax.lax.fori_loop(0, q_ref.shape[0] // block_q, body, (dk, dv))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ----- pallas_call wrappers and the custom VJP -----
+
+
+def _compiler_params(head_dim):
+    return plt.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+
+
+def _whole(shape):
+    """A BlockSpec of the whole array, the same block for every program (rows are then loaded by hand)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _cache_spec(cache, by_program):
+    """The flattened cache [rows, Hkv, D] as one [rows, D] block per key/value head."""
+    return pl.BlockSpec((cache.shape[0], None, cache.shape[2]), lambda *ids: (0, by_program(*ids), 0))
+
+
+def _forward(static, q, k, v, q_positions, scalars, kv_positions):
+    padded_q, num_heads, head_dim = q.shape
+    rep = num_heads // k.shape[1]
+    acc = accum_dtype(q.dtype)
+    extra = () if kv_positions is None else (kv_positions,)
+    block_q = static.block_q
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, static=static, has_kv_positions=kv_positions is not None),
+        out_shape=(jax.ShapeDtypeStruct((padded_q, num_heads, v.shape[-1]), acc),
+                   jax.ShapeDtypeStruct((padded_q, num_heads), acc)),
+        grid=(padded_q // block_q, num_heads),
+        in_specs=[_whole(scalars.shape), pl.BlockSpec((block_q,), lambda i, h: (i,)),
+                  pl.BlockSpec((block_q, None, head_dim), lambda i, h: (i, h, 0)),
+                  _cache_spec(k, lambda i, h: h // rep), _cache_spec(v, lambda i, h: h // rep)]
+                 + [_whole(x.shape) for x in extra],
+        out_specs=(pl.BlockSpec((block_q, None, v.shape[-1]), lambda i, h: (i, h, 0)),
+                   pl.BlockSpec((block_q, None), lambda i, h: (i, h))),
+        compiler_params=_compiler_params(head_dim), interpret=static.interpret, name="flash_attention_forward",
+    )(scalars, q_positions, q, k, v, *extra)
+
+
+def _backward(static, q, k, v, q_positions, scalars, kv_positions, d_out, lse, delta):
+    padded_q, num_heads, head_dim = q.shape
+    kv_heads, value_dim = k.shape[1], v.shape[-1]
+    rep = num_heads // kv_heads
+    block_q, block_k = static.block_q, static.block_k
+    extra = () if kv_positions is None else (kv_positions,)
+    has = kv_positions is not None
+    common = (scalars, q_positions, q, k, v, d_out, lse, delta, *extra)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, static=static, has_kv_positions=has),
+        out_shape=jax.ShapeDtypeStruct(q.shape, lse.dtype),
+        grid=(padded_q // block_q, num_heads),
+        in_specs=[_whole(scalars.shape), pl.BlockSpec((block_q,), lambda i, h: (i,)),
+                  pl.BlockSpec((block_q, None, head_dim), lambda i, h: (i, h, 0)),
+                  _cache_spec(k, lambda i, h: h // rep), _cache_spec(v, lambda i, h: h // rep),
+                  pl.BlockSpec((block_q, None, value_dim), lambda i, h: (i, h, 0)),
+                  pl.BlockSpec((block_q, None), lambda i, h: (i, h)),
+                  pl.BlockSpec((block_q, None), lambda i, h: (i, h))]
+                 + [_whole(x.shape) for x in extra],
+        out_specs=pl.BlockSpec((block_q, None, head_dim), lambda i, h: (i, h, 0)),
+        compiler_params=_compiler_params(head_dim), interpret=static.interpret, name="flash_attention_dq",
+    )(*common)
+    key_blocks = -(-static.seq_len // block_k)
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, static=static, has_kv_positions=has, rep=rep),
+        out_shape=(jax.ShapeDtypeStruct((key_blocks * block_k, kv_heads, head_dim), lse.dtype),
+                   jax.ShapeDtypeStruct((key_blocks * block_k, kv_heads, value_dim), lse.dtype)),
+        grid=(key_blocks, kv_heads),
+        in_specs=[_whole(scalars.shape), _whole(q_positions.shape),
+                  pl.BlockSpec((padded_q, rep, head_dim), lambda j, h: (0, h, 0)),
+                  _cache_spec(k, lambda j, h: h), _cache_spec(v, lambda j, h: h),
+                  pl.BlockSpec((padded_q, rep, value_dim), lambda j, h: (0, h, 0)),
+                  pl.BlockSpec((padded_q, rep), lambda j, h: (0, h)),
+                  pl.BlockSpec((padded_q, rep), lambda j, h: (0, h))]
+                 + [_whole(x.shape) for x in extra],
+        out_specs=(pl.BlockSpec((block_k, None, head_dim), lambda j, h: (j, h, 0)),
+                   pl.BlockSpec((block_k, None, value_dim), lambda j, h: (j, h, 0))),
+        compiler_params=_compiler_params(head_dim), interpret=static.interpret, name="flash_attention_dkv",
+    )(*common)
+    return dq, dk[: static.seq_len], dv[: static.seq_len]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(static, q, k, v, q_positions, scalars, kv_positions):
+    """q [Tp, Hq, D] (Tp a multiple of block_q); k, v: the flattened cache [rows, Hkv, D]. -> (out [Tp, Hq, Dv],
+    lse [Tp, Hq]) float32."""
+    return _forward(static, q, k, v, q_positions, scalars, kv_positions)
+
+
+def _flash_fwd(static, q, k, v, q_positions, scalars, kv_positions):
+    out, lse = _forward(static, q, k, v, q_positions, scalars, kv_positions)
+    return (out, lse), (q, k, v, q_positions, scalars, kv_positions, out, lse)
+
+
+def _flash_bwd(static, residuals, cotangents):
+    q, k, v, q_positions, scalars, kv_positions, out, lse = residuals
+    d_out, d_lse = cotangents
+    delta = jnp.sum(d_out * out, axis=-1) - d_lse  # [Tp, Hq]: rowsum(dO * O) - dLSE
+    dq, dk, dv = _backward(static, q, k, v, q_positions, scalars, kv_positions, d_out.astype(q.dtype), lse, delta)
+    row0 = scalars[_ROW0]
+
+    def place(layer_cot, cache):  # the selected layer's rows of a zero cotangent for the whole cache
+        zeros = jnp.zeros(cache.shape, cache.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(zeros, layer_cot.astype(cache.dtype), row0, 0)
+
+    return dq.astype(q.dtype), place(dk, k), place(dv, v), None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

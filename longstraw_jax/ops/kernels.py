@@ -1,0 +1,27 @@
+"""Which implementation runs the hot loops: `xla` (plain XLA ops, the CPU path and the oracle) or `pallas` (the
+Pallas kernels of `ops.flash_attention`, compiled by Triton on a GPU, interpreted elsewhere: slow, for checking).
+
+`--kernels auto` (the trainer's default) is `pallas` on a GPU and `xla` elsewhere. Today the Pallas kernels cover
+softmax attention (Qwen3.6's full-attention layers: capture, extend, decode, replay and the sequence-parallel
+ring); the Gated DeltaNet and GLM-5.2's sparse latent attention run as XLA under either choice.
+"""
+import jax
+
+IMPLEMENTATIONS = ("xla", "pallas")
+CHOICES = ("auto",) + IMPLEMENTATIONS
+
+
+def resolve(choice: str, backend: str | None = None) -> str:
+    """'auto' -> 'pallas' on a GPU backend, else 'xla'; an implementation name is returned as it is."""
+    if choice not in CHOICES:
+        raise ValueError(f"kernels={choice!r}; allowed: {', '.join(CHOICES)}")
+    if choice != "auto":
+        return choice
+    return "pallas" if (backend or jax.default_backend()) == "gpu" else "xla"
+
+
+def check(kernels: str, owner: str) -> str | None:
+    """An error line when `kernels` is not an implementation name (for a config's __post_init__), else None."""
+    if kernels not in IMPLEMENTATIONS:
+        return f"{owner}kernels={kernels!r}; allowed: {', '.join(repr(k) for k in IMPLEMENTATIONS)}"
+    return None

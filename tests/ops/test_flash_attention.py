@@ -1,0 +1,195 @@
+"""The Pallas flash-attention kernels (ops/flash_attention.py, interpret mode on CPU) against the XLA path of
+ops/attention.py and a dense softmax: outputs, log-sum-exp and the gradients of q, k, v through both (a loss that
+reads the LSE, as a merge of partial results does); the whole model's GRPO gradient with kernels="pallas"; and
+every kernel lowered for CUDA on this CPU host (Triton's block-shape rules, which interpretation does not check)."""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models
+from longstraw_jax.ops import attention, flash_attention, kernels
+from longstraw_jax.ops.attention import MASKED
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One row of the table: T queries over S keys (per layer) of a cache with `lead` leading axes."""
+
+    T: int
+    S: int
+    Hq: int = 4
+    Hkv: int = 2
+    D: int = 32
+    Dv: int | None = None
+    causal: bool = True
+    lead: tuple = ()
+    index: tuple = ()
+    k_offset: int = 0
+    kv_length: int | None = None
+    left_pad: int | None = None
+    kv_positions: bool = False  # keys' positions from an array (a sharded cache in stored order), reversed here
+    dtype: str = "float32"
+
+
+CASES = {
+    "prompt chunk, causal over itself": Case(T=64, S=64),
+    "non-multiples of the blocks": Case(T=37, S=70, k_offset=5),
+    "one decoded token over a cache": Case(T=1, S=83, causal=False, kv_length=61),
+    "fewer keys than a tile": Case(T=5, S=3, k_offset=2),
+    "GQA 3:1, head dims 24 / 20 (padded)": Case(T=20, S=40, Hq=6, Hkv=2, D=24, Dv=20),
+    "MHA, head dim 64": Case(T=24, S=130, Hq=2, Hkv=2, D=64),
+    "stacked cache, kv_index, kv_length": Case(T=20, S=130, lead=(2, 3), index=(1, 2), causal=False, kv_length=100),
+    "left pads": Case(T=30, S=90, k_offset=0, left_pad=17),
+    "left pads by kv_positions": Case(T=20, S=50, left_pad=15, kv_positions=True, causal=False),
+    "queries behind the keys (ring: nothing visible)": Case(T=16, S=32, k_offset=1000),
+    "bfloat16": Case(T=40, S=100, dtype="bfloat16"),
+}
+
+
+def _inputs(case: Case, seed=0):
+    rng = np.random.default_rng(seed)
+    dv = case.Dv or case.D
+    dtype = jnp.dtype(case.dtype)
+    q = jnp.asarray(rng.normal(size=(case.T, case.Hq, case.D)), dtype)
+    k = jnp.asarray(rng.normal(size=case.lead + (case.S, case.Hkv, case.D)), dtype)
+    v = jnp.asarray(rng.normal(size=case.lead + (case.S, case.Hkv, dv)), dtype)
+    # queries are the last T positions of a run of S keys starting at k_offset (a prompt chunk after its cache)
+    q_positions = jnp.arange(case.T, dtype=jnp.int32) + max(case.S - case.T, 0) + min(case.k_offset, 100)
+    kv_positions = jnp.arange(case.S, dtype=jnp.int32)[::-1] + case.k_offset if case.kv_positions else None
+    options = dict(q_positions=q_positions, k_offset=case.k_offset, scale=case.D**-0.5, causal=case.causal,
+                   kv_length=case.kv_length, kv_index=case.index, left_pad=case.left_pad, kv_positions=kv_positions)
+    return (q, k, v), options
+
+
+def _dense(q, k, v, *, q_positions, k_offset, scale, causal, kv_length=None, kv_index=(), left_pad=None,
+           kv_positions=None, block_size=None):
+    """Naive softmax over the whole [T, S] score matrix, float32."""
+    k, v = k[kv_index].astype(jnp.float32), v[kv_index].astype(jnp.float32)
+    seq_len, kv_heads = k.shape[0], k.shape[1]
+    rep = q.shape[1] // kv_heads
+    idx = jnp.arange(seq_len)
+    visible = (idx < (seq_len if kv_length is None else kv_length))[None, :] & jnp.ones((q.shape[0], 1), bool)
+    if causal:
+        visible &= (k_offset + idx)[None, :] <= q_positions[:, None]
+    if left_pad is not None:
+        key_positions = k_offset + idx if kv_positions is None else kv_positions
+        visible &= (key_positions >= left_pad)[None, :]
+    s = jnp.einsum("thd,shd->hts", q.astype(jnp.float32), jnp.repeat(k, rep, axis=1)) * scale
+    s = jnp.where(visible[None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    seen = jnp.isfinite(lse)
+    p = jnp.where(seen[..., None], jnp.exp(s - jnp.where(seen, lse, 0.0)[..., None]), 0.0)
+    out = jnp.einsum("hts,shd->thd", p, jnp.repeat(v, rep, axis=1))
+    return attention.Attended(out, jnp.where(seen, lse, MASKED).T)
+
+
+def _results(fn, args, options):
+    """(out, lse, dq, dk, dv) of a loss that weighs the output and reads the (finite) LSE."""
+    def loss(q, k, v):
+        r = fn(q, k, v, **options)
+        weights = jnp.cos(jnp.arange(r.out.size, dtype=jnp.float32)).reshape(r.out.shape)
+        return jnp.sum(r.out * weights) + jnp.sum(jnp.sin(jnp.where(r.lse > MASKED / 2, r.lse, 0.0))), r
+
+    (_, r), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
+    return (r.out, r.lse) + tuple(g.astype(jnp.float32) for g in grads)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernels_match_xla_and_dense(name):
+    case = CASES[name]
+    args, options = _inputs(case)
+    xla = _results(functools.partial(attention.attend, block_size=16), args, options)
+    pallas = _results(flash_attention.attend, args, options)
+    dense = _results(_dense, args, options)
+    # bf16: matmul inputs (p, ds) are rounded to bf16 in the kernels, as in every flash attention; XLA keeps f32
+    atol = 2e-5 if case.dtype == "float32" else 2e-2
+    for what, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), pallas, xla, dense):
+        scale = max(1.0, float(jnp.max(jnp.abs(c))))
+        np.testing.assert_allclose(a, b, atol=atol * scale, rtol=0, err_msg=f"{name}: {what} vs XLA")
+        np.testing.assert_allclose(a, c, atol=atol * scale, rtol=0, err_msg=f"{name}: {what} vs dense")
+    assert float(jnp.max(jnp.abs(pallas[3]))) > 0 or name.startswith("queries behind")
+
+
+def test_partials_merge_exactly_under_autodiff():
+    """Attention over a cache and over new keys, merged by log-sum-exp (how every reader combines parts): its
+    gradient through both kernels' LSE equals dense attention over the concatenation."""
+    args, options = _inputs(Case(T=24, S=80, causal=False))
+    q, k, v = args
+    positions = options["q_positions"] + 200
+
+    def merged(fn, q, k, v):
+        cached = fn(q, k[:50], v[:50], q_positions=positions, k_offset=0, scale=0.2, causal=False)
+        new = fn(q, k[50:], v[50:], q_positions=positions, k_offset=50, scale=0.2, causal=False)
+        return jnp.sum(jnp.sin(attention.merge(cached, new).out))
+
+    whole = lambda q, k, v: jnp.sum(jnp.sin(_dense(q, k, v, q_positions=positions, k_offset=0, scale=0.2,
+                                                   causal=False).out))
+    want = jax.grad(whole, argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(functools.partial(merged, flash_attention.attend), argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype,T,S,Hq,Hkv,D,lead", [
+    ("bfloat16", 300, 1000, 24, 4, 256, ()),  # Qwen3.6-27B's attention: a prompt chunk over itself
+    ("bfloat16", 8, 1000, 24, 4, 256, (3, 2)),  # G decoded tokens over a stacked prompt cache
+    ("float32", 37, 70, 4, 2, 24, ()),  # a tiny model's head dim (padded to 32)
+])
+def test_every_kernel_lowers_for_cuda(dtype, T, S, Hq, Hkv, D, lead):
+    """The forward, dQ and dK/dV kernels compile to Triton custom calls for a GPU, traced on this CPU host."""
+    q = jax.ShapeDtypeStruct((T, Hq, D), jnp.dtype(dtype))
+    kv = jax.ShapeDtypeStruct(lead + (S, Hkv, D), jnp.dtype(dtype))
+    index = tuple(n - 1 for n in lead)
+
+    def grads(q, k, v, q_positions):
+        def loss(q, k, v):
+            r = flash_attention.attend(q, k, v, q_positions=q_positions, k_offset=0, scale=D**-0.5, causal=True,
+                                       kv_index=index, left_pad=3, interpret=False)
+            return jnp.sum(r.out) + jnp.sum(r.lse)
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    lowered = jax.jit(grads).trace(q, kv, kv, jax.ShapeDtypeStruct((T,), jnp.int32)).lower(
+        lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    for name in ("flash_attention_forward", "flash_attention_dq", "flash_attention_dkv"):
+        assert name in text, name
+    assert text.count("xla.gpu.triton") == 3
+
+
+def test_kernel_choice():
+    assert kernels.resolve("auto", backend="gpu") == "pallas"
+    assert kernels.resolve("auto", backend="cpu") == "xla"
+    assert kernels.resolve("pallas", backend="cpu") == "pallas"
+    with pytest.raises(ValueError, match="kernels='triton'; allowed: auto, xla, pallas"):
+        kernels.resolve("triton")
+    with pytest.raises(ValueError, match="kernels='cuda'"):
+        models.Qwen36Config.tiny(kernels="cuda")
+    args, options = _inputs(Case(T=4, S=4))
+    with pytest.raises(ValueError, match="kernels='cudnn'"):
+        attention.attend(*args, **options, kernels="cudnn")
+
+
+def test_model_grpo_gradient_with_pallas_kernels_equals_xla():
+    """Exact-mode GRPO gradient of the tiny Qwen3.6 (capture in chunks, replay over the cache, the prompt's
+    backward): kernels="pallas" (interpreted) == kernels="xla" up to float32 round-off."""
+    P, G, R = 40, 2, 6
+    config = models.Qwen36Config.tiny(vocab_size=64, gdn_chunk_size=16, attention_block_size=16)
+    model = models.build(config)
+    params = model.init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    batch = GroupBatch(prompt=rng.integers(0, 64, P).astype(np.int32),
+                       responses=rng.integers(0, 64, (G, R)).astype(np.int32), mask=np.ones((G, R), np.float32),
+                       rewards=np.array([1.0, 0.0], np.float32), old_logprobs=np.full((G, R), -4.0, np.float32))
+    cfg = GRPOConfig()
+    run = lambda model: grpo_grads(model, params, batch, cfg, mode="exact", chunk_size=16)
+    loss_x, grads_x, _ = run(model)
+    loss_p, grads_p, _ = run(models.build(dataclasses.replace(config, kernels="pallas")))
+    np.testing.assert_allclose(loss_p, loss_x, rtol=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_p), jax.tree.leaves(grads_x)):
+        np.testing.assert_allclose(a, b, atol=2e-5 * max(1.0, float(np.abs(b).max())),
+                                   err_msg=jax.tree_util.keystr(path))
+    assert np.abs(grads_x["blocks"]["full"]["q_proj"]).max() > 0
