@@ -1,9 +1,10 @@
-"""Which implementation runs the hot loops: `xla` (plain XLA ops, the CPU path and the oracle) or `pallas` (the
-Pallas kernels of `ops.flash_attention`, compiled by Triton on a GPU, interpreted elsewhere: slow, for checking).
+"""Which implementation runs attention: `xla` (plain XLA ops, the CPU path and the oracle) or `pallas` (Pallas
+kernels for the Triton backend, compiled on a GPU, interpreted elsewhere: slow, for checking).
 
-`--kernels auto` (the trainer's default) is `pallas` on a GPU and `xla` elsewhere. Today the Pallas kernels cover
-softmax attention (Qwen3.6's full-attention layers: capture, extend, decode, replay and the sequence-parallel
-ring); the Gated DeltaNet and GLM-5.2's sparse latent attention run as XLA under either choice.
+`--kernels auto` (the trainer's default) is `pallas` on a GPU and `xla` elsewhere. The Pallas kernels cover
+Qwen3.6's softmax attention (`ops.flash_attention`) and GLM-5.x's sparse latent attention over the DSA-selected
+rows (`ops.flash_mla`), wherever the models call them: capture, extend, decode, replay and the sequence-parallel
+paths. The Gated DeltaNet and the DSA indexer's top-k run as XLA under either choice.
 """
 import jax
 

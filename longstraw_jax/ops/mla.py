@@ -16,25 +16,34 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from longstraw_jax.ops.attention import MASKED, Attended
+from longstraw_jax.ops import flash_mla
+from longstraw_jax.ops.attended import MASKED, Attended
 from longstraw_jax.ops.dtypes import accum_dtype
 
 
 def sparse_latent_attention(q: jax.Array, cache: jax.Array, layer, new: jax.Array, selected: jax.Array, start, *,
-                            scale: float, value_dim: int, block_size: int) -> jax.Array:
+                            scale: float, value_dim: int, block_size: int, kernels: str = "xla") -> jax.Array:
     """q [T, H, Dk]; cache [layers, S, Dk] (`cache[layer, :start]` are positions 0..start-1); new [T, Dk] (positions
     start..start+T-1); selected int [T, k]: the positions query t attends to (-1 = unused slot; every query must
     have at least one). Returns the latent output [T, H, value_dim] in float32 (the first value_dim channels of kv).
     """
     return sparse_latent_attention_partial(q, cache, layer, new, selected, start, scale=scale, value_dim=value_dim,
-                                           block_size=block_size).out
+                                           block_size=block_size, kernels=kernels).out
 
 
 def sparse_latent_attention_partial(q: jax.Array, cache: jax.Array, layer, new: jax.Array, selected: jax.Array,
-                                    start, *, scale: float, value_dim: int, block_size: int) -> Attended:
+                                    start, *, scale: float, value_dim: int, block_size: int,
+                                    kernels: str = "xla") -> Attended:
     """As `sparse_latent_attention`, also returning the log-sum-exp [T, H] of the scores: a partial result over
     some of the selected positions (queries may have none: out 0, lse MASKED) that `ops.attention.merge` or
-    `sharding.sequence.psum_merge` combine exactly with partials over the others. Differentiable in both."""
+    `sharding.sequence.psum_merge` combine exactly with partials over the others. Differentiable in both.
+    kernels: "xla" (this module) or "pallas" (`ops.flash_mla`, the same contract; a query's selected positions
+    must then be distinct, as a top-k's are)."""
+    if kernels == "pallas":
+        return flash_mla.sparse_latent_attention_partial(q, cache, layer, new, selected, start, scale=scale,
+                                                         value_dim=value_dim)
+    if kernels != "xla":
+        raise ValueError(f"sparse_latent_attention: kernels={kernels!r}; allowed: 'xla', 'pallas'")
     block_size = max(1, min(block_size, q.shape[0]))  # fewer queries than a block (decoding): no padded rows
     return Attended(*_attend(scale, value_dim, block_size, q, cache, new, jnp.asarray(layer, jnp.int32),
                              selected.astype(jnp.int32), jnp.asarray(start, jnp.int32)))

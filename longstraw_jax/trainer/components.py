@@ -51,14 +51,8 @@ def load_model(config: RunConfig):
 
 
 def with_kernels(model, choice: str):
-    """The model running softmax attention as `kernel_choice.resolve(choice)` (GLM-5.2 has no Pallas kernels yet:
-    auto keeps XLA there, pallas is an error)."""
+    """The model running its attention as `kernel_choice.resolve(choice)`."""
     impl = kernel_choice.resolve(choice)
-    if not hasattr(model.config, "kernels"):
-        if choice == "pallas":
-            raise RunError("--kernels pallas: GLM-5.2 has no Pallas kernels yet (its sparse latent attention runs as "
-                           "XLA); use --kernels xla or auto")
-        return model
     return model if model.config.kernels == impl else models.build(dataclasses.replace(model.config, kernels=impl))
 
 

@@ -41,6 +41,7 @@ class Case:
     mode: str
     pads: int | tuple[int, ...]  # a tuple: one per group, B = len(pads) stacked; an int: one unstacked group
     in_rounds: bool = True  # whether CHUNK splits the capture into rounds on this mesh (else one round)
+    kernels: str = "xla"  # the mesh program's attention ("pallas": interpreted kernels); one device runs XLA
 
 
 CASES = {
@@ -50,6 +51,10 @@ CASES = {
     "glm52-2x4-exact": Case("glm52", "2x4", "exact", (19, 0)),
     "glm52-1x8-exact": Case("glm52", "1x8", "exact", 19),  # reads around the ring
     "glm52-2x4-detached": Case("glm52", "2x4", "detached", (0, 19)),
+    # the Pallas kernels inside shard_map: the ring and the rounds' cache (kv_index, kv_positions, left pads) ...
+    "qwen36-2x4-exact-pallas": Case("qwen36", "2x4", "exact", (0, 19), kernels="pallas"),
+    # ... and the selected rows read around the ring, their cotangents sent home
+    "glm52-1x8-exact-pallas": Case("glm52", "1x8", "exact", 19, kernels="pallas"),
 }
 FAST = {"qwen36-1x8-detached"}  # the rest compile a mesh engine each (1-3 min on 2 busy cores): slow
 
@@ -82,6 +87,8 @@ def _fresh_results():
 def test_on_the_mesh_equal_one_device(name, monkeypatch):
     case = CASES[name]
     model, params, _ = tiny_model(case.family)
+    if case.kernels != model.config.kernels:
+        model = models.build(dataclasses.replace(model.config, kernels=case.kernels))
     batch = batch_of(name)
     want_loss, want_grads, want_metrics = one_device(name)  # before the callback below (it names the mesh's axis)
     mesh = sharding.make_mesh(case.spec)

@@ -173,6 +173,7 @@ def test_kernel_choice():
         attention.attend(*args, **options, kernels="cudnn")
 
 
+@pytest.mark.slow  # compiles the model engine twice, once with interpreted kernels
 def test_model_grpo_gradient_with_pallas_kernels_equals_xla():
     """Exact-mode GRPO gradient of the tiny Qwen3.6 (capture in chunks, replay over the cache, the prompt's
     backward): kernels="pallas" (interpreted) == kernels="xla" up to float32 round-off."""

@@ -12,6 +12,7 @@ import numpy as np
 from flax import struct
 
 from longstraw_jax.models.base import check_config_fields, read_json_config
+from longstraw_jax.ops import kernels as kernel_choice
 
 FULL, SHARED = "full", "shared"
 DENSE, SPARSE = "dense", "sparse"
@@ -110,9 +111,11 @@ class Glm52Config:
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 0  # MTP layers stored after the last layer on disk: skipped when loading
     # Execution choices (not part of the checkpoint): query block of the sparse attention and of the indexer,
-    # key block of the indexer's streaming top-k.
+    # key block of the indexer's streaming top-k, and whether the sparse latent attention runs as XLA or as the
+    # Pallas kernels (`ops.kernels`; the trainer's --kernels sets it).
     query_block_size: int = 64
     index_key_block_size: int = 1024
+    kernels: str = "xla"
 
     def __post_init__(self):
         object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
@@ -144,6 +147,8 @@ class Glm52Config:
         for name in ("query_block_size", "index_key_block_size"):
             if getattr(self, name) < 1:
                 errors.append(f"{name}={getattr(self, name)} must be >= 1")
+        if kernel_error := kernel_choice.check(self.kernels, ""):
+            errors.append(kernel_error)
         if errors:
             raise ValueError("invalid Glm52Config: " + "; ".join(errors))
 

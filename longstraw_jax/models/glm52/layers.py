@@ -63,7 +63,7 @@ class PromptReader(NamedTuple):
         output [T, H, kv_lora_rank] float32 over the selected positions of layer `layer`'s cache and the chunk."""
         return sparse_latent_attention(q_abs, self.state.kv, layer, rows, selected, self.start,
                                        scale=c.qk_head_dim**-0.5, value_dim=c.kv_lora_rank,
-                                       block_size=c.query_block_size)
+                                       block_size=c.query_block_size, kernels=c.kernels)
 
 
 class DecodeReader(NamedTuple):

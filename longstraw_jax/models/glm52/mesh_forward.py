@@ -60,7 +60,8 @@ def topk_common(c, k: int) -> dict:
 
 
 def attend_common(c) -> dict:
-    return dict(scale=c.qk_head_dim**-0.5, value_dim=c.kv_lora_rank, block_size=c.query_block_size)
+    return dict(scale=c.qk_head_dim**-0.5, value_dim=c.kv_lora_rank, block_size=c.query_block_size,
+                kernels=c.kernels)
 
 
 # the matrices the layer code applies only through `ops.mlp.linear`: decoding multiplies by their shards in place
