@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "the sampler's capture")
     ap.add_argument("--hardware", choices=sorted(HARDWARE), default="h200",
                     help="--time: the device kind whose peaks the roofline uses (default h200; capacity/hardware.py)")
+    ap.add_argument("--kernels", choices=("xla", "pallas"), default="xla",
+                    help="--time: cost softmax attention as compiled (xla: the XLA path's unfused key-block loops, "
+                         "the default) or as the Pallas flash kernels would run it on a GPU (pallas: their FLOPs and "
+                         "compulsory HBM bytes; capacity/hlo/kernels.py); the programs compiled are the same")
     ap.add_argument("--hlo-dir", metavar="DIR", help="--time: also write each costed program's compiled HLO text "
                     "into DIR (capacity/hlo can cost it again: `hlo_cost(open(file).read())`)")
     ap.add_argument("--markdown", action="store_true")
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         planner = Planner(args.config, args.mesh, args.dtype, args.response_len, args.chunk_size, train_mode=args.train,
                           lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
                           decode_batch=args.decode_batch, hlo_dir=args.hlo_dir, kl_coef=args.kl_coef,
-                          replay_batch=args.replay_batch)
+                          replay_batch=args.replay_batch, kernels=args.kernels)
         for group in args.group_size:
             planner.branches_together(group)  # --decode-batch and --replay-batch must divide every G
     except (ValueError, NotImplementedError) as e:
@@ -150,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     timing = None
     if args.time:
         hw = hardware(args.hardware)
-        timing = dict(hardware=dataclasses.asdict(hw), rows=[])
+        timing = dict(hardware=dataclasses.asdict(hw), kernels=args.kernels, rows=[])
         for row in rows:
             if row["mode"] in args.modes.split(","):  # the searched rows ("... (longest)") are not timed
                 start = time.perf_counter()
@@ -161,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                     return 2
                 print(f"  timed {row['mode']} G={row['G']} P={row['P']:,} ({time.perf_counter() - start:.0f} s)",
                       flush=True)
+        if args.kernels == "pallas":
+            print("\nsoftmax attention costed as the Pallas flash kernels (capacity/hlo/kernels.py)")
         print("\n" + format_times(timing["rows"], hw, args.markdown))
     if args.json:
         write_json(args.json, rows, args, planner, timing)

@@ -24,7 +24,7 @@ from longstraw_jax.capacity.footprint import (
     tree_bytes,
 )
 from longstraw_jax.capacity.hardware import Hardware
-from longstraw_jax.capacity.hlo import Cost, ExpertModel, program_cost
+from longstraw_jax.capacity.hlo import Cost, ExpertModel, KernelModel, program_cost
 from longstraw_jax.capacity.phases import (
     local_groups,
     ragged_exchange_bytes,
@@ -63,7 +63,7 @@ class Planner:
     def __init__(self, config, mesh_spec: str, dtype: str, response_len: int, chunk: int, devices=None,
                  train_mode: str = "full", lora_rank: int = 64, lora_alpha: float | None = None,
                  lora_targets: str = "all", decode_batch: int | None = None, hlo_dir: str | None = None,
-                 kl_coef: float = 0.0, replay_batch: int = 1):
+                 kl_coef: float = 0.0, replay_batch: int = 1, kernels: str = "xla"):
         """`config`: an HF config.json path or a model config object; `devices`: the mesh's devices (default all of
         jax.devices(); a process with more passes a subset). train_mode "lora": LoRA adapters of `lora_rank` on
         `lora_targets` (`lora.resolve_targets`), built abstractly, and the trainer's split (`trainable.split` by
@@ -74,7 +74,10 @@ class Planner:
         kl_coef > 0: the trainer's KL to a reference policy while sampling (`trainer/reference.py`): a reference
         phase (`reference`), the reference params copy held all step (full training; LoRA's reference is the base
         without adapters: no copy), and the update compiled with the KL term. replay_batch: the update's branches
-        replayed together (`GRPOConfig.replay_batch`, a divisor of every G): K branches' activations at once."""
+        replayed together (`GRPOConfig.replay_batch`, a divisor of every G): K branches' activations at once.
+        kernels: how the time model costs softmax attention: "xla" (as compiled: the XLA path's unfused loops) or
+        "pallas" (as the Pallas flash kernels would run it on a GPU: `hlo.KernelModel`, `kernel_model`); the
+        programs are the XLA path's, compiled by XLA:CPU, either way."""
         self.model = models.build(models.config_from_hf(config) if isinstance(config, (str, os.PathLike)) else config)
         self.model.mesh_adapter()  # a family without a sharded path says so here
         self.mesh = sharding.make_mesh(mesh_spec, devices)
@@ -123,6 +126,10 @@ class Planner:
             raise ValueError(f"--kl-coef {kl_coef!r} must be a finite number >= 0")
         self.kl_coef = float(kl_coef)
         self.grpo = GRPOConfig(kl_coef=self.kl_coef, replay_batch=replay_batch)
+        if kernels not in ("xla", "pallas"):
+            raise ValueError(f"--kernels {kernels!r}: expected xla or pallas")
+        self.kernels = kernels
+        self.kernel_model()  # a family without the kernels says so here
         self._references: dict[tuple, dict] = {}
 
     @property
@@ -353,7 +360,7 @@ class Planner:
                            "capture": ""}[name]
                     with open(os.path.join(self.hlo_dir, f"{name}_P{prompt_len}{tag}.hlo.txt"), "w") as f:
                         f.write(compiled.as_text())
-                cost = program_cost(compiled, experts=self.expert_model(name))
+                cost = program_cost(compiled, experts=self.expert_model(name), kernels=self.kernel_model())
                 if cost.unknown_loops:
                     raise ValueError(f"{name} program: while loops without a known trip count "
                                      f"{list(cost.unknown_loops)}; its time would be a lower bound")
@@ -372,6 +379,14 @@ class Planner:
         seq = self.mesh.shape["seq"]
         padded = program == "decode_step" and routed % self.mesh.size == 0
         return ExpertModel(routed, 1.0 / seq if padded else 1.0)
+
+    def kernel_model(self) -> KernelModel | None:
+        """How the time model costs softmax attention: None (kernels "xla": as compiled) or, for "pallas", the
+        flash kernels' FLOPs and compulsory HBM bytes (`hlo.KernelModel` of the config, q / k / v at the params'
+        dtype) in place of each attention loop of the XLA path."""
+        if self.kernels == "xla":
+            return None
+        return KernelModel.for_config(self.model.config, self.dtype.itemsize)
 
     def timing(self, prompt_len: int, group: int, mode: str, groups_per_step: int, hw: Hardware) -> dict:
         """The time model of one step (timing.py) for one row: {"mode", "G", "P", "B", "decode_steps_per_group",

@@ -85,7 +85,7 @@ def write_json(path: str, rows: list[dict], args, planner, timing: dict | None =
     setup = dict(config=args.config, mesh=args.mesh, dtype=args.dtype, response_len=args.response_len,
                  chunk=args.chunk_size, device_gb=args.device_gb, groups_per_step=args.groups_per_step,
                  params=planner.num_params, train=planner.train_mode, trainable_params=planner.num_trainable,
-                 lora=planner.lora, largest_layer_bytes=planner.layer_bytes,
+                 lora=planner.lora, largest_layer_bytes=planner.layer_bytes, kernels=planner.kernels,
                  **({"kl_coef": planner.kl_coef} if planner.kl_coef > 0 else {}))
     with open(path, "w") as f:
         json.dump(dict(setup=setup, rows=rows, **({} if timing is None else dict(time=timing))), f, indent=1)

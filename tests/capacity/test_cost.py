@@ -531,3 +531,76 @@ def test_a_tiny_models_exact_update_costs_the_brute_forces_totals():
     path = os.path.join(ROOT, "configs", "glm-5.2-tiny.json")
     planner = Planner(path, "1x4", "bfloat16", 8, 64, devices=jax.devices()[:4], train_mode="lora", lora_rank=4)
     _costs_both_ways(planner.update_program(8 * 64 + 1, 2, "exact"), planner.expert_model("update"))
+
+
+# ----- softmax attention: costed as the Pallas flash kernels (hlo.KernelModel) -------------------------------------
+
+
+def _one_attend(gradient):
+    """One `ops.attention.attend` call (XLA path, 256 queries over 1024 keys, not causal: every key visible; 6 query /
+    2 key-value heads of 32, bf16, key blocks of 256: a 4-trip loop), or the gradient of sum(out) + sum(lse)."""
+    from longstraw_jax.ops import attention
+
+    t, s, hq, hkv, d = 256, 1024, 6, 2, 32
+
+    def f(q, k, v):
+        a = attention.attend(q, k, v, q_positions=jnp.arange(t) + s, k_offset=0, scale=0.1, causal=False,
+                             block_size=256)
+        return jnp.sum(a.out) + jnp.sum(a.lse)
+
+    shapes = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((t, hq, d), (s, hkv, d), (s, hkv, d))]
+    return _compile(jax.grad(f, argnums=(0, 1, 2)) if gradient else f, *shapes), (t, s, hq, hkv, d)
+
+
+@pytest.mark.parametrize("gradient", [False, True], ids=["forward", "gradient"])
+def test_attention_costs_the_flash_kernels_flops_and_fewer_bytes(gradient):
+    """With a KernelModel the attention loops cost the kernels' analytic FLOPs (kernels.py: forward 2 (D + Dv) per
+    visited (query, key, head) triple; backward dQ 2 (2 D + Dv) per triple plus dK / dV 2 (2 D + 2 Dv) per query,
+    layer key and head) and their compulsory bytes (read once, written once) in place of XLA's unfused traffic; the
+    program has no matmul outside those loops, so its FLOPs are exactly the kernels'."""
+    from longstraw_jax.capacity.hlo import KernelModel
+
+    compiled, (t, s, hq, hkv, d) = _one_attend(gradient)
+    model = KernelModel(hq, hkv, d, d, 2.0)
+    xla, kernels = program_cost(compiled), program_cost(compiled, kernels=model)
+    triples = t * s * hq
+    expected = model.forward(triples, t) + (model.backward(triples, t, s) if gradient else Cost())
+    assert xla.flops == triples * (4 * d + (10 * d if gradient else 0))  # as compiled: XLA's 2 (+ 5) matmuls
+    assert kernels.flops == expected.flops == triples * (4 * d + (6 * d + 8 * d if gradient else 0))
+    # the loops' compulsory bytes plus the XLA ops around them (casts, delta, the cotangents' placement), far below
+    # the unfused loops' score blocks
+    assert expected.hbm_bytes < kernels.hbm_bytes < xla.hbm_bytes / 10
+    assert kernels.unknown_loops == xla.unknown_loops == ()
+
+
+def test_the_kernel_model_leaves_a_program_without_attention_and_the_default_unchanged():
+    from longstraw_jax.capacity.hlo import KernelModel
+
+    compiled = _compile(_matmuls, jax.ShapeDtypeStruct((4, 32), jnp.float32),
+                        jax.ShapeDtypeStruct((5, 32, 32), jnp.float32))
+    assert program_cost(compiled, kernels=KernelModel(6, 2, 32, 32)) == program_cost(compiled)
+    attend, _ = _one_attend(False)
+    assert program_cost(attend, kernels=None) == program_cost(attend)
+    with pytest.raises(ValueError, match="multiple"):
+        KernelModel(6, 4, 32, 32)
+    with pytest.raises(ValueError, match="positive"):
+        KernelModel(0, 1, 32, 32)
+
+
+def test_the_planners_kernel_option():
+    """Planner(kernels=...): "xla" costs as compiled (no model), "pallas" a Qwen3.6 config's KernelModel at the
+    params' dtype; a family whose attention the kernels do not run, or another name, is refused."""
+    import os
+
+    from longstraw_jax.capacity.hlo import KernelModel
+    from longstraw_jax.capacity.planner import Planner
+
+    path = lambda name: os.path.join(ROOT, "configs", f"{name}.json")
+    devices = jax.devices()[:1]
+    assert Planner(path("qwen3.6-tiny"), "1x1", "bfloat16", 8, 64, devices=devices).kernel_model() is None
+    planner = Planner(path("qwen3.6-tiny"), "1x1", "bfloat16", 8, 64, devices=devices, kernels="pallas")
+    assert planner.kernel_model() == KernelModel(4, 2, 32, 32, 2.0)
+    with pytest.raises(ValueError, match="no Pallas kernels"):
+        Planner(path("glm-5.2-tiny"), "1x1", "bfloat16", 8, 64, devices=devices, kernels="pallas")
+    with pytest.raises(ValueError, match="expected xla or pallas"):
+        Planner(path("qwen3.6-tiny"), "1x1", "bfloat16", 8, 64, devices=devices, kernels="triton")
