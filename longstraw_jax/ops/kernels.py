@@ -1,10 +1,10 @@
-"""Which implementation runs attention: `xla` (plain XLA ops, the CPU path and the oracle) or `pallas` (Pallas
-kernels for the Triton backend, compiled on a GPU, interpreted elsewhere: slow, for checking).
+"""Which implementation runs attention and the Gated DeltaNet: `xla` (plain XLA ops, the CPU path and the oracle)
+or `pallas` (Pallas kernels for the Triton backend, compiled on a GPU, interpreted elsewhere: slow, for checking).
 
 `--kernels auto` (the trainer's default) is `pallas` on a GPU and `xla` elsewhere. The Pallas kernels cover
-Qwen3.6's softmax attention (`ops.flash_attention`) and GLM-5.x's sparse latent attention over the DSA-selected
-rows (`ops.flash_mla`), wherever the models call them: capture, extend, decode, replay and the sequence-parallel
-paths. The Gated DeltaNet and the DSA indexer's top-k run as XLA under either choice.
+Qwen3.6's softmax attention (`ops.flash_attention`) and chunked Gated DeltaNet (`ops.flash_gated_delta`), and
+GLM-5.x's sparse latent attention over the DSA-selected rows (`ops.flash_mla`), wherever the models call them:
+capture, extend, decode, replay and the sequence-parallel paths. The DSA indexer's top-k runs as XLA either way.
 """
 import jax
 

@@ -203,9 +203,10 @@ class RunConfig:
                                 "update, a divisor of G: k branches' activations at once, k times fewer and larger "
                                 "operations (faster for small models; the same gradients up to round-off)",
                                 metavar="K")
-    kernels: str = _option("auto", "attention (Qwen3.6's softmax, GLM-5.x's sparse latent) as XLA ops or as Pallas "
-                           "kernels; auto: pallas on a GPU, xla elsewhere; pallas on a CPU interprets the kernels "
-                           "(slow, for checking: the same results up to round-off)", choices=kernel_choice.CHOICES)
+    kernels: str = _option("auto", "attention (Qwen3.6's softmax, GLM-5.x's sparse latent) and Qwen3.6's Gated "
+                           "DeltaNet as XLA ops or as Pallas kernels; auto: pallas on a GPU, xla elsewhere; pallas "
+                           "on a CPU interprets the kernels (slow, for checking: the same results up to round-off)",
+                           choices=kernel_choice.CHOICES)
     loss_agg: str = _option(library_default(GRPOConfig, "loss_agg"), choices=LOSS_AGGS)
     kl_coef: float = _option(library_default(GRPOConfig, "kl_coef"), "k3 KL weight to a reference policy: sampled runs "
                              "compute the reference log-probs (--train lora: the base without adapters; else the "

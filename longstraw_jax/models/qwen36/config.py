@@ -56,7 +56,7 @@ class Qwen36Config:
     max_position_embeddings: int = 262144
     tie_word_embeddings: bool = False
     # Execution choices (not part of the checkpoint): attention key block, GDN core implementation, and whether
-    # softmax attention runs as XLA or as the Pallas kernels (`ops.kernels`; the trainer's --kernels sets it).
+    # softmax attention and the chunked GDN run as XLA or as Pallas kernels (`ops.kernels`; the trainer's --kernels).
     attention_block_size: int = 512
     gdn_impl: str = "chunked"
     gdn_chunk_size: int = 64

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from longstraw_jax.models.qwen36.config import FULL, GROUP, LINEAR, Qwen36Config, Qwen36State
-from longstraw_jax.ops import attention as attn_ops
+from longstraw_jax.ops import attention as attn_ops, flash_gated_delta
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.ops.gated_delta import gated_delta_rule_chunked, gated_delta_rule_sequential
@@ -49,10 +49,13 @@ def gdn_qkv(cfg: Qwen36Config, conv_out: jax.Array):
 
 
 def gdn_core(cfg: Qwen36Config, q, k, v, g, beta, state):
-    """The gated delta rule with the configured implementation: (o [T, Hv, dv'], state [Hv, dk, dv']) in float32.
+    """The gated delta rule with the configured implementation (chunked: XLA, or the Pallas kernels of
+    `ops.flash_gated_delta` with kernels="pallas"): (o [T, Hv, dv'], state [Hv, dk, dv']) in float32.
     Linear in (v, state) jointly, so any value width dv' works (sharding/ appends identity columns). One token
     (decoding) takes the sequential rule whatever the configuration: the chunked one would pad it to a chunk."""
     if cfg.gdn_impl == "chunked" and q.shape[0] > 1:
+        if cfg.kernels == "pallas":
+            return flash_gated_delta.gated_delta_rule(q, k, v, g, beta, state, cfg.gdn_chunk_size)
         return gated_delta_rule_chunked(q, k, v, g, beta, state, cfg.gdn_chunk_size)
     return gated_delta_rule_sequential(q, k, v, g, beta, state)
 
