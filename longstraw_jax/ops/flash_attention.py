@@ -12,7 +12,8 @@ Triton's `dot` needs), scores and accumulators float32, matmul inputs in the inp
   can see (later blocks are never loaded);
 - dQ, one program per (query block, query head): the same loop, dq += ds k;
 - dK / dV, one program per (key block, key/value head): a loop over the query blocks of each of the rep query
-  heads that read it, dk += ds^T q, dv += p^T dO (no atomics: each program owns its rows).
+  heads that read it, dk += ds^T q, dv += p^T dO (no atomics: each program owns its rows); a causal query block
+  that ends before the key block, and a key block past kv_length, are skipped.
 
 The cache is read in place: k, v [*lead, S, Hkv, D] are viewed as [lead * S, Hkv, D] (a reshape, no copy) and the
 kernels load rows `row0 + i` of the layer `kv_index` selects, masked at S (a masked load never reads past the
@@ -222,19 +223,28 @@ def _dkv_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, do_ref, lse_r
     key_ok = _key_mask(scalars, kv_positions_ref, start, block_k, static.seq_len)
     acc = accum_dtype(q_ref.dtype)
     dk, dv = jnp.zeros(k_blk.shape, acc), jnp.zeros(v_blk.shape, acc)
+    # none past kv_length / S (a max, not any: Triton lowers no reduce_or)
+    query_blocks = jnp.where(jnp.max(key_ok.astype(jnp.int32)) > 0, q_ref.shape[0] // block_q, 0)
     for g in range(rep):  # the query heads that read this key/value head
-        def body(i, carry, g=g):
+        def tile(carry, rows, q_positions, g=g):
             dk, dv = carry
-            rows = pl.ds(i * block_q, block_q)
             q, do = q_ref[rows, g, :], do_ref[rows, g, :]
-            q_positions = q_positions_ref[rows]
             p = _probabilities(q, k_blk, lse_ref[rows, g],
                                _visible(key_ok, q_positions, scalars, start, block_k, static.causal), static.scale)
             dv = dv + plt.dot(p.astype(do.dtype), do, trans_a=True).astype(acc)
             ds = p * (plt.dot(do, v_blk, trans_b=True).astype(acc) - delta_ref[rows, g][:, None]) * static.scale
             return dk + plt.dot(ds.astype(q.dtype), q, trans_a=True).astype(acc), dv
 
-        dk, dv = jax.lax.fori_loop(0, q_ref.shape[0] // block_q, body, (dk, dv))
+        def body(i, carry, tile=tile):
+            rows = pl.ds(i * block_q, block_q)
+            q_positions = q_positions_ref[rows]
+            if not static.causal:
+                return tile(carry, rows, q_positions)
+            # a causal query block that ends before this key block sees none of it: skipped
+            sees = jnp.max(q_positions) >= scalars[_K_OFFSET] + start
+            return jax.lax.cond(sees, lambda c: tile(c, rows, q_positions), lambda c: c, carry)
+
+        dk, dv = jax.lax.fori_loop(0, query_blocks, body, (dk, dv))
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
