@@ -1,8 +1,8 @@
 """Device benchmark: capture throughput (tokens/s, MFU), train_step times and peak memory next to the planner's.
 
-    .venv/bin/python tools/bench_device.py                   # on an accelerator: Qwen3.6-27B width, 1 block
+    .venv/bin/python tools/bench_device.py --json bench.json # on an accelerator: the issue-41 run, <= 8 minutes
     .venv/bin/python tools/bench_device.py --tiny            # tiny sizes (the default on CPU): a smoke run
-    .venv/bin/python tools/bench_device.py --blocks 2 --capture-len 1M --step-len 64K --json bench.json
+    .venv/bin/python tools/bench_device.py --kernels xla --measure capture --capture-len 1M --json bench.json
 
 On one device, with the public API, it measures
 - **capture**: `model.capture(params, tokens, chunk_size)` of N tokens (the prompt[:-1] a step captures) for a model
@@ -33,9 +33,26 @@ collective bytes / link B/s) on the device's entry (`hardware.for_device`: h200,
 XLA:CPU the `cpu` entry, whose peaks are rough round numbers; "n/a" for a device without an entry); a second table
 prints the estimate next to the measured median and measured / estimated.
 
-Two markdown tables (medians and ratios; the time model) on stdout; `--json FILE` writes every measurement. The
-parent process only orchestrates (no JAX backend of its own); each measurement is this script run with a hidden
-`--one` flag (tools/bench_harness.py).
+**Kernels** (issue 41; `--kernels xla,pallas`, the default on an accelerator): every capture and train_step runs
+once per softmax-attention implementation (`ops.kernels`: the XLA path, the Pallas flash kernels), each in its own
+child, and a table gives XLA / Pallas per measurement next to the time model's estimate of the Pallas program (the
+XLA program costed with the kernels' FLOPs and bytes, `capacity.hlo.KernelModel`). First, the **kernel table**
+(`kernel_table`): the flash-attention kernel against the XLA path at Qwen3.6-27B's attention shapes (24 query / 4 KV
+heads of 256, bf16; `KERNEL_SHAPES`) for a chunk over itself, a chunk over a 32K cache and 8 decoded tokens over a 64K
+cache, causal, forward and forward + backward: the largest error relative to the XLA output's scale, both medians,
+TFLOP/s by the analytic count (forward 4 x visible pairs x Hq x D; the backward 2.5x the forward) and the fraction of
+the device's bf16 peak. On CPU (`--tiny`) the kernels run interpreted at the tiny preset's shapes: a smoke test.
+
+The GPU day's run (one device, <= 8 minutes; defaults on an accelerator: `--blocks 2`, captures of 64K, 32K and 128K
+tokens, the exact step at 32K, both implementations): the measurements run in priority order (kernel table, captures,
+steps) within `--budget-s` (420 s); one running past the budget is killed and recorded as failed, one that cannot
+start with MIN_CHILD_S left is recorded as skipped. The JSON summary holds the device kind, the jax version, the
+kernel table, every row, the XLA vs Pallas comparison, the failed / skipped measurements and the **targets** (attention
+forward >= 50 % of the bf16 peak, on H100; capture >= 2x the XLA path at 64K tokens), each pass / fail / not-run.
+
+Markdown tables (the kernel table; medians and ratios; the time model; XLA vs Pallas) on stdout; `--json FILE` writes
+every measurement. The parent process only orchestrates (no JAX backend of its own); each measurement is this script
+run with a hidden `--one` flag (tools/bench_harness.py).
 """
 from __future__ import annotations
 
@@ -50,14 +67,30 @@ import time
 
 import bench_harness
 
-from longstraw_jax.common.validation import SIZE_RULE, size_arg
+from longstraw_jax.common.validation import SIZE_RULE, size_arg, sizes_arg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # configs/ are found under it
 GIB = 2**30
 FULL_SIZE = dict(config="configs/qwen3.6-27b.json", dtype="bfloat16", capture_start=65536, capture_max=4 * 2**20,
-                 step_len=32768, group_size=4, response_len=256, chunk_size=8192, reps=3)
+                 step_len=32768, group_size=4, response_len=256, chunk_size=8192, reps=3, blocks=2, modes="exact",
+                 kernels="xla,pallas", capture_lens=[65536, 32768, 131072], planner=False)
 TINY = dict(config="configs/qwen3.6-tiny.json", dtype="float32", capture_start=256, capture_max=512,
-            step_len=256, group_size=2, response_len=8, chunk_size=64, reps=2)
+            step_len=256, group_size=2, response_len=8, chunk_size=64, reps=2, blocks=1, modes="detached,exact",
+            kernels="xla", capture_lens=[], planner=True)
+# The kernel table (issue 41): flash attention at Qwen3.6-27B's attention shapes (24 query / 4 KV heads of 256,
+# bf16) on an accelerator, the tiny preset's (4 / 2 heads of 32, float32, interpreted kernels) on CPU. Each case:
+# (label, T queries, S keys); the queries are the last T positions of the S keys, causal (a capture chunk over itself,
+# a chunk over a cache ending with it, tokens decoded after a cache).
+KERNEL_SHAPES = dict(full=dict(heads=24, kv_heads=4, head_dim=256, dtype="bfloat16", reps=5,
+                               cases=[("chunk over itself", 8192, 8192), ("chunk over a 32K cache", 4096, 32768),
+                                      ("8 decoded over a 64K cache", 8, 65536)]),
+                     tiny=dict(heads=4, kv_heads=2, head_dim=32, dtype="float32", reps=2,
+                               cases=[("chunk over itself", 64, 64), ("chunk over a cache", 32, 128),
+                                      ("8 decoded over a cache", 8, 256)]))
+BACKWARD_FLOPS = 2.5  # the backward's FLOPs per forward FLOP (FlashAttention-2's count: 5 matmuls against 2)
+TARGET_ATTENTION_PEAK = 0.5  # issue 41: attention forward >= 50 % of the bf16 peak (H100)
+TARGET_CAPTURE_SPEEDUP, TARGET_CAPTURE_TOKENS = 2.0, 65536  # ... and the capture >= 2x the XLA path's at 64K
+MIN_CHILD_S = 20.0  # a measurement is not started with less of the budget left (recorded as skipped)
 
 
 def peak_flops(device_kind: str) -> float | None:
@@ -94,15 +127,32 @@ def qwen36_flops(cfg, tokens: int, cached: int = 0, logits: bool = False) -> dic
     return out
 
 
-def bench_config(path: str, blocks: int):
-    """The config at `path` (HF config.json) with only `blocks` copies of its repeating layer pattern."""
+def bench_config(path: str, blocks: int, kernels: str = "xla"):
+    """The config at `path` (HF config.json) with only `blocks` copies of its repeating layer pattern, its softmax
+    attention run by `kernels` ("xla" or "pallas": `ops.kernels`)."""
     from longstraw_jax import models
 
     cfg = models.config_from_hf(os.path.join(ROOT, path) if not os.path.isabs(path) else path)
     if not isinstance(blocks, int) or blocks < 1 or blocks > cfg.num_blocks:
         raise ValueError(f"--blocks {blocks!r} must be in [1, {cfg.num_blocks}] (the config's blocks)")
     return dataclasses.replace(cfg, num_hidden_layers=blocks * len(cfg.block_pattern),
-                               layer_types=cfg.block_pattern * blocks)
+                               layer_types=cfg.block_pattern * blocks, kernels=kernels)
+
+
+def visible_pairs(queries: int, keys: int) -> int:
+    """(query, key) pairs a causal query sees when the T queries are the last positions of the S keys:
+    sum over t of min(S - T + t + 1, S)."""
+    first = keys - queries + 1  # keys the first query sees
+    return queries * first + queries * (queries - 1) // 2 if first > 0 else \
+        sum(max(0, min(keys - queries + t + 1, keys)) for t in range(queries))
+
+
+def attention_flops(queries: int, keys: int, heads: int, head_dim: int) -> dict[str, float]:
+    """Analytic FLOPs of one causal attention call (the kernel table's rule): forward 4 x visible pairs x Hq x D
+    (QK^T and PV), backward BACKWARD_FLOPS (2.5) x the forward (dQ, dK, dV and dP: 5 matmuls against 2; the kernels'
+    recomputation of QK^T and P not counted): {"forward", "forward_backward"}."""
+    forward = 4.0 * visible_pairs(queries, keys) * heads * head_dim
+    return dict(forward=forward, forward_backward=forward * (1 + BACKWARD_FLOPS))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -140,12 +190,27 @@ def time_model(compiled, device) -> dict:
                 model_terms=None if hw is None else breakdown(c, hw))
 
 
-def with_time_model(row: dict, compiled, device) -> dict:
+def with_time_model(row: dict, compiled, device, kernel_model=None) -> dict:
     """`row` (a measurement with its median "seconds") plus `time_model` of the executable that ran and
-    "model_s" (the estimate) and "model_ratio" (measured / estimated), None without a hardware entry."""
+    "model_s" (the estimate) and "model_ratio" (measured / estimated), None without a hardware entry. With
+    `kernel_model` (an `hlo.KernelModel`; the XLA path's rows) also "model_kernels_s": the same program's estimate
+    with its attention costed as the Pallas kernels (`capacity/hlo/kernels.py`), what the Pallas row is compared
+    with (a program that ran the kernels holds them as custom calls of no FLOPs: its own estimate leaves them out)."""
+    from longstraw_jax.capacity.hardware import breakdown, for_device
+    from longstraw_jax.capacity.hlo import program_cost
+
     row.update(time_model(compiled, device))
     row["model_s"] = row["model_terms"]["total"] if row["model_terms"] else None
     row["model_ratio"] = row["seconds"] / row["model_s"] if row["model_s"] else None
+    if kernel_model is not None:
+        hw = for_device(device.device_kind, device.platform)
+        try:  # the measurement is kept whatever the model makes of this backend's HLO
+            cost = program_cost(compiled, kernels=kernel_model)
+        except ValueError as e:
+            row.update(model_kernels_cost=None, model_kernels_s=None, model_kernels_error=str(e)[:1000])
+            return row
+        row["model_kernels_cost"] = cost.as_dict()
+        row["model_kernels_s"] = None if hw is None else breakdown(cost, hw)["total"]
     return row
 
 
@@ -156,7 +221,7 @@ class _Child:
         from longstraw_jax import models, sharding
 
         self.jax, self.opts = jax, opts
-        self.cfg = bench_config(opts["config"], opts["blocks"])
+        self.cfg = bench_config(opts["config"], opts["blocks"], opts.get("impl", "xla"))
         self.model = models.build(self.cfg)
         self.device = jax.devices()[0]
         self.mesh = sharding.make_mesh(opts["mesh"]) if opts["mesh"] else None
@@ -173,6 +238,14 @@ class _Child:
             shapes = jax.eval_shape(init, jax.random.key(0))
             init = jax.jit(init, out_shardings=rules.named(rules.param_specs(shapes, self.mesh), self.mesh))
         return jax.block_until_ready(init(jax.random.key(0)))
+
+    def kernel_model(self):
+        """The time model's KernelModel for the XLA path's rows (None for the Pallas path's)."""
+        from longstraw_jax.capacity.hlo import KernelModel
+
+        if self.cfg.kernels != "xla":
+            return None
+        return KernelModel.for_config(self.cfg, self.jax.numpy.dtype(self.opts["dtype"]).itemsize)
 
     def planner(self, response_len: int):
         from longstraw_jax.capacity import Planner
@@ -222,7 +295,7 @@ class _Child:
             flops = qwen36_flops(self.cfg, n)["total"]
             last = with_time_model(dict(name="capture", P=n + 1, tokens=n, seconds=seconds, times=times,
                                         tokens_per_s=n / seconds, flops=flops, compiled_bytes=memory["total"],
-                                        compile_s=compile_s), compiled, self.device)
+                                        compile_s=compile_s), compiled, self.device, self.kernel_model())
             search.append(dict(last))
             elapsed = time.perf_counter() - start_time
             next_s = compile_s + (o["reps"] + 1) * 4 * seconds  # at most quadratic in N
@@ -274,18 +347,81 @@ class _Child:
         row = with_time_model(dict(name=mode, P=p, G=g, R=r, seconds=seconds, times=times,
                                    tokens_per_s=(p + g * r) / seconds, flops=None, compiled_bytes=memory["total"],
                                    compile_s=compile_s, peak_bytes=_device_memory(self.device)["peak"]),
-                              compiled, self.device)
+                              compiled, self.device, self.kernel_model())
         row["planner_bytes"] = self.planner(r).compile(p, g, mode)["total"] if o["planner"] else None
         return row
+
+
+def kernel_table(opts: dict) -> list[dict]:
+    """The flash-attention kernel against the XLA path (`ops.attention.attend`, kernels "pallas" vs "xla") at the
+    KERNEL_SHAPES of the run (full: Qwen3.6-27B's attention, bf16; tiny: interpreted on CPU): per case and pass
+    (forward; forward + backward, the vjp of the outputs and their log-sum-exp for fixed random cotangents) the
+    largest |Pallas - XLA| over each output relative to the XLA output's largest |value| ("error"), median seconds of
+    both, the analytic FLOPs (`attention_flops`), TFLOP/s, the fraction of the device's bf16 peak
+    (`hardware.for_device_kind`; None without an entry) and XLA / Pallas."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from longstraw_jax.capacity.hardware import for_device_kind
+    from longstraw_jax.ops import attention
+
+    shape = KERNEL_SHAPES["tiny" if opts["tiny"] else "full"]
+    hq, hkv, d, dtype = shape["heads"], shape["kv_heads"], shape["head_dim"], jnp.dtype(shape["dtype"])
+    hw = for_device_kind(jax.devices()[0].device_kind)
+    rows = []
+    for label, t, s in shape["cases"]:
+        rng = np.random.default_rng(0)
+        normal = lambda shape, dt: jnp.asarray(rng.standard_normal(shape), dt)
+        q, k, v = normal((t, hq, d), dtype), normal((s, hkv, d), dtype), normal((s, hkv, d), dtype)
+        cotangents = (normal((t, hq, d), jnp.float32), normal((t, hq), jnp.float32))
+        positions = jnp.arange(t, dtype=jnp.int32) + (s - t)
+        results = {}
+        for impl in ("xla", "pallas"):
+            def forward(q, k, v, impl=impl):
+                a = attention.attend(q, k, v, q_positions=positions, k_offset=0, scale=d**-0.5, causal=True,
+                                     kernels=impl)
+                return a.out, a.lse
+
+            def both(q, k, v, forward=forward):
+                outputs, vjp = jax.vjp(forward, q, k, v)
+                return outputs + vjp(cotangents)
+
+            for kind, fn in (("forward", jax.jit(forward)), ("forward_backward", jax.jit(both))):
+                t0 = time.perf_counter()
+                out = jax.block_until_ready(fn(q, k, v))  # compile + warm-up
+                compile_s = time.perf_counter() - t0
+                times = _timed(lambda fn=fn: fn(q, k, v), shape["reps"])
+                results[impl, kind] = (out, statistics.median(times), times, compile_s)
+        flops = attention_flops(t, s, hq, d)
+        for kind in ("forward", "forward_backward"):
+            (ref, xla_s, xla_times, _), (got, pallas_s, pallas_times, compile_s) = (results["xla", kind],
+                                                                                    results["pallas", kind])
+            error = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
+                        / max(float(jnp.max(jnp.abs(r.astype(jnp.float32)))), 1e-30) for r, g in zip(ref, got))
+            peak = None if hw is None else hw.flops_per_s
+            rows.append(dict(
+                name="kernel", case=label, T=t, S=s, heads=hq, kv_heads=hkv, head_dim=d, dtype=str(dtype), kind=kind,
+                pairs=visible_pairs(t, s), flops=flops[kind], error=error, xla_s=xla_s, pallas_s=pallas_s,
+                xla_times=xla_times, pallas_times=pallas_times, pallas_compile_s=compile_s,
+                xla_tflops=flops[kind] / xla_s / 1e12, pallas_tflops=flops[kind] / pallas_s / 1e12,
+                xla_peak=None if peak is None else flops[kind] / xla_s / peak,
+                pallas_peak=None if peak is None else flops[kind] / pallas_s / peak, speedup=xla_s / pallas_s))
+    return rows
 
 
 def _child(opts: dict) -> int:
     import jax
 
+    device = jax.devices()[0]
+    info = dict(device=device.device_kind, platform=device.platform, jax=jax.__version__)
+    if opts["item"] == "kernels":
+        for row in kernel_table(opts):
+            bench_harness.emit(dict(row, **info))
+        return 0
     child = _Child(opts)
     row = child.capture() if opts["item"] == "capture" else child.step(opts["item"])
-    device = jax.devices()[0]
-    row.update(device=device.device_kind, platform=device.platform, jax=jax.__version__)
+    row.update(kernels=child.cfg.kernels, **info)
     bench_harness.emit(row)
     return 0
 
@@ -294,14 +430,14 @@ def _child(opts: dict) -> int:
 # Parent side: run each measurement in a child, print the table, write JSON.
 
 
-def _run_child(opts: dict, timeout: float) -> dict:
-    """One measurement (`opts["item"]`) in its own process: its result row; RuntimeError if it failed."""
+def _run_child(opts: dict, timeout: float) -> list[dict]:
+    """One measurement (`opts["item"]`) in its own process: its result rows; RuntimeError if it failed."""
     child = bench_harness.run_child(__file__, opts, timeout, cwd=ROOT)
     if child.returncode is None:
         raise RuntimeError(f"{opts['item']} timed out after {timeout:.0f} s:\n{child.stderr[-3000:]}")
     if child.returncode or not child.rows:
         raise RuntimeError(f"{opts['item']} failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
-    return child.rows[-1]
+    return child.rows
 
 
 def _fmt(x, spec: str = ".2f", scale: float = 1.0) -> str:
@@ -314,13 +450,14 @@ def format_table(rows: list[dict], peak: float | None) -> str:
     unit, scale = ("GiB", GIB) if max(sizes, default=0) >= GIB else ("MiB", 2**20)
     head = ["measurement", "P", "G x R", "median s", "x detached", "tokens/s", "TFLOP/s", "MFU", f"peak {unit}",
             f"compiled {unit}", f"planner {unit}", "peak / planner"]
-    detached = next((row["seconds"] for row in rows if row["name"] == "detached"), None)
+    detached_s = {row.get("kernels"): row["seconds"] for row in rows if row["name"] == "detached"}
     lines = ["| " + " | ".join(head) + " |", "| --- | " + " | ".join(["---:"] * (len(head) - 1)) + " |"]
     for row in rows:
+        detached = detached_s.get(row.get("kernels"))
         tflops = row["flops"] / row["seconds"] if row.get("flops") else None
         ratio = (row["peak_bytes"] / row["planner_bytes"]
                  if row.get("peak_bytes") and row.get("planner_bytes") else None)
-        cells = [row["name"], f"{row['P']:,}", f"{row['G']} x {row['R']}" if "G" in row else "-",
+        cells = [row.get("label", row["name"]), f"{row['P']:,}", f"{row['G']} x {row['R']}" if "G" in row else "-",
                  f"{row['seconds']:.3g}", _fmt(row["seconds"] / detached if detached and row["name"] != "capture"
                                                else None),
                  f"{row['tokens_per_s']:,.0f}", _fmt(tflops, ".3g", 1e12),
@@ -344,10 +481,83 @@ def format_model_table(rows: list[dict]) -> str:
         bound = max(("compute", "memory", "collectives"), key=terms.get) if terms else "n/a"
         star = "*" if c["unknown_loops"] else ""
         lines.append("| " + " | ".join([
-            row["name"], row["model_hardware"] or "n/a", f"{c['flops'] / 1e9:.4g}", f"{c['hbm_bytes'] / 1e9:.4g}",
+            row.get("label", row["name"]), row["model_hardware"] or "n/a", f"{c['flops'] / 1e9:.4g}",
+            f"{c['hbm_bytes'] / 1e9:.4g}",
             f"{c['collective_bytes'] / 1e9:.4g}", bound, _fmt(row["model_s"], ".3g") + star,
             f"{row['seconds']:.3g}", _fmt(row["model_ratio"], ".3g")]) + " |")
     return "\n".join(lines)
+
+
+def format_kernel_table(rows: list[dict]) -> str:
+    """The kernel table (`kernel_table` rows): per case and pass the error, both medians, XLA / Pallas, TFLOP/s and
+    the fraction of the bf16 peak."""
+    head = ["case", "T", "S", "pass", "max rel error", "XLA s", "Pallas s", "XLA / Pallas", "XLA TFLOP/s",
+            "Pallas TFLOP/s", "Pallas % of peak"]
+    lines = ["| " + " | ".join(head) + " |", "| --- | ---: | ---: | --- | " + " | ".join(["---:"] * 7) + " |"]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["case"], f"{r['T']:,}", f"{r['S']:,}", "fwd" if r["kind"] == "forward" else "fwd+bwd",
+            f"{r['error']:.2e}", f"{r['xla_s']:.3g}", f"{r['pallas_s']:.3g}", f"{r['speedup']:.2f}",
+            f"{r['xla_tflops']:.3g}", f"{r['pallas_tflops']:.3g}", _fmt(r["pallas_peak"], ".1%")]) + " |")
+    return "\n".join(lines)
+
+
+def compare(rows: list[dict]) -> list[dict]:
+    """XLA vs Pallas per measurement (same name and P): both medians, XLA / Pallas, and the time model's estimate of
+    the Pallas program (the XLA program costed with the kernels: "model_kernels_s") with measured / estimate."""
+    by = {(r["name"], r["P"], r.get("kernels")): r for r in rows}
+    out = []
+    for (name, p, impl), xla in by.items():
+        pallas = by.get((name, p, "pallas"))
+        if impl != "xla" or pallas is None:
+            continue
+        estimate = xla.get("model_kernels_s")
+        out.append(dict(name=name, P=p, tokens=xla.get("tokens"), xla_s=xla["seconds"], pallas_s=pallas["seconds"],
+                        speedup=xla["seconds"] / pallas["seconds"], model_kernels_s=estimate,
+                        pallas_model_ratio=pallas["seconds"] / estimate if estimate else None))
+    return out
+
+
+def format_comparison(pairs: list[dict]) -> str:
+    head = ["measurement", "P", "XLA s", "Pallas s", "XLA / Pallas", "kernel-model estimate s", "Pallas / estimate"]
+    lines = ["| " + " | ".join(head) + " |", "| --- | " + " | ".join(["---:"] * (len(head) - 1)) + " |"]
+    for c in pairs:
+        lines.append("| " + " | ".join([c["name"], f"{c['P']:,}", f"{c['xla_s']:.3g}", f"{c['pallas_s']:.3g}",
+                                         f"{c['speedup']:.2f}", _fmt(c["model_kernels_s"], ".3g"),
+                                         _fmt(c["pallas_model_ratio"], ".3g")]) + " |")
+    return "\n".join(lines)
+
+
+def targets(kernel_rows: list[dict], pairs: list[dict], device: str | None) -> dict:
+    """Issue 41's targets for the GPU day, each {"target", "value", "status": pass / fail / not-run, ...}: the
+    attention forward's fraction of the bf16 peak (the kernel table's forward of the most FLOPs) >= 50 % (stated
+    for H100; evaluated on any device with a peak entry, its kind recorded), the capture's XLA / Pallas at 64K
+    tokens >= 2."""
+    forward = [r for r in kernel_rows if r["kind"] == "forward"]
+    best = max(forward, key=lambda r: r["flops"], default=None)
+    value = None if best is None else best["pallas_peak"]
+    attention = dict(target=f">= {TARGET_ATTENTION_PEAK:.0%} of the bf16 peak (H100)", value=value,
+                     case=None if best is None else best["case"], device=device,
+                     status="not-run" if value is None else "pass" if value >= TARGET_ATTENTION_PEAK else "fail")
+    capture = next((c for c in pairs if c["name"] == "capture" and c["tokens"] == TARGET_CAPTURE_TOKENS), None)
+    speedup = None if capture is None else capture["speedup"]
+    return dict(attention_forward_peak=attention,
+                capture_speedup_64k=dict(target=f">= {TARGET_CAPTURE_SPEEDUP:g}x the XLA path at "
+                                                f"{TARGET_CAPTURE_TOKENS:,} tokens", value=speedup, device=device,
+                                         status="not-run" if speedup is None
+                                         else "pass" if speedup >= TARGET_CAPTURE_SPEEDUP else "fail"))
+
+
+def plan_measurements(opts: dict, measure: list[str], impls: list[str]) -> list[dict]:
+    """The children to run, in priority order (the budget skips the last): the kernel table, the captures (each
+    length, each implementation; none given: one doubling search), the train_step modes."""
+    plan = [dict(item="kernels")] if "kernels" in measure else []
+    if "capture" in measure:
+        lengths = opts["capture_lens"] or [opts["capture_len"]]
+        plan += [dict(item="capture", impl=impl, capture_len=n) for n in lengths for impl in impls]
+    if "steps" in measure:
+        plan += [dict(item=mode, impl=impl) for mode in opts["modes"].split(",") if mode for impl in impls]
+    return plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,10 +571,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="tiny config and sizes (the default when no accelerator is present)")
     ap.add_argument("--full", dest="tiny", action="store_false", help="the 27B widths even on CPU (slow)")
     ap.add_argument("--config", help="HF config.json (default: configs/qwen3.6-27b.json; --tiny: the tiny preset)")
-    ap.add_argument("--blocks", type=int, default=1, help="blocks of the config's layer pattern to keep (1)")
+    ap.add_argument("--blocks", type=int, help="blocks of the config's layer pattern to keep (2; --tiny: 1)")
     ap.add_argument("--dtype", help="parameter dtype (bfloat16; --tiny: float32)")
     ap.add_argument("--mesh", default=None, help="AxB: bench the sharded path on that mesh (default: one device)")
+    ap.add_argument("--kernels", help="softmax attention implementations to measure, a comma list of xla, pallas "
+                    "(xla,pallas; --tiny: xla): each capture and train_step runs once per implementation")
+    ap.add_argument("--measure", default="kernels,capture,steps",
+                    help="what to measure, a comma list of kernels (the flash-attention kernel table), capture, "
+                         "steps (the --modes train_steps); default all, in that order")
     ap.add_argument("--capture-len", type=size_arg, default=0, help="capture exactly this many tokens (no search)")
+    ap.add_argument("--capture-lens", type=sizes_arg, help="capture each of these lengths, one child each "
+                    "(64K,32K,128K; --tiny: none, the doubling search)")
     ap.add_argument("--capture-start", type=size_arg, help="first capture length of the doubling search")
     ap.add_argument("--capture-max", type=size_arg, help="longest capture the search tries")
     ap.add_argument("--step-len", type=size_arg, help="prompt length of the train_step measurements")
@@ -372,8 +589,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-R", "--response-len", type=size_arg)
     ap.add_argument("--chunk-size", type=size_arg, help="capture chunk / round length")
     ap.add_argument("--reps", type=int, help="timed calls per measurement (after one warm-up)")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget of the whole run (420 s)")
-    ap.add_argument("--modes", default="detached,exact", help="train_step modes to time (detached,exact)")
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="wall-clock budget of the whole run (420 s): a measurement is killed when it runs past it, "
+                         f"and none starts with less than {MIN_CHILD_S:.0f} s left (JSON: skipped)")
+    ap.add_argument("--modes", help="train_step modes to time (exact; --tiny: detached,exact)")
+    ap.add_argument("--planner", dest="planner", action="store_true", default=None,
+                    help="the planner's memory estimates next to the measured (default on --tiny only: it compiles "
+                         "each program again)")
     ap.add_argument("--no-planner", dest="planner", action="store_false", help="skip the planner's estimates")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
@@ -382,35 +604,77 @@ def main(argv: list[str] | None = None) -> int:
     defaults = TINY if args.tiny else FULL_SIZE
     opts = {key: getattr(args, key, None) if getattr(args, key, None) is not None else value
             for key, value in defaults.items()}
-    opts.update(blocks=args.blocks, mesh=args.mesh, capture_len=args.capture_len, planner=args.planner)
+    opts.update(mesh=args.mesh, capture_len=args.capture_len, tiny=args.tiny)
+    if args.capture_len and args.capture_lens is None:
+        opts["capture_lens"] = []  # one fixed length
     for name in ("group_size", "reps", "blocks"):
         if opts[name] < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} {opts[name]} must be >= 1")
+    impls = [k for k in opts["kernels"].split(",") if k]
+    measure = [m for m in args.measure.split(",") if m]
+    if not impls or set(impls) - {"xla", "pallas"} or set(measure) - {"kernels", "capture", "steps"}:
+        raise SystemExit(f"error: --kernels {opts['kernels']!r} (xla, pallas) or --measure {args.measure!r} "
+                         "(kernels, capture, steps)")
     start = time.perf_counter()
-    rows = []
-    for mode in [m for m in args.modes.split(",") if m]:
+    rows, kernel_rows, failed, skipped = [], [], [], []
+    for spec in plan_measurements(opts, measure, impls):
+        label = spec["item"] + (f" ({spec['impl']})" if "impl" in spec and len(impls) > 1 else "")
+        if spec["item"] == "capture" and spec["capture_len"]:
+            label += f" {spec['capture_len']:,}"
         remaining = args.budget_s - (time.perf_counter() - start)
-        rows.append(_run_child(dict(opts, item=mode, budget_s=remaining), timeout=max(remaining, 60)))
-        print(f"  {mode}: {rows[-1]['seconds']:.3g} s per step", flush=True)
-    remaining = args.budget_s - (time.perf_counter() - start)
-    capture = _run_child(dict(opts, item="capture", budget_s=0.6 * remaining), timeout=max(remaining, 0) + 90)
-    print(f"  capture: {capture['tokens']:,} tokens in {capture['seconds']:.3g} s", flush=True)
-    rows.insert(0, capture)
-    device, peak = capture["device"], peak_flops(capture["device"])
+        if remaining < MIN_CHILD_S:
+            skipped.append(dict(spec, label=label, status="skipped", reason=f"{remaining:.0f} s of the budget left"))
+            print(f"  {label}: skipped ({remaining:.0f} s left)", flush=True)
+            continue
+        child_opts = dict(opts, **spec, budget_s=0.6 * remaining if spec["item"] == "capture" else remaining)
+        try:
+            result = _run_child(child_opts, timeout=remaining)
+        except RuntimeError as e:
+            failed.append(dict(spec, label=label, status="failed", error=str(e)[-3000:]))
+            print(f"  {label}: FAILED {str(e).splitlines()[0]}", flush=True)
+            continue
+        if spec["item"] == "kernels":
+            kernel_rows += result
+            print(f"  kernel table: {len(result)} rows", flush=True)
+            continue
+        row = dict(result[-1], status="ok", label=result[-1]["name"] + (f" ({spec['impl']})" if len(impls) > 1
+                                                                          else ""))
+        rows.append(row)
+        print(f"  {label}: {row['seconds']:.3g} s" + (f" for {row['tokens']:,} tokens" if "tokens" in row else
+                                                       " per step"), flush=True)
+    first = (rows or kernel_rows or [{}])[0]
+    device, platform, jax_version = first.get("device"), first.get("platform"), first.get("jax")
+    peak = peak_flops(device) if device else None
     cfg = bench_config(opts["config"], opts["blocks"])
-    print(f"{device} ({capture['platform']}, jax {capture['jax']}); peak bf16 "
+    print(f"{device or 'no measurement'} ({platform}, jax {jax_version}); peak bf16 "
           f"{'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}; {cfg.describe()}; {opts['dtype']}; "
-          f"mesh {opts['mesh'] or 'none (one device)'}; chunk {opts['chunk_size']:,}; "
+          f"mesh {opts['mesh'] or 'none (one device)'}; chunk {opts['chunk_size']:,}; kernels {','.join(impls)}; "
           f"{time.perf_counter() - start:.0f} s")
-    print(format_table(rows, peak))
-    print("\nTime model (longstraw_jax.capacity: per-device roofline of the compiled program) vs measured")
-    print(format_model_table(rows))
+    if kernel_rows:
+        print("\nFlash attention, Pallas vs XLA (`ops.attention.attend`; FLOPs: forward 4 x visible pairs x Hq x D, "
+              f"backward {BACKWARD_FLOPS:g}x that)")
+        print(format_kernel_table(kernel_rows))
+    if rows:
+        print()
+        print(format_table(rows, peak))
+        print("\nTime model (longstraw_jax.capacity: per-device roofline of the compiled program) vs measured")
+        print(format_model_table(rows))
+    pairs = compare(rows)
+    if pairs:
+        print("\nXLA vs Pallas (the kernel-model estimate: the XLA program costed with the kernels' FLOPs and bytes)")
+        print(format_comparison(pairs))
+    goals = targets(kernel_rows, pairs, device)
+    print("\nTargets: " + "; ".join(f"{name} {t['status']} ({_fmt(t['value'], '.3g')}; {t['target']})"
+                                     for name, t in goals.items()))
+    for item in failed + skipped:
+        print(f"  {item['label']}: {item['status']}" + (f": {item['reason']}" if "reason" in item else ""))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=device, platform=capture["platform"], peak_flops=peak, options=opts, rows=rows), f,
-                      indent=1)
+            json.dump(dict(device=device, platform=platform, jax=jax_version, peak_flops=peak, options=opts,
+                           wall_s=time.perf_counter() - start, targets=goals, kernel_table=kernel_rows, rows=rows,
+                           comparison=pairs, failed=failed, skipped=skipped), f, indent=1)
             f.write("\n")
-    return 0
+    return 1 if failed and not (rows or kernel_rows) else 0
 
 
 def _has_accelerator() -> bool:

@@ -261,7 +261,8 @@ def test_bench_device_tiny(tmp_path):
     the measured median over the estimate (the JSON, and the table to its printed digits)."""
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "bench_device.py"), "--tiny", "--modes", "detached",
-         "--capture-len", "256", "--json", str(tmp_path / "bench.json")], capture_output=True, text=True,
+         "--capture-len", "256", "--measure", "capture,steps", "--json", str(tmp_path / "bench.json")],
+        capture_output=True, text=True,
         timeout=600, cwd=ROOT, env=dict(os.environ, XLA_FLAGS="--xla_cpu_use_fusion_emitters=false "
                                                               "--xla_backend_optimization_level=0"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -298,6 +299,42 @@ def test_bench_device_tiny(tmp_path):
                                                + cost["collective_bytes"] / cpu.link_per_s, rel=1e-12)
         assert row["model_s"] == row["model_terms"]["total"] > 0
         assert row["model_ratio"] == pytest.approx(row["seconds"] / row["model_s"], rel=1e-12)
+
+
+def test_bench_device_kernel_table_tiny(tmp_path):
+    """tools/bench_device.py --tiny --measure kernels on CPU: the flash-attention kernel (interpreted) against the XLA
+    path at the tiny shapes, each case forward and forward + backward: errors at float32 rounding, positive medians,
+    the analytic FLOPs (4 x visible causal pairs x Hq x D, x 3.5 with the backward), TFLOP/s = FLOPs / median, no
+    peak on CPU, and the JSON's targets block "not-run" (no GPU, no capture)."""
+    bench = _tool("bench_device")
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "bench_device.py"), "--tiny", "--measure", "kernels",
+         "--json", str(tmp_path / "bench.json")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Flash attention, Pallas vs XLA" in result.stdout
+    out = json.loads((tmp_path / "bench.json").read_text())
+    assert out["platform"] == "cpu" and out["jax"] == jax.__version__ and out["device"]
+    assert out["rows"] == [] and out["failed"] == [] and out["skipped"] == []
+    shape = bench.KERNEL_SHAPES["tiny"]
+    rows = out["kernel_table"]
+    assert [(r["case"], r["kind"]) for r in rows] == [(c[0], kind) for c in shape["cases"]
+                                                      for kind in ("forward", "forward_backward")]
+    for r in rows:
+        assert r["error"] < 1e-5, r
+        assert r["xla_s"] > 0 and r["pallas_s"] > 0 and r["speedup"] == pytest.approx(r["xla_s"] / r["pallas_s"])
+        pairs = sum(min(r["S"] - r["T"] + t + 1, r["S"]) for t in range(r["T"]))
+        forward = 4 * pairs * shape["heads"] * shape["head_dim"]
+        assert r["pairs"] == pairs and r["flops"] == forward * (1 if r["kind"] == "forward" else 3.5)
+        assert r["pallas_tflops"] == pytest.approx(r["flops"] / r["pallas_s"] / 1e12)
+        assert r["pallas_peak"] is None and r["xla_peak"] is None
+    assert {name: t["status"] for name, t in out["targets"].items()} == {
+        "attention_forward_peak": "not-run", "capture_speedup_64k": "not-run"}
+    # the targets' arithmetic on made-up GPU figures
+    fake = [dict(rows[0], pallas_peak=0.6, flops=1.0), dict(rows[0], pallas_peak=0.4, flops=2.0)]
+    pairs = [dict(name="capture", tokens=65536, speedup=2.5)]
+    goals = bench.targets(fake, pairs, "NVIDIA H100 80GB HBM3")
+    assert goals["attention_forward_peak"]["status"] == "fail" and goals["attention_forward_peak"]["value"] == 0.4
+    assert goals["capture_speedup_64k"]["status"] == "pass"
 
 
 @pytest.mark.slow  # one short trainer run in a child process (~1 min of compiles)
