@@ -555,8 +555,8 @@ def _one_attend(gradient):
 @pytest.mark.parametrize("gradient", [False, True], ids=["forward", "gradient"])
 def test_attention_costs_the_flash_kernels_flops_and_fewer_bytes(gradient):
     """With a KernelModel the attention loops cost the kernels' analytic FLOPs (kernels.py: forward 2 (D + Dv) per
-    visited (query, key, head) triple; backward dQ 2 (2 D + Dv) per triple plus dK / dV 2 (2 D + 2 Dv) per query,
-    layer key and head) and their compulsory bytes (read once, written once) in place of XLA's unfused traffic; the
+    visited (query, key, head) triple; backward dQ 2 (2 D + Dv) plus dK / dV 2 (2 D + 2 Dv) per triple) and their
+    compulsory bytes (read once, written once) in place of XLA's unfused traffic; the
     program has no matmul outside those loops, so its FLOPs are exactly the kernels'."""
     from longstraw_jax.capacity.hlo import KernelModel
 

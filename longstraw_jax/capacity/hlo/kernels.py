@@ -23,9 +23,10 @@ compiled and the model's shapes (Hq, Hkv, D, Dv: the config's, `KernelModel`):
   forward (`flash_attention_forward`, one program per query block and head, key blocks up to the last visible):
       FLOPs  2 (D + Dv) V
       bytes  q T Hq D i + k, v L Hkv (D + Dv) i + out, lse T Hq (Dv + 1) 4
-  backward (`flash_attention_dq`: the same key blocks; `flash_attention_dkv`: every key block of the layer against
-  every query block, masked tiles included: its loop skips none):
-      FLOPs  2 (2 D + Dv) V  (dQ: QK^T, dP, dS K)  +  2 (2 D + 2 Dv) T S Hq  (dK / dV: QK^T, dP, P^T dO, dS^T Q)
+  backward (`flash_attention_dq`: the same key blocks; `flash_attention_dkv`: one program per key block of the
+  layer, which loads its K / V rows and writes its dK / dV rows whatever it sees, and skips the key blocks past
+  kv_length and the causal query blocks that end before it: the same tiles as dQ):
+      FLOPs  2 (2 D + Dv) V  (dQ: QK^T, dP, dS K)  +  2 (2 D + 2 Dv) V  (dK / dV: QK^T, dP, P^T dO, dS^T Q)
       bytes  dQ:  q, dO T Hq (D + Dv) i + k, v L Hkv (D + Dv) i + lse, delta 2 T Hq 4 + dq T Hq D 4
              dKV: q, dO T Hq (D + Dv) i + k, v S Hkv (D + Dv) i + lse, delta 2 T Hq 4 + dk, dv S Hkv (D + Dv) 4
 
@@ -97,10 +98,11 @@ class KernelModel:
         return Cost(2.0 * (d + dv) * triples, hbm)
 
     def backward(self, triples: float, queries: float, layer_keys: float) -> Cost:
-        """The dQ and dK / dV kernels (module docstring); `layer_keys`: S, the keys of the layer's cache."""
+        """The dQ and dK / dV kernels (module docstring); `layer_keys`: S, the keys of the layer's cache (the
+        dK / dV kernel loads and writes all of its rows)."""
         d, dv, i, h, hkv = self.head_dim, self.value_dim, self.itemsize, self.heads, self.kv_heads
         keys = triples / (queries * h)
-        flops = 2.0 * (2 * d + dv) * triples + 2.0 * (2 * d + 2 * dv) * queries * layer_keys * h
+        flops = 2.0 * (2 * d + dv) * triples + 2.0 * (2 * d + 2 * dv) * triples
         rows = queries * h * (d + dv) * i + 2 * queries * h * ACCUM  # q, dO, lse, delta: read by each kernel
         dq = rows + keys * hkv * (d + dv) * i + queries * h * d * ACCUM
         dkv = rows + layer_keys * hkv * (d + dv) * (i + ACCUM)
