@@ -159,25 +159,39 @@ class _Uniform(Forwarding):
         return entries
 
 
-def _forward(model, stages, params, state, tokens, start, cache_length, left_pad=None):
+def _forward(model, stages, params, state, tokens, start, cache_length, left_pad=None, last_block: bool = True):
     """The stages' blocks in order over tokens [T] ([k, T]: k branches, `_Branches`): (the carry after the last
-    block, per stage each block's input carry stacked [nb, ...])."""
+    block, per stage each block's input carry stacked [nb, ...]).
+
+    last_block=False: the inputs are all that is wanted (a prompt chunk: its output carry gets no cotangent), so the
+    last block is not run; the carry returned is then the last block's input (same structure and shapes)."""
     positions = _positions(start, tokens.shape[-1])
     h, inputs = model.embed(params, tokens), []
-    for stage in stages:
+    for i, stage in enumerate(stages):
         def body(h, xs, stage=stage):
             bp, b = xs
             return stage.block(bp, h, stage.at(state, b), positions, cache_length, left_pad=left_pad)[0], h
 
-        h, stage_inputs = jax.lax.scan(body, h, (stage.block_params(params), jnp.arange(stage.num_blocks)))
+        if last_block or i < len(stages) - 1:
+            h, stage_inputs = jax.lax.scan(body, h, (stage.block_params(params), jnp.arange(stage.num_blocks)))
+        elif stage.num_blocks > 1:  # blocks 0..nb-2 (parameters read by index: no sliced copy), the last one's input
+            blocks = stage.block_params(params)
+            h, head = jax.lax.scan(lambda h, b: body(h, (_at(blocks, b), b)), h, jnp.arange(stage.num_blocks - 1))
+            stage_inputs = jax.tree.map(lambda xs, x: jnp.concatenate([xs, x[None]]), head, h)
+        else:
+            stage_inputs = jax.tree.map(lambda x: x[None], h)
         inputs.append(stage_inputs)
     return h, inputs
 
 
 def _backward_stage(model, stage, params, state, positions, cache_length, inputs, entries_cot, dh, grads, acc,
-                    chunk_entries: bool, left_pad=None):
-    """Reverse scan over one stage's blocks (see `_backward`). Returns (dh, grads, acc)."""
-    def body(carry, xs):
+                    chunk_entries: bool, left_pad=None, no_output_cotangent: bool = False):
+    """Reverse scan over one stage's blocks (see `_backward`). Returns (dh, grads, acc).
+
+    no_output_cotangent (a prompt chunk's last stage, chunk_entries): the stage's last block gets no cotangent on its
+    output carry (dh is zero there), so it is differentiated on its own through its entries alone: what only feeds
+    its output (e.g. the last layer's mixer output and MLP) is neither run nor transposed."""
+    def body(carry, xs, with_output: bool = True):
         dh, acc, grads_blocks = carry
         bp, b, h_in, entries_cot = xs
         state_block = stage.at(state, b)
@@ -195,10 +209,11 @@ def _backward_stage(model, stage, params, state, positions, cache_length, inputs
         if chunk_entries:
             def entries_fn(bp, h, s):  # the entries that get a cotangent: those acc has (entries_cot's structure)
                 h, entries = run(bp, h, _fill(s, state_block))
-                return _floats(h), _like(entries_cot, entries)
+                return (_floats(h), _like(entries_cot, entries)) if with_output else _like(entries_cot, entries)
 
             entries, vjp = vjp_of(entries_fn, _floats(h_in), state_in)
-            d_bp, dh, d_state = vjp((dh, jax.tree.map(lambda c, e: c.astype(e.dtype), entries_cot, entries[1])))
+            cast = lambda entries: jax.tree.map(lambda c, e: c.astype(e.dtype), entries_cot, entries)
+            d_bp, dh, d_state = vjp((dh, cast(entries[1])) if with_output else cast(entries))
             acc_block = model.with_carried(_add(acc_block, d_state),
                                            model.carried(jax.tree.map(at_least_f32, d_state)))
         else:
@@ -209,18 +224,30 @@ def _backward_stage(model, stage, params, state, positions, cache_length, inputs
 
     xs = (stage.block_params(params), jnp.arange(stage.num_blocks), inputs,
           None if entries_cot is None else stage.stacked(entries_cot))
-    (dh, acc, grads_blocks), _ = jax.lax.scan(body, (dh, acc, stage.block_params(grads)), xs, reverse=True)
+    carry = (dh, acc, stage.block_params(grads))
+    if no_output_cotangent and chunk_entries and acc is not None:
+        # the last block on its own, then blocks nb-2..0 reading their slices by index (no sliced copies)
+        last = stage.num_blocks - 1
+        carry, _ = body(carry, (_at(xs[0], last), jnp.int32(last), _at(xs[2], last), _at(xs[3], last)),
+                        with_output=False)
+        if last:
+            carry, _ = jax.lax.scan(lambda carry, b: body(carry, (_at(xs[0], b), b, _at(xs[2], b), _at(xs[3], b))),
+                                    carry, jnp.arange(last), reverse=True)
+    else:
+        carry, _ = jax.lax.scan(body, carry, xs, reverse=True)
+    dh, acc, grads_blocks = carry
     return dh, stage.with_block_params(grads, grads_blocks), acc
 
 
 def _backward(model, stages, params, state, tokens, start, cache_length, inputs, dh, grads, acc,
-              chunk_entries: bool, embed_grads=None, left_pad=None):
+              chunk_entries: bool, embed_grads=None, left_pad=None, no_output_cotangent: bool = False):
     """Reverse scans over the stages' blocks, last stage first. dh: cotangent of the last block's output carry
     (floating leaves). grads: float32 params-shaped gradient accumulator. acc: float32 state cotangent (or None: no
     gradient into the state). With `chunk_entries`, each block's new entries also receive their cotangent, read
     from acc at positions start.. (keys/values) and from acc's carried part, which is then replaced by the cotangent
     of the carried state the block read (the chunk before owns it); cache reads are added into acc. embed_grads:
-    see `branch_grads`.
+    see `branch_grads`. no_output_cotangent: dh is zero (a prompt chunk), so the last block is differentiated
+    through its entries alone (`_backward_stage`).
 
     Returns (grads + the gradient of params through the blocks and the embedding, acc).
     """
@@ -228,9 +255,10 @@ def _backward(model, stages, params, state, tokens, start, cache_length, inputs,
     # The entries' cotangents, read for all blocks before the scans (chunk-sized): inside them, acc is only read and
     # written at block b, which XLA then updates in place.
     entries_cot = model.read_entries(acc, start, tokens.shape[0]) if chunk_entries else None
-    for stage, stage_inputs in zip(reversed(stages), reversed(inputs)):
+    for i, (stage, stage_inputs) in enumerate(zip(reversed(stages), reversed(inputs))):
         dh, grads, acc = _backward_stage(model, stage, params, state, positions, cache_length, stage_inputs,
-                                         entries_cot, dh, grads, acc, chunk_entries, left_pad)
+                                         entries_cot, dh, grads, acc, chunk_entries, left_pad,
+                                         no_output_cotangent=no_output_cotangent and i == 0)
     if embed_grads is not None:
         return embed_grads(grads, tokens, dh), acc
     _, vjp = trainable.vjp(lambda p: _floats(model.embed(p, tokens)), params, grads)
@@ -271,10 +299,11 @@ def chunk_grads(model, params, state, tokens, start, grads, acc, stages=None, em
     reads added and its carried part now the cotangent of the carried state before the chunk). stages,
     embed_grads, left_pad: as in `branch_grads` (the chunk's own rows at positions < left_pad are pads too)."""
     stages = (_Uniform(model),) if stages is None else stages
-    h, inputs = _forward(model, stages, params, state, tokens, start, start, left_pad)
+    # the last block's output carry gets no cotangent (only the entries do): its forward is not needed
+    h, inputs = _forward(model, stages, params, state, tokens, start, start, left_pad, last_block=False)
     return _backward(model, stages, params, state, tokens, start, start, inputs,
                      jax.tree.map(jnp.zeros_like, _floats(h)), grads, acc, chunk_entries=True, embed_grads=embed_grads,
-                     left_pad=left_pad)
+                     left_pad=left_pad, no_output_cotangent=True)
 
 
 # ----- models without the block protocol: autodiff of the whole layer stack -----
