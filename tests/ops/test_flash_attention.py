@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models
+from longstraw_jax import models
 from longstraw_jax.ops import attention, flash_attention, kernels
 from longstraw_jax.ops.attention import MASKED
+from tests.ops.pallas_checks import assert_model_gradient_matches_xla, outputs_and_grads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,24 +88,13 @@ def _dense(q, k, v, *, q_positions, k_offset, scale, causal, kv_length=None, kv_
     return attention.Attended(out, jnp.where(seen, lse, MASKED).T)
 
 
-def _results(fn, args, options):
-    """(out, lse, dq, dk, dv) of a loss that weighs the output and reads the (finite) LSE."""
-    def loss(q, k, v):
-        r = fn(q, k, v, **options)
-        weights = jnp.cos(jnp.arange(r.out.size, dtype=jnp.float32)).reshape(r.out.shape)
-        return jnp.sum(r.out * weights) + jnp.sum(jnp.sin(jnp.where(r.lse > MASKED / 2, r.lse, 0.0))), r
-
-    (_, r), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
-    return (r.out, r.lse) + tuple(g.astype(jnp.float32) for g in grads)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernels_match_xla_and_dense(name):
     case = CASES[name]
     args, options = _inputs(case)
-    xla = _results(functools.partial(attention.attend, block_size=16), args, options)
-    pallas = _results(flash_attention.attend, args, options)
-    dense = _results(_dense, args, options)
+    xla = outputs_and_grads(functools.partial(attention.attend, block_size=16), args, options)
+    pallas = outputs_and_grads(flash_attention.attend, args, options)
+    dense = outputs_and_grads(_dense, args, options)
     # bf16: matmul inputs (p, ds) are rounded to bf16 in the kernels, as in every flash attention; XLA keeps f32
     atol = 2e-5 if case.dtype == "float32" else 2e-2
     for what, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), pallas, xla, dense):
@@ -176,21 +166,6 @@ def test_kernel_choice():
 @pytest.mark.slow  # compiles the model engine twice, once with interpreted kernels
 def test_model_grpo_gradient_with_pallas_kernels_equals_xla():
     """Exact-mode GRPO gradient of the tiny Qwen3.6 (capture in chunks, replay over the cache, the prompt's
-    backward): kernels="pallas" (interpreted) == kernels="xla" up to float32 round-off."""
-    P, G, R = 40, 2, 6
-    config = models.Qwen36Config.tiny(vocab_size=64, gdn_chunk_size=16, attention_block_size=16)
-    model = models.build(config)
-    params = model.init(jax.random.key(0))
-    rng = np.random.default_rng(0)
-    batch = GroupBatch(prompt=rng.integers(0, 64, P).astype(np.int32),
-                       responses=rng.integers(0, 64, (G, R)).astype(np.int32), mask=np.ones((G, R), np.float32),
-                       rewards=np.array([1.0, 0.0], np.float32), old_logprobs=np.full((G, R), -4.0, np.float32))
-    cfg = GRPOConfig()
-    run = lambda model: grpo_grads(model, params, batch, cfg, mode="exact", chunk_size=16)
-    loss_x, grads_x, _ = run(model)
-    loss_p, grads_p, _ = run(models.build(dataclasses.replace(config, kernels="pallas")))
-    np.testing.assert_allclose(loss_p, loss_x, rtol=1e-5)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_p), jax.tree.leaves(grads_x)):
-        np.testing.assert_allclose(a, b, atol=2e-5 * max(1.0, float(np.abs(b).max())),
-                                   err_msg=jax.tree_util.keystr(path))
-    assert np.abs(grads_x["blocks"]["full"]["q_proj"]).max() > 0
+    backward; softmax attention and the chunked GDN): kernels="pallas" (interpreted) == kernels="xla"."""
+    assert_model_gradient_matches_xla(models.Qwen36Config.tiny(vocab_size=64, gdn_chunk_size=16,
+                                                               attention_block_size=16), 40, 2, 6)

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models
+from longstraw_jax import models
 from longstraw_jax.ops import flash_mla, mla
 from longstraw_jax.ops.attended import MASKED, Attended
+from tests.ops.pallas_checks import assert_model_gradient_matches_xla, outputs_and_grads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,16 +63,6 @@ def _naive(q, cache, new, *, layer, selected, start, scale, value_dim, **_):
     return Attended(jnp.einsum("thk,tkd->thd", p, rows[..., :value_dim]), jnp.where(seen, lse, MASKED))
 
 
-def _results(fn, args, options):
-    def loss(q, cache, new):
-        r = fn(q, cache, new, **options)
-        weights = jnp.cos(jnp.arange(r.out.size, dtype=jnp.float32)).reshape(r.out.shape)
-        return jnp.sum(r.out * weights) + jnp.sum(jnp.sin(jnp.where(r.lse > MASKED / 2, r.lse, 0.0))), r
-
-    (_, r), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
-    return (r.out, r.lse) + tuple(g.astype(jnp.float32) for g in grads)
-
-
 def _call(kernels):
     def fn(q, cache, new, *, layer, selected, start, scale, value_dim):
         return mla.sparse_latent_attention_partial(q, cache, layer, new, selected, start, scale=scale,
@@ -83,7 +74,7 @@ def _call(kernels):
 def test_kernels_match_xla_and_naive(name):
     case = CASES[name]
     args, options = _inputs(case)
-    pallas, xla, naive = (_results(fn, args, options) for fn in (_call("pallas"), _call("xla"), _naive))
+    pallas, xla, naive = (outputs_and_grads(fn, args, options) for fn in (_call("pallas"), _call("xla"), _naive))
     atol = 2e-5 if case.dtype == "float32" else 2e-2
     for what, a, b, c in zip(("out", "lse", "dq", "d_cache", "d_new"), pallas, xla, naive):
         if not a.size:
@@ -117,18 +108,4 @@ def test_both_kernels_lower_for_cuda():
 def test_model_grpo_gradient_with_pallas_kernels_equals_xla():
     """Exact-mode GRPO gradient of the tiny GLM-5.x (sparsity active: index_topk 16 < the 40-token prompt):
     kernels="pallas" (interpreted) == kernels="xla" up to float32 round-off."""
-    P, G, R = 40, 2, 4
-    config = models.Glm52Config.tiny(vocab_size=64)
-    model = models.build(config)
-    params = model.init(jax.random.key(0))
-    rng = np.random.default_rng(0)
-    batch = GroupBatch(prompt=rng.integers(0, 64, P).astype(np.int32),
-                       responses=rng.integers(0, 64, (G, R)).astype(np.int32), mask=np.ones((G, R), np.float32),
-                       rewards=np.array([1.0, 0.0], np.float32), old_logprobs=np.full((G, R), -4.0, np.float32))
-    run = lambda model: grpo_grads(model, params, batch, GRPOConfig(), mode="exact", chunk_size=16)
-    loss_x, grads_x, _ = run(model)
-    loss_p, grads_p, _ = run(models.build(dataclasses.replace(config, kernels="pallas")))
-    np.testing.assert_allclose(loss_p, loss_x, rtol=1e-5)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_p), jax.tree.leaves(grads_x)):
-        np.testing.assert_allclose(a, b, atol=2e-5 * max(1.0, float(np.abs(b).max())),
-                                   err_msg=jax.tree_util.keystr(path))
+    assert_model_gradient_matches_xla(models.Glm52Config.tiny(vocab_size=64), 40, 2, 4)
