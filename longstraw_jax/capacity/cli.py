@@ -99,9 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hardware", choices=sorted(HARDWARE), default="h200",
                     help="--time: the device kind whose peaks the roofline uses (default h200; capacity/hardware.py)")
     ap.add_argument("--kernels", choices=("xla", "pallas"), default="xla",
-                    help="--time: cost softmax attention as compiled (xla: the XLA path's unfused key-block loops, "
-                         "the default) or as the Pallas flash kernels would run it on a GPU (pallas: their FLOPs and "
-                         "compulsory HBM bytes; capacity/hlo/kernels.py); the programs compiled are the same")
+                    help="--time: cost softmax attention, the chunked GDN and sparse latent attention as compiled "
+                         "(xla: the XLA paths' unfused loops, the default) or as the Pallas kernels would run them "
+                         "on a GPU (pallas: their FLOPs and compulsory HBM bytes; capacity/hlo/kernels.py); the "
+                         "programs compiled are the same")
     ap.add_argument("--hlo-dir", metavar="DIR", help="--time: also write each costed program's compiled HLO text "
                     "into DIR (capacity/hlo can cost it again: `hlo_cost(open(file).read())`)")
     ap.add_argument("--markdown", action="store_true")
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  timed {row['mode']} G={row['G']} P={row['P']:,} ({time.perf_counter() - start:.0f} s)",
                       flush=True)
         if args.kernels == "pallas":
-            print("\nsoftmax attention costed as the Pallas flash kernels (capacity/hlo/kernels.py)")
+            print("\nsoftmax attention, the chunked GDN and sparse latent attention costed as the Pallas kernels "
+                  "(capacity/hlo/kernels.py)")
         print("\n" + format_times(timing["rows"], hw, args.markdown))
     if args.json:
         write_json(args.json, rows, args, planner, timing)

@@ -24,7 +24,7 @@ from longstraw_jax.capacity.footprint import (
     tree_bytes,
 )
 from longstraw_jax.capacity.hardware import Hardware
-from longstraw_jax.capacity.hlo import Cost, ExpertModel, KernelModel, program_cost
+from longstraw_jax.capacity.hlo import Cost, ExpertModel, Kernels, program_cost
 from longstraw_jax.capacity.phases import (
     local_groups,
     ragged_exchange_bytes,
@@ -75,8 +75,9 @@ class Planner:
         phase (`reference`), the reference params copy held all step (full training; LoRA's reference is the base
         without adapters: no copy), and the update compiled with the KL term. replay_batch: the update's branches
         replayed together (`GRPOConfig.replay_batch`, a divisor of every G): K branches' activations at once.
-        kernels: how the time model costs softmax attention: "xla" (as compiled: the XLA path's unfused loops) or
-        "pallas" (as the Pallas flash kernels would run it on a GPU: `hlo.KernelModel`, `kernel_model`); the
+        kernels: how the time model costs the kernels' loops (softmax attention, the chunked GDN, sparse latent
+        attention): "xla" (as compiled: the XLA paths' unfused loops) or "pallas" (as the Pallas kernels would run
+        them on a GPU: `hlo.Kernels`, `kernel_model`); the
         programs are the XLA path's, compiled by XLA:CPU, either way."""
         self.model = models.build(models.config_from_hf(config) if isinstance(config, (str, os.PathLike)) else config)
         self.model.mesh_adapter()  # a family without a sharded path says so here
@@ -380,13 +381,14 @@ class Planner:
         padded = program == "decode_step" and routed % self.mesh.size == 0
         return ExpertModel(routed, 1.0 / seq if padded else 1.0)
 
-    def kernel_model(self) -> KernelModel | None:
-        """How the time model costs softmax attention: None (kernels "xla": as compiled) or, for "pallas", the
-        flash kernels' FLOPs and compulsory HBM bytes (`hlo.KernelModel` of the config, q / k / v at the params'
-        dtype) in place of each attention loop of the XLA path."""
+    def kernel_model(self) -> Kernels | None:
+        """How the time model costs the kernels' loops: None (kernels "xla": as compiled) or, for "pallas", the
+        Pallas kernels' FLOPs and compulsory HBM bytes (`hlo.Kernels` of the config: Qwen3.6's softmax attention
+        and chunked GDN, GLM-5.x's sparse latent attention; inputs at the params' dtype) in place of each such loop
+        of the XLA paths."""
         if self.kernels == "xla":
             return None
-        return KernelModel.for_config(self.model.config, self.dtype.itemsize)
+        return Kernels.for_config(self.model.config, self.dtype.itemsize)
 
     def timing(self, prompt_len: int, group: int, mode: str, groups_per_step: int, hw: Hardware) -> dict:
         """The time model of one step (timing.py) for one row: {"mode", "G", "P", "B", "decode_steps_per_group",

@@ -588,19 +588,128 @@ def test_the_kernel_model_leaves_a_program_without_attention_and_the_default_unc
 
 
 def test_the_planners_kernel_option():
-    """Planner(kernels=...): "xla" costs as compiled (no model), "pallas" a Qwen3.6 config's KernelModel at the
-    params' dtype; a family whose attention the kernels do not run, or another name, is refused."""
+    """Planner(kernels=...): "xla" costs as compiled (no model), "pallas" the config's Kernels at the params' dtype
+    (Qwen3.6: softmax attention and the chunked GDN; GLM-5.x: sparse latent attention); a config without kernels,
+    or another name, is refused."""
     import os
 
-    from longstraw_jax.capacity.hlo import KernelModel
+    from longstraw_jax.capacity.hlo import GatedDeltaModel, KernelModel, Kernels, SparseLatentModel
     from longstraw_jax.capacity.planner import Planner
 
     path = lambda name: os.path.join(ROOT, "configs", f"{name}.json")
     devices = jax.devices()[:1]
     assert Planner(path("qwen3.6-tiny"), "1x1", "bfloat16", 8, 64, devices=devices).kernel_model() is None
     planner = Planner(path("qwen3.6-tiny"), "1x1", "bfloat16", 8, 64, devices=devices, kernels="pallas")
-    assert planner.kernel_model() == KernelModel(4, 2, 32, 32, 2.0)
+    assert planner.kernel_model() == Kernels(KernelModel(4, 2, 32, 32, 2.0), GatedDeltaModel(16, 16, 64))
+    glm = Planner(path("glm-5.2-tiny"), "1x1", "bfloat16", 8, 64, devices=devices, kernels="pallas")
+    assert glm.kernel_model() == Kernels(sparse_latent=SparseLatentModel(4, 32, 8, 2.0))
     with pytest.raises(ValueError, match="no Pallas kernels"):
-        Planner(path("glm-5.2-tiny"), "1x1", "bfloat16", 8, 64, devices=devices, kernels="pallas")
+        Kernels.for_config(object(), 2)
     with pytest.raises(ValueError, match="expected xla or pallas"):
         Planner(path("qwen3.6-tiny"), "1x1", "bfloat16", 8, 64, devices=devices, kernels="triton")
+
+
+# ----- the chunked GDN and sparse latent attention: costed as their Pallas kernels (hlo.Kernels) -------------------
+
+
+def _one_gated_delta(pass_):
+    """One `gated_delta_rule_chunked` call (XLA path, T = 256 tokens in 4 chunks of 64, 3 value heads, dk 16, dv 32,
+    float32), or the gradient of sum(o) + sum(state) in every input, or that loss and its gradient with the call
+    rematerialised (`jax.checkpoint`: its forward runs for the loss, then again under the backward)."""
+    from longstraw_jax.ops.gated_delta import gated_delta_rule_chunked
+
+    t, h, dk, dv = 256, 3, 16, 32
+    core = lambda *a: gated_delta_rule_chunked(*a, chunk_size=64)
+    core = jax.checkpoint(core) if pass_ == "remat" else core
+
+    def loss(*a):
+        o, state = core(*a)
+        return jnp.sum(o) + jnp.sum(state)
+
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((t, h, dk), (t, h, dk), (t, h, dv), (t, h), (t, h),
+                                                              (h, dk, dv))]
+    program = core if pass_ == "forward" else (jax.value_and_grad if pass_ == "remat" else jax.grad)(
+        loss, argnums=tuple(range(6)))
+    return _compile(program, *shapes), (t // 64, h, dk, dv)
+
+
+@pytest.mark.parametrize("pass_", ["forward", "gradient", "remat"])
+def test_the_gated_delta_rule_costs_its_kernels_flops_and_fewer_bytes(pass_):
+    """With a GatedDeltaModel the chunk loops cost the kernels' analytic FLOPs and compulsory bytes (kernels.py:
+    per chunk and state matrix, stages A, B, C forward; their vjps backward, found by the loop's op_name; a
+    rematerialised forward under the backward is a forward again). The program has no matmul outside the loops, so
+    its FLOPs are exactly the kernels'; with one column block (dv <= 64) the forward's are also XLA's own (the same
+    matmuls: A, the doubling solve, u, q S, q k^T, scores u, the state update)."""
+    from longstraw_jax.capacity.hlo import GatedDeltaModel, Kernels
+
+    compiled, (n, h, dk, dv) = _one_gated_delta(pass_)
+    model = GatedDeltaModel(dk, dv, 64)
+    xla, kernels = program_cost(compiled), program_cost(compiled, kernels=Kernels(gated_delta=model))
+    c, s = 64, 6  # chunk, doubling steps
+    solve = 2 * c * c * dk + s * 2 * c * c * (dk + dv) + (s - 1) * 2 * c**3
+    forward = n * h * (solve + 6 * c * dk * dv + 2 * c * c * dk + 2 * c * c * dv)
+    backward = n * h * (3 * solve + 14 * c * dk * dv + 4 * c * c * dv + 6 * c * c * dk)
+    expected = {"forward": model.forward(n, h), "gradient": model.forward(n, h) + model.backward(n, h),
+                "remat": model.forward(n, h).scaled(2) + model.backward(n, h)}[pass_]
+    assert kernels.flops == expected.flops == {"forward": forward, "gradient": forward + backward,
+                                               "remat": 2 * forward + backward}[pass_]
+    if pass_ == "forward":
+        assert xla.flops == forward
+    assert expected.hbm_bytes < kernels.hbm_bytes < xla.hbm_bytes / 3
+    assert kernels.unknown_loops == xla.unknown_loops == ()
+
+
+def _one_latent_attention(gradient):
+    """One `sparse_latent_attention_partial` call (XLA path, T = 128 queries in blocks of 64, 4 heads, Dl 32, Dr 16,
+    k = 64 slots over a 512-row layer of a 2-layer cache and the new rows, bf16), or the gradient of sum(out) +
+    sum(lse) in q, the cache and the new rows."""
+    from longstraw_jax.ops.mla import sparse_latent_attention_partial
+
+    t, h, dl, dr, s, k = 128, 4, 32, 16, 512, 64
+
+    def f(q, cache, new, selected):
+        a = sparse_latent_attention_partial(q, cache, 1, new, selected, s, scale=0.1, value_dim=dl, block_size=64)
+        return jnp.sum(a.out) + jnp.sum(a.lse)
+
+    shapes = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((t, h, dl + dr), (2, s, dl + dr), (t, dl + dr))]
+    shapes.append(jax.ShapeDtypeStruct((t, k), jnp.int32))
+    return _compile(jax.grad(f, argnums=(0, 1, 2)) if gradient else f, *shapes), (t, h, dl, dr, k)
+
+
+@pytest.mark.parametrize("gradient", [False, True], ids=["forward", "gradient"])
+def test_sparse_latent_attention_costs_its_kernels_flops_and_fewer_bytes(gradient):
+    """With a SparseLatentModel the query-block loops cost the kernels' FLOPs (2 T H k (2 Dl + Dr) forward, 2 T H k
+    (5 Dl + 3 Dr) backward: the XLA path's own matmuls, so its FLOPs are unchanged) and their compulsory bytes (q,
+    the selected positions, the gathered rows T k (Dl + Dr), out and lse; the backward's dq and the rows'
+    cotangents) in place of XLA's materialised [W, k, Dk] gathers and score blocks."""
+    from longstraw_jax.capacity.hlo import Kernels, SparseLatentModel
+
+    compiled, (t, h, dl, dr, k) = _one_latent_attention(gradient)
+    model = SparseLatentModel(h, dl, dr, 2.0)
+    xla, kernels = program_cost(compiled), program_cost(compiled, kernels=Kernels(sparse_latent=model))
+    expected = model.forward(t, k) + (model.backward(t, k) if gradient else Cost())
+    assert kernels.flops == expected.flops == xla.flops == 2 * t * h * k * (2 * dl + dr + (5 * dl + 3 * dr
+                                                                                        if gradient else 0))
+    gathered = t * k * (dl + dr) * 2
+    assert expected.hbm_bytes > gathered * (2 if gradient else 1)
+    assert expected.hbm_bytes < kernels.hbm_bytes < xla.hbm_bytes / 3
+    assert kernels.unknown_loops == xla.unknown_loops == ()
+
+
+def test_the_kernels_leave_other_loops_and_the_default_unchanged():
+    """A Kernels without a model for a path costs that path as compiled (attention alone: the GDN's and the latent
+    attention's loops unchanged); kernels=None and an empty Kernels are the default."""
+    from longstraw_jax.capacity.hlo import GatedDeltaModel, KernelModel, Kernels, SparseLatentModel
+
+    gdn, _ = _one_gated_delta("gradient")
+    latent, _ = _one_latent_attention(True)
+    for compiled in (gdn, latent):
+        default = program_cost(compiled)
+        assert program_cost(compiled, kernels=None) == program_cost(compiled, kernels=Kernels()) == default
+        assert program_cost(compiled, kernels=KernelModel(6, 2, 32, 32)) == default
+    assert program_cost(gdn, kernels=Kernels(sparse_latent=SparseLatentModel(4, 32, 16))) == program_cost(gdn)
+    assert program_cost(latent, kernels=Kernels(gated_delta=GatedDeltaModel(16, 32))) == program_cost(latent)
+    with pytest.raises(ValueError, match="positive"):
+        GatedDeltaModel(0, 32)
+    with pytest.raises(ValueError, match="positive"):
+        SparseLatentModel(4, 32, 0)

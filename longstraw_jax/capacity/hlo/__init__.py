@@ -20,13 +20,22 @@ module's docstring states its part of the model:
     collectives.py  bytes one device sends per collective
     widening.py     float32 values XLA:CPU widened from bf16, counted at bf16
     experts.py      ExpertModel: routed experts costed as a GPU's grouped matmul
-    kernels.py      KernelModel: softmax attention costed as the Pallas flash kernels
+    kernels.py      Kernels: softmax attention, the chunked GDN, sparse latent attention costed as the Pallas
+                    kernels (KernelModel, GatedDeltaModel, SparseLatentModel)
 """
 from longstraw_jax.capacity.hlo.api import hlo_cost, program_cost, xla_cost
 from longstraw_jax.capacity.hlo.collectives import COLLECTIVES, collective_bytes, group_size
 from longstraw_jax.capacity.hlo.experts import EXPERT_CALL_FUNCTIONS, EXPERT_LOOP_FUNCTIONS, ExpertModel
 from longstraw_jax.capacity.hlo.flops import conv_flops, dot_flops, gemm_flops
-from longstraw_jax.capacity.hlo.kernels import ATTENTION_FUNCTIONS, KernelModel
+from longstraw_jax.capacity.hlo.kernels import (
+    ATTENTION_FUNCTIONS,
+    GATED_DELTA_FUNCTIONS,
+    LATENT_FUNCTIONS,
+    GatedDeltaModel,
+    KernelModel,
+    Kernels,
+    SparseLatentModel,
+)
 from longstraw_jax.capacity.hlo.parse import (
     Instruction,
     array_shapes,
@@ -39,7 +48,8 @@ from longstraw_jax.capacity.hlo.parse import (
 from longstraw_jax.capacity.hlo.totals import Cost
 
 __all__ = ["ATTENTION_FUNCTIONS", "COLLECTIVES", "Cost", "EXPERT_CALL_FUNCTIONS", "EXPERT_LOOP_FUNCTIONS",
-           "ExpertModel",
-           "Instruction", "KernelModel", "array_shapes", "collective_bytes", "conv_flops", "dot_flops", "gemm_flops",
+           "ExpertModel", "GATED_DELTA_FUNCTIONS", "GatedDeltaModel", "LATENT_FUNCTIONS", "SparseLatentModel",
+           "Instruction", "KernelModel", "Kernels", "array_shapes", "collective_bytes", "conv_flops", "dot_flops",
+           "gemm_flops",
            "group_size", "hlo_cost", "parse_instruction", "parse_module", "program_cost", "shape_bytes",
            "stack_functions", "trip_count", "xla_cost"]

@@ -16,8 +16,9 @@
   predicate, a callee's relevant slots), and a simulated loop tracks only those slots of its state: a layer loop
   whose block loops are bounded by the round index alone is walked once per round, not once per round and layer
   (`hlo_cost(..., project=False)`: every walk keyed by all known values, the brute force the tests compare with).
-  Routed experts' loops are re-costed by `experts.RoutedExperts`, with a `kernels.KernelModel` the XLA path's
-  softmax attention loops by `kernels.FlashKernels` (as the Pallas flash kernels would run them).
+  Routed experts' loops are re-costed by `experts.RoutedExperts`, with a `kernels.Kernels` the XLA paths'
+  softmax attention, chunked GDN and sparse latent attention loops by `kernels.FlashKernels` (as the Pallas kernels
+  would run them).
 * **conditional** (`lax.cond` / `switch`): the branch taken where the predicate / index evaluates (as above), else
   each quantity is the largest over the branches (an upper bound of the branch actually taken).
 * **call**, **async-start** (`calls=`): their computation, once per execution.
@@ -34,7 +35,7 @@ from longstraw_jax.capacity.hlo.collectives import collective_bytes
 from longstraw_jax.capacity.hlo.experts import ExpertModel, RoutedExperts
 from longstraw_jax.capacity.hlo.flops import conv_flops, dot_flops, gemm_flops
 from longstraw_jax.capacity.hlo.hbm import memory_bytes
-from longstraw_jax.capacity.hlo.kernels import FlashKernels, KernelModel
+from longstraw_jax.capacity.hlo.kernels import FlashKernels, KernelModel, Kernels
 from longstraw_jax.capacity.hlo.parse import Instruction, called, stack_functions
 from longstraw_jax.capacity.hlo.program import Program
 from longstraw_jax.capacity.hlo.relevance import Relevance
@@ -49,11 +50,11 @@ class Walk:
     """The walk of `hlo_cost` over an HLO module's text (module docstring): `walk(program.entry, False)` is the
     Cost of one execution. trip_counts: {while instruction name: n} (overrides XLA's known trip counts); experts:
     how to cost the routed experts (`ExpertModel`; None: as compiled); project: False keys every walk by all its
-    known arguments (the brute-force reference of the relevance caching); kernels: cost softmax attention as the
-    Pallas flash kernels (`KernelModel`; None: as compiled)."""
+    known arguments (the brute-force reference of the relevance caching); kernels: cost the kernels' loops as the
+    Pallas kernels (`Kernels`, or a `KernelModel` for softmax attention alone; None: as compiled)."""
 
     def __init__(self, text: str, trip_counts: Mapping[str, float], experts: ExpertModel | None = None,
-                 project: bool = True, kernels: KernelModel | None = None):
+                 project: bool = True, kernels: Kernels | KernelModel | None = None):
         self.program = Program(text, trip_counts)
         self.project = project
         self.scalars = Scalars(self.program)
@@ -136,7 +137,7 @@ class Walk:
         return cost(i if 0 <= i < len(branches) else len(branches) - 1)
 
     def _loop(self, comp: str, instr: Instruction, fused: bool, args: tuple) -> Cost:
-        """`_loop_cost`, routed experts re-costed by `RoutedExperts.loop_cost`, attention by
+        """`_loop_cost`, routed experts re-costed by `RoutedExperts.loop_cost`, the kernels' loops by
         `FlashKernels.loop_cost`."""
         return self.kernels.loop_cost(instr, self.experts.loop_cost(comp, instr, self._loop_cost(comp, instr, fused,
                                                                                                   args)))
