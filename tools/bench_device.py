@@ -41,7 +41,13 @@ XLA program costed with the kernels' FLOPs and bytes, `capacity.hlo.KernelModel`
 heads of 256, bf16; `KERNEL_SHAPES`) for a chunk over itself, a chunk over a 32K cache and 8 decoded tokens over a 64K
 cache, causal, forward and forward + backward: the largest error relative to the XLA output's scale, both medians,
 TFLOP/s by the analytic count (forward 4 x visible pairs x Hq x D; the backward 2.5x the forward) and the fraction of
-the device's bf16 peak. On CPU (`--tiny`) the kernels run interpreted at the tiny preset's shapes: a smoke test.
+the device's bf16 peak. After the attention rows, the same columns for the chunked Gated DeltaNet
+(`ops.flash_gated_delta` vs `ops.gated_delta.gated_delta_rule_chunked` at Qwen3.6-27B's GDN: 48 value heads,
+dk = dv = 128, chunks of 64, float32, 8K and 32K tokens; `GDN_SHAPES`; FLOPs the time model's kernel count,
+`gated_delta_flops`) and GLM-5.2's sparse latent attention (`ops.flash_mla` vs `ops.mla`: 64 heads, 512 + 64
+channels, 2048 selected rows a query, bf16; 4K queries over a 64K cache, 8 decoded; `LATENT_SHAPES`; FLOPs
+`latent_flops`), each set in its own child (at most KERNEL_SET_S); a failing case is a row saying so. On CPU
+(`--tiny`) the kernels run interpreted at the tiny presets' shapes, the three sets in one child: a smoke test.
 
 The GPU day's run (one device, <= 8 minutes; defaults on an accelerator: `--blocks 2`, captures of 64K, 32K and 128K
 tokens, the exact step at 32K, both implementations): the measurements run in priority order (kernel table, captures,
@@ -87,6 +93,21 @@ KERNEL_SHAPES = dict(full=dict(heads=24, kv_heads=4, head_dim=256, dtype="bfloat
                      tiny=dict(heads=4, kv_heads=2, head_dim=32, dtype="float32", reps=2,
                                cases=[("chunk over itself", 64, 64), ("chunk over a cache", 32, 128),
                                       ("8 decoded over a cache", 8, 256)]))
+# The GDN and sparse latent attention rows of the kernel table, after the attention rows: the shapes are the configs'
+# (GDN: value heads, dk, dv, chunk of `config`, here Qwen3.6-27B's 48 heads of 128 x 128 in chunks of 64, float32;
+# latent: GLM-5.2's heads, kv_lora_rank + qk_rope_head_dim, index_topk, query block, bf16), the cases these. GDN:
+# (label, T tokens); latent: (label, T queries, S cached rows), the queries at positions S.. S + T - 1.
+GDN_SHAPES = dict(full=dict(config="configs/qwen3.6-27b.json", reps=3, cases=[("8K tokens", 8192),
+                                                                                ("32K tokens", 32768)]),
+                  tiny=dict(config="configs/qwen3.6-tiny.json", reps=2, cases=[("a padded tail", 100)]))
+LATENT_SHAPES = dict(full=dict(config="configs/glm-5.2.json", dtype="bfloat16", reps=3,
+                               cases=[("4K queries over a 64K cache", 4096, 65536),
+                                      ("8 decoded over a 64K cache", 8, 65536)]),
+                     tiny=dict(config="configs/glm-5.2-tiny.json", dtype="float32", reps=2,
+                               cases=[("32 queries over a cache", 32, 128)]))
+KERNEL_SETS = ("attention", "gated_delta", "sparse_latent")  # the kernel table's children, in this order (--tiny:
+# one child for all three, the smoke test's start-ups saved)
+KERNEL_SET_S = 150.0  # at most this long for the GDN's or the latent attention's child (attention: the budget's)
 BACKWARD_FLOPS = 2.5  # the backward's FLOPs per forward FLOP (FlashAttention-2's count: 5 matmuls against 2)
 TARGET_ATTENTION_PEAK = 0.5  # issue 41: attention forward >= 50 % of the bf16 peak (H100)
 TARGET_CAPTURE_SPEEDUP, TARGET_CAPTURE_TOKENS = 2.0, 65536  # ... and the capture >= 2x the XLA path's at 64K
@@ -193,8 +214,8 @@ def time_model(compiled, device) -> dict:
 def with_time_model(row: dict, compiled, device, kernel_model=None) -> dict:
     """`row` (a measurement with its median "seconds") plus `time_model` of the executable that ran and
     "model_s" (the estimate) and "model_ratio" (measured / estimated), None without a hardware entry. With
-    `kernel_model` (an `hlo.KernelModel`; the XLA path's rows) also "model_kernels_s": the same program's estimate
-    with its attention costed as the Pallas kernels (`capacity/hlo/kernels.py`), what the Pallas row is compared
+    `kernel_model` (an `hlo.Kernels`; the XLA path's rows) also "model_kernels_s": the same program's estimate
+    with its attention and GDN costed as the Pallas kernels (`capacity/hlo/kernels.py`), what the Pallas row is compared
     with (a program that ran the kernels holds them as custom calls of no FLOPs: its own estimate leaves them out)."""
     from longstraw_jax.capacity.hardware import breakdown, for_device
     from longstraw_jax.capacity.hlo import program_cost
@@ -240,12 +261,13 @@ class _Child:
         return jax.block_until_ready(init(jax.random.key(0)))
 
     def kernel_model(self):
-        """The time model's KernelModel for the XLA path's rows (None for the Pallas path's)."""
-        from longstraw_jax.capacity.hlo import KernelModel
+        """The time model's Kernels for the XLA path's rows (softmax attention and the chunked GDN; None for the
+        Pallas path's)."""
+        from longstraw_jax.capacity.hlo import Kernels
 
         if self.cfg.kernels != "xla":
             return None
-        return KernelModel.for_config(self.cfg, self.jax.numpy.dtype(self.opts["dtype"]).itemsize)
+        return Kernels.for_config(self.cfg, self.jax.numpy.dtype(self.opts["dtype"]).itemsize)
 
     def planner(self, response_len: int):
         from longstraw_jax.capacity import Planner
@@ -352,62 +374,211 @@ class _Child:
         return row
 
 
-def kernel_table(opts: dict) -> list[dict]:
+def _relative_error(ref, got) -> float:
+    """max |got - ref| over each output, relative to that XLA output's largest |value|; the largest over outputs."""
+    import jax.numpy as jnp
+
+    return max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
+               / max(float(jnp.max(jnp.abs(r.astype(jnp.float32)))), 1e-30) for r, g in zip(ref, got))
+
+
+def _compare(label: str, forward_fns: dict, args: tuple, cotangents: tuple, reps: int, flops: dict, peak,
+             **fields):
+    """The kernel table's rows of one case: per pass (forward; forward + backward, the vjp of the outputs for the
+    fixed `cotangents`) and implementation ("xla", "pallas": `forward_fns[impl](*args)`) compile, warm up and time
+    `reps` calls; yield one row per pass (the error, both medians, XLA / Pallas, TFLOP/s by the analytic `flops`
+    {"forward", "forward_backward"} and the fraction of `peak`) with `fields`."""
+    import jax
+
+    results = {}
+    for impl, forward in forward_fns.items():
+        def both(*a, forward=forward):
+            outputs, vjp = jax.vjp(forward, *a)
+            return tuple(outputs) + tuple(vjp(cotangents))
+
+        for kind, fn in (("forward", jax.jit(forward)), ("forward_backward", jax.jit(both))):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn(*args))  # compile + warm-up
+            compile_s = time.perf_counter() - t0
+            times = _timed(lambda fn=fn: fn(*args), reps)
+            results[impl, kind] = (out, statistics.median(times), times, compile_s)
+    for kind in ("forward", "forward_backward"):
+        (ref, xla_s, xla_times, _), (got, pallas_s, pallas_times, compile_s) = (results["xla", kind],
+                                                                                results["pallas", kind])
+        yield dict(fields, name="kernel", case=label, kind=kind, flops=flops[kind], error=_relative_error(ref, got),
+                   xla_s=xla_s, pallas_s=pallas_s, xla_times=xla_times, pallas_times=pallas_times,
+                   pallas_compile_s=compile_s, xla_tflops=flops[kind] / xla_s / 1e12,
+                   pallas_tflops=flops[kind] / pallas_s / 1e12,
+                   xla_peak=None if peak is None else flops[kind] / xla_s / peak,
+                   pallas_peak=None if peak is None else flops[kind] / pallas_s / peak, speedup=xla_s / pallas_s)
+
+
+def kernel_table(opts: dict):
+    """The kernel table's rows of one kernel set (`opts["kernel"]`, KERNEL_SETS, or "all" of them; default
+    attention), yielded case by case: `attention_table`, `gated_delta_table`, `latent_table`. A case that fails (out
+    of memory, a kernel that does not compile) yields a row with "failed" (its error) and the table goes on."""
+    import jax
+
+    from longstraw_jax.capacity.hardware import for_device_kind
+
+    hw = for_device_kind(jax.devices()[0].device_kind)
+    peak = None if hw is None else hw.flops_per_s
+    tables = dict(attention=attention_table, gated_delta=gated_delta_table, sparse_latent=latent_table)
+    kernel = opts.get("kernel", "attention")
+    size = "tiny" if opts["tiny"] else "full"
+    for kernel in KERNEL_SETS if kernel == "all" else (kernel,):
+        for label, case in tables[kernel](size, peak):
+            try:
+                for row in case():
+                    yield dict(row, kernel=kernel)
+            except Exception as e:  # noqa: BLE001 - recorded, the next case still runs
+                yield dict(name="kernel", kernel=kernel, case=label, failed=f"{type(e).__name__}: {e}"[:2000])
+
+
+def attention_table(size: str, peak):
     """The flash-attention kernel against the XLA path (`ops.attention.attend`, kernels "pallas" vs "xla") at the
     KERNEL_SHAPES of the run (full: Qwen3.6-27B's attention, bf16; tiny: interpreted on CPU): per case and pass
     (forward; forward + backward, the vjp of the outputs and their log-sum-exp for fixed random cotangents) the
     largest |Pallas - XLA| over each output relative to the XLA output's largest |value| ("error"), median seconds of
     both, the analytic FLOPs (`attention_flops`), TFLOP/s, the fraction of the device's bf16 peak
-    (`hardware.for_device_kind`; None without an entry) and XLA / Pallas."""
-    import jax
+    (`hardware.for_device_kind`; None without an entry) and XLA / Pallas. Yields (label, a function yielding the
+    case's rows)."""
     import jax.numpy as jnp
     import numpy as np
 
-    from longstraw_jax.capacity.hardware import for_device_kind
     from longstraw_jax.ops import attention
 
-    shape = KERNEL_SHAPES["tiny" if opts["tiny"] else "full"]
+    shape = KERNEL_SHAPES[size]
     hq, hkv, d, dtype = shape["heads"], shape["kv_heads"], shape["head_dim"], jnp.dtype(shape["dtype"])
-    hw = for_device_kind(jax.devices()[0].device_kind)
-    rows = []
     for label, t, s in shape["cases"]:
-        rng = np.random.default_rng(0)
-        normal = lambda shape, dt: jnp.asarray(rng.standard_normal(shape), dt)
-        q, k, v = normal((t, hq, d), dtype), normal((s, hkv, d), dtype), normal((s, hkv, d), dtype)
-        cotangents = (normal((t, hq, d), jnp.float32), normal((t, hq), jnp.float32))
-        positions = jnp.arange(t, dtype=jnp.int32) + (s - t)
-        results = {}
-        for impl in ("xla", "pallas"):
-            def forward(q, k, v, impl=impl):
-                a = attention.attend(q, k, v, q_positions=positions, k_offset=0, scale=d**-0.5, causal=True,
-                                     kernels=impl)
-                return a.out, a.lse
+        def case(t=t, s=s, label=label):
+            rng = np.random.default_rng(0)
+            normal = lambda shape, dt: jnp.asarray(rng.standard_normal(shape), dt)
+            q, k, v = normal((t, hq, d), dtype), normal((s, hkv, d), dtype), normal((s, hkv, d), dtype)
+            cotangents = (normal((t, hq, d), jnp.float32), normal((t, hq), jnp.float32))
+            positions = jnp.arange(t, dtype=jnp.int32) + (s - t)
 
-            def both(q, k, v, forward=forward):
-                outputs, vjp = jax.vjp(forward, q, k, v)
-                return outputs + vjp(cotangents)
+            def forward(impl):
+                def f(q, k, v):
+                    a = attention.attend(q, k, v, q_positions=positions, k_offset=0, scale=d**-0.5, causal=True,
+                                         kernels=impl)
+                    return a.out, a.lse
+                return f
 
-            for kind, fn in (("forward", jax.jit(forward)), ("forward_backward", jax.jit(both))):
-                t0 = time.perf_counter()
-                out = jax.block_until_ready(fn(q, k, v))  # compile + warm-up
-                compile_s = time.perf_counter() - t0
-                times = _timed(lambda fn=fn: fn(q, k, v), shape["reps"])
-                results[impl, kind] = (out, statistics.median(times), times, compile_s)
-        flops = attention_flops(t, s, hq, d)
-        for kind in ("forward", "forward_backward"):
-            (ref, xla_s, xla_times, _), (got, pallas_s, pallas_times, compile_s) = (results["xla", kind],
-                                                                                    results["pallas", kind])
-            error = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
-                        / max(float(jnp.max(jnp.abs(r.astype(jnp.float32)))), 1e-30) for r, g in zip(ref, got))
-            peak = None if hw is None else hw.flops_per_s
-            rows.append(dict(
-                name="kernel", case=label, T=t, S=s, heads=hq, kv_heads=hkv, head_dim=d, dtype=str(dtype), kind=kind,
-                pairs=visible_pairs(t, s), flops=flops[kind], error=error, xla_s=xla_s, pallas_s=pallas_s,
-                xla_times=xla_times, pallas_times=pallas_times, pallas_compile_s=compile_s,
-                xla_tflops=flops[kind] / xla_s / 1e12, pallas_tflops=flops[kind] / pallas_s / 1e12,
-                xla_peak=None if peak is None else flops[kind] / xla_s / peak,
-                pallas_peak=None if peak is None else flops[kind] / pallas_s / peak, speedup=xla_s / pallas_s))
-    return rows
+            yield from _compare(label, {impl: forward(impl) for impl in ("xla", "pallas")}, (q, k, v), cotangents,
+                                shape["reps"], attention_flops(t, s, hq, d), peak, T=t, S=s, heads=hq, kv_heads=hkv,
+                                head_dim=d, dtype=str(dtype), pairs=visible_pairs(t, s))
+        yield label, case
+
+
+def gated_delta_flops(tokens: int, heads: int, key_dim: int, value_dim: int, chunk: int) -> dict[str, float]:
+    """Analytic FLOPs of one chunked gated delta rule call, the time model's count (`capacity.hlo.GatedDeltaModel`):
+    the Pallas kernels' matmuls per (chunk, value head), forward: stage A 2 C^2 dk + s 2 C^2 (dk + dv) +
+    (s - 1) 2 C^3 (the WY matrix and the doubling solve, s = ceil(log2 C)), stage B 4 C dk dv (u = value - w S, the
+    state update), stage C 2 C dk dv + nb 2 C^2 dk + 2 C^2 dv (q S, q k^T per column block of 64, scores u); the
+    backward: their vjps (capacity/hlo/kernels.py), over ceil(T / C) chunks: {"forward", "forward_backward",
+    "recurrent"} (recurrent: the recurrent form's 6 dk dv per token and head, for reference)."""
+    from longstraw_jax.capacity.hlo import GatedDeltaModel
+
+    model, chunks = GatedDeltaModel(key_dim, value_dim, chunk), -(-tokens // chunk)
+    forward = model.flops(chunks, heads)
+    return dict(forward=forward, forward_backward=forward + model.flops(chunks, heads, backward=True),
+                recurrent=6.0 * key_dim * value_dim * tokens * heads)
+
+
+def gated_delta_table(size: str, peak):
+    """The chunked gated delta rule, Pallas (`ops.flash_gated_delta.gated_delta_rule`) against the XLA path
+    (`ops.gated_delta.gated_delta_rule_chunked`), at GDN_SHAPES (full: Qwen3.6-27B's 48 value heads, dk = dv = 128,
+    chunks of 64; tiny: the tiny preset's, interpreted), float32: l2-normalised q (scaled by dk^-1/2) and k, decays
+    log sigmoid(x + 4), beta sigmoid(x), a random carried state; forward (o and the state) and forward + backward
+    (the vjp in all six inputs); FLOPs by `gated_delta_flops`. Yields (label, a function yielding its rows)."""
+    import jax
+    import jax.numpy as jnp
+
+    from longstraw_jax import models
+    from longstraw_jax.ops import flash_gated_delta
+    from longstraw_jax.ops.gated_delta import gated_delta_rule_chunked
+
+    shape = GDN_SHAPES[size]
+    cfg = models.config_from_hf(os.path.join(ROOT, shape["config"]))
+    h, dk, dv, chunk = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                        cfg.gdn_chunk_size)
+    for label, t in shape["cases"]:
+        def case(t=t, label=label):
+            keys = iter(jax.random.split(jax.random.key(0), 10))
+            normal = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32)
+            unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+            args = (unit(normal(t, h, dk)) * dk**-0.5, unit(normal(t, h, dk)), normal(t, h, dv),
+                    jax.nn.log_sigmoid(normal(t, h) + 4.0), jax.nn.sigmoid(normal(t, h)), 0.1 * normal(h, dk, dv))
+            cotangents = (normal(t, h, dv), normal(h, dk, dv))
+            fns = dict(xla=lambda *a: gated_delta_rule_chunked(*a, chunk),
+                       pallas=lambda *a: flash_gated_delta.gated_delta_rule(*a, chunk))
+            flops = gated_delta_flops(t, h, dk, dv, chunk)
+            yield from _compare(label, fns, args, cotangents, shape["reps"], flops, peak, T=t, heads=h, key_dim=dk,
+                                value_dim=dv, chunk=chunk, dtype="float32", flops_recurrent=flops["recurrent"])
+        yield label, case
+
+
+def latent_flops(queries: int, heads: int, slots: int, latent: int, rope: int) -> dict[str, float]:
+    """Analytic FLOPs of one sparse latent attention call, the time model's count (`capacity.hlo.SparseLatentModel`):
+    forward 2 T H k (2 Dl + Dr) (the scores over Dl + Dr channels, p c over Dl), backward 2 T H k (5 Dl + 3 Dr)
+    (the scores again, dO c, dq, the rows' cotangents): {"forward", "forward_backward"}."""
+    from longstraw_jax.capacity.hlo import SparseLatentModel
+
+    model = SparseLatentModel(heads, latent, rope)
+    forward = model.forward(queries, slots).flops
+    return dict(forward=forward, forward_backward=forward + model.backward(queries, slots).flops)
+
+
+def latent_selection(queries: int, cached: int, slots: int, seed: int = 0):
+    """int32 [T, k]: query t (at position cached + t) selects k distinct positions <= its own, as a top-k would:
+    (base + shift_t) mod (cached + t + 1) for k distinct bases < cached and a random shift per query (most in the
+    cache, some among the new rows)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    base = rng.choice(cached, slots, replace=False)
+    visible = cached + np.arange(queries) + 1
+    shift = rng.integers(0, visible)
+    return ((base[None, :] + shift[:, None]) % visible[:, None]).astype(np.int32)
+
+
+def latent_table(size: str, peak):
+    """GLM-5.x's sparse latent attention, Pallas (`ops.flash_mla`) against the XLA path (`ops.mla`, query blocks of
+    the config's query_block_size), at LATENT_SHAPES (full: GLM-5.2's 64 heads, kv_lora_rank 512 + rope 64, index_topk
+    2048 selected rows, bf16; tiny: the tiny preset's, float32, interpreted): T queries after S cached rows of one
+    layer, each over its k distinct selected positions (`latent_selection`); forward (out and lse) and forward +
+    backward (the vjp in q, the cache and the new rows); FLOPs by `latent_flops`. Yields (label, a function yielding
+    its rows)."""
+    import jax
+    import jax.numpy as jnp
+
+    from longstraw_jax import models
+    from longstraw_jax.ops.mla import sparse_latent_attention_partial
+
+    shape = LATENT_SHAPES[size]
+    cfg = models.config_from_hf(os.path.join(ROOT, shape["config"]))
+    h, dl, dr, k, dtype = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_topk,
+                           jnp.dtype(shape["dtype"]))
+    for label, t, s in shape["cases"]:
+        def case(t=t, s=s, label=label):
+            keys = iter(jax.random.split(jax.random.key(0), 10))
+            normal = lambda dt, *shape: jax.random.normal(next(keys), shape, jnp.float32).astype(dt)
+            args = (normal(dtype, t, h, dl + dr), normal(dtype, 1, s, dl + dr), normal(dtype, t, dl + dr))
+            selected = jnp.asarray(latent_selection(t, s, k))
+            cotangents = (normal(jnp.float32, t, h, dl), normal(jnp.float32, t, h))
+
+            def forward(impl):
+                def f(q, cache, new):
+                    a = sparse_latent_attention_partial(q, cache, 0, new, selected, s, scale=cfg.qk_head_dim**-0.5,
+                                                        value_dim=dl, block_size=cfg.query_block_size, kernels=impl)
+                    return a.out, a.lse
+                return f
+
+            yield from _compare(label, {impl: forward(impl) for impl in ("xla", "pallas")}, args, cotangents,
+                                shape["reps"], latent_flops(t, h, k, dl, dr), peak, T=t, S=s, heads=h, slots=k,
+                                latent_dim=dl, rope_dim=dr, dtype=str(dtype))
+        yield label, case
 
 
 def _child(opts: dict) -> int:
@@ -430,13 +601,22 @@ def _child(opts: dict) -> int:
 # Parent side: run each measurement in a child, print the table, write JSON.
 
 
+class ChildFailed(RuntimeError):
+    """A measurement's child failed or timed out; `rows`: what it printed before (the kernel table's finished
+    cases)."""
+
+    def __init__(self, message: str, rows: list[dict]):
+        super().__init__(message)
+        self.rows = rows
+
+
 def _run_child(opts: dict, timeout: float) -> list[dict]:
-    """One measurement (`opts["item"]`) in its own process: its result rows; RuntimeError if it failed."""
+    """One measurement (`opts["item"]`) in its own process: its result rows; ChildFailed if it failed."""
     child = bench_harness.run_child(__file__, opts, timeout, cwd=ROOT)
     if child.returncode is None:
-        raise RuntimeError(f"{opts['item']} timed out after {timeout:.0f} s:\n{child.stderr[-3000:]}")
+        raise ChildFailed(f"{opts['item']} timed out after {timeout:.0f} s:\n{child.stderr[-3000:]}", child.rows)
     if child.returncode or not child.rows:
-        raise RuntimeError(f"{opts['item']} failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
+        raise ChildFailed(f"{opts['item']} failed (exit {child.returncode}):\n{child.stderr[-3000:]}", child.rows)
     return child.rows
 
 
@@ -488,15 +668,36 @@ def format_model_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_kernel_table(rows: list[dict]) -> str:
-    """The kernel table (`kernel_table` rows): per case and pass the error, both medians, XLA / Pallas, TFLOP/s and
-    the fraction of the bf16 peak."""
-    head = ["case", "T", "S", "pass", "max rel error", "XLA s", "Pallas s", "XLA / Pallas", "XLA TFLOP/s",
+# per kernel set: the kernel table's title and its shape columns (row keys)
+KERNEL_TABLES = dict(
+    attention=("Flash attention, Pallas vs XLA (`ops.attention.attend`; FLOPs: forward 4 x visible pairs x Hq x D, "
+               f"backward {BACKWARD_FLOPS:g}x that)", ("T", "S")),
+    gated_delta=("Chunked Gated DeltaNet, Pallas vs XLA (`ops.gated_delta.gated_delta_rule_chunked`; float32; FLOPs: "
+                 "the kernels' matmuls per chunk and head, the time model's GatedDeltaModel; % of the bf16 peak)",
+                 ("T", "heads")),
+    sparse_latent=("Sparse latent attention, Pallas vs XLA (`ops.mla.sparse_latent_attention_partial`; FLOPs: "
+                   "forward 2 T H k (2 Dl + Dr), backward 2 T H k (5 Dl + 3 Dr))", ("T", "S", "slots")))
+
+
+def kernel_kind(row: dict) -> str:
+    """The kernel set of a kernel-table row (rows without one: attention, the first table)."""
+    return row.get("kernel", "attention")
+
+
+def format_kernel_table(rows: list[dict], columns: tuple[str, ...] = ("T", "S")) -> str:
+    """The kernel table (`kernel_table` rows of one kernel set): per case and pass its shape `columns`, the error,
+    both medians, XLA / Pallas, TFLOP/s and the fraction of the bf16 peak; a failed case: its error."""
+    head = ["case", *columns, "pass", "max rel error", "XLA s", "Pallas s", "XLA / Pallas", "XLA TFLOP/s",
             "Pallas TFLOP/s", "Pallas % of peak"]
-    lines = ["| " + " | ".join(head) + " |", "| --- | ---: | ---: | --- | " + " | ".join(["---:"] * 7) + " |"]
+    lines = ["| " + " | ".join(head) + " |",
+             "| --- | " + " | ".join(["---:"] * len(columns)) + " | --- | " + " | ".join(["---:"] * 7) + " |"]
     for r in rows:
+        if "failed" in r:
+            lines.append("| " + " | ".join([r["case"]] + ["-"] * len(columns) + ["failed: " + r["failed"][:200]]
+                                           + ["-"] * 7) + " |")
+            continue
         lines.append("| " + " | ".join([
-            r["case"], f"{r['T']:,}", f"{r['S']:,}", "fwd" if r["kind"] == "forward" else "fwd+bwd",
+            r["case"], *(f"{r[c]:,}" for c in columns), "fwd" if r["kind"] == "forward" else "fwd+bwd",
             f"{r['error']:.2e}", f"{r['xla_s']:.3g}", f"{r['pallas_s']:.3g}", f"{r['speedup']:.2f}",
             f"{r['xla_tflops']:.3g}", f"{r['pallas_tflops']:.3g}", _fmt(r["pallas_peak"], ".1%")]) + " |")
     return "\n".join(lines)
@@ -530,10 +731,10 @@ def format_comparison(pairs: list[dict]) -> str:
 
 def targets(kernel_rows: list[dict], pairs: list[dict], device: str | None) -> dict:
     """Issue 41's targets for the GPU day, each {"target", "value", "status": pass / fail / not-run, ...}: the
-    attention forward's fraction of the bf16 peak (the kernel table's forward of the most FLOPs) >= 50 % (stated
-    for H100; evaluated on any device with a peak entry, its kind recorded), the capture's XLA / Pallas at 64K
-    tokens >= 2."""
-    forward = [r for r in kernel_rows if r["kind"] == "forward"]
+    attention forward's fraction of the bf16 peak (the attention kernel table's forward of the most FLOPs) >= 50 %
+    (stated for H100; evaluated on any device with a peak entry, its kind recorded), the capture's XLA / Pallas at
+    64K tokens >= 2."""
+    forward = [r for r in kernel_rows if kernel_kind(r) == "attention" and r.get("kind") == "forward"]
     best = max(forward, key=lambda r: r["flops"], default=None)
     value = None if best is None else best["pallas_peak"]
     attention = dict(target=f">= {TARGET_ATTENTION_PEAK:.0%} of the bf16 peak (H100)", value=value,
@@ -549,9 +750,11 @@ def targets(kernel_rows: list[dict], pairs: list[dict], device: str | None) -> d
 
 
 def plan_measurements(opts: dict, measure: list[str], impls: list[str]) -> list[dict]:
-    """The children to run, in priority order (the budget skips the last): the kernel table, the captures (each
-    length, each implementation; none given: one doubling search), the train_step modes."""
-    plan = [dict(item="kernels")] if "kernels" in measure else []
+    """The children to run, in priority order (the budget skips the last): the kernel table (one child per kernel
+    set: attention, the GDN, sparse latent attention; --tiny: one for all three), the captures (each length, each
+    implementation; none given: one doubling search), the train_step modes."""
+    kernels = ["all"] if opts.get("tiny") else KERNEL_SETS
+    plan = [dict(item="kernels", kernel=k) for k in kernels] if "kernels" in measure else []
     if "capture" in measure:
         lengths = opts["capture_lens"] or [opts["capture_len"]]
         plan += [dict(item="capture", impl=impl, capture_len=n) for n in lengths for impl in impls]
@@ -618,7 +821,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows, kernel_rows, failed, skipped = [], [], [], []
     for spec in plan_measurements(opts, measure, impls):
-        label = spec["item"] + (f" ({spec['impl']})" if "impl" in spec and len(impls) > 1 else "")
+        label = spec["item"] + (f" ({spec['impl']})" if "impl" in spec and len(impls) > 1 else "") \
+            + (f" ({spec['kernel']})" if "kernel" in spec else "")
         if spec["item"] == "capture" and spec["capture_len"]:
             label += f" {spec['capture_len']:,}"
         remaining = args.budget_s - (time.perf_counter() - start)
@@ -627,15 +831,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {label}: skipped ({remaining:.0f} s left)", flush=True)
             continue
         child_opts = dict(opts, **spec, budget_s=0.6 * remaining if spec["item"] == "capture" else remaining)
+        timeout = min(remaining, KERNEL_SET_S) if spec.get("kernel") in KERNEL_SETS[1:] else remaining
         try:
-            result = _run_child(child_opts, timeout=remaining)
-        except RuntimeError as e:
+            result = _run_child(child_opts, timeout=timeout)
+        except ChildFailed as e:
             failed.append(dict(spec, label=label, status="failed", error=str(e)[-3000:]))
             print(f"  {label}: FAILED {str(e).splitlines()[0]}", flush=True)
+            kernel_rows += e.rows if spec["item"] == "kernels" else []  # its finished cases
             continue
         if spec["item"] == "kernels":
             kernel_rows += result
-            print(f"  kernel table: {len(result)} rows", flush=True)
+            lost = [r for r in result if "failed" in r]
+            print(f"  kernel table ({spec['kernel']}): {len(result)} rows" + (f", {len(lost)} failed" if lost else ""),
+                  flush=True)
             continue
         row = dict(result[-1], status="ok", label=result[-1]["name"] + (f" ({spec['impl']})" if len(impls) > 1
                                                                           else ""))
@@ -650,10 +858,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}; {cfg.describe()}; {opts['dtype']}; "
           f"mesh {opts['mesh'] or 'none (one device)'}; chunk {opts['chunk_size']:,}; kernels {','.join(impls)}; "
           f"{time.perf_counter() - start:.0f} s")
-    if kernel_rows:
-        print("\nFlash attention, Pallas vs XLA (`ops.attention.attend`; FLOPs: forward 4 x visible pairs x Hq x D, "
-              f"backward {BACKWARD_FLOPS:g}x that)")
-        print(format_kernel_table(kernel_rows))
+    for kernel, (title, columns) in KERNEL_TABLES.items():
+        table = [r for r in kernel_rows if kernel_kind(r) == kernel]
+        if table:
+            print("\n" + title)
+            print(format_kernel_table(table, columns))
     if rows:
         print()
         print(format_table(rows, peak))

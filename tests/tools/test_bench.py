@@ -302,23 +302,45 @@ def test_bench_device_tiny(tmp_path):
 
 
 def test_bench_device_kernel_table_tiny(tmp_path):
-    """tools/bench_device.py --tiny --measure kernels on CPU: the flash-attention kernel (interpreted) against the XLA
-    path at the tiny shapes, each case forward and forward + backward: errors at float32 rounding, positive medians,
-    the analytic FLOPs (4 x visible causal pairs x Hq x D, x 3.5 with the backward), TFLOP/s = FLOPs / median, no
-    peak on CPU, and the JSON's targets block "not-run" (no GPU, no capture)."""
+    """tools/bench_device.py --tiny --measure kernels on CPU: the flash-attention, GDN and sparse latent attention
+    kernels (interpreted) against their XLA paths at the tiny shapes, each case forward and forward + backward:
+    errors at float32 rounding, positive medians, the analytic FLOPs (attention: 4 x visible causal pairs x Hq x D,
+    x 3.5 with the backward; the GDN's and the latent attention's: the time model's kernel counts), TFLOP/s = FLOPs
+    / median, no peak on CPU, and the JSON's targets block "not-run" (no GPU, no capture)."""
     bench = _tool("bench_device")
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "bench_device.py"), "--tiny", "--measure", "kernels",
          "--json", str(tmp_path / "bench.json")], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "Flash attention, Pallas vs XLA" in result.stdout
+    for title in ("Flash attention, Pallas vs XLA", "Chunked Gated DeltaNet, Pallas vs XLA",
+                  "Sparse latent attention, Pallas vs XLA"):
+        assert title in result.stdout
     out = json.loads((tmp_path / "bench.json").read_text())
     assert out["platform"] == "cpu" and out["jax"] == jax.__version__ and out["device"]
     assert out["rows"] == [] and out["failed"] == [] and out["skipped"] == []
+    passes = ("forward", "forward_backward")
+    assert [(r["kernel"], r["case"], r["kind"]) for r in out["kernel_table"]] == \
+        [("attention", c[0], kind) for c in bench.KERNEL_SHAPES["tiny"]["cases"] for kind in passes] \
+        + [("gated_delta", c[0], kind) for c in bench.GDN_SHAPES["tiny"]["cases"] for kind in passes] \
+        + [("sparse_latent", c[0], kind) for c in bench.LATENT_SHAPES["tiny"]["cases"] for kind in passes]
+    from longstraw_jax.capacity.hlo import GatedDeltaModel, SparseLatentModel
+
+    for r in out["kernel_table"]:
+        assert r["error"] < 1e-5 and r["xla_s"] > 0 and r["pallas_s"] > 0 and r["pallas_peak"] is None, r
+        assert r["pallas_tflops"] == pytest.approx(r["flops"] / r["pallas_s"] / 1e12)
+        if r["kernel"] == "gated_delta":  # the time model's count: stages A, B, C (and their vjps)
+            model, chunks = GatedDeltaModel(r["key_dim"], r["value_dim"], r["chunk"]), -(-r["T"] // r["chunk"])
+            backward = model.backward(chunks, r["heads"]).flops if r["kind"] == "forward_backward" else 0
+            assert r["flops"] == model.forward(chunks, r["heads"]).flops + backward
+            assert r["flops_recurrent"] == 6 * r["key_dim"] * r["value_dim"] * r["T"] * r["heads"]
+        elif r["kernel"] == "sparse_latent":  # 2 T H k (2 Dl + Dr), + 2 T H k (5 Dl + 3 Dr) with the backward
+            dl, dr, triples = r["latent_dim"], r["rope_dim"], r["T"] * r["heads"] * r["slots"]
+            assert r["flops"] == 2 * triples * (2 * dl + dr + (5 * dl + 3 * dr if r["kind"] == "forward_backward"
+                                                               else 0))
+            assert SparseLatentModel(r["heads"], dl, dr).forward(r["T"], r["slots"]).flops == 2 * triples * (2 * dl
+                                                                                                           + dr)
     shape = bench.KERNEL_SHAPES["tiny"]
-    rows = out["kernel_table"]
-    assert [(r["case"], r["kind"]) for r in rows] == [(c[0], kind) for c in shape["cases"]
-                                                      for kind in ("forward", "forward_backward")]
+    rows = [r for r in out["kernel_table"] if r["kernel"] == "attention"]
     for r in rows:
         assert r["error"] < 1e-5, r
         assert r["xla_s"] > 0 and r["pallas_s"] > 0 and r["speedup"] == pytest.approx(r["xla_s"] / r["pallas_s"])
@@ -330,11 +352,14 @@ def test_bench_device_kernel_table_tiny(tmp_path):
     assert {name: t["status"] for name, t in out["targets"].items()} == {
         "attention_forward_peak": "not-run", "capture_speedup_64k": "not-run"}
     # the targets' arithmetic on made-up GPU figures
-    fake = [dict(rows[0], pallas_peak=0.6, flops=1.0), dict(rows[0], pallas_peak=0.4, flops=2.0)]
+    fake = [dict(rows[0], pallas_peak=0.6, flops=1.0), dict(rows[0], pallas_peak=0.4, flops=2.0),
+            dict(rows[0], kernel="gated_delta", pallas_peak=0.9, flops=9.0)]  # not attention: not the target's
     pairs = [dict(name="capture", tokens=65536, speedup=2.5)]
     goals = bench.targets(fake, pairs, "NVIDIA H100 80GB HBM3")
     assert goals["attention_forward_peak"]["status"] == "fail" and goals["attention_forward_peak"]["value"] == 0.4
     assert goals["capture_speedup_64k"]["status"] == "pass"
+    assert "| 8K | - | failed: RuntimeError: boom |" in bench.format_kernel_table(
+        [dict(case="8K", failed="RuntimeError: boom")], ("T",))
 
 
 @pytest.mark.slow  # one short trainer run in a child process (~1 min of compiles)
