@@ -74,6 +74,8 @@ doubling solve). HBM bytes, float32 (`ACCUM`), each array read or written once p
 
 Head widths are not padded to the kernels' tiles (Qwen3.6's 128 need none). A prompt of at most C tokens is one
 chunk without a loop and a decoded token one step of the recurrence (both XLA under either choice): as compiled.
+Tested in tests/capacity/test_cost.py against these formulas on one call, its gradient and its rematerialised
+gradient (with one column block the forward's FLOPs are also XLA's own: the same matmuls).
 
 **Sparse latent attention** (`SparseLatentModel`, `ops/flash_mla.py`). A *latent attention loop* is a while loop
 under `LATENT_FUNCTIONS` (`ops.mla.sparse_latent_attention_partial`: the `lax.map` over query blocks of the forward,
@@ -94,7 +96,8 @@ With i the bytes per element of q, the cache and dO (the params' dtype):
 
 The rows are gathered per query: no reuse between queries is assumed (each query's k rows are its own), nor for
 the atomic adds. Queries are not rounded (T is the XLA path's, its blocks of 64 padded; a capture chunk is a multiple
-of 64); a call of one query block (T <= W: decoding) compiles without a loop and stays as compiled.
+of 64); a call of one query block (T <= W: decoding) compiles without a loop and stays as compiled. Tested in
+tests/capacity/test_cost.py against these formulas on one call and its gradient.
 """
 from __future__ import annotations
 
