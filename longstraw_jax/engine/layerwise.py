@@ -159,18 +159,14 @@ class _Uniform(Forwarding):
         return entries
 
 
-def _forward(model, stages, params, state, tokens, start, cache_length, left_pad=None, last_block: bool = True,
-             linearize=None):
+def _forward(model, stages, params, state, tokens, start, cache_length, left_pad=None, last_block: bool = True):
     """The stages' blocks in order over tokens [T] ([k, T]: k branches, `_Branches`): (the carry after the last
-    block, per stage each block's input carry stacked [nb, ...], linearized).
+    block, per stage each block's input carry stacked [nb, ...]).
 
     last_block=False: the inputs are all that is wanted (a prompt chunk: its output carry gets no cotangent), so the
-    last block is not run; the carry returned is then the last block's input (same structure and shapes).
-    linearize(stage, bp, b, h) -> (output carry, linearized) (with last_block=False): runs the last stage's block
-    nb-2 instead (under `jax.vjp`: its backward, next after the last block's, then reuses this forward); linearized
-    is what it returned (None without it, or when that stage has one block)."""
+    last block is not run; the carry returned is then the last block's input (same structure and shapes)."""
     positions = _positions(start, tokens.shape[-1])
-    h, inputs, linearized = model.embed(params, tokens), [], None
+    h, inputs = model.embed(params, tokens), []
     for i, stage in enumerate(stages):
         def body(h, xs, stage=stage):
             bp, b = xs
@@ -178,47 +174,24 @@ def _forward(model, stages, params, state, tokens, start, cache_length, left_pad
 
         if last_block or i < len(stages) - 1:
             h, stage_inputs = jax.lax.scan(body, h, (stage.block_params(params), jnp.arange(stage.num_blocks)))
-        else:  # blocks 0..nb-2 (parameters read by index: no sliced copy), then the last one's input
-            blocks, scanned = stage.block_params(params), stage.num_blocks - 1 - (linearize is not None)
-            parts = []
-            if scanned > 0:
-                h, head = jax.lax.scan(lambda h, b: body(h, (_at(blocks, b), b)), h, jnp.arange(scanned))
-                parts.append(head)
-            if linearize is not None and stage.num_blocks > 1:
-                parts.append(jax.tree.map(lambda x: x[None], h))
-                h, linearized = linearize(stage, _at(blocks, scanned), jnp.int32(scanned), h)
-            parts.append(jax.tree.map(lambda x: x[None], h))
-            stage_inputs = jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts) if len(parts) > 1 else parts[0]
+        elif stage.num_blocks > 1:  # blocks 0..nb-2 (parameters read by index: no sliced copy), the last one's input
+            blocks = stage.block_params(params)
+            h, head = jax.lax.scan(lambda h, b: body(h, (_at(blocks, b), b)), h, jnp.arange(stage.num_blocks - 1))
+            stage_inputs = jax.tree.map(lambda xs, x: jnp.concatenate([xs, x[None]]), head, h)
+        else:
+            stage_inputs = jax.tree.map(lambda x: x[None], h)
         inputs.append(stage_inputs)
-    return h, inputs, linearized
-
-
-def _entries_vjp(stage, state, positions, cache_length, left_pad, bp, b, h_in, like, acc, entries_cot,
-                 with_output: bool = True):
-    """`jax.vjp` of block b of a prompt chunk with respect to its trainable parameters (those `like`, the stage's
-    gradient accumulator, holds), its input carry's floating leaves and the state leaves acc has (the others are
-    constants: no cotangent for them): (outputs, vjp). outputs: (output carry's floating leaves, the entries that
-    get a cotangent: entries_cot's structure), or those entries alone when not with_output."""
-    state_block = stage.at(state, b)
-
-    def entries_fn(bp, h, s):
-        h, entries = stage.block(bp, _fill(h, h_in), _fill(s, state_block), positions, cache_length,
-                                 left_pad=left_pad)
-        return (_floats(h), _like(entries_cot, entries)) if with_output else _like(entries_cot, entries)
-
-    return trainable.vjp(entries_fn, bp, like, _floats(h_in), _like(stage.at(acc, b), state_block))
+    return h, inputs
 
 
 def _backward_stage(model, stage, params, state, positions, cache_length, inputs, entries_cot, dh, grads, acc,
-                    chunk_entries: bool, left_pad=None, no_output_cotangent: bool = False, linearized=None):
+                    chunk_entries: bool, left_pad=None, no_output_cotangent: bool = False):
     """Reverse scan over one stage's blocks (see `_backward`). Returns (dh, grads, acc).
 
     no_output_cotangent (a prompt chunk's last stage, chunk_entries): the stage's last block gets no cotangent on its
     output carry (dh is zero there), so it is differentiated on its own through its entries alone: what only feeds
-    its output (e.g. the last layer's mixer output and MLP) is neither run nor transposed. linearized: block nb-2's
-    `_entries_vjp` taken in the forward (`_forward`'s linearize): its backward runs from it, without a second
-    forward."""
-    def body(carry, xs, with_output: bool = True, pre=None):
+    its output (e.g. the last layer's mixer output and MLP) is neither run nor transposed."""
+    def body(carry, xs, with_output: bool = True):
         dh, acc, grads_blocks = carry
         bp, b, h_in, entries_cot = xs
         state_block = stage.at(state, b)
@@ -233,10 +206,12 @@ def _backward_stage(model, stage, params, state, positions, cache_length, inputs
         acc_block = stage.at(acc, b)
         # the state leaves acc has are vjp inputs; the others (None in acc) are constants: no cotangent for them
         state_in = _like(acc_block, state_block)
-        if chunk_entries:  # the entries that get a cotangent: those acc has (entries_cot's structure)
-            entries, vjp = pre if pre is not None else _entries_vjp(
-                stage, state, positions, cache_length, left_pad, bp, b, h_in, grads_blocks, acc, entries_cot,
-                with_output)
+        if chunk_entries:
+            def entries_fn(bp, h, s):  # the entries that get a cotangent: those acc has (entries_cot's structure)
+                h, entries = run(bp, h, _fill(s, state_block))
+                return (_floats(h), _like(entries_cot, entries)) if with_output else _like(entries_cot, entries)
+
+            entries, vjp = vjp_of(entries_fn, _floats(h_in), state_in)
             cast = lambda entries: jax.tree.map(lambda c, e: c.astype(e.dtype), entries_cot, entries)
             d_bp, dh, d_state = vjp((dh, cast(entries[1])) if with_output else cast(entries))
             acc_block = model.with_carried(_add(acc_block, d_state),
@@ -251,15 +226,12 @@ def _backward_stage(model, stage, params, state, positions, cache_length, inputs
           None if entries_cot is None else stage.stacked(entries_cot))
     carry = (dh, acc, stage.block_params(grads))
     if no_output_cotangent and chunk_entries and acc is not None:
-        # the last block on its own, then blocks nb-2..0 reading their slices by index (no sliced copies)
+        # the last block through its entries alone, chosen inside the one scan (a block peeled off before the loop
+        # would hold its own activation buffers next to the loop's: twice the temporaries)
         last = stage.num_blocks - 1
-        at = lambda b: (_at(xs[0], b), b, _at(xs[2], b), _at(xs[3], b))
-        carry, _ = body(carry, at(jnp.int32(last)), with_output=False)
-        if last and linearized is not None:
-            last -= 1
-            carry, _ = body(carry, at(jnp.int32(last)), pre=linearized)
-        if last:
-            carry, _ = jax.lax.scan(lambda carry, b: body(carry, at(b)), carry, jnp.arange(last), reverse=True)
+        step = lambda carry, xs: jax.lax.cond(xs[1] == last, lambda c, x: body(c, x, with_output=False), body,
+                                              carry, xs)
+        carry, _ = jax.lax.scan(step, carry, xs, reverse=True)
     else:
         carry, _ = jax.lax.scan(body, carry, xs, reverse=True)
     dh, acc, grads_blocks = carry
@@ -267,15 +239,14 @@ def _backward_stage(model, stage, params, state, positions, cache_length, inputs
 
 
 def _backward(model, stages, params, state, tokens, start, cache_length, inputs, dh, grads, acc,
-              chunk_entries: bool, embed_grads=None, left_pad=None, no_output_cotangent: bool = False,
-              linearized=None):
+              chunk_entries: bool, embed_grads=None, left_pad=None, no_output_cotangent: bool = False):
     """Reverse scans over the stages' blocks, last stage first. dh: cotangent of the last block's output carry
     (floating leaves). grads: float32 params-shaped gradient accumulator. acc: float32 state cotangent (or None: no
     gradient into the state). With `chunk_entries`, each block's new entries also receive their cotangent, read
     from acc at positions start.. (keys/values) and from acc's carried part, which is then replaced by the cotangent
     of the carried state the block read (the chunk before owns it); cache reads are added into acc. embed_grads:
     see `branch_grads`. no_output_cotangent: dh is zero (a prompt chunk), so the last block is differentiated
-    through its entries alone; linearized: the last stage's block nb-2 under vjp from the forward (`_backward_stage`).
+    through its entries alone (`_backward_stage`).
 
     Returns (grads + the gradient of params through the blocks and the embedding, acc).
     """
@@ -286,8 +257,7 @@ def _backward(model, stages, params, state, tokens, start, cache_length, inputs,
     for i, (stage, stage_inputs) in enumerate(zip(reversed(stages), reversed(inputs))):
         dh, grads, acc = _backward_stage(model, stage, params, state, positions, cache_length, stage_inputs,
                                          entries_cot, dh, grads, acc, chunk_entries, left_pad,
-                                         no_output_cotangent=no_output_cotangent and i == 0,
-                                         linearized=linearized if i == 0 else None)
+                                         no_output_cotangent=no_output_cotangent and i == 0)
     if embed_grads is not None:
         return embed_grads(grads, tokens, dh), acc
     _, vjp = trainable.vjp(lambda p: _floats(model.embed(p, tokens)), params, grads)
@@ -312,7 +282,7 @@ def branch_grads(model, params, state, tokens, head, grads, acc, stages=None, em
     if tokens.ndim == 2:
         model, stages = _Branches(model), tuple(_Branches(stage) for stage in stages)
         embed_grads = None if embed_grads is None else _each_branch(embed_grads)
-    h, inputs, _ = _forward(model, stages, params, state, tokens, state.length, state.length, left_pad)
+    h, inputs = _forward(model, stages, params, state, tokens, state.length, state.length, left_pad)
     loss, vjp, aux = trainable.vjp(lambda p, hf: head(p, model.final_norm(p, _fill(hf, h))), params, grads,
                                    _floats(h), has_aux=True)
     d_head, dh = vjp(jnp.ones_like(loss))
@@ -328,24 +298,11 @@ def chunk_grads(model, params, state, tokens, start, grads, acc, stages=None, em
     reads added and its carried part now the cotangent of the carried state before the chunk). stages,
     embed_grads, left_pad: as in `branch_grads` (the chunk's own rows at positions < left_pad are pads too)."""
     stages = (_Uniform(model),) if stages is None else stages
-    positions = _positions(start, tokens.shape[0])
-
-    def linearize(stage, bp, b, h):  # block nb-2 of the last stage: its vjp now, its backward after the last block's
-        entries_cot = _at(stage.stacked(model.read_entries(acc, start, tokens.shape[0])), b)
-        outputs, vjp = _entries_vjp(stage, state, positions, start, left_pad, bp, b, h, stage.block_params(grads),
-                                    acc, entries_cot)
-        return outputs[0], (outputs, vjp)
-
-    # A carry with integer leaves (GLM-5.x's selections) is not a vjp output: its blocks are all recomputed.
-    floats_only = all(jnp.issubdtype(x.dtype, jnp.inexact)
-                      for x in jax.tree.leaves(jax.eval_shape(lambda p: model.embed(p, tokens), params)))
-    # The last block's output carry gets no cotangent (only its entries do): it is not run forward; the block before
-    # it runs forward under vjp once (its residuals kept until its backward, next after the last block's).
-    h, inputs, linearized = _forward(model, stages, params, state, tokens, start, start, left_pad, last_block=False,
-                                     linearize=linearize if floats_only else None)
+    # the last block's output carry gets no cotangent (only the entries do): its forward is not needed
+    h, inputs = _forward(model, stages, params, state, tokens, start, start, left_pad, last_block=False)
     return _backward(model, stages, params, state, tokens, start, start, inputs,
                      jax.tree.map(jnp.zeros_like, _floats(h)), grads, acc, chunk_entries=True, embed_grads=embed_grads,
-                     left_pad=left_pad, no_output_cotangent=True, linearized=linearized)
+                     left_pad=left_pad, no_output_cotangent=True)
 
 
 # ----- models without the block protocol: autodiff of the whole layer stack -----
