@@ -13,7 +13,11 @@ one and a saved carried part; "decode" 188,800 -> 83,512: no layer gathered, onl
 [vocab] rows; nothing else changed); and for `train_step`'s `update_norm` metric (issue 39: update "rest" +908
 bytes in both modes, the scalar and its reduction; nothing else changed); and for the Gated DeltaNet's short inputs
 run as one unpadded chunk without a loop (ops/gated_delta.py: the R = 64 replay was a one-step scan over a 64-row
-chunk; update "rest" 90,635,070 -> 90,634,942 bytes exact, 9,148,254 -> 9,002,174 detached; nothing else changed).
+chunk; update "rest" 90,635,070 -> 90,634,942 bytes exact, 9,148,254 -> 9,002,174 detached; nothing else changed);
+and for exact mode's prompt backward not running the last block forward and differentiating it through its entries
+alone (engine/layerwise.py, a lax.cond in the reverse scan: update "rest" 90,634,942 -> 91,007,422 bytes exact;
+nothing else changed), written at the same time with the setup's "kernels" entry that the planner reports since
+--kernels (xla here).
 Normalised:
 each row's "compile_s" (wall-clock seconds) is removed; nothing else in the JSON depends on the run (the jax version
 and compile times are printed on stdout only). Every byte count comes from XLA's buffer assignment and analytic
