@@ -341,7 +341,7 @@ def main(argv=None) -> None:
     if args.one:
         child_main(args.one)
         return
-    start = time.perf_counter()
+    start, commit = time.perf_counter(), _commit()  # the source the run measures (its snapshot is taken now)
     tmp = None if args.checkpoint else tempfile.mkdtemp(prefix="bench_peer_")
     ckpt = args.checkpoint or os.path.join(tmp, "tiny-qwen36")
     snapshot = make_snapshot() if args.snapshot else None
@@ -370,7 +370,7 @@ def main(argv=None) -> None:
     cmd = "tools/bench_peer.py " + " ".join(sys.argv[1:] if argv is None else argv)
     head, rows = table(args, results)
     versions = {k: v for r in results for k, v in r.items() if k in ("jax", "trl", "torch", "transformers")}
-    info = (f"commit {_commit()} G={args.group_size} R={args.response_len} reps={args.reps} "
+    info = (f"commit {commit} G={args.group_size} R={args.response_len} reps={args.reps} "
             f"replay_batch={args.replay_batch} "
             f"TRL gradient checkpointing={'on' if args.trl_gradient_checkpointing else 'off'} "
             + " ".join(f"{k}={v}" for k, v in sorted(versions.items())))
