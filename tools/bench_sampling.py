@@ -17,6 +17,14 @@ answering each but the last with --observation-len tokens (`sampling.turns.sampl
 `sample_groups` decoding the same number of positions, K x turn-len + (K - 1) x observation-len, without turns;
 the episodes' time split into the prompt's capture, policy decoding, the environment's calls and the observation
 extends.
+
+--group-ratio prints only a third table (one device): a group of G branches decoded together against a group of one
+branch (`sample_groups` with group_size G and 1, the trainer's sampler: the prompt's capture included), the decode
+part alone (`sample_captured` after a capture made once, timed apart: a group's branch loop), and the capture alone,
+median seconds and the ratios G / 1, all in one run. Branches decoded together should cost about one branch's weight
+reads plus the per-branch work (issue 41 item 7: <= 2x at G 8, P 512, R 256):
+
+    .venv/bin/python tools/bench_sampling.py --group-ratio -P 512 -R 256 -G 8
 """
 from __future__ import annotations
 
@@ -41,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--turns", type=int, default=4, help="policy turns per episode in the agent table (0: no table)")
     p.add_argument("--turn-len", type=int, default=16, help="tokens per policy turn in the agent table")
     p.add_argument("--observation-len", type=int, default=16, help="tokens of each observation in the agent table")
+    p.add_argument("--group-ratio", action="store_true",
+                   help="only the table of a group of G branches decoded together vs a group of 1 (one device)")
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args(argv)
@@ -177,6 +187,72 @@ def format_turns(rows: list[dict], args, markdown: bool) -> str:
     return _table(head, body, markdown)
 
 
+FIRST_TOLERANCE = 1e-4  # max |difference| of the two groups' first-token log-probs (float32 round-off)
+
+
+def measure_group_ratio(family: str, args) -> dict:
+    """One device: a group of G branches decoded together vs a group of one branch, each timed two ways:
+    `sample_groups` (the trainer's sampler: the prompt's capture, then the branches) and the decode alone
+    (`sample_captured` after a capture made once), and the capture alone. Each call is compiled first, then --reps
+    rounds call every variant once in turn (so that a change in the machine's load touches all of them alike); the
+    medians and the ratios G / 1 are of this one run.
+
+    Both groups share the prompt and the key, and a group's branch g samples with `jax.random.split(key, G)[g]`,
+    the same key for g = 0 whatever G: the group of one is branch 0 of the group of G (`same_branch`: the same
+    tokens), and both captures give the same first-token log-probs (`same_first`: within FIRST_TOLERANCE; the two
+    programs are compiled apart, so their float32 round-off may differ)."""
+    import jax
+    import numpy as np
+
+    from longstraw_jax.sampling import branches as rollout
+    from longstraw_jax.sampling.branches import SamplingConfig
+    from longstraw_jax.sampling.groups import sample_groups
+
+    model, params = _model(family)
+    prompts = np.random.default_rng(0).integers(0, 512, (1, args.prompt_len)).astype(np.int32)
+    keys = jax.random.split(jax.random.key(2), 1)
+    sampling = SamplingConfig(response_len=args.response_len)  # no stop token: every branch decodes R tokens
+    capture = jax.jit(lambda params, prompt: rollout.capture_prompt(model, params, prompt, args.chunk_size, True))
+    state = jax.block_until_ready(capture(params, prompts[0]).state)
+    decode = jax.jit(lambda params, state, prompt, key, g: rollout.sample_captured(model, params, state, prompt, key,
+                                                                                   g, sampling), static_argnums=4)
+    sizes = (1, args.group_size)
+    calls = {"capture": lambda: capture(params, prompts[0])}
+    for g in sizes:
+        calls[f"total_{g}"] = lambda g=g: sample_groups(model, params, prompts, keys, g, sampling, args.chunk_size)
+        calls[f"decode_{g}"] = lambda g=g: decode(params, state, prompts[0], keys[0], g)
+    outs = {name: jax.block_until_ready(call()) for name, call in calls.items()}  # compiles
+    times = {name: [] for name in calls}
+    for _ in range(args.reps):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            times[name].append(time.perf_counter() - start)
+    row = dict(family=family, **{name: statistics.median(t) for name, t in times.items()})
+    rollouts = {g: outs[f"total_{g}"][0] for g in sizes}
+    for g in sizes:  # one sampler, two ways: sample_groups' group 0 is sample_captured's group
+        assert np.array_equal(np.asarray(outs[f"decode_{g}"].responses), np.asarray(rollouts[g].responses[0]))
+    one, group = rollouts[1], rollouts[args.group_size]
+    row["first_diff"] = float(np.max(np.abs(np.asarray(one.first_logprobs) - np.asarray(group.first_logprobs))))
+    row["same_first"] = row["first_diff"] <= FIRST_TOLERANCE
+    row["same_branch"] = bool(np.array_equal(np.asarray(one.responses[0, 0]), np.asarray(group.responses[0, 0])))
+    g = args.group_size
+    row["ratio_total"] = row[f"total_{g}"] / row["total_1"]
+    row["ratio_decode"] = row[f"decode_{g}"] / row["decode_1"]
+    return row
+
+
+def format_group_ratio(rows: list[dict], args, markdown: bool) -> str:
+    g = args.group_size
+    head = ["family", "capture s", "G 1 s", f"G {g} s", f"G {g} / G 1", "decode G 1 s", f"decode G {g} s",
+            f"decode G {g} / G 1", "first log-probs max diff", "branch 0 same tokens"]
+    body = [[r["family"], f"{r['capture']:.3f}", f"{r['total_1']:.3f}", f"{r[f'total_{g}']:.3f}",
+             f"{r['ratio_total']:.2f}x", f"{r['decode_1']:.3f}", f"{r[f'decode_{g}']:.3f}", f"{r['ratio_decode']:.2f}x",
+             f"{r['first_diff']:.1e}" + ("" if r["same_first"] else " (NO)"), "yes" if r["same_branch"] else "NO"]
+            for r in rows]
+    return _table(head, body, markdown)
+
+
 def _table(head: list[str], body: list[list[str]], markdown: bool) -> str:
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -195,6 +271,13 @@ def format_table(rows: list[dict], markdown: bool) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.group_ratio:
+        _setup_jax([])
+        rows = [measure_group_ratio(family, args) for family in args.families.split(",")]
+        print(f"a group of G {args.group_size} decoded together vs a group of 1, one device: P {args.prompt_len}, "
+              f"R {args.response_len}, chunk {args.chunk_size}, median of {args.reps}")
+        print(format_group_ratio(rows, args, args.markdown))
+        return 0 if all(r["same_first"] and r["same_branch"] for r in rows) else 1
     meshes = [m for m in args.mesh.split(",") if m]
     _setup_jax(meshes)
     rows = []

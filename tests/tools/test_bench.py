@@ -1,7 +1,7 @@
 """The benchmark and planning tools: tools/bench_step.py (smoke), the capacity planner (`longstraw_jax.capacity`: the
 whole trainer step's phases, per device: from the CLI, tools/plan_capacity.py, in-process against its own parts, and
 its sampling phase against the compiled one-device sampler), tools/bench_device.py (--tiny, on CPU),
-tools/bench_sampling.py (--quick)."""
+tools/bench_sampling.py (--quick, --group-ratio)."""
 import importlib.util
 import json
 import os
@@ -54,6 +54,28 @@ def test_bench_sampling_quick_draws_the_same_tokens_one_at_a_time_and_together()
     (row,) = [line.split() for line in agents.splitlines() if line.lstrip().startswith("qwen36")]
     assert row[1:3] == ["12", "4"] and row[5].endswith("x"), result.stdout  # positions, observation tokens
     assert float(row[5][:-1]) == pytest.approx(float(row[4]) / float(row[3]), rel=0.02), result.stdout
+
+
+@pytest.mark.slow  # five compiles of the tiny sampler
+def test_bench_sampling_group_ratio_times_a_group_of_g_against_a_group_of_one():
+    """tools/bench_sampling.py --group-ratio, in-process at a small point (tiny Qwen3.6, P 64, G 2, R 4): the
+    trainer's sampler, the decode alone and the capture alone, the ratios G / 1 of the medians, and the two groups
+    agreeing where they must (the same first-token log-probs up to round-off; the group of one is branch 0 of the
+    group of G: the same tokens)."""
+    bench = _tool("bench_sampling")
+    args = bench.parse_args(["--group-ratio", "--families", "qwen36", "-P", "64", "-G", "2", "-R", "4",
+                             "--chunk-size", "32", "--reps", "1"])
+    row = bench.measure_group_ratio("qwen36", args)
+    assert row["same_first"] and row["same_branch"], row
+    assert row["ratio_total"] == pytest.approx(row["total_2"] / row["total_1"])
+    assert row["ratio_decode"] == pytest.approx(row["decode_2"] / row["decode_1"])
+    head, line = bench.format_group_ratio([row], args, markdown=False).splitlines()
+    assert "G 2 / G 1" in head and "decode G 2 / G 1" in head, head
+    cells = line.split()
+    assert cells[0] == "qwen36" and cells[4] == f"{row['ratio_total']:.2f}x" and cells[-1] == "yes", line
+    assert float(cells[-2]) == pytest.approx(row["first_diff"], rel=0.1, abs=1e-12), line
+    markdown = bench.format_group_ratio([row], args, markdown=True).splitlines()
+    assert len(markdown) == 3 and markdown[2].startswith("| qwen36 |"), markdown
 
 
 def _plan(*args):
