@@ -136,6 +136,34 @@ def sampling_logits(logits: jax.Array, temperature: float, top_p: float) -> jax.
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """int32 argmax over the last axis, exactly `jnp.argmax`'s (the first index on ties, a NaN counted as the
+    largest), as two plain reductions (a max, then the least index holding it): XLA:CPU runs argmax's (value, index)
+    reduce about 10x slower than a max, and the sampler takes one per branch and token."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where((x == top) | jnp.isnan(x), index, x.shape[-1]), axis=-1)
+
+
+def next_token(key: jax.Array, t, logits: jax.Array, sampling: SamplingConfig):
+    """One branch's response token t after the policy's logits [V] (float32) -> (token int32 [], log pi(token) under
+    the policy at temperature 1, its log-prob under the distribution sampled from (`sampling_logits`; 0 when
+    greedy)). token ~ categorical(fold_in(key, t), sampling_logits): the same token as `jax.random.categorical` for
+    that key (the argmax of the logits plus its Gumbel noise, by `first_argmax`); greedy (temperature 0): the first
+    argmax of the logits. Every sampler's branch loop draws its tokens here."""
+    shaped = sampling_logits(logits, sampling.temperature, sampling.top_p)
+    if sampling.temperature == 0:
+        token = first_argmax(logits)
+    else:
+        token = first_argmax(shaped + jax.random.gumbel(jax.random.fold_in(key, t), shaped.shape, shaped.dtype))
+    policy = jax.nn.log_softmax(logits)[token]
+    if sampling.temperature == 0:  # a point mass
+        return token, policy, jnp.zeros((), policy.dtype)
+    if sampling.temperature == 1 and sampling.top_p >= 1:  # the policy is the distribution sampled from
+        return token, policy, policy
+    return token, policy, jax.nn.log_softmax(shaped)[token]
+
+
 @struct.dataclass
 class Captured:
     """The sampler's capture of prompt[:-1], kept for the update (`sample_group(..., keep_capture=True)`), so that a
@@ -282,17 +310,11 @@ def sample_after_prompt(model, params, decode, tail, prompt, key, group_size: in
         def body(c):
             t, tails, logits, done, count, tokens, logp, sample_logp = c
             live = ~done  # [N]: the branches that have not stopped
-            shaped = jax.vmap(sampling_logits, in_axes=(0, None, None))(logits, sampling.temperature, sampling.top_p)
-            if sampling.temperature == 0:  # greedy (static): a point mass on the argmax
-                token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            else:
-                draw = lambda k, row: jax.random.categorical(jax.random.fold_in(k, t), row)
-                token = jax.vmap(draw)(branch_keys, shaped).astype(jnp.int32)
-            pick = lambda x: jnp.take_along_axis(x, token[:, None], axis=-1)[:, 0]
+            draw = lambda key, row: next_token(key, t, row, sampling)
+            token, policy_logp, point = jax.vmap(draw)(branch_keys, logits)
             keep = lambda new, old: jnp.where(live[:, None], new, old)
             tokens = keep(tokens.at[:, t].set(token), tokens)
-            logp = keep(logp.at[:, t].set(pick(jax.nn.log_softmax(logits))), logp)
-            point = jnp.zeros(n, jnp.float32) if sampling.temperature == 0 else pick(jax.nn.log_softmax(shaped))
+            logp = keep(logp.at[:, t].set(policy_logp), logp)
             sample_logp = keep(sample_logp.at[:, t].set(point), sample_logp)
             done = done | (live & jnp.any(token[:, None] == stops[None, :], axis=-1))
             # the last token (or a stop) needs no successor: no step once no branch needs one

@@ -44,7 +44,7 @@ from longstraw_jax.agents.environment import DONE, ERROR, LENGTH, MAX_TURNS, Tra
 from longstraw_jax.common.validation import check_left_pad, check_size, is_int, is_real
 from longstraw_jax.engine.capture import chunk_layout, round_layout
 from longstraw_jax.sampling import branches, mesh as mesh_sampling
-from longstraw_jax.sampling.branches import SamplingConfig, batched_step, sampling_logits
+from longstraw_jax.sampling.branches import SamplingConfig, batched_step, next_token
 from longstraw_jax.sharding.groups import DATA, any_slice, check_groups, over_data
 from longstraw_jax.sharding.hosts import to_host
 from longstraw_jax.sharding.rules import manual_axes
@@ -225,17 +225,11 @@ def _policy_turn(model, params, place: Place, states, left_pad, br: Branches, ke
 
         def body(c):
             t, br, live = c
-            shaped = sampling_logits_all(br.logits, sampling)
-            if sampling.temperature == 0:
-                token = jnp.argmax(br.logits, axis=-1).astype(jnp.int32)
-            else:
-                draw = lambda k, row: jax.random.categorical(jax.random.fold_in(k, t), row)
-                token = jax.vmap(jax.vmap(draw))(turn_keys, shaped).astype(jnp.int32)
-            pick = lambda x: jnp.take_along_axis(x, token[..., None], axis=-1)[..., 0]
+            draw = lambda key, row: next_token(key, t, row, sampling)
+            token, policy_logp, point = jax.vmap(jax.vmap(draw))(turn_keys, br.logits)
             index = br.length
-            point = jnp.zeros(token.shape) if sampling.temperature == 0 else pick(jax.nn.log_softmax(shaped))
             br = br.replace(tokens=_write(br.tokens, index, token, live), mask=_write(br.mask, index, 1.0, live),
-                            logp=_write(br.logp, index, pick(jax.nn.log_softmax(br.logits)), live),
+                            logp=_write(br.logp, index, policy_logp, live),
                             sample_logp=_write(br.sample_logp, index, point, live))
             need = live & (index + 1 < r)  # a token at R - 1 has no successor
             decoded = lambda: step_all(model, params, place, states, left_pad, br.tails, token, p + index)
@@ -248,12 +242,6 @@ def _policy_turn(model, params, place: Place, states, left_pad, br: Branches, ke
         return jax.lax.while_loop(cond, body, (jnp.int32(0), br, active))[1]
 
     return place.run(slice_turn, params, (states, left_pad, br, keys, turn, active))
-
-
-def sampling_logits_all(logits, sampling: SamplingConfig):
-    """`sampling_logits` over the [B, G] branches."""
-    fn = lambda row: sampling_logits(row, sampling.temperature, sampling.top_p)
-    return jax.vmap(jax.vmap(fn))(logits)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 8), donate_argnums=(5,))

@@ -28,7 +28,7 @@ from longstraw_jax.engine.capture import capture_chunks
 from longstraw_jax.engine.naive import response_logprobs
 from longstraw_jax.models.qwen36.config import FULL, LINEAR
 from longstraw_jax.sampling import branches as rollout
-from longstraw_jax.sampling.branches import SamplingConfig, sample_group, sampling_logits
+from longstraw_jax.sampling.branches import SamplingConfig, first_argmax, next_token, sample_group, sampling_logits
 from tests.helpers import o1_params, rel_err
 
 P, G, R, CHUNK = 21, 3, 6, 8
@@ -220,6 +220,38 @@ def test_top_p_keeps_the_nucleus():
     np.testing.assert_array_equal(kept(0.8), [False, True, True, True])
     np.testing.assert_array_equal(kept(1.0), [True] * 4)
     np.testing.assert_allclose(sampling_logits(logits, 2.0, 1.0), logits / 2.0)
+
+
+def test_first_argmax_is_jnp_argmax_with_ties_and_nans():
+    rows = np.array([[1.0, 3.0, 3.0, 2.0], [0.0, 0.0, 0.0, 0.0], [1.0, np.nan, 5.0, np.nan], [-np.inf] * 4,
+                     [2.0, 1.0, np.inf, np.inf]], np.float32)
+    np.testing.assert_array_equal(first_argmax(jnp.asarray(rows)), jnp.argmax(jnp.asarray(rows), axis=-1))
+    noise = jax.random.randint(jax.random.key(0), (64, 37), 0, 5).astype(jnp.bfloat16)  # many ties
+    np.testing.assert_array_equal(first_argmax(noise), jnp.argmax(noise, axis=-1))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+def test_next_token_draws_what_jax_random_categorical_draws(dtype, temperature, top_p):
+    """The sampler's token for a key is jax.random.categorical's for that key (greedy: jnp.argmax), and its two
+    log-probs are those of the policy and of the sampled distribution."""
+    sampling = SamplingConfig(response_len=4, temperature=temperature, top_p=top_p)
+    draw = jax.jit(jax.vmap(lambda key, row: next_token(key, 5, row, sampling)))
+    keys = jax.random.split(jax.random.key(3), 256)
+    logits = (3 * jax.random.normal(jax.random.key(4), (256, 97))).astype(dtype)
+    token, policy, sample = draw(keys, logits)
+    shaped = jax.vmap(lambda row: sampling_logits(row, temperature, top_p))(logits)
+    if temperature == 0:
+        expected = jnp.argmax(logits, axis=-1)
+    else:
+        expected = jax.vmap(lambda k, row: jax.random.categorical(jax.random.fold_in(k, 5), row))(keys, shaped)
+    np.testing.assert_array_equal(token, expected)
+    assert len(set(np.asarray(token).tolist())) > 20  # not one token for every key
+    at = lambda x: np.take_along_axis(np.asarray(jax.nn.log_softmax(x.astype(jnp.float32))), np.asarray(token)[:, None],
+                                      axis=-1)[:, 0]
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(policy, at(logits), rtol=tol, atol=tol)
+    np.testing.assert_allclose(sample, np.zeros(256) if temperature == 0 else at(shaped), rtol=tol, atol=tol)
 
 
 def test_bad_input_raises(setup):

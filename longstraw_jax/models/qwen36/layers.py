@@ -183,7 +183,9 @@ class DecodeReader(NamedTuple):
     decoded positions state.length.. before the token and the carried GDN state. The sampler keeps the prompt
     apart from the tails so that many branches decode together over one prompt cache (`Qwen36.decode`).
     Attention is the log-sum-exp merge of the prompt cache (its pads < left_pad hidden) with local.attend (the tail,
-    then the token itself)."""
+    then the token itself). The tail is visited in TAIL_BLOCKS blocks (`tail_block`), so a step reads only the
+    blocks holding its slot earlier positions, not the whole R-position tail: each branch reads its own tail, so
+    this is per-branch work, which a group's G branches pay G times."""
 
     state: Qwen36State
     local: PromptReader
@@ -210,8 +212,18 @@ class DecodeReader(NamedTuple):
                                  kv_length=self.state.length, kv_index=self.local.prefix + (j,),
                                  q_positions=self.positions, scale=scale, block_size=block_size,
                                  left_pad=self.left_pad, kernels=kernels)
-        return attn_ops.merge(prompt, self.local.attend(q, k, v, j, scale=scale, block_size=block_size,
+        return attn_ops.merge(prompt, self.local.attend(q, k, v, j, scale=scale,
+                                                        block_size=tail_block(self.local.state, block_size),
                                                         kernels=kernels))
+
+
+TAIL_BLOCKS = 4  # a decoding step visits ceil(slot / (R / 4)) blocks of its tail: about (t + R / 8) positions, not R
+
+
+def tail_block(tail: Qwen36State, block_size: int) -> int:
+    """The key block for a decoded token's attention over its tail (keys [..., R, Hkv, hd]): R / TAIL_BLOCKS rounded
+    up (at most `block_size`): at most TAIL_BLOCKS blocks, of which those past the slot are never visited."""
+    return max(1, min(block_size, -(-tail.keys.shape[-3] // TAIL_BLOCKS)))
 
 
 def kind_runs(pattern: tuple[str, ...]) -> list[tuple[str, int, int]]:

@@ -31,6 +31,7 @@ from einops import rearrange
 from jax.sharding import PartitionSpec as P
 
 from longstraw_jax.common import progress
+from longstraw_jax.models.qwen36.layers import tail_block
 from longstraw_jax.ops import attention as attn_ops
 from longstraw_jax.ops.conv import causal_depthwise_conv
 from longstraw_jax.ops.dtypes import accum_dtype
@@ -293,7 +294,8 @@ class ReplayReader(NamedTuple):
         prompt = prompt_attention(self.prompt, self.local.prefix + (j,), self.rounds, q, left_pad=self.left_pad,
                                   **common)
         if self.decoding:
-            rest = self.local.attend(q, k, v, j, scale=scale, block_size=block_size, kernels=kernels)
+            rest = self.local.attend(q, k, v, j, scale=scale, block_size=tail_block(self.local.state, block_size),
+                                     kernels=kernels)
         else:
             rest = attn_ops.attend(q, k, v, k_offset=self.rounds.length, causal=True, **common)
         return attn_ops.merge(prompt, rest)
