@@ -26,7 +26,7 @@ from longstraw_jax.common.validation import check_left_pad, check_size
 from longstraw_jax.engine.capture import chunk_layout, round_layout
 from longstraw_jax.sampling import branches as rollout, mesh as mesh_sampling
 from longstraw_jax.sampling.branches import SamplingConfig
-from longstraw_jax.sharding.groups import check_groups, over_data
+from longstraw_jax.sharding.groups import GROUPS, check_groups, over_data
 
 
 def sample_groups(model, params, prompts, keys: jax.Array, group_size: int, sampling: SamplingConfig,
@@ -65,7 +65,7 @@ def _one_device(model, params, prompts, keys, group_size, sampling, chunk_size, 
                            (prompts, left_pad))
     sample = lambda state, prompt, key, pad: rollout.sample_captured(model, params, state, prompt, key, group_size,
                                                                     sampling, pad)
-    return jax.vmap(sample)(captured.state, prompts, keys, left_pad), captured
+    return jax.vmap(sample, axis_name=GROUPS)(captured.state, prompts, keys, left_pad), captured
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
@@ -80,7 +80,7 @@ def _on_mesh(model, params, prompts, keys, group_size, sampling, mesh, layout, k
                                                                       left_pad=x[1]), (prompts, left_pad))
         sample = lambda sstate, prompt, key, pad: mesh_sampling.sample_captured(model, params, sstate, prompt, key,
                                                                                group_size, sampling, mesh, pad)
-        rollouts = jax.vmap(sample)(captured.sstate, prompts, keys, left_pad)
+        rollouts = jax.vmap(sample, axis_name=GROUPS)(captured.sstate, prompts, keys, left_pad)
         return rollouts, captured
 
     return over_data(mesh, slice_groups, params, (prompts, keys, left_pad), summed=False)

@@ -25,14 +25,32 @@ from longstraw_jax.sharding import rules
 DATA = "data"
 
 
+GROUPS = "groups"  # the vmap axis of the groups one device samples together (`sampling/groups.py`)
+
+
 def any_slice(x) -> jax.Array:
-    """jnp.any(x) over this data slice's values and, inside `over_data`, over every slice's: a loop whose body holds
-    collectives (e.g. the FSDP all-gather of a layer over ("data", "seq")) must run in lockstep on all slices, as
-    long as any slice still has work."""
+    """jnp.any(x) over this data slice's values, over every group decoding with it (inside `jax.vmap(...,
+    axis_name=GROUPS)`) and, inside `over_data`, over every slice's: a loop whose body holds collectives (e.g. the
+    FSDP all-gather of a layer over ("data", "seq")) must run in lockstep on all slices, as long as any slice still
+    has work. Over the vmapped groups the loop's condition stays one scalar: a condition batched over groups would
+    make JAX's while-loop batching select every carried tail (KV tails, GDN states) between old and new at every
+    step, and run both sides of a `lax.cond`; a group whose branches have stopped runs on in lockstep instead, its
+    results discarded by the loop (`sampling.branches.sample_after_prompt`)."""
     local = x if jax.numpy.ndim(x) == 0 else jax.numpy.any(x)  # a scalar as it is: no op added to the program
+    if _bound(GROUPS):
+        local = jax.lax.psum(local.astype(jax.numpy.int32), GROUPS) > 0
     if DATA in rules.manual_axes():
         return jax.lax.psum(local.astype(jax.numpy.int32), DATA) > 0
     return local
+
+
+def _bound(axis_name: str) -> bool:
+    """Whether a vmap (or shard_map) axis of this name is bound where this is traced."""
+    try:
+        jax.lax.axis_size(axis_name)
+    except NameError:
+        return False
+    return True
 
 
 def observe(group_index) -> None:

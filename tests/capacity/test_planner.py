@@ -159,7 +159,9 @@ def test_the_planner_costs_routed_experts_as_a_gpus_grouped_matmul():
 @pytest.mark.slow  # two planners' decode and update programs (R = 64 and 128)
 def test_doubling_r_doubles_the_sampling_time():
     """Twice the response length: twice the decode steps per group, each step at least as costly (its tail holds R
-    positions), so the sampling estimate doubles (within the tail's few percent)."""
+    positions), so the sampling estimate doubles, plus the tail's share: a step reads its R-position tail (on this
+    tiny model about 13 % of a step's HBM bytes at R = 64, read in R/4-position key blocks: measured 2.26; 2.19 when
+    the tail was one block), well under the 4x that a step cost growing with R would give."""
     import jax
 
     from longstraw_jax.capacity.hardware import hardware
@@ -170,5 +172,5 @@ def test_doubling_r_doubles_the_sampling_time():
         4096, 2, "detached", 1, hardware("h200")) for r in (64, 128)]
     assert rows[1]["decode_steps_per_group"] == 2 * rows[0]["decode_steps_per_group"]
     ratio = rows[1]["seconds"]["sampling"]["total"] / rows[0]["seconds"]["sampling"]["total"]
-    assert 2.0 <= ratio < 2.2, ratio
+    assert 2.0 <= ratio < 2.35, ratio
     assert rows[1]["seconds"]["capture"]["total"] == pytest.approx(rows[0]["seconds"]["capture"]["total"])

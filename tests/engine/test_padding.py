@@ -210,7 +210,9 @@ def test_sample_groups_with_different_pads_equal_each_alone():
                        rewards=jnp.array([[1.0, 0.0, 0.5], [0.0, 1.0, 1.0]]), left_pad=left_pad)
     reused = grpo_grads(model, params, batch, GRPOConfig(), "exact", chunk_size=CHUNK, captured=captured)
     fresh = grpo_grads(model, params, batch, GRPOConfig(), "exact", chunk_size=CHUNK)
-    assert abs(float(reused[0]) - float(fresh[0])) <= 1e-6 and rel_err(reused[1], fresh[1]) <= 1e-6
+    # the same capture, compiled in two programs (the sampler's, the update's): XLA fuses each program its own way,
+    # so float32 round-off (measured 0 to 6e-6 as the sampler's program changed); a wrong pad or state is O(1)
+    assert abs(float(reused[0]) - float(fresh[0])) <= 1e-6 and rel_err(reused[1], fresh[1]) <= 2e-5
 
 
 # ----- on a mesh (8 simulated CPU devices) -------------------------------------------------------------------------

@@ -215,18 +215,26 @@ class Qwen36(CausalLM):
         after the prompt `state` (only read) and the tail's positions state.length..position-1 -> (final-normed
         hidden [1, D], the tail with the token's keys / values at slot position - state.length and its carried GDN
         state advanced). Equals `advance` on the prompt and tail concatenated; `jax.vmap` over (tail, token) decodes
-        many branches with one read of the prompt cache. left_pad: the prompt's pads (never attended)."""
+        many branches with one read of the prompt cache. left_pad: the prompt's pads (never attended). The tail's GDN
+        states ride in the block scan's carry, block b's written in place (stacked as the scan's outputs, they were
+        copied into the tail's layout at every step: under `jax.vmap` a per-branch cost)."""
         slot = position - state.length
         positions = jnp.reshape(position, (1,)).astype(jnp.int32)
 
-        def body(h, xs):
+        def body(carry, xs):
+            h, carried = carry
             bp, b = xs
-            reader = DecodeReader(state, PromptReader(tail, (b,), positions, slot), left_pad)
-            return decoder_block(self.config, bp, h, reader)
+            reader = DecodeReader(state, PromptReader(self.with_carried(tail, carried), (b,), positions, slot),
+                                  left_pad)
+            h, entries = decoder_block(self.config, bp, h, reader)
+            if entries["linear"] is not None:  # block b's GDN states, written in place into the carried ones
+                carried = tuple(c.at[b].set(new.astype(c.dtype)) for c, new in zip(carried, entries["linear"]))
+            return (h, carried), entries["full"]
 
-        h, entries = jax.lax.scan(body, self.embed(params, jnp.reshape(token, (1,))),
-                                  (params["blocks"], jnp.arange(self.config.num_blocks)))
-        return self.final_norm(params, h), self.write_entries(tail, entries, slot)
+        (h, carried), full = jax.lax.scan(body, (self.embed(params, jnp.reshape(token, (1,))), self.carried(tail)),
+                                          (params["blocks"], jnp.arange(self.config.num_blocks)))
+        return self.final_norm(params, h), self.write_entries(self.with_carried(tail, carried),
+                                                              {"linear": None, "full": full}, slot)
 
     def _chunk(self, params, state, tokens, start, left_pad=None):
         return decoder_layers(self.config, params, state, tokens, start, cache_length=start, left_pad=left_pad)
