@@ -184,7 +184,7 @@ class DecodeReader(NamedTuple):
     apart from the tails so that many branches decode together over one prompt cache (`Qwen36.decode`).
     Attention is the log-sum-exp merge of the prompt cache (its pads < left_pad hidden) with local.attend (the tail,
     then the token itself). The tail is visited in TAIL_BLOCKS blocks (`tail_block`), so a step reads only the
-    blocks holding its slot earlier positions, not the whole R-position tail: each branch reads its own tail, so
+    blocks holding the positions before its slot, not the whole R-position tail: each branch reads its own tail, so
     this is per-branch work, which a group's G branches pay G times."""
 
     state: Qwen36State
@@ -217,7 +217,7 @@ class DecodeReader(NamedTuple):
                                                         kernels=kernels))
 
 
-TAIL_BLOCKS = 4  # a decoding step visits ceil(slot / (R / 4)) blocks of its tail: about (t + R / 8) positions, not R
+TAIL_BLOCKS = 4  # the token at slot t visits ceil((t + 1) / (R / 4)) blocks of its tail: about t + R / 8 keys, not R
 
 
 def tail_block(tail: Qwen36State, block_size: int) -> int:
