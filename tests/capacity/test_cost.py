@@ -600,7 +600,8 @@ def test_the_planners_kernel_option():
     devices = jax.devices()[:1]
     assert Planner(path("qwen3.6-tiny"), "1x1", "bfloat16", 8, 64, devices=devices).kernel_model() is None
     planner = Planner(path("qwen3.6-tiny"), "1x1", "bfloat16", 8, 64, devices=devices, kernels="pallas")
-    assert planner.kernel_model() == Kernels(KernelModel(4, 2, 32, 32, 2.0), GatedDeltaModel(16, 16, 64))
+    # the kernels' chunk (64) and the XLA loops' own chunk the planner compiles (16): tiny() sets no gdn_chunk_size
+    assert planner.kernel_model() == Kernels(KernelModel(4, 2, 32, 32, 2.0), GatedDeltaModel(16, 16, 64, 16))
     glm = Planner(path("glm-5.2-tiny"), "1x1", "bfloat16", 8, 64, devices=devices, kernels="pallas")
     assert glm.kernel_model() == Kernels(sparse_latent=SparseLatentModel(4, 32, 8, 2.0))
     with pytest.raises(ValueError, match="no Pallas kernels"):
@@ -612,14 +613,15 @@ def test_the_planners_kernel_option():
 # ----- the chunked GDN and sparse latent attention: costed as their Pallas kernels (hlo.Kernels) -------------------
 
 
-def _one_gated_delta(pass_):
-    """One `gated_delta_rule_chunked` call (XLA path, T = 256 tokens in 4 chunks of 64, 3 value heads, dk 16, dv 32,
-    float32), or the gradient of sum(o) + sum(state) in every input, or that loss and its gradient with the call
-    rematerialised (`jax.checkpoint`: its forward runs for the loss, then again under the backward)."""
+def _one_gated_delta(pass_, chunk: int = 64):
+    """One `gated_delta_rule_chunked` call (XLA path, T = 256 tokens in 4 chunks of 64 (or 256 / chunk of chunk), 3
+    value heads, dk 16, dv 32, float32), or the gradient of sum(o) + sum(state) in every input, or that loss and its
+    gradient with the call rematerialised (`jax.checkpoint`: its forward runs for the loss, then again under the
+    backward)."""
     from longstraw_jax.ops.gated_delta import gated_delta_rule_chunked
 
     t, h, dk, dv = 256, 3, 16, 32
-    core = lambda *a: gated_delta_rule_chunked(*a, chunk_size=64)
+    core = lambda *a: gated_delta_rule_chunked(*a, chunk_size=chunk)
     core = jax.checkpoint(core) if pass_ == "remat" else core
 
     def loss(*a):
@@ -657,6 +659,21 @@ def test_the_gated_delta_rule_costs_its_kernels_flops_and_fewer_bytes(pass_):
         assert xla.flops == forward
     assert expected.hbm_bytes < kernels.hbm_bytes < xla.hbm_bytes / 3
     assert kernels.unknown_loops == xla.unknown_loops == ()
+
+
+@pytest.mark.parametrize("pass_", ["forward", "gradient"])
+def test_the_gated_delta_kernels_cost_does_not_depend_on_the_xla_chunk(pass_):
+    """The XLA path runs its own chunk (16 by default, `Qwen36Config.gdn_chunk_for`), the kernels theirs (64): a
+    GatedDeltaModel told the compiled chunk counts a loop of 16 trips of 16 tokens as 4 of the kernels' chunks, so
+    the program costs what the chunk-64 program costs as the kernels; told nothing, it would count 16 chunks."""
+    from longstraw_jax.capacity.hlo import GatedDeltaModel, Kernels
+
+    (compiled64, (_, _, dk, dv)), (compiled16, _) = _one_gated_delta(pass_), _one_gated_delta(pass_, chunk=16)
+    as_kernels = lambda compiled, model: program_cost(compiled, kernels=Kernels(gated_delta=model))
+    reference = as_kernels(compiled64, GatedDeltaModel(dk, dv, 64))
+    assert as_kernels(compiled16, GatedDeltaModel(dk, dv, 64, 16)).flops == reference.flops
+    assert as_kernels(compiled16, GatedDeltaModel(dk, dv, 64)).flops == 4 * reference.flops
+    assert program_cost(compiled16).flops < program_cost(compiled64).flops  # the smaller chunk's own matmuls: fewer
 
 
 def _one_latent_attention(gradient):

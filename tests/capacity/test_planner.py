@@ -17,7 +17,9 @@ chunk; update "rest" 90,635,070 -> 90,634,942 bytes exact, 9,148,254 -> 9,002,17
 and for exact mode's prompt backward not running the last block forward and differentiating it through its entries
 alone (engine/layerwise.py, a lax.cond in the reverse scan: update "rest" 90,634,942 -> 91,007,422 bytes exact;
 nothing else changed), written at the same time with the setup's "kernels" entry that the planner reports since
---kernels (xla here).
+--kernels (xla here); and for the XLA path's GDN chunk of 16 tokens (`Qwen36Config.gdn_chunk_for`, was 64: smaller
+[Cg, Cg] temporaries; update "rest" 91,007,422 -> 58,848,062 bytes exact, 9,002,174 -> 5,974,230 detached; nothing
+else changed).
 Normalised:
 each row's "compile_s" (wall-clock seconds) is removed; nothing else in the JSON depends on the run (the jax version
 and compile times are printed on stdout only). Every byte count comes from XLA's buffer assignment and analytic

@@ -423,3 +423,18 @@ def test_bench_peer_ours_side_without_trl(tmp_path, capsys):
     head, rows = peer.table(args, [row, trl])
     assert head[1:4] == ["TRL update", "ours detached", "TRL / detached"] and rows[0][3] == "3.00x"
     assert "| TRL / detached |" in peer.render(head, rows, markdown=True)
+
+
+def test_bench_gated_delta_times_each_chunk_against_the_largest(capsys):
+    """tools/bench_gated_delta.py (what the XLA path's GDN chunk rule is measured by) at a tiny size: a row per
+    (width, chunk) with positive times, the largest chunk at 1.00x of itself, and every chunk's outputs and
+    gradients equal to the largest chunk's up to float32 round-off (the same recurrence, chunked differently)."""
+    bench = _tool("bench_gated_delta")
+    rows = bench.measure(bench.parse_args(["-T", "40", "--heads", "2", "--dims", "8", "--chunks", "8,16", "--reps",
+                                           "1"]))
+    assert [(r["dim"], r["chunk"]) for r in rows] == [(8, 8), (8, 16)]
+    assert all(r["forward_s"] > 0 and r["gradient_s"] > 0 for r in rows)
+    assert rows[1]["forward_ratio"] == rows[1]["gradient_ratio"] == 1.0 and rows[1]["max_diff"] == 0.0
+    assert 0 < rows[0]["max_diff"] < 1e-4
+    table = bench.render(rows, markdown=True)
+    assert table.count("\n") == 3 and "| 8 | 16 |" in table and "1.00x" in table

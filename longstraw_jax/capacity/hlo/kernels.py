@@ -47,7 +47,8 @@ backward when its op_name says `transpose(` outside a `rematted_computation` (th
 forward recomputed under the backward is a forward). From its carried tuple and the model's dk: N = its trip count
 (the chunks), the state [..., dk, dv'] (the smallest float array shaped so: U = its elements / (dk dv') the state
 matrices, the value heads times any batch, dv' its width: the sequence-parallel fold appends identity columns to v),
-C = the config's chunk (`gdn_chunk_size`); P = N C U token-head rows (T padded to chunks, as both paths do),
+C = the kernels' chunk (`gdn_chunk_for("pallas")`; N counts the XLA loop's trips in chunks of C: trips x its own
+chunk / C); P = N C U token-head rows (T padded to chunks, as both paths do),
 s = ceil(log2 C) doubling steps, nb = ceil(dv' / 64) column blocks. FLOPs per (chunk, state matrix), the kernels'
 matmuls (the vjp's recomputed forward products included):
 
@@ -183,14 +184,23 @@ def _positive(obj, names):
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaModel:
     """Cost the chunked gated delta rule as the Pallas kernels of `ops.flash_gated_delta` (module docstring): the
-    model's key width dk, value width dv (a loop's own dv' is read from its state) and chunk C. Float32 throughout."""
+    model's key width dk, value width dv (a loop's own dv' is read from its state) and the kernels' chunk C.
+    `compiled_chunk`: the chunk of the XLA loops being re-costed (one trip each; None: C), so that a loop of N trips
+    holds N compiled_chunk / C of the kernels' chunks. Float32 throughout."""
 
     key_dim: int
     value_dim: int
     chunk: int = 64
+    compiled_chunk: int | None = None
 
     def __post_init__(self):
         _positive(self, ("key_dim", "value_dim", "chunk"))
+        if self.compiled_chunk is not None:
+            _positive(self, ("compiled_chunk",))
+
+    def kernel_chunks(self, trips: float) -> float:
+        """The kernels' chunks in a compiled GDN loop of `trips` trips (same tokens, the kernels' chunk)."""
+        return trips * (self.compiled_chunk or self.chunk) / self.chunk
 
     def flops(self, chunks: float, units: float, value_dim: int | None = None, backward: bool = False) -> float:
         """The kernels' matmul FLOPs over `chunks` chunks of `units` state matrices (value heads x batch): the
@@ -286,7 +296,8 @@ class Kernels:
         attention = KernelModel.for_config(config, itemsize)
         gdn = None
         if getattr(config, "gdn_impl", None) == "chunked" and hasattr(config, "linear_key_head_dim"):
-            gdn = GatedDeltaModel(config.linear_key_head_dim, config.linear_value_head_dim, config.gdn_chunk_size)
+            gdn = GatedDeltaModel(config.linear_key_head_dim, config.linear_value_head_dim,
+                                  config.gdn_chunk_for("pallas"), config.gdn_chunk)
         return cls(attention=attention, gated_delta=gdn)
 
 
@@ -362,8 +373,8 @@ class FlashKernels:
         return float(max(found))
 
     def _gated_delta_shape(self, instr: Instruction) -> tuple[float, float, int]:
-        """(N chunks, U state matrices, dv') of a GDN loop: its trip count and its carried state [..., dk, dv']
-        (the smallest float array of rank >= 3 shaped so, dv' >= the model's dv)."""
+        """(N chunks, U state matrices, dv') of a GDN loop: its trip count in the kernels' chunks and its carried
+        state [..., dk, dv'] (the smallest float array of rank >= 3 shaped so, dv' >= the model's dv)."""
         m = self.kernels.gated_delta
         chunks = self.program.fixed_trips(instr)
         states = [dims for dtype, dims in array_shapes(instr.shape)
@@ -373,7 +384,7 @@ class FlashKernels:
             raise ValueError(f"GDN loop {instr.name}: no trip count or no state [..., {m.key_dim}, >= {m.value_dim}] "
                              f"in its carried tuple {instr.shape[:300]}: not a model with these widths")
         state = min(states, key=math.prod)
-        return float(chunks), math.prod(state) / (state[-1] * state[-2]), state[-1]
+        return m.kernel_chunks(float(chunks)), math.prod(state) / (state[-1] * state[-2]), state[-1]
 
     def _latent_queries(self, instr: Instruction) -> float:
         """T: the queries of a latent attention loop, elements / (H Dk) of its query blocks [..., W, H, Dk] (the

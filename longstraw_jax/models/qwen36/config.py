@@ -55,11 +55,12 @@ class Qwen36Config:
     rope: RopeConfig = RopeConfig()
     max_position_embeddings: int = 262144
     tie_word_embeddings: bool = False
-    # Execution choices (not part of the checkpoint): attention key block, GDN core implementation, and whether
-    # softmax attention and the chunked GDN run as XLA or as Pallas kernels (`ops.kernels`; the trainer's --kernels).
+    # Execution choices (not part of the checkpoint): attention key block, GDN core implementation and chunk
+    # (None: `gdn_chunk`'s rule), and whether softmax attention and the chunked GDN run as XLA or as Pallas kernels
+    # (`ops.kernels`; the trainer's --kernels).
     attention_block_size: int = 512
     gdn_impl: str = "chunked"
-    gdn_chunk_size: int = 64
+    gdn_chunk_size: int | None = None
     kernels: str = "xla"
 
     def __post_init__(self):
@@ -88,6 +89,8 @@ class Qwen36Config:
             errors.append(f"gdn_impl={self.gdn_impl!r}; allowed: 'chunked', 'sequential'")
         if kernel_error := kernel_choice.check(self.kernels, ""):
             errors.append(kernel_error)
+        if self.gdn_chunk_size is not None and not (isinstance(self.gdn_chunk_size, int) and self.gdn_chunk_size > 0):
+            errors.append(f"gdn_chunk_size={self.gdn_chunk_size!r}; must be a positive int or None (the default rule)")
         if not errors and not unknown:
             try:
                 self.block_pattern  # noqa: B018  (validates periodicity)
@@ -95,6 +98,21 @@ class Qwen36Config:
                 errors.append(str(e))
         if errors:
             raise ValueError("invalid Qwen36Config: " + "; ".join(errors))
+
+    def gdn_chunk_for(self, kernels: str) -> int:
+        """Tokens per chunk of the chunked gated delta rule run by `kernels` ("xla" / "pallas"): `gdn_chunk_size`, or
+        by default 64 for the Pallas kernels (flash-linear-attention's chunk) and 16 for the XLA path. On XLA:CPU a
+        64-token chunk's doubling solve (log2 Cg [Cg, Cg] matmuls) costs more than the state steps it saves: 16 was
+        the fastest chunk, forward and gradient, at key/value head dims 16, 64 and 128 (1.6-2.4x faster than 64;
+        docs/benchmarks.md 2)."""
+        if self.gdn_chunk_size is not None:
+            return self.gdn_chunk_size
+        return 64 if kernels == "pallas" else 16
+
+    @property
+    def gdn_chunk(self) -> int:
+        """The chunk of this config's own implementation (`kernels`): `gdn_chunk_for(self.kernels)`."""
+        return self.gdn_chunk_for(self.kernels)
 
     # ----- derived sizes -----
     @property

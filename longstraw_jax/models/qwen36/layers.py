@@ -55,8 +55,8 @@ def gdn_core(cfg: Qwen36Config, q, k, v, g, beta, state):
     (decoding) takes the sequential rule whatever the configuration: the chunked one would pad it to a chunk."""
     if cfg.gdn_impl == "chunked" and q.shape[0] > 1:
         if cfg.kernels == "pallas":
-            return flash_gated_delta.gated_delta_rule(q, k, v, g, beta, state, cfg.gdn_chunk_size)
-        return gated_delta_rule_chunked(q, k, v, g, beta, state, cfg.gdn_chunk_size)
+            return flash_gated_delta.gated_delta_rule(q, k, v, g, beta, state, cfg.gdn_chunk)
+        return gated_delta_rule_chunked(q, k, v, g, beta, state, cfg.gdn_chunk)
     return gated_delta_rule_sequential(q, k, v, g, beta, state)
 
 
