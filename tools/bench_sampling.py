@@ -22,9 +22,11 @@ extends.
 branch (`sample_groups` with group_size G and 1, the trainer's sampler: the prompt's capture included), the decode
 part alone (`sample_captured` after a capture made once, timed apart: a group's branch loop), and the capture alone,
 median seconds and the ratios G / 1, all in one run. Branches decoded together should cost about one branch's weight
-reads plus the per-branch work (issue 41 item 7: <= 2x at G 8, P 512, R 256):
+reads plus the per-branch work (issue 41 item 7: <= 2x at G 8, P 512, R 256); --width D widens the model (hidden D),
+so that the weights a group reads once weigh against the per-branch work:
 
     .venv/bin/python tools/bench_sampling.py --group-ratio -P 512 -R 256 -G 8
+    .venv/bin/python tools/bench_sampling.py --group-ratio -P 512 -R 256 -G 8 --width 512
 """
 from __future__ import annotations
 
@@ -51,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--observation-len", type=int, default=16, help="tokens of each observation in the agent table")
     p.add_argument("--group-ratio", action="store_true",
                    help="only the table of a group of G branches decoded together vs a group of 1 (one device)")
+    p.add_argument("--width", type=int, default=64,
+                   help="--group-ratio's model width D (hidden D, MLPs in the preset's proportions; 64: the preset)")
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args(argv)
@@ -68,13 +72,17 @@ def _setup_jax(meshes: list[str]) -> None:
     jax.config.update("jax_num_cpu_devices", devices)  # the CPU backend's; a GPU run ignores it
 
 
-def _model(family: str):
+def _model(family: str, width: int = 64):
+    """The family's tiny preset at O(1) scale; `width` D: hidden size D and the MLPs' widths in the preset's
+    proportions (Qwen3.6's intermediate 2 D, GLM-5.x's experts D / 2), heads as the preset's (D 64: the preset)."""
     import jax
 
     from longstraw_jax import models
 
-    config = (models.Qwen36Config.tiny(vocab_size=512) if family == "qwen36"
-              else models.Glm52Config.tiny(vocab_size=512))
+    config = (models.Qwen36Config.tiny(vocab_size=512, hidden_size=width, intermediate_size=2 * width)
+              if family == "qwen36" else
+              models.Glm52Config.tiny(vocab_size=512, hidden_size=width, intermediate_size=2 * width,
+                                      moe_intermediate_size=max(1, width // 2)))
     model = models.build(config)
     params = model.init(jax.random.key(0))
     # O(1)-scale weights (the default init makes every distribution nearly uniform)
@@ -148,7 +156,7 @@ def measure_turns(family: str, args) -> dict:
     from longstraw_jax.sampling.groups import sample_groups
     from longstraw_jax.sampling.turns import TurnConfig, sample_episodes
 
-    model, params = _model(family)
+    model, params = _model(family, args.width)
     prompts = np.random.default_rng(0).integers(0, 512, (1, args.prompt_len)).astype(np.int32)
     keys = jax.random.split(jax.random.key(2), 1)
     positions = args.turns * args.turn_len + (args.turns - 1) * args.observation_len
@@ -208,7 +216,7 @@ def measure_group_ratio(family: str, args) -> dict:
     from longstraw_jax.sampling.branches import SamplingConfig
     from longstraw_jax.sampling.groups import sample_groups
 
-    model, params = _model(family)
+    model, params = _model(family, args.width)
     prompts = np.random.default_rng(0).integers(0, 512, (1, args.prompt_len)).astype(np.int32)
     keys = jax.random.split(jax.random.key(2), 1)
     sampling = SamplingConfig(response_len=args.response_len)  # no stop token: every branch decodes R tokens
@@ -228,7 +236,7 @@ def measure_group_ratio(family: str, args) -> dict:
             start = time.perf_counter()
             jax.block_until_ready(call())
             times[name].append(time.perf_counter() - start)
-    row = dict(family=family, **{name: statistics.median(t) for name, t in times.items()})
+    row = dict(family=family, width=args.width, **{name: statistics.median(t) for name, t in times.items()})
     rollouts = {g: outs[f"total_{g}"][0] for g in sizes}
     for g in sizes:  # one sampler, two ways: sample_groups' group 0 is sample_captured's group
         assert np.array_equal(np.asarray(outs[f"decode_{g}"].responses), np.asarray(rollouts[g].responses[0]))
@@ -244,9 +252,9 @@ def measure_group_ratio(family: str, args) -> dict:
 
 def format_group_ratio(rows: list[dict], args, markdown: bool) -> str:
     g = args.group_size
-    head = ["family", "capture s", "G 1 s", f"G {g} s", f"G {g} / G 1", "decode G 1 s", f"decode G {g} s",
+    head = ["family", "width", "capture s", "G 1 s", f"G {g} s", f"G {g} / G 1", "decode G 1 s", f"decode G {g} s",
             f"decode G {g} / G 1", "first log-probs max diff", "branch 0 same tokens"]
-    body = [[r["family"], f"{r['capture']:.3f}", f"{r['total_1']:.3f}", f"{r[f'total_{g}']:.3f}",
+    body = [[r["family"], str(r["width"]), f"{r['capture']:.3f}", f"{r['total_1']:.3f}", f"{r[f'total_{g}']:.3f}",
              f"{r['ratio_total']:.2f}x", f"{r['decode_1']:.3f}", f"{r[f'decode_{g}']:.3f}", f"{r['ratio_decode']:.2f}x",
              f"{r['first_diff']:.1e}" + ("" if r["same_first"] else " (NO)"), "yes" if r["same_branch"] else "NO"]
             for r in rows]

@@ -64,7 +64,13 @@ def test_bench_sampling_group_ratio_times_a_group_of_g_against_a_group_of_one():
     group of G: the same tokens)."""
     bench = _tool("bench_sampling")
     args = bench.parse_args(["--group-ratio", "--families", "qwen36", "-P", "64", "-G", "2", "-R", "4",
-                             "--chunk-size", "32", "--reps", "1"])
+                             "--chunk-size", "32", "--reps", "1", "--width", "32"])
+    for family, wide in (("qwen36", "intermediate_size"), ("glm52", "moe_intermediate_size")):  # --width D
+        config = bench._model(family, 32)[0].config
+        assert (config.hidden_size, getattr(config, wide)) == (32, 64 if family == "qwen36" else 16)
+    from longstraw_jax import models
+
+    assert bench._model("qwen36")[0].config == models.Qwen36Config.tiny(vocab_size=512)  # the default: the preset
     row = bench.measure_group_ratio("qwen36", args)
     assert row["same_first"] and row["same_branch"], row
     assert row["ratio_total"] == pytest.approx(row["total_2"] / row["total_1"])
@@ -72,7 +78,7 @@ def test_bench_sampling_group_ratio_times_a_group_of_g_against_a_group_of_one():
     head, line = bench.format_group_ratio([row], args, markdown=False).splitlines()
     assert "G 2 / G 1" in head and "decode G 2 / G 1" in head, head
     cells = line.split()
-    assert cells[0] == "qwen36" and cells[4] == f"{row['ratio_total']:.2f}x" and cells[-1] == "yes", line
+    assert cells[:2] == ["qwen36", "32"] and cells[5] == f"{row['ratio_total']:.2f}x" and cells[-1] == "yes", line
     assert float(cells[-2]) == pytest.approx(row["first_diff"], rel=0.1, abs=1e-12), line
     markdown = bench.format_group_ratio([row], args, markdown=True).splitlines()
     assert len(markdown) == 3 and markdown[2].startswith("| qwen36 |"), markdown
