@@ -500,8 +500,9 @@ def gated_delta_table(size: str, peak):
 
     shape = GDN_SHAPES[size]
     cfg = models.config_from_hf(os.path.join(ROOT, shape["config"]))
+    # both sides at the kernels' chunk (64 unless the config sets one): the XLA path's own default is CPU-only
     h, dk, dv, chunk = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                        cfg.gdn_chunk)
+                        cfg.gdn_chunk_for("pallas"))
     for label, t in shape["cases"]:
         def case(t=t, label=label):
             keys = iter(jax.random.split(jax.random.key(0), 10))

@@ -27,15 +27,19 @@ def test_extend_does_not_depend_on_chunk_size_or_gdn_implementation(tiny):
     np.testing.assert_allclose(sequential.extend(params, state, tokens[50:]), full[50:], atol=1e-4)
 
 
-def test_the_gdn_chunk_rule_and_an_explicit_chunk(tiny):
-    """gdn_chunk_size None: 16 tokens per chunk on the XLA path, 64 for the Pallas kernels (config.gdn_chunk_for);
-    a size given is used by both; a bad size is refused naming the field. The model's output does not depend on the
-    chunk (tiny_forward's logits come from the default, 16)."""
+def test_the_gdn_chunk_rule_and_an_explicit_chunk(tiny, monkeypatch):
+    """gdn_chunk_size None: 16 tokens per chunk on the XLA path on a CPU (the tests' backend), 64 for the Pallas
+    kernels and for XLA on another backend (config.gdn_chunk_for); a size given is used by both; a bad size is
+    refused naming the field. The model's output does not depend on the chunk (tiny_forward's logits come from the
+    default, 16)."""
     model, params, tokens, full = tiny
     config = model.config
-    assert config.gdn_chunk_size is None and config.kernels == "xla"
+    assert config.gdn_chunk_size is None and config.kernels == "xla" and jax.default_backend() == "cpu"
     assert (config.gdn_chunk, config.gdn_chunk_for("xla"), config.gdn_chunk_for("pallas")) == (16, 16, 64)
     assert dataclasses.replace(config, kernels="pallas").gdn_chunk == 64
+    with monkeypatch.context() as patched:
+        patched.setattr(jax, "default_backend", lambda: "gpu")
+        assert config.gdn_chunk == config.gdn_chunk_for("xla") == 64
     chunk64 = dataclasses.replace(config, gdn_chunk_size=64)
     assert chunk64.gdn_chunk_for("xla") == chunk64.gdn_chunk_for("pallas") == 64
     np.testing.assert_allclose(models.build(chunk64).forward(params, tokens), full, atol=1e-4)

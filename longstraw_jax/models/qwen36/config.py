@@ -101,13 +101,14 @@ class Qwen36Config:
 
     def gdn_chunk_for(self, kernels: str) -> int:
         """Tokens per chunk of the chunked gated delta rule run by `kernels` ("xla" / "pallas"): `gdn_chunk_size`, or
-        by default 64 for the Pallas kernels (flash-linear-attention's chunk) and 16 for the XLA path. On XLA:CPU a
-        64-token chunk's doubling solve (log2 Cg [Cg, Cg] matmuls) costs more than the state steps it saves: 16 was
-        the fastest chunk, forward and gradient, at key/value head dims 16, 64 and 128 (1.6-2.4x faster than 64;
-        docs/benchmarks.md 2)."""
+        by default 16 for the XLA path on a CPU backend and 64 otherwise (the Pallas kernels: flash-linear-attention's
+        chunk; XLA on a GPU: not measured, so the chunk it had). On XLA:CPU a 64-token chunk's doubling solve
+        (log2 Cg [Cg, Cg] matmuls) costs more than the state steps it saves: 16 was the fastest chunk, forward and
+        gradient, at key/value head dims 16, 64 and 128, or within noise of it (docs/benchmarks.md 2,
+        tools/bench_gated_delta.py)."""
         if self.gdn_chunk_size is not None:
             return self.gdn_chunk_size
-        return 64 if kernels == "pallas" else 16
+        return 16 if kernels == "xla" and jax.default_backend() == "cpu" else 64
 
     @property
     def gdn_chunk(self) -> int:
