@@ -16,6 +16,8 @@ import argparse
 import statistics
 import time
 
+from bench_sampling import render_table
+
 
 def _int_list(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
@@ -94,11 +96,7 @@ def render(rows: list[dict], markdown: bool) -> str:
     head = ["dk = dv", "chunk", "forward ms", "/ largest", "gradient ms", "/ largest", "max |diff|"]
     body = [[str(r["dim"]), str(r["chunk"]), f"{r['forward_s'] * 1e3:.2f}", f"{r['forward_ratio']:.2f}x",
              f"{r['gradient_s'] * 1e3:.2f}", f"{r['gradient_ratio']:.2f}x", f"{r['max_diff']:.1e}"] for r in rows]
-    if markdown:
-        return "\n".join(["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
-                         + ["| " + " | ".join(row) + " |" for row in body])
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    return "\n".join("  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in [head] + body)
+    return render_table(head, body, markdown)
 
 
 def main(argv=None) -> None:

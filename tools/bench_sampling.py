@@ -54,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--group-ratio", action="store_true",
                    help="only the table of a group of G branches decoded together vs a group of 1 (one device)")
     p.add_argument("--width", type=int, default=64,
-                   help="--group-ratio's model width D (hidden D, MLPs in the preset's proportions; 64: the preset)")
+                   help="the models' width D (hidden D, MLPs in the preset's proportions; 64: the preset)")
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args(argv)
@@ -102,7 +102,7 @@ def measure(family: str, mesh_spec: str | None, args) -> list[dict]:
     from longstraw_jax.sampling.groups import sample_groups
     from longstraw_jax.sharding import rules
 
-    model, params = _model(family)
+    model, params = _model(family, args.width)
     mesh = sharding.make_mesh(mesh_spec) if mesh_spec else None
     groups = mesh.shape["data"] if mesh else 1
     if mesh:
@@ -192,7 +192,7 @@ def format_turns(rows: list[dict], args, markdown: bool) -> str:
     body = [[r["family"], str(r["positions"]), str(r["observed"]), f"{r['plain']:.3f}", f"{r['episodes']:.3f}",
              f"{r['ratio']:.2f}x", f"{r['capture_s']:.3f}", f"{r['decode_s']:.3f}", f"{r['env_s']:.3f}",
              f"{r['observe_s']:.3f}"] for r in rows]
-    return _table(head, body, markdown)
+    return render_table(head, body, markdown)
 
 
 FIRST_TOLERANCE = 1e-4  # max |difference| of the two groups' first-token log-probs (float32 round-off)
@@ -258,10 +258,11 @@ def format_group_ratio(rows: list[dict], args, markdown: bool) -> str:
              f"{r['ratio_total']:.2f}x", f"{r['decode_1']:.3f}", f"{r[f'decode_{g}']:.3f}", f"{r['ratio_decode']:.2f}x",
              f"{r['first_diff']:.1e}" + ("" if r["same_first"] else " (NO)"), "yes" if r["same_branch"] else "NO"]
             for r in rows]
-    return _table(head, body, markdown)
+    return render_table(head, body, markdown)
 
 
-def _table(head: list[str], body: list[list[str]], markdown: bool) -> str:
+def render_table(head: list[str], body: list[list[str]], markdown: bool) -> str:
+    """A table as aligned text, or as Markdown (tools/bench_gated_delta.py's too)."""
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
@@ -274,7 +275,7 @@ def format_table(rows: list[dict], markdown: bool) -> str:
             "same tokens"]
     body = [[r["family"], r["where"], str(r["batch"]), f"{r['decode_steps']:,}", f"{r['compile_and_first_s']:.2f}",
              f"{r['median_s']:.3f}", f"{r['ratio']:.2f}x", "yes" if r["same_tokens"] else "NO"] for r in rows]
-    return _table(head, body, markdown)
+    return render_table(head, body, markdown)
 
 
 def main(argv=None) -> int:
