@@ -155,6 +155,27 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_pr
     return add_to_tokens(out, token, weights, num_tokens)
 
 
+def _gathered(lhs: jax.Array, rhs: jax.Array, expert_of_row: jax.Array) -> jax.Array:
+    """lhs [M, in] x rhs[expert_of_row[m]] ([E, out, in] gathered to [M, out, in]) -> [M, out] (float32)."""
+    return jnp.einsum("mi,moi->mo", lhs, rhs[expert_of_row], preferred_element_type=accum_dtype(lhs.dtype))
+
+
+def gathered_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_proj, up_proj, down_proj) -> jax.Array:
+    """`grouped_swiglu` for a few tokens (decoding): each (token, slot) row gathers its own expert's weights, so a
+    step reads M = T * Ek expert matrices per projection, not all E, and the stack is never copied whole (the
+    grouped matmul on CPU multiplies every row by all E experts, and slicing a layer's stack for it copies all E).
+    Under `jax.vmap` over N branches it reads N * M: the form for N * M below E (GLM-5.2: E 256, Ek 8).
+
+    Same arguments and result as `grouped_swiglu` (every id < E: one device's experts); the slots' weighted outputs
+    are summed in slot order, not in expert order (equal up to round-off)."""
+    num_tokens, k = experts.shape
+    ids = experts.reshape(-1)
+    rows = jnp.repeat(x, k, axis=0)  # row t * k + j: token t through its slot j
+    gate, up = (lora.grouped(_gathered, rows, w, ids).astype(x.dtype) for w in (gate_proj, up_proj))
+    out = lora.grouped(_gathered, jax.nn.silu(gate) * up, down_proj, ids).astype(x.dtype)
+    return add_to_tokens(out, jnp.arange(num_tokens * k) // k, weights.reshape(-1), num_tokens)
+
+
 def add_to_tokens(rows: jax.Array, tokens: jax.Array, weights: jax.Array, num_tokens: int) -> jax.Array:
     """sum over rows r of weights[r] * rows[r], added to token tokens[r]: rows [M, D]; tokens int [M] in
     [0, num_tokens); weights float32 [M] (products in float32, rounded to rows.dtype). -> [num_tokens, D]."""

@@ -19,7 +19,7 @@ from longstraw_jax.engine.capture import capture_chunks
 from longstraw_jax.models.base import CausalLM
 from longstraw_jax.models.glm52 import Glm52, Glm52Config
 from longstraw_jax.ops.mla import sparse_latent_attention
-from longstraw_jax.ops.moe import grouped_swiglu, route
+from longstraw_jax.ops.moe import route
 from tests.helpers import (
     CASES,
     ROOT,
@@ -96,15 +96,18 @@ def test_sparse_latent_attention_matches_masked_dense_attention_and_its_gradient
     assert np.abs(np.asarray(got_grads[1])[layer, :cached]).max() > 0.01
 
 
-@pytest.mark.parametrize("grouped", ["_grouped_scan", "_grouped_ragged"])
+@pytest.mark.parametrize("grouped", ["_grouped_scan", "_grouped_ragged", "gathered"])
 def test_grouped_experts_and_router_match_a_per_expert_loop(grouped, monkeypatch):
     """ops/moe.py: sorted grouped compute == every expert on every token, then the chosen ones (values, gradients
     with respect to x, the expert weights and the router weight, also under vmap); group-limited routing keeps
     top-k in the best groups; the correction bias changes the choice but not the weights' formula. Both grouped
-    matmuls: the CPU one (a scan over experts) and the GPU one (`ragged_dot`)."""
+    matmuls: the CPU one (a scan over experts) and the GPU one (`ragged_dot`); and decoding's `gathered_swiglu`
+    (each row gathers its expert's weights)."""
     from longstraw_jax.ops import moe
 
-    monkeypatch.setattr(moe, "_grouped", getattr(moe, grouped))
+    swiglu = moe.gathered_swiglu if grouped == "gathered" else moe.grouped_swiglu
+    if grouped != "gathered":
+        monkeypatch.setattr(moe, "_grouped", getattr(moe, grouped))
     key = jax.random.split(jax.random.key(3), 6)
     n, d, i, e, topk = 11, 8, 6, 8, 3
     x = jax.random.normal(key[0], (n, d))
@@ -115,7 +118,7 @@ def test_grouped_experts_and_router_match_a_per_expert_loop(grouped, monkeypatch
 
     def ours(x, gate, up, down, router):
         experts, w = route(x, router, bias, **kw)
-        return grouped_swiglu(x, experts, w, gate, up, down)
+        return swiglu(x, experts, w, gate, up, down)
 
     experts = np.asarray(route(x, router, bias, **kw)[0])
 
@@ -143,6 +146,27 @@ def test_grouped_experts_and_router_match_a_per_expert_loop(grouped, monkeypatch
     batched = jnp.stack([x, probe])  # vmap over tokens' batches with shared (unbatched) weights
     np.testing.assert_allclose(jax.jit(jax.vmap(ours, in_axes=(0, None, None, None, None)))(batched, *args[1:]),
                                jnp.stack([ours(x, *args[1:]), ours(probe, *args[1:])]), atol=1e-5)
+
+
+def test_gathered_experts_equal_grouped_ones_with_per_expert_adapters():
+    """`gathered_swiglu` (decoding) == `grouped_swiglu` when the expert stacks are LoRA nodes (per-expert adapters,
+    `ops/lora.grouped`), also under vmap over branches with the weights shared, as a decode step runs it."""
+    from longstraw_jax.ops import moe
+    from longstraw_jax.ops.lora import LoRA
+
+    key = jax.random.split(jax.random.key(5), 8)
+    t, d, i, e, rank = 3, 8, 6, 5, 2
+    node = lambda k, out, inn: LoRA(jax.random.normal(k[0], (e, out, inn)) / 3, jax.random.normal(k[1], (e, rank, inn)),
+                                    jax.random.normal(k[2], (e, out, rank)), 0.5)
+    gate, up = node(jax.random.split(key[0], 3), i, d), node(jax.random.split(key[1], 3), i, d)
+    down = node(jax.random.split(key[2], 3), d, i)
+    x = jax.random.normal(key[3], (4, t, d))  # 4 branches of t tokens
+    experts = jax.random.randint(key[4], (4, t, 2), 0, e)
+    weights = jax.random.uniform(key[5], (4, t, 2))
+    run = lambda f: jax.jit(jax.vmap(lambda x, ex, w: f(x, ex, w, gate, up, down)))(x, experts, weights)
+    want = run(moe.grouped_swiglu)
+    assert float(jnp.std(want)) > 0.1
+    np.testing.assert_allclose(run(moe.gathered_swiglu), want, rtol=1e-5, atol=1e-5)
 
 
 # ----- real size ------------------------------------------------------------------------------------------------

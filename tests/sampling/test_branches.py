@@ -17,6 +17,7 @@
   or `branch_grads` (both families).
 """
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -209,6 +210,49 @@ def test_a_batched_decode_step_reads_the_prompt_cache_once(family):
     print(f"{family}: bytes accessed N=1 {accessed[1]:.3e}, N=8 {accessed[8]:.3e}; one prompt cache {cache_bytes:.3e}")
     assert accessed[1] > cache_bytes  # the step does read the prompt cache
     assert accessed[8] - accessed[1] < 0.5 * cache_bytes
+
+
+def _result_shapes(hlo: str) -> set:
+    """The shapes of the arrays compiled HLO text materialises: every instruction's result (tuple results included)
+    outside fusions' bodies (their values live in registers, not buffers)."""
+    fused = set(re.findall(r" fusion\(.*?calls=%?([\w.\-]+)", hlo))
+    shapes, inside = set(), False
+    for line in hlo.splitlines():
+        if line and not line[0].isspace():  # a computation's header (or the module's)
+            inside = line.split(" ", 1)[0].lstrip("%") in fused
+        elif " = " in line and not inside:
+            result = line.split(" = ", 1)[1].split("(", 1)[0]
+            shapes |= {tuple(int(d) for d in dims.split(",") if d)
+                       for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", result)}
+    return shapes
+
+
+@pytest.mark.parametrize("family", ["qwen36", "glm52"])
+def test_a_decode_step_copies_no_stack_of_weights(family):
+    """One decode step of N = 4 branches on one device reads each layer's weights from the parameter stacks, never
+    a copy of a whole block's stack (Qwen3.6: [per_block, out, in]) or of a MoE layer's experts (GLM-5.x: [E, I, D]):
+    XLA:CPU materialises a dynamic slice that feeds a matmul, so a block-level slice was a second pass over every
+    weight per token, and the experts' scan a copy of all E experts per layer and token (`gathered_swiglu` reads
+    the chosen ones). Widths chosen so that no other array of the step shares those shapes."""
+    if family == "qwen36":
+        config = models.Qwen36Config.tiny(vocab_size=64, hidden_size=40, intermediate_size=72)
+        stacks = lambda params: [a for a in jax.tree.leaves(params["blocks"]) if a.ndim == 4]  # [nb, per_block, ..]
+        copies = lambda a: {a.shape[1:]}
+    else:
+        config = models.Glm52Config.tiny(vocab_size=64, hidden_size=40, moe_intermediate_size=24)
+        stacks = lambda params: [a for path, a in jax.tree_util.tree_leaves_with_path(params)
+                                 if str(getattr(path[-1], "key", "")).startswith("experts_")]
+        copies = lambda a: {a.shape[-3:], a.shape[-4:]}  # one layer's experts, one repeat's
+    model = models.build(config)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0)))
+    state = jax.eval_shape(lambda: model.init_state(32))
+    tails = jax.tree.map(lambda a: jax.ShapeDtypeStruct((4,) + a.shape, a.dtype),
+                         jax.eval_shape(lambda: model.init_tail(params, state, 8)))
+    step = jax.vmap(model.decode, in_axes=(None, None, 0, 0, None))
+    hlo = jax.jit(step).lower(params, state, tails, jax.ShapeDtypeStruct((4,), jnp.int32),
+                              jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
+    forbidden = set().union(*(copies(a) for a in stacks(params)))
+    assert forbidden and not forbidden & _result_shapes(hlo), sorted(forbidden & _result_shapes(hlo))
 
 
 def test_top_p_keeps_the_nucleus():

@@ -17,7 +17,7 @@ from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.ops.lora import materialize
 from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attention_partial
 from longstraw_jax.ops.mlp import linear, swiglu
-from longstraw_jax.ops.moe import grouped_swiglu, route
+from longstraw_jax.ops.moe import gathered_swiglu, grouped_swiglu, route
 from longstraw_jax.ops.norms import layer_norm, rms_norm
 from longstraw_jax.ops.rope import RopeConfig, apply_rope_interleaved, cos_sin, inverse_frequencies, rope_positions
 
@@ -84,7 +84,8 @@ class DecodeReader(NamedTuple):
         return lp
 
     def routed_experts(self, x, experts, weights, p: dict) -> jax.Array:
-        return grouped_swiglu(x, experts, weights, p["experts_gate"], p["experts_up"], p["experts_down"])
+        """One token's experts, each slot's weights gathered (`gathered_swiglu`: not all E experts per step)."""
+        return gathered_swiglu(x, experts, weights, p["experts_gate"], p["experts_up"], p["experts_down"])
 
     def select(self, c: Glm52Config, q, w, keys, full, k: int) -> jax.Array:
         common, length = mesh_forward.topk_common(c, k), self.state.length
@@ -179,53 +180,66 @@ def full_count(groups) -> int:
     return sum(g.startswith(FULL) for g in groups)
 
 
-def pattern_repeat(c: Glm52Config, s: int, seg: Segment, rp: dict, carry, reader, layer0, full0, remat=False):
+def pattern_repeat(c: Glm52Config, s: int, seg: Segment, rp: dict, carry, reader, layer0, full0, remat=False,
+                   prefix: tuple = ()):
     """One repeat of segment `s`'s pattern over carry (h [T, D], selected [T, k]): a scan over each run of one group.
-    rp: the repeat's parameters (leaves [per_pattern, ...] per group). layer0 / full0: where the repeat's first layer
-    and first full layer sit in the cache `reader` reads (in the whole state: their global numbers; in one repeat's
-    slice of it, `SegmentStage`: 0). Returns (carry, (rows [plen, T, kv_row_dim], index keys [full per repeat, T, Di]
-    or None, the full layers' selections [full per repeat, T, k] or None))."""
+    rp: the repeat's parameters (leaves [per_pattern, ...] per group); with prefix (r,), the segment's (leaves
+    [repeats, per_pattern, ...]), of which repeat r's layers are read one at a time (decoding: see
+    `decoder_layers`). layer0 / full0: where the repeat's first layer and first full layer sit in the cache `reader`
+    reads (in the whole state: their global numbers; in one repeat's slice of it, `SegmentStage`: 0). Returns (carry,
+    (rows [plen, T, kv_row_dim], index keys [full per repeat, T, Di] or None, the full layers' selections [full per
+    repeat, T, k] or None))."""
     outputs = []
     for group, pos, j, count in group_runs(seg.pattern):
-        def step(carry, xs, layer=layer0 + pos, full=full0 + full_count(seg.pattern[:pos]), group=group):
-            lp, i = xs
+        def step(carry, xs, layer=layer0 + pos, full=full0 + full_count(seg.pattern[:pos]), group=group, j=j):
+            lp, i = xs if not prefix else (jax.tree.map(lambda a: a[prefix + (j + xs,)], rp[group]), xs)
             lp = reader.layer_params(lp, s, group)
             h, selected, rows, key = decoder_layer(c, lp, *carry, reader, layer + i, full + i)
             return (h, selected), (rows, key, selected if key is not None else None)
 
-        run_params = jax.tree.map(lambda a: a[j : j + count], rp[group])
-        carry, out = jax.lax.scan(jax.checkpoint(step) if remat else step, carry, (run_params, jnp.arange(count)))
+        xs = jnp.arange(count)
+        if not prefix:
+            xs = (jax.tree.map(lambda a: a[j : j + count], rp[group]), xs)
+        carry, out = jax.lax.scan(jax.checkpoint(step) if remat else step, carry, xs)
         outputs.append(out)
     return carry, tuple(None if all(o[n] is None for o in outputs) else
                         jnp.concatenate([o[n] for o in outputs if o[n] is not None]) for n in range(3))
 
 
-def decoder_segment(c: Glm52Config, s: int, seg: Segment, seg_params: dict, h, selected, reader, remat=False):
-    """Segment `s`: a scan over its repeats (`_repeat`). The prompt is only read (through `reader`). remat: under
-    autodiff keep only each layer's inputs and recompute the layer in the backward pass (one layer's activations,
-    and on a mesh one layer's gathered weights, live at a time).
+def decoder_segment(c: Glm52Config, s: int, seg: Segment, seg_params: dict, h, selected, reader, remat=False,
+                    by_layer: bool = False):
+    """Segment `s`: a scan over its repeats (`pattern_repeat`). The prompt is only read (through `reader`). remat:
+    under autodiff keep only each layer's inputs and recompute the layer in the backward pass (one layer's
+    activations, and on a mesh one layer's gathered weights, live at a time). by_layer: see `decoder_layers`.
     Returns (h, selected, rows [layers, T, kv_row_dim], index keys [full layers, T, Di] or None, the full layers'
     selections [full layers, T, k] or None)."""
     plen, full_per_repeat = len(seg.pattern), full_count(seg.pattern)
 
     def repeat(carry, xs):
-        rp, r = xs
+        rp, r = (seg_params, xs) if by_layer else xs
         return pattern_repeat(c, s, seg, rp, carry, reader, seg.first_layer + r * plen,
-                              seg.first_full + r * full_per_repeat, remat)
+                              seg.first_full + r * full_per_repeat, remat, (r,) if by_layer else ())
 
-    (h, selected), outs = jax.lax.scan(repeat, (h, selected), (seg_params, jnp.arange(seg.repeats)))
+    xs = jnp.arange(seg.repeats) if by_layer else (seg_params, jnp.arange(seg.repeats))
+    (h, selected), outs = jax.lax.scan(repeat, (h, selected), xs)
     flatten = lambda a: None if a is None else a.reshape((-1,) + a.shape[2:])
     return (h, selected) + tuple(flatten(a) for a in outs)
 
 
-def decoder_layers(c: Glm52Config, layers: dict, h, reader, k: int, remat: bool = False):
+def decoder_layers(c: Glm52Config, layers: dict, h, reader, k: int, remat: bool = False, by_layer: bool = False):
     """All layers over h [T, D] (embedded tokens at reader.positions), reading the prompt through `reader`.
     k: the top-k width (slots beyond the visible keys hold -1). Returns (h [T, D] before the final norm, entries
-    {"kv": [layers, T, kv_row_dim], "index_keys": [F, T, Di]}, selections [F, T, k])."""
+    {"kv": [layers, T, kv_row_dim], "index_keys": [F, T, Di]}, selections [F, T, k]).
+
+    by_layer (decoding, never differentiated): the scans run over repeat and layer numbers and each layer's weights
+    are sliced once from its segment's stack. Otherwise the stacks are the scans' inputs: a repeat's parameters are
+    sliced (copied) and then each layer's again (XLA:CPU materialises a dynamic slice that feeds a matmul), a
+    second pass over every weight per decoded token; under autodiff the inputs' form keeps each layer's weight
+    cotangent a slice of the stack's, not a whole-stack accumulation per layer."""
     selected = jnp.full((h.shape[0], k), -1, jnp.int32)
     parts = []
     for s, seg in enumerate(c.segments):
-        h, selected, *out = decoder_segment(c, s, seg, layers[str(s)], h, selected, reader, remat)
+        h, selected, *out = decoder_segment(c, s, seg, layers[str(s)], h, selected, reader, remat, by_layer)
         parts.append(out)
     rows, keys, selections = (jnp.concatenate([p[n] for p in parts if p[n] is not None]) for n in range(3))
     return h, {"kv": rows, "index_keys": keys}, selections

@@ -394,7 +394,7 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
     def local(layers, state, tail, h, position, slot, left_pad):
         reader = DecodeReader(state.kv, state.index_keys, tail, slot, position[None], rounds,
                               ShardedLayers(specs, True, varying), left_pad)
-        h, entries, _ = model.decoder_layers(layers, h, reader, k)
+        h, entries, _ = model.decoder_layers(layers, h, reader, k, by_layer=True)
         return h, entries
 
     in_specs = (specs, prompt_state_specs(sstate.state), P(), P(), P(), P(), P())

@@ -163,10 +163,10 @@ class Glm52(CausalLM):
     def _selection(self, params, tokens):
         return decoder_chunk(self.config, params, self.init_state(0, params["embed"].dtype), tokens, 0)[2]
 
-    def decoder_layers(self, layers: dict, h: jax.Array, reader, k: int, remat: bool = False):
+    def decoder_layers(self, layers: dict, h: jax.Array, reader, k: int, remat: bool = False, by_layer: bool = False):
         """All layers over h [T, D], the prompt read through `reader` (a `PromptReader` or a sharded reader with the
-        same methods): the layer code every engine runs (`decoder_layers`)."""
-        return decoder_layers(self.config, layers, h, reader, k, remat)
+        same methods): the layer code every engine runs (`decoder_layers`; by_layer when decoding)."""
+        return decoder_layers(self.config, layers, h, reader, k, remat, by_layer)
 
     def mesh_adapter(self):
         """Capture, replay and prompt backward on a ("data", "seq") mesh: `models/glm52/mesh.py`."""
@@ -232,7 +232,8 @@ class Glm52(CausalLM):
         slot = position - state.length
         reader = DecodeReader(state, tail, slot, jnp.reshape(position, (1,)).astype(jnp.int32), left_pad)
         k = min(c.index_topk, state.length + tail.kv.shape[1])  # >= every visible key count, as `_chunk`'s
-        h, entries, _ = decoder_layers(c, params["layers"], params["embed"][jnp.reshape(token, (1,))], reader, k)
+        h, entries, _ = decoder_layers(c, params["layers"], params["embed"][jnp.reshape(token, (1,))], reader, k,
+                                       by_layer=True)
         return rms_norm(h, params["final_norm"], c.rms_norm_eps), self.write_entries(tail, entries, slot)
 
     def write_entries(self, state: Glm52State, entries: dict, start) -> Glm52State:

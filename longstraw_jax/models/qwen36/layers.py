@@ -250,9 +250,13 @@ def decoder_layer(cfg: Qwen36Config, kind: str, p: dict, h: jax.Array, reader, j
     return reader.rowwise(lambda h, y: (h + y) + swiglu(p["mlp"], rms_norm_1p(h + y, p["post_norm"], eps)), h, y), entry
 
 
-def decoder_block(cfg: Qwen36Config, bp: dict, h: jax.Array, reader):
+def decoder_block(cfg: Qwen36Config, bp: dict, h: jax.Array, reader, prefix: tuple = ()):
     """One repeat of `block_pattern` (e.g. LLLF) over hidden h [T, D]; the prompt is only read, through `reader`.
-    bp: the block's parameters ({"linear": leaves [per_block, ...], "full": ...}).
+    bp: the block's parameters ({"linear": leaves [per_block, ...], "full": ...}); with prefix (b,), the whole
+    stack's (leaves [num_blocks, per_block, ...]), of which block b's layers are read one at a time. Decoding passes
+    the stack: a scan over blocks that slices block b's parameters copies them, and then each layer's slice copies
+    them again (XLA:CPU materialises a dynamic slice that feeds a matmul), a second pass over every weight per
+    decoded token.
 
     Consecutive layers of one kind run under `lax.scan` (one trace per run, not per layer). Returns h and the
     block's new state entries per kind, stacked over that kind's layers: {"linear": (tails, mats), "full": (keys,
@@ -263,7 +267,7 @@ def decoder_block(cfg: Qwen36Config, bp: dict, h: jax.Array, reader):
         group = bp[GROUP[kind]]
 
         def step(h, j, kind=kind, group=group):
-            return decoder_layer(cfg, kind, jax.tree.map(lambda a: a[j], group), h, reader, j)
+            return decoder_layer(cfg, kind, jax.tree.map(lambda a: a[prefix + (j,)], group), h, reader, j)
 
         if count == 1:
             h, entry = step(h, first)

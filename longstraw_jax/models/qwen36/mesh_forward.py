@@ -372,13 +372,12 @@ def decode(model, params, sstate: ShardedPromptState, tail, token, position, mes
     def local(blocks, state, tail, h, position, slot, left_pad):
         positions = position[None]
 
-        def body(h, xs):
-            bp, b = xs
+        def body(h, b):  # over block numbers, each layer's shards sliced once from the stack (`decoder_block`)
             reader = ReplayReader(state, model.prompt_reader(tail, (b,), positions, slot), rounds,
                                   _ShardedLayers(specs, True, varying), decoding=True, left_pad=left_pad)
-            return model.block_with_reader(bp, h, reader)
+            return model.block_with_reader(blocks, h, reader, (b,))
 
-        return jax.lax.scan(body, h, (blocks, jnp.arange(model.num_blocks)))
+        return jax.lax.scan(body, h, jnp.arange(model.num_blocks))
 
     in_specs = (specs, prompt_state_specs(sstate.state), P(), P(), P(), P(), P())
     h, entries = rules.shard_map(local, mesh, in_specs, (P(), P()))(

@@ -158,10 +158,11 @@ class Qwen36(CausalLM):
         them, minus the block axis)."""
         return decoder_block(self.config, bp, h, PromptReader(state_block, (), positions, cache_length, left_pad))
 
-    def block_with_reader(self, bp: dict, h: jax.Array, reader) -> tuple[jax.Array, dict]:
+    def block_with_reader(self, bp: dict, h: jax.Array, reader, prefix: tuple = ()) -> tuple[jax.Array, dict]:
         """One block on h [T, D], the prompt read through `reader` (a `PromptReader` or a sharded reader with the
-        same methods): the layer code every engine runs. Returns (h, {"linear": ..., "full": ...} entries)."""
-        return decoder_block(self.config, bp, h, reader)
+        same methods): the layer code every engine runs. Returns (h, {"linear": ..., "full": ...} entries). prefix
+        (b,): bp is the whole stack of blocks, block b's read layer by layer (`decoder_block`)."""
+        return decoder_block(self.config, bp, h, reader, prefix)
 
     def prompt_reader(self, state: Qwen36State, prefix: tuple, positions: jax.Array, cache_length=None,
                       left_pad=None):
@@ -217,22 +218,22 @@ class Qwen36(CausalLM):
         state advanced). Equals `advance` on the prompt and tail concatenated; `jax.vmap` over (tail, token) decodes
         many branches with one read of the prompt cache. left_pad: the prompt's pads (never attended). The tail's GDN
         states ride in the block scan's carry, block b's written in place (stacked as the scan's outputs, they were
-        copied into the tail's layout at every step: under `jax.vmap` a per-branch cost)."""
+        copied into the tail's layout at every step: under `jax.vmap` a per-branch cost). The scan runs over block
+        numbers, each layer's weights sliced once from the whole stack (`decoder_block`'s prefix)."""
         slot = position - state.length
         positions = jnp.reshape(position, (1,)).astype(jnp.int32)
 
-        def body(carry, xs):
+        def body(carry, b):
             h, carried = carry
-            bp, b = xs
             reader = DecodeReader(state, PromptReader(self.with_carried(tail, carried), (b,), positions, slot),
                                   left_pad)
-            h, entries = decoder_block(self.config, bp, h, reader)
+            h, entries = decoder_block(self.config, params["blocks"], h, reader, (b,))
             if entries["linear"] is not None:  # block b's GDN states, written in place into the carried ones
                 carried = tuple(c.at[b].set(new.astype(c.dtype)) for c, new in zip(carried, entries["linear"]))
             return (h, carried), entries["full"]
 
         (h, carried), full = jax.lax.scan(body, (self.embed(params, jnp.reshape(token, (1,))), self.carried(tail)),
-                                          (params["blocks"], jnp.arange(self.config.num_blocks)))
+                                          jnp.arange(self.config.num_blocks))
         return self.final_norm(params, h), self.write_entries(self.with_carried(tail, carried),
                                                               {"linear": None, "full": full}, slot)
 
