@@ -9,6 +9,7 @@ The transformers oracles live apart, in tests/hf_reference.py and tests/glm_refe
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -229,3 +230,19 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     hit = inside.any(axis=1).reshape((-1,) + (1,) * (output.ndim - 1))
     return jnp.where(hit, got, output)
 
+
+def hlo_result_shapes(hlo: str, opcodes: tuple[str, ...] | None = None) -> set:
+    """The shapes of the arrays compiled HLO text materialises: the results (tuple results included) of its
+    instructions outside fusions' bodies (whose values live in registers, not buffers), of the given opcodes only
+    when given (e.g. ("all-gather", "all-gather-start"))."""
+    fused = set(re.findall(r" fusion\(.*?calls=%?([\w.\-]+)", hlo))
+    shapes, inside = set(), False
+    for line in hlo.splitlines():
+        if line and not line[0].isspace():  # a computation's header (or the module's)
+            inside = line.split(" ", 1)[0].lstrip("%") in fused
+            continue
+        instruction = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (.*?) ([a-z][\w\-]*)\(", line)
+        if instruction and not inside and (opcodes is None or instruction.group(2) in opcodes):
+            shapes |= {tuple(int(d) for d in dims.split(",") if d)
+                       for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", instruction.group(1))}
+    return shapes

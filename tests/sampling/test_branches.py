@@ -17,7 +17,6 @@
   or `branch_grads` (both families).
 """
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ from longstraw_jax.engine.naive import response_logprobs
 from longstraw_jax.models.qwen36.config import FULL, LINEAR
 from longstraw_jax.sampling import branches as rollout
 from longstraw_jax.sampling.branches import SamplingConfig, first_argmax, next_token, sample_group, sampling_logits
-from tests.helpers import o1_params, rel_err
+from tests.helpers import hlo_result_shapes, o1_params, rel_err
 
 P, G, R, CHUNK = 21, 3, 6, 8
 
@@ -212,21 +211,6 @@ def test_a_batched_decode_step_reads_the_prompt_cache_once(family):
     assert accessed[8] - accessed[1] < 0.5 * cache_bytes
 
 
-def _result_shapes(hlo: str) -> set:
-    """The shapes of the arrays compiled HLO text materialises: every instruction's result (tuple results included)
-    outside fusions' bodies (their values live in registers, not buffers)."""
-    fused = set(re.findall(r" fusion\(.*?calls=%?([\w.\-]+)", hlo))
-    shapes, inside = set(), False
-    for line in hlo.splitlines():
-        if line and not line[0].isspace():  # a computation's header (or the module's)
-            inside = line.split(" ", 1)[0].lstrip("%") in fused
-        elif " = " in line and not inside:
-            result = line.split(" = ", 1)[1].split("(", 1)[0]
-            shapes |= {tuple(int(d) for d in dims.split(",") if d)
-                       for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", result)}
-    return shapes
-
-
 @pytest.mark.parametrize("family", ["qwen36", "glm52"])
 def test_a_decode_step_copies_no_stack_of_weights(family):
     """One decode step of N = 4 branches on one device reads each layer's weights from the parameter stacks, never
@@ -252,7 +236,7 @@ def test_a_decode_step_copies_no_stack_of_weights(family):
     hlo = jax.jit(step).lower(params, state, tails, jax.ShapeDtypeStruct((4,), jnp.int32),
                               jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
     forbidden = set().union(*(copies(a) for a in stacks(params)))
-    assert forbidden and not forbidden & _result_shapes(hlo), sorted(forbidden & _result_shapes(hlo))
+    assert forbidden and not forbidden & hlo_result_shapes(hlo), sorted(forbidden & hlo_result_shapes(hlo))
 
 
 def test_top_p_keeps_the_nucleus():

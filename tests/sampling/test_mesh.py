@@ -16,7 +16,6 @@ CPU devices, tiny models at O(1) scale.
   one-device sampler's at a prompt whose cache dominates: nothing of size P is replicated.
 """
 import dataclasses
-import re
 from importlib import import_module
 
 import jax
@@ -29,7 +28,7 @@ from longstraw_jax.engine.capture import jitted_capture_on_mesh, round_layout
 from longstraw_jax.sampling import branches as rollout, mesh as sample
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.sharding import rules
-from tests.helpers import o1_params
+from tests.helpers import hlo_result_shapes, o1_params
 
 pytestmark = pytest.mark.slow  # mesh and one-device samplers per family; AOT compiles at P = 65536
 
@@ -120,17 +119,6 @@ def test_nothing_of_prompt_size_is_replicated():
     assert per_device(many) < 0.35 * per_device(one)
 
 
-def _all_gather_shapes(hlo: str) -> set:
-    """Result shapes of the all-gathers in compiled HLO text (tuple results included)."""
-    shapes = set()
-    for line in hlo.splitlines():
-        if " all-gather(" in line or " all-gather-start(" in line:
-            result = line.split("=", 1)[1].split("all-gather", 1)[0]
-            shapes |= {tuple(int(d) for d in dims.split(",") if d)
-                       for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", result)}
-    return shapes
-
-
 @pytest.mark.parametrize("family", ["qwen36", "glm52"])
 def test_a_decode_step_gathers_no_linear_weight(family):
     """One decode step of G = 4 branches on 1x8 (AOT-compiled from shapes): no all-gather's result has the shape of
@@ -157,7 +145,7 @@ def test_a_decode_step_gathers_no_linear_weight(family):
     step = jax.vmap(lambda params, sstate, tail, token: family_sp.decode(params, sstate, tail, token, P, mesh),
                     in_axes=(None, None, 0, 0))
     hlo = jax.jit(step).lower(params, sstate, tails, jax.ShapeDtypeStruct((4,), jnp.int32)).compile().as_text()
-    gathered = _all_gather_shapes(hlo)
+    gathered = hlo_result_shapes(hlo, ("all-gather", "all-gather-start"))
     matrices = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
         name = getattr(path[-1], "key", None)
