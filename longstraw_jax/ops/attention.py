@@ -24,7 +24,7 @@ from longstraw_jax.ops.dtypes import accum_dtype, int32_indices
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, k_offset, scale: float,
            causal: bool, kv_length=None, block_size: int = 512, kv_index: tuple = (), left_pad=None,
-           kv_positions=None, kernels: str = "xla") -> Attended:
+           kv_positions=None, kernels: str = "xla", heads_as_stored: bool = False) -> Attended:
     """Softmax attention of queries over one contiguous run of keys.
 
     q: [T, Hq, hd]; q_positions: int [T]. k, v: [*lead, S, Hkv, hd]; `kv_index` selects the leading entries (e.g.
@@ -38,7 +38,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
     `k_offset + i`, or `kv_positions[i]` (int32 [S]) when given (a sharded cache in stored order).
 
     kernels: "xla" (this module) or "pallas" (`ops.flash_attention`, the same contract; `block_size` is then the
-    kernels' own).
+    kernels' own). heads_as_stored: with one query row (T = 1, a decoded token), multiply the key and value rows as
+    they are stored, every query head by every key head (`_per_head`), instead of per head: Hkv times the products
+    but no head-major copy of each key block (what XLA:CPU's decoding wants; the gradient is the same either way).
     """
     if kernels == "pallas":
         return flash_attention.attend(q, k, v, q_positions=q_positions, k_offset=k_offset, scale=scale, causal=causal,
@@ -52,8 +54,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
     pads = None
     if left_pad is not None:
         pads = (jnp.asarray(left_pad, jnp.int32), None if kv_positions is None else kv_positions.astype(jnp.int32))
-    return _attend(scale, causal, block_size, q, k, v, q_positions.astype(jnp.int32), k_offset, kv_length, index,
-                   pads)
+    as_stored = heads_as_stored and q.shape[0] == 1
+    return _attend(scale, causal, block_size, as_stored, q, k, v, q_positions.astype(jnp.int32), k_offset, kv_length,
+                   index, pads)
 
 
 # ----- shared pieces of the forward and backward passes -----
@@ -89,10 +92,35 @@ def _visible_prefix(q_positions, k_offset, kv_length, causal):
     return jnp.maximum(limit, 0)
 
 
-def _scores(qg, k_blk, visible, scale):
+def _per_head(qg, k_blk, acc, as_stored: bool = False):
+    """qg [T, Hkv, rep, d], k_blk [W, Hkv, d] -> [T, Hkv, rep, W]: sum_d qg[t, h, g, d] k_blk[w, h, d].
+
+    as_stored (one query row: decoding): multiply the key rows as they are stored, every head by every head, and
+    keep the products of a head with itself: Hkv times the arithmetic of a per-head product, but no copy of the
+    keys. With the head as a batch dimension XLA:CPU transposes each key block to [Hkv, d, W] first, a copy of the
+    cache per decode step that cost more than the products (a third of a Qwen3.6 step at P 4096)."""
+    t, hkv, rep, d = qg.shape
+    if not as_stored:
+        return jnp.einsum("thgd,shd->thgs", qg, k_blk, preferred_element_type=acc)
+    every = jnp.einsum("sd,qd->qs", k_blk.reshape(-1, d), qg.reshape(-1, d), preferred_element_type=acc)
+    every = every.reshape(t, hkv, rep, k_blk.shape[0], hkv)  # [.., w, h'] of query head h
+    return jnp.stack([every[:, h, :, :, h] for h in range(hkv)], axis=1)
+
+
+def _weighted(p, v_blk, acc, as_stored: bool = False):
+    """p [T, Hkv, rep, W], v_blk [W, Hkv, dv] -> [T, Hkv, rep, dv]: sum_w p[t, h, g, w] v_blk[w, h, dv]; as_stored
+    as in `_per_head`: the value rows as stored, every head by every head."""
+    t, hkv, rep, _ = p.shape
+    if not as_stored:
+        return jnp.einsum("thgs,shd->thgd", p, v_blk, preferred_element_type=acc)
+    every = jnp.einsum("qs,sd->qd", p.reshape(t * hkv * rep, -1), v_blk.reshape(v_blk.shape[0], -1),
+                       preferred_element_type=acc).reshape(t, hkv, rep, hkv, -1)
+    return jnp.stack([every[:, h, :, h] for h in range(hkv)], axis=1)
+
+
+def _scores(qg, k_blk, visible, scale, as_stored: bool = False):
     """qg [T, Hkv, rep, hd], k_blk [W, Hkv, hd] -> masked scores [T, Hkv, rep, W] in the accumulation dtype."""
-    acc = accum_dtype(qg.dtype)
-    s = jnp.einsum("thgd,shd->thgs", qg, k_blk, preferred_element_type=acc) * scale
+    s = _per_head(qg, k_blk, accum_dtype(qg.dtype), as_stored) * scale
     return jnp.where(visible[:, None, None, :], s, MASKED)
 
 
@@ -139,12 +167,12 @@ def for_each_block(seq_len, block_size, carry, visit, visible_prefix, outputs=No
 # ----- forward and backward -----
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attend(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_length, index, pads):
-    return _attend_fwd(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_length, index, pads)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _attend(scale, causal, block_size, as_stored, q, k, v, q_positions, k_offset, kv_length, index, pads):
+    return _attend_fwd(scale, causal, block_size, as_stored, q, k, v, q_positions, k_offset, kv_length, index, pads)[0]
 
 
-def _attend_fwd(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_length, index, pads):
+def _attend_fwd(scale, causal, block_size, as_stored, q, k, v, q_positions, k_offset, kv_length, index, pads):
     num_q, num_heads, head_dim = q.shape
     kv_heads, value_dim = k.shape[-2], v.shape[-1]
     group = num_heads // kv_heads
@@ -155,11 +183,11 @@ def _attend_fwd(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_le
         m, denom, numer = carry
         k_blk, v_blk = _read(k, index, start, size), _read(v, index, start, size)
         visible = _visible(start, size, q_positions, k_offset, kv_length, causal, pads)
-        s = _scores(qg, k_blk, visible, scale)
+        s = _scores(qg, k_blk, visible, scale, as_stored)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(visible[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        pv = jnp.einsum("thgs,shd->thgd", p.astype(v_blk.dtype), v_blk, preferred_element_type=acc)
+        pv = _weighted(p.astype(v_blk.dtype), v_blk, acc, as_stored)
         return (m_new, denom * alpha + jnp.sum(p, axis=-1), numer * alpha[..., None] + pv), None
 
     init = (jnp.full((num_q, kv_heads, group), MASKED, acc), jnp.zeros((num_q, kv_heads, group), acc),
@@ -173,7 +201,7 @@ def _attend_fwd(scale, causal, block_size, q, k, v, q_positions, k_offset, kv_le
     return result, (q, k, v, q_positions, k_offset, kv_length, index, pads, result)
 
 
-def _attend_bwd(scale, causal, block_size, residuals, cotangent):
+def _attend_bwd(scale, causal, block_size, as_stored, residuals, cotangent):
     """Flash-attention backward: per key block, p = exp(s - lse); dv = p^T do; ds = p * (do.v - do.out + dlse);
     dq += ds k * scale; dk = ds^T q * scale. Cache cotangents are built per layer and placed at `index`."""
     q, k, v, q_positions, k_offset, kv_length, index, pads, (out, lse) = residuals

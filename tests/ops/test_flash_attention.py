@@ -40,6 +40,10 @@ CASES = {
     "prompt chunk, causal over itself": Case(T=64, S=64),
     "non-multiples of the blocks": Case(T=37, S=70, k_offset=5),
     "one decoded token over a cache": Case(T=1, S=83, causal=False, kv_length=61),
+    # one query row: also ops/attention's heads_as_stored products (every head by every head, no key transposes)
+    "one decoded token, GQA 3:1, head dims 24 / 20, stacked cache, left pads": Case(
+        T=1, S=70, Hq=6, Hkv=2, D=24, Dv=20, lead=(2,), index=(1,), causal=False, kv_length=50, left_pad=9),
+    "one decoded token, MHA, bfloat16": Case(T=1, S=40, Hq=3, Hkv=3, causal=False, dtype="bfloat16"),
     "fewer keys than a tile": Case(T=5, S=3, k_offset=2),
     "GQA 3:1, head dims 24 / 20 (padded)": Case(T=20, S=40, Hq=6, Hkv=2, D=24, Dv=20),
     "MHA, head dim 64": Case(T=24, S=130, Hq=2, Hkv=2, D=64),
@@ -102,6 +106,12 @@ def test_kernels_match_xla_and_dense(name):
         np.testing.assert_allclose(a, b, atol=atol * scale, rtol=0, err_msg=f"{name}: {what} vs XLA")
         np.testing.assert_allclose(a, c, atol=atol * scale, rtol=0, err_msg=f"{name}: {what} vs dense")
     assert float(jnp.max(jnp.abs(pallas[3]))) > 0 or name.startswith("queries behind")
+    if case.T == 1:  # decoding's form of the XLA path
+        stored = outputs_and_grads(functools.partial(attention.attend, block_size=16, heads_as_stored=True), args,
+                                   options)
+        for what, a, c in zip(("out", "lse", "dq", "dk", "dv"), stored, dense):
+            scale = max(1.0, float(jnp.max(jnp.abs(c))))
+            np.testing.assert_allclose(a, c, atol=atol * scale, rtol=0, err_msg=f"{name}: {what}, heads as stored")
 
 
 def test_partials_merge_exactly_under_autodiff():

@@ -134,7 +134,7 @@ class PromptReader(NamedTuple):
     `cache_length` (None: every cached position), the carried GDN state as it is. tokens sit at `positions` [T]
     (contiguous). `prefix` locates the block in the state: (b,) in the whole state, () in a block's slice of it.
     left_pad (int32 [] or None): the prompt's pad positions 0..left_pad-1 are never attended (and `gated_deltanet`
-    masks the rows at them).
+    masks the rows at them). heads_as_stored: `attn_ops.attend`'s, for one decoded token (`DecodeReader`).
 
     The sequence-parallel engine (`models/qwen36/mesh.py`) passes readers with the same methods that work on a
     shard's part of the prompt, so the layer code above is shared: `layer_params` (FSDP all-gathers there),
@@ -147,6 +147,7 @@ class PromptReader(NamedTuple):
     positions: jax.Array
     cache_length: Any = None
     left_pad: Any = None
+    heads_as_stored: bool = False
 
     def layer_params(self, p: dict, group: str) -> dict:
         """One layer's parameters, whole (identity here)."""
@@ -170,7 +171,7 @@ class PromptReader(NamedTuple):
         """q [T, Hq, hd] over full layer j's cached keys/values, merged by log-sum-exp with causal attention over
         the tokens' own k, v [T, Hkv, hd]."""
         common = dict(q_positions=self.positions, scale=scale, block_size=block_size, left_pad=self.left_pad,
-                      kernels=kernels)
+                      kernels=kernels, heads_as_stored=self.heads_as_stored)
         cached = attn_ops.attend(q, self.state.keys, self.state.values, k_offset=0, causal=False,
                                  kv_length=self.cache_length, kv_index=self.prefix + (j,), **common)
         new = attn_ops.attend(q, k, v, k_offset=self.positions[0], causal=True, **common)
@@ -185,7 +186,9 @@ class DecodeReader(NamedTuple):
     Attention is the log-sum-exp merge of the prompt cache (its pads < left_pad hidden) with local.attend (the tail,
     then the token itself). The tail is visited in TAIL_BLOCKS blocks (`tail_block`), so a step reads only the
     blocks holding the positions before its slot, not the whole R-position tail: each branch reads its own tail, so
-    this is per-branch work, which a group's G branches pay G times."""
+    this is per-branch work, which a group's G branches pay G times. On a CPU `Qwen36.decode` sets the local
+    reader's heads_as_stored (both parts then multiply the cached rows as stored: no head-major copy of the prompt
+    cache or of the tail per step)."""
 
     state: Qwen36State
     local: PromptReader
@@ -211,7 +214,7 @@ class DecodeReader(NamedTuple):
         prompt = attn_ops.attend(q, self.state.keys, self.state.values, k_offset=0, causal=False,
                                  kv_length=self.state.length, kv_index=self.local.prefix + (j,),
                                  q_positions=self.positions, scale=scale, block_size=block_size,
-                                 left_pad=self.left_pad, kernels=kernels)
+                                 left_pad=self.left_pad, kernels=kernels, heads_as_stored=self.local.heads_as_stored)
         return attn_ops.merge(prompt, self.local.attend(q, k, v, j, scale=scale,
                                                         block_size=tail_block(self.local.state, block_size),
                                                         kernels=kernels))

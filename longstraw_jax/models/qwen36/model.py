@@ -222,11 +222,12 @@ class Qwen36(CausalLM):
         numbers, each layer's weights sliced once from the whole stack (`decoder_block`'s prefix)."""
         slot = position - state.length
         positions = jnp.reshape(position, (1,)).astype(jnp.int32)
+        as_stored = jax.default_backend() == "cpu"  # `ops.attention.attend`'s heads_as_stored: measured on XLA:CPU
 
         def body(carry, b):
             h, carried = carry
-            reader = DecodeReader(state, PromptReader(self.with_carried(tail, carried), (b,), positions, slot),
-                                  left_pad)
+            local = PromptReader(self.with_carried(tail, carried), (b,), positions, slot, heads_as_stored=as_stored)
+            reader = DecodeReader(state, local, left_pad)
             h, entries = decoder_block(self.config, params["blocks"], h, reader, (b,))
             if entries["linear"] is not None:  # block b's GDN states, written in place into the carried ones
                 carried = tuple(c.at[b].set(new.astype(c.dtype)) for c, new in zip(carried, entries["linear"]))
