@@ -437,9 +437,14 @@ def test_replay_batch_reaches_the_update(tmp_path):
         assert run.main(SMALL + ["--steps", "2", "--out", out, "--replay-batch", str(k)]) == 0
         runs[k] = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
         assert json.load(open(os.path.join(out, "config.json")))["replay_batch"] == k
-    for a, b in zip(runs[1], runs[3], strict=True):
+    # step 1: the same params and samples, only the replay's summation order differs; step 2 samples from params
+    # one AdamW step apart, and AdamW's normalised update turns round-off in a near-zero gradient component into a
+    # difference of up to the learning rate (3e-3) in that parameter. The loss is 0 up to round-off (the group's
+    # advantages sum to zero, ratios 1 on the first epoch): compared absolutely, at float32 round-off of O(1) terms.
+    for a, b, rtol in zip(runs[1], runs[3], (1e-5, 1e-3), strict=True):
         assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] > 0
-        np.testing.assert_allclose([a["loss"], a["grad_norm"]], [b["loss"], b["grad_norm"]], rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=rtol)
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=0, atol=1e-6)
     assert "replay_batch" in CHANGEABLE
 
 
