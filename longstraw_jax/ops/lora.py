@@ -83,14 +83,14 @@ def _dense(x, w, precision):
     return jnp.einsum("...i,oi->...o", x, w, precision=precision)
 
 
-def grouped(matmul, lhs: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
+def grouped(matmul, lhs: jax.Array, w, groups: jax.Array) -> jax.Array:
     """A grouped expert matmul `matmul(lhs [M, in], rhs [E, out, in], groups) -> [M, out]` (float32) for a plain
     expert stack or a LoRA node over it (per-expert adapters a [E, r, in], b [E, out, r]). groups: what `matmul`
     takes to find each row's expert (its group sizes, rows sorted by expert; or each row's expert id)."""
     if not is_lora(w):
-        return matmul(lhs, w, group_sizes)
-    low = matmul(lhs, w.a.astype(lhs.dtype), group_sizes).astype(lhs.dtype)  # [M, r]: each row through its expert
-    return matmul(lhs, w.base, group_sizes) + w.scale * matmul(low, w.b.astype(lhs.dtype), group_sizes)
+        return matmul(lhs, w, groups)
+    low = matmul(lhs, w.a.astype(lhs.dtype), groups).astype(lhs.dtype)  # [M, r]: each row through its expert
+    return matmul(lhs, w.base, groups) + w.scale * matmul(low, w.b.astype(lhs.dtype), groups)
 
 
 def shape_of(w) -> tuple:
