@@ -55,6 +55,21 @@ def sample_groups(model, params, prompts, keys: jax.Array, group_size: int, samp
     return _on_mesh(model, params, prompts, keys, group_size, sampling, mesh, layout, keep_capture, left_pad)
 
 
+def decode_together(sample, *per_group):
+    """sample(*one group's leaves) over the groups of `per_group` (every leaf [B, ...]; None leaves pass as None),
+    all B groups' branches in one loop: `jax.vmap(sample, axis_name=GROUPS)`. One group (B = 1: one device's, or one
+    data slice's on a mesh) runs unbatched, its results given the unit axis afterwards: the same values, without a
+    unit batch axis in every decode op (XLA:CPU copies the prompt cache for an attention product batched over one
+    group and runs the decoded token's conv as a slower library reduction)."""
+    groups = {x.shape[0] for x in jax.tree.leaves(per_group)}
+    if len(groups) != 1:
+        raise ValueError(f"decode_together: the per-group leaves have leading axes {sorted(groups)}; need one B")
+    if groups == {1}:
+        one = sample(*jax.tree.map(lambda x: x[0], per_group))
+        return jax.tree.map(lambda x: x[None], one)
+    return jax.vmap(sample, axis_name=GROUPS)(*per_group)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
 def _one_device(model, params, prompts, keys, group_size, sampling, chunk_size, keep_capture, left_pad=None):
     if not keep_capture:  # one group at a time: no group's state outlives its sampling
@@ -65,7 +80,7 @@ def _one_device(model, params, prompts, keys, group_size, sampling, chunk_size, 
                            (prompts, left_pad))
     sample = lambda state, prompt, key, pad: rollout.sample_captured(model, params, state, prompt, key, group_size,
                                                                     sampling, pad)
-    return jax.vmap(sample, axis_name=GROUPS)(captured.state, prompts, keys, left_pad), captured
+    return decode_together(sample, captured.state, prompts, keys, left_pad), captured
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8))
@@ -80,7 +95,7 @@ def _on_mesh(model, params, prompts, keys, group_size, sampling, mesh, layout, k
                                                                       left_pad=x[1]), (prompts, left_pad))
         sample = lambda sstate, prompt, key, pad: mesh_sampling.sample_captured(model, params, sstate, prompt, key,
                                                                                group_size, sampling, mesh, pad)
-        rollouts = jax.vmap(sample, axis_name=GROUPS)(captured.sstate, prompts, keys, left_pad)
+        rollouts = decode_together(sample, captured.sstate, prompts, keys, left_pad)
         return rollouts, captured
 
     return over_data(mesh, slice_groups, params, (prompts, keys, left_pad), summed=False)

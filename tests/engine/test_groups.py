@@ -88,3 +88,51 @@ def test_one_capture_per_step(monkeypatch):
     assert len(calls) == 2  # without the kept capture it does (so the counter sees the update's capture)
     assert rel_err(kept[0], again[0]) <= 1e-4  # updated params (the two captures differ in round-off only)
     np.testing.assert_allclose(kept[2]["loss"], again[2]["loss"], rtol=1e-5, atol=1e-6)
+
+
+def test_one_group_decodes_without_a_group_axis():
+    """`decode_together` vmaps over B > 1 groups (the GROUPS axis bound, as `any_slice` needs) and runs B = 1
+    unbatched, its results given the unit axis back; None leaves pass through."""
+    from longstraw_jax.sampling.groups import decode_together
+    from longstraw_jax.sharding.groups import any_slice
+
+    seen = []
+
+    def sample(x, pad):
+        seen.append((x.shape, pad))
+        return {"twice": 2 * x, "any": any_slice(x > 2)}
+
+    for b in (1, 3):
+        x = jnp.arange(b * 4, dtype=jnp.float32).reshape(b, 4)
+        out = decode_together(sample, x, None)
+        assert seen[-1] == ((4,), None)  # each call sees one group's leaves
+        np.testing.assert_array_equal(out["twice"], 2 * x)
+        np.testing.assert_array_equal(out["any"], [bool((x > 2).any())] * b)  # over every group decoding together
+    with pytest.raises(ValueError, match="leading axes"):
+        decode_together(sample, jnp.zeros((1, 4)), jnp.zeros((2,)))
+
+
+@pytest.mark.slow  # two sampler compiles
+def test_one_group_samples_what_it_samples_among_others():
+    """sample_groups on B = 1 (decoded without a group axis) draws group b's tokens of a B = 2 batch (vmapped over
+    groups) from the same key and prompt, with the same log-probs and capture up to round-off."""
+    from longstraw_jax.sampling.branches import SamplingConfig
+    from longstraw_jax.sampling.groups import sample_groups
+
+    model = models.build(models.Qwen36Config.tiny(vocab_size=37))
+    params = o1_params(model.init(jax.random.key(0)), jax.random.key(1))
+    prompts = np.random.default_rng(3).integers(0, 37, (2, P))
+    keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.key(4), b))(np.arange(2))
+    sampling = SamplingConfig(response_len=R, stop_token=5)
+    left_pad = np.array([0, 3], np.int32)
+    both, both_captured = sample_groups(model, params, prompts, keys, G, sampling, 8, left_pad=left_pad)
+    for b in range(2):
+        one, one_captured = sample_groups(model, params, prompts[b : b + 1], keys[b : b + 1], G, sampling, 8,
+                                          left_pad=left_pad[b : b + 1])
+        np.testing.assert_array_equal(one.responses[0], both.responses[b])
+        np.testing.assert_array_equal(one.mask[0], both.mask[b])
+        np.testing.assert_allclose(one.logprobs[0], both.logprobs[b], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(one.first_logprobs[0], both.first_logprobs[b], rtol=1e-5, atol=1e-5)
+        for got, want in zip(jax.tree.leaves(one_captured), jax.tree.leaves(both_captured)):
+            np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[b], np.float32), rtol=1e-5,
+                                       atol=1e-5)

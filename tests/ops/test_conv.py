@@ -1,4 +1,4 @@
-"""The GDN's causal depthwise conv: one decoded token (a reduction over the taps) equals the same token inside a
+"""The GDN's causal depthwise conv: one decoded token (a product over the taps) equals the same token inside a
 longer call (K shifted products), and the carried tail is the last K-1 inputs."""
 import jax
 import jax.numpy as jnp
