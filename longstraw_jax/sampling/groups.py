@@ -8,9 +8,10 @@ captures kept for the update, so that a training step captures every prompt once
 
 With keep_capture (the trainer's step, which keeps every group's state for the update anyway) the prompts are
 captured one after another (`lax.map`: one capture's activations live at a time), then every group's branches decode
-together (`jax.vmap` of the branch loop over groups: one decode step per response position for all B x G branches,
-each group reading its own prompt cache). Without it (held-out evaluation: many prompts, nothing kept) the groups
-are sampled one after another, so only one prompt state lives at a time. On a mesh B is split over `data`
+together (`decode_together`: `jax.vmap` of the branch loop over groups, one decode step per response position for
+all B x G branches, each group reading its own prompt cache; a single group without the vmap). Without it
+(held-out evaluation: many prompts, nothing kept) the groups are sampled one after another, so only one prompt
+state lives at a time. On a mesh B is split over `data`
 (`sharding/groups.py`): each data slice does the same with its own groups, captured in rounds into seq-sharded
 caches (`sampling.mesh`). Group b uses keys[b]; its tokens are those `sampling.branches.sample_group` draws with
 that key.
