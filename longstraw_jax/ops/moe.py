@@ -47,40 +47,112 @@ def route(x: jax.Array, weight: jax.Array, bias: jax.Array, *, top_k: int, n_gro
     return experts, weights * scaling
 
 
-def _broadcast_batched(f):
-    """f, batched under `vmap` by broadcasting its unbatched arguments: the batching rule of `ragged_dot_general`
-    (jax 0.10.2) needs every operand batched, but the expert weights are not when a caller vmaps the model."""
+def merged_rows(sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """N batches of M = num_rows rows, each sorted by group (sizes int [N, E]: batch n's first sizes[n, 0] rows are
+    group 0's, ...; rows past sum(sizes[n]) belong to no group) -> (where int32 [N, M]: each row's place in the
+    batches merged into one [N * M] sorted by group, merged sizes int32 [E] = sizes summed over the batches).
+
+    Merged order: group 0's rows of batch 0, of batch 1, ..., then group 1's, ...; rows of no group last, in batch
+    order (past sum(merged sizes): no group there either). `where` is a permutation of range(N * M)."""
+    sizes = sizes.astype(jnp.int32)
+    merged = jnp.sum(sizes, axis=0)
+    ends = jnp.cumsum(sizes, axis=1)  # [N, E]: one past batch n's last row of group e
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    group = jax.vmap(lambda e: jnp.searchsorted(e, row, side="right"))(ends)  # [N, M]; E: no group
+    in_group = group < sizes.shape[1]
+    g = jnp.minimum(group, sizes.shape[1] - 1)
+    take = lambda a: jnp.take_along_axis(a, g, axis=1)
+    group_start = (jnp.cumsum(merged) - merged)[g]  # the group's first merged row
+    earlier = take(jnp.cumsum(sizes, axis=0) - sizes)  # the group's rows in earlier batches
+    placed = group_start + earlier + row - take(ends - sizes)
+    used = ends[:, -1]  # [N] rows in some group
+    spare = num_rows - used
+    rest = jnp.sum(merged) + (jnp.cumsum(spare) - spare)[:, None] + row - used[:, None]
+    return jnp.where(in_group, placed, rest).astype(jnp.int32), merged
+
+
+def _merge(rows: jax.Array, where: jax.Array) -> jax.Array:
+    """rows [N, M, ...] -> [N * M, ...] in merged order (`merged_rows`' where)."""
+    flat = rows.reshape((-1,) + rows.shape[2:])
+    return flat[jnp.argsort(where.reshape(-1))]
+
+
+def _unmerge(merged: jax.Array, where: jax.Array) -> jax.Array:
+    """[N * M, ...] in merged order -> [N, M, ...]."""
+    return merged[where]
+
+
+def _shared_weights(f):
+    """f(lhs [M, k], rhs [E, ...], sizes [E]) -> [M, ...], batched under `vmap` with the expert weights rhs shared
+    (unbatched: a caller vmapping a model over branches): the N batches' rows merge into one [N * M] sorted by group
+    (`merged_rows`), f runs once on them, so each expert's weights are read once for all N and never copied per
+    batch, and the rows are put back [N, M, ...]. With rhs batched too, whatever is unbatched is broadcast (the
+    batching rule of `ragged_dot_general`, jax 0.10.2, needs every operand batched)."""
+    g = jax.custom_batching.custom_vmap(f)
+
+    @g.def_vmap
+    def rule(axis_size, in_batched, lhs, rhs, sizes):
+        full = lambda a, b: a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+        lhs, sizes = full(lhs, in_batched[0]), full(sizes, in_batched[2])
+        if in_batched[1]:
+            return jax.vmap(f)(lhs, rhs, sizes), True
+        where, merged = merged_rows(sizes, lhs.shape[1])
+        return _unmerge(g(_merge(lhs, where), rhs, merged), where), True  # g: an outer vmap merges again
+
+    return g
+
+
+def _all_batched(f):
+    """f under `vmap` with its unbatched arguments broadcast (`ragged_dot_general`'s batching rule needs every operand
+    batched): for products whose operands are per batch anyway (the weights' cotangent, from rows)."""
     g = jax.custom_batching.custom_vmap(f)
 
     @g.def_vmap
     def rule(axis_size, in_batched, *args):
         args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip(args, in_batched)]
-        out = jax.vmap(f)(*args)
-        return out, jax.tree.map(lambda _: True, out)
+        return jax.vmap(f)(*args), True
 
     return g
 
 
-def _ragged(lhs, rhs, group_sizes):
-    numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+def _ragged(lhs, rhs, sizes, rhs_contracting: int):
+    """lhs [M, k] (rows sorted by group) x rhs [E, a, b]: row block e times rhs[e], contracting rhs's dimension
+    rhs_contracting (2: rhs [E, out, in] -> [M, out]; 1: rhs transposed, [E, out, in] -> [M, in]), float32."""
+    numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [rhs_contracting]), ([], [])),
                                                 lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, numbers, preferred_element_type=accum_dtype(lhs.dtype))
+    return jax.lax.ragged_dot_general(lhs, rhs, sizes, numbers, preferred_element_type=accum_dtype(lhs.dtype))
 
 
-_ragged_fwd = _broadcast_batched(_ragged)
-_ragged_bwd = _broadcast_batched(lambda lhs, rhs, sizes, d_out: jax.vjp(lambda a, b: _ragged(a, b, sizes), lhs, rhs)[1](
-    d_out))
+def _ragged_weights(d_out, lhs, sizes):
+    """d_out [M, out], lhs [M, in] (rows sorted by group) -> [E, out, in]: group e's rows' sum of d_out^T lhs."""
+    numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    return jax.lax.ragged_dot_general(d_out, lhs, sizes, numbers, preferred_element_type=accum_dtype(lhs.dtype))
+
+
+_rows_times_experts = _shared_weights(lambda lhs, rhs, sizes: _ragged(lhs, rhs, sizes, 2))
+_rows_times_experts_t = _shared_weights(lambda d_out, rhs, sizes: _ragged(d_out, rhs, sizes, 1))
+_experts_cotangent = _all_batched(_ragged_weights)
 
 
 @jax.custom_vjp
 def _grouped_ragged(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """lhs [M, in] (rows sorted by group) x rhs [E, out, in] -> [M, out] (float32): row block e multiplies rhs[e].
-    A custom VJP (the transpose `ragged_dot` defines) so that the forward and backward can both be vmapped."""
-    return _ragged_fwd(lhs, rhs, group_sizes)
+    A custom VJP (the transpose `ragged_dot` defines) so that the forward and backward can both be vmapped. Under a
+    vmap with the weights shared, the forward and the rows' cotangent read each expert once for all batches
+    (`_shared_weights`); the weights' cotangent is per batch, as `vmap` defines it (the gradient of a sum over the
+    batches then sums them)."""
+    return _rows_times_experts(lhs, rhs, group_sizes)
 
 
-_grouped_ragged.defvjp(lambda lhs, rhs, sizes: (_ragged_fwd(lhs, rhs, sizes), (lhs, rhs, sizes)),
-                       lambda res, d_out: (*_ragged_bwd(*res, d_out), None))
+def _grouped_ragged_bwd(residuals, d_out):
+    lhs, rhs, sizes = residuals
+    d_lhs = _rows_times_experts_t(d_out.astype(rhs.dtype), rhs, sizes).astype(lhs.dtype)
+    return d_lhs, _experts_cotangent(d_out.astype(lhs.dtype), lhs, sizes).astype(rhs.dtype), None
+
+
+_grouped_ragged.defvjp(lambda lhs, rhs, sizes: (_rows_times_experts(lhs, rhs, sizes), (lhs, rhs, sizes)),
+                       _grouped_ragged_bwd)
 
 
 def _rows_of(group_sizes: jax.Array, num_rows: int):

@@ -25,8 +25,8 @@ run them, assuming balanced routing (every device's experts receive the same sha
 Everything outside the expert loops and calls is unchanged (tests/capacity/test_cost.py: a tiny GLM forward and
 gradient and the gathered exchange on 8 devices, against the analytic count). f: padding rows a GPU sends nowhere
 (the planner's decode step: 1 / seq, `Planner.expert_model`). min(L, rows) is an upper bound of the experts hit by
-few rows (each row a new expert). The decode step vmaps its N branches and XLA:CPU broadcasts the expert matrices to
-them (`ops/moe._broadcast_batched`); the model reads each hit matrix once per call for all N.
+few rows (each row a new expert). The decode step vmaps its N branches; the model reads each hit matrix once per call
+for all N, as the GPU's grouped matmul does (`ops/moe._shared_weights` merges the N branches' rows into one call).
 """
 from __future__ import annotations
 
