@@ -15,6 +15,12 @@ Triton's `dot` needs), scores and accumulators float32, matmul inputs in the inp
   heads that read it, dk += ds^T q, dv += p^T dO (no atomics: each program owns its rows); a causal query block
   that ends before the key block, and a key block past kv_length, are skipped.
 
+Decoding reads each key once per step, not once per branch and query head: with fewer queries than a row block,
+the rep query heads of a key/value head become rows of one tile (`_heads_as_rows`: one program per key/value head,
+not per query head), and under `jax.vmap` over branches that share the cache (q batched, the cache unbatched) the
+forward folds every branch's rows into one call (`_forward_folding`). The backward keeps a grid per branch (the
+cache's cotangent is per branch, as `vmap` defines it).
+
 The cache is read in place: k, v [*lead, S, Hkv, D] are viewed as [lead * S, Hkv, D] (a reshape, no copy) and the
 kernels load rows `row0 + i` of the layer `kv_index` selects, masked at S (a masked load never reads past the
 end, on a GPU or in interpret mode). Queries are padded to a multiple of the query block (position -1: no key
@@ -65,6 +71,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
         raise ValueError(f"attend: {num_heads} query heads are not a multiple of {kv_heads} key/value heads")
     if interpret is None:
         interpret = not on_gpu()
+    rep = num_heads // kv_heads
+    if rep > 1 and num_q < BLOCK_Q:  # few queries (decoding): the rep heads of a key/value head as rows of one tile
+        packed = attend(_heads_as_rows(q, rep), k, v, q_positions=jnp.repeat(q_positions, rep), k_offset=k_offset,
+                        scale=scale, causal=causal, kv_length=kv_length, kv_index=kv_index, left_pad=left_pad,
+                        kv_positions=kv_positions, interpret=interpret)
+        return Attended(_rows_as_heads(packed.out, rep), _rows_as_heads(packed.lse, rep))
     if len(kv_index) != len(lead):
         raise ValueError(f"attend: kv_index selects {len(kv_index)} of the cache's {len(lead)} leading axes")
     rows = math.prod(lead) * seq_len
@@ -83,9 +95,24 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
     q = jnp.pad(_pad_dim(q), ((0, padded_q - num_q), (0, 0), (0, 0)))
     q_positions = jnp.pad(q_positions.astype(jnp.int32), (0, padded_q - num_q), constant_values=-1)
     static = _Static(scale=scale, causal=causal, seq_len=seq_len, block_q=block_q,
-                     block_k=min(BLOCK_K, _tile(seq_len)), interpret=interpret)
+                     block_k=min(BLOCK_K, _tile(seq_len)), interpret=interpret, num_q=num_q)
     out, lse = _flash(static, q, _pad_dim(k_flat), _pad_dim(v_flat), q_positions, scalars, kv_positions)
     return Attended(out[:num_q, :, :value_dim], lse[:num_q])
+
+
+def _heads_as_rows(q: jax.Array, rep: int) -> jax.Array:
+    """q [T, Hkv * rep, D] -> [T * rep, Hkv, D]: row t * rep + g of head h is query head h * rep + g of token t (the
+    heads that read key/value head h), so one program per key/value head reads its keys once for all of them."""
+    t, heads = q.shape[:2]
+    return jnp.swapaxes(q.reshape((t, heads // rep, rep) + q.shape[2:]), 1, 2).reshape((t * rep, heads // rep)
+                                                                                        + q.shape[2:])
+
+
+def _rows_as_heads(x: jax.Array, rep: int) -> jax.Array:
+    """The inverse of `_heads_as_rows` for a result [T * rep, Hkv, ...] -> [T, Hkv * rep, ...]."""
+    rows, kv_heads = x.shape[:2]
+    return jnp.swapaxes(x.reshape((rows // rep, rep, kv_heads) + x.shape[2:]), 1, 2).reshape(
+        (rows // rep, kv_heads * rep) + x.shape[2:])
 
 
 def _tile(n: int) -> int:
@@ -109,6 +136,7 @@ class _Static:
     block_q: int
     block_k: int
     interpret: bool
+    num_q: int  # the real query rows (the rest, to a multiple of block_q, are padding)
 
 
 # ----- masks, shared by the kernels -----
@@ -329,15 +357,51 @@ def _backward(static, q, k, v, q_positions, scalars, kv_positions, d_out, lse, d
     return dq, dk[: static.seq_len], dv[: static.seq_len]
 
 
+def _forward_folding(static, q, k, v, q_positions, scalars, kv_positions):
+    """`_forward`, and under `jax.vmap` with the cache shared (k, v, the scalars and kv_positions unbatched: branches
+    decoding over one prompt cache) the N batches' real query rows fold into one call ([N * num_q] rows, padded to a
+    new block), so each key block is read once for all N rather than by N grids of programs; its results are put
+    back [N, Tp, ...] (padding rows: 0). Otherwise `pallas_call`'s own batching (a grid per batch)."""
+    extra = () if kv_positions is None else (kv_positions,)
+
+    def forward(q, k, v, q_positions, scalars, *extra):
+        return _forward(static, q, k, v, q_positions, scalars, *(extra or (None,)))
+
+    g = jax.custom_batching.custom_vmap(forward)
+
+    @g.def_vmap
+    def rule(axis_size, in_batched, q, k, v, q_positions, scalars, *extra):
+        if any(in_batched[1:3]) or in_batched[4] or any(in_batched[5:]):  # per-batch caches: a grid per batch
+            axes = tuple(0 if b else None for b in in_batched)
+            return jax.vmap(forward, in_axes=axes)(q, k, v, q_positions, scalars, *extra), (True, True)
+        if not in_batched[0]:
+            q = jnp.broadcast_to(q, (axis_size,) + q.shape)
+        if not in_batched[3]:
+            q_positions = jnp.broadcast_to(q_positions, (axis_size,) + q_positions.shape)
+        num_q, padded = static.num_q, q.shape[1]
+        rows = axis_size * num_q
+        block_q = min(BLOCK_Q, _tile(rows))
+        pad = -(-rows // block_q) * block_q - rows
+        folded_q = jnp.pad(q[:, :num_q].reshape((rows,) + q.shape[2:]), ((0, pad), (0, 0), (0, 0)))
+        folded_positions = jnp.pad(q_positions[:, :num_q].reshape(rows), (0, pad), constant_values=-1)
+        folded = dataclasses.replace(static, block_q=block_q, num_q=rows)
+        out, lse = _forward_folding(folded, folded_q, k, v, folded_positions, scalars, *(extra or (None,)))
+        unfold = lambda x: jnp.pad(x[:rows].reshape((axis_size, num_q) + x.shape[1:]),
+                                   [(0, 0), (0, padded - num_q)] + [(0, 0)] * (x.ndim - 1))
+        return (unfold(out), unfold(lse)), (True, True)
+
+    return g(q, k, v, q_positions, scalars, *extra)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(static, q, k, v, q_positions, scalars, kv_positions):
     """q [Tp, Hq, D] (Tp a multiple of block_q); k, v: the flattened cache [rows, Hkv, D]. -> (out [Tp, Hq, Dv],
     lse [Tp, Hq]) float32."""
-    return _forward(static, q, k, v, q_positions, scalars, kv_positions)
+    return _forward_folding(static, q, k, v, q_positions, scalars, kv_positions)
 
 
 def _flash_fwd(static, q, k, v, q_positions, scalars, kv_positions):
-    out, lse = _forward(static, q, k, v, q_positions, scalars, kv_positions)
+    out, lse = _forward_folding(static, q, k, v, q_positions, scalars, kv_positions)
     return (out, lse), (q, k, v, q_positions, scalars, kv_positions, out, lse)
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -112,6 +113,63 @@ def test_kernels_match_xla_and_dense(name):
         for what, a, c in zip(("out", "lse", "dq", "dk", "dv"), stored, dense):
             scale = max(1.0, float(jnp.max(jnp.abs(c))))
             np.testing.assert_allclose(a, c, atol=atol * scale, rtol=0, err_msg=f"{name}: {what}, heads as stored")
+
+
+def _pallas_grids(fn, *args) -> dict:
+    """{kernel name: [grids]} of the pallas_calls in fn's jaxpr (nested jaxprs included)."""
+    grids = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                grids.setdefault(eqn.params["name"], []).append(eqn.params["grid_mapping"].grid)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return grids
+
+
+def test_branches_over_one_cache_read_it_once():
+    """Decoding: N branches' query rows over one shared cache (`jax.vmap` over q, the cache unbatched) run as one
+    forward call whose programs each read a key/value head's keys once for every branch and every query head that
+    reads them (rows = N x T x rep, one row block), not one grid per branch and query head; out, LSE and gradients
+    as one call per branch. A cache per branch keeps a grid per branch."""
+    case = Case(T=1, S=70, Hq=6, Hkv=2, D=24, Dv=20, lead=(2,), index=(1,), causal=False, kv_length=50, left_pad=9)
+    (q, k, v), options = _inputs(case)
+    branches = 4
+    qs = jnp.asarray(np.random.default_rng(1).normal(size=(branches,) + q.shape), q.dtype)
+    positions = options.pop("q_positions")
+    call = lambda q, k, v, q_positions: flash_attention.attend(q, k, v, q_positions=q_positions, **options)
+    # one branch: the 3 query heads of a key/value head are rows of one tile (a program per key/value head)
+    assert _pallas_grids(call, q, k, v, positions) == {"flash_attention_forward": [(1, case.Hkv)]}
+    together = jax.vmap(call, in_axes=(0, None, None, None))
+    grids = _pallas_grids(together, qs, k, v, positions)
+    assert grids == {"flash_attention_forward": [(1, case.Hkv)]}, grids  # 4 x 1 x 3 rows: one block per head
+    got = jax.jit(together)(qs, k, v, positions)
+    for b in range(branches):
+        want = _dense(qs[b], k, v, q_positions=positions, **options)
+        np.testing.assert_allclose(got.out[b], want.out, atol=2e-5)
+        np.testing.assert_allclose(got.lse[b], want.lse, atol=2e-5)
+    # gradients: per branch (vmap of grad) and of the branches' summed loss (the cache's cotangent summed)
+    loss = lambda q, k, v: jnp.sum(jnp.sin(call(q, k, v, positions).out)) + jnp.sum(call(q, k, v, positions).lse)
+    dense_loss = lambda q, k, v: (jnp.sum(jnp.sin(_dense(q, k, v, q_positions=positions, **options).out))
+                                  + jnp.sum(_dense(q, k, v, q_positions=positions, **options).lse))
+    got = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, None, None)))(qs, k, v)
+    want = jax.vmap(jax.grad(dense_loss, argnums=(0, 1, 2)), in_axes=(0, None, None))(qs, k, v)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=5e-5)
+    summed = lambda f: jax.grad(lambda q, k, v: jnp.sum(jax.vmap(f, in_axes=(0, None, None))(q, k, v)), (0, 1, 2))
+    for a, b in zip(jax.jit(summed(loss))(qs, k, v), summed(dense_loss)(qs, k, v)):
+        np.testing.assert_allclose(a, b, atol=5e-5)
+    # per-branch caches (a branch's own tail): a grid per branch, as before
+    ks, vs = jnp.stack([k] * branches), jnp.stack([v * (b + 1) for b in range(branches)])
+    own = jax.vmap(call, in_axes=(0, 0, 0, None))
+    assert _pallas_grids(own, qs, ks, vs, positions)["flash_attention_forward"][0] != (1, case.Hkv)
+    got = jax.jit(own)(qs, ks, vs, positions)
+    for b in range(branches):
+        np.testing.assert_allclose(got.out[b], _dense(qs[b], ks[b], vs[b], q_positions=positions, **options).out,
+                                   atol=2e-5)
 
 
 def test_partials_merge_exactly_under_autodiff():
