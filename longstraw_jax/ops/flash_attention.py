@@ -103,16 +103,16 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
 def _heads_as_rows(q: jax.Array, rep: int) -> jax.Array:
     """q [T, Hkv * rep, D] -> [T * rep, Hkv, D]: row t * rep + g of head h is query head h * rep + g of token t (the
     heads that read key/value head h), so one program per key/value head reads its keys once for all of them."""
-    t, heads = q.shape[:2]
-    return jnp.swapaxes(q.reshape((t, heads // rep, rep) + q.shape[2:]), 1, 2).reshape((t * rep, heads // rep)
-                                                                                        + q.shape[2:])
+    t, kv_heads = q.shape[0], q.shape[1] // rep
+    grouped = jnp.swapaxes(q.reshape((t, kv_heads, rep) + q.shape[2:]), 1, 2)  # [T, rep, Hkv, D]
+    return grouped.reshape((t * rep, kv_heads) + q.shape[2:])
 
 
 def _rows_as_heads(x: jax.Array, rep: int) -> jax.Array:
     """The inverse of `_heads_as_rows` for a result [T * rep, Hkv, ...] -> [T, Hkv * rep, ...]."""
-    rows, kv_heads = x.shape[:2]
-    return jnp.swapaxes(x.reshape((rows // rep, rep, kv_heads) + x.shape[2:]), 1, 2).reshape(
-        (rows // rep, kv_heads * rep) + x.shape[2:])
+    t, kv_heads = x.shape[0] // rep, x.shape[1]
+    grouped = jnp.swapaxes(x.reshape((t, rep, kv_heads) + x.shape[2:]), 1, 2)  # [T, Hkv, rep, ...]
+    return grouped.reshape((t, kv_heads * rep) + x.shape[2:])
 
 
 def _tile(n: int) -> int:

@@ -11,10 +11,9 @@ captured one after another (`lax.map`: one capture's activations live at a time)
 together (`decode_together`: `jax.vmap` of the branch loop over groups, one decode step per response position for
 all B x G branches, each group reading its own prompt cache; a single group without the vmap). Without it
 (held-out evaluation: many prompts, nothing kept) the groups are sampled one after another, so only one prompt
-state lives at a time. On a mesh B is split over `data`
-(`sharding/groups.py`): each data slice does the same with its own groups, captured in rounds into seq-sharded
-caches (`sampling.mesh`). Group b uses keys[b]; its tokens are those `sampling.branches.sample_group` draws with
-that key.
+state lives at a time. On a mesh B is split over `data` (`sharding/groups.py`): each data slice does the same with
+its own groups, captured in rounds into seq-sharded caches (`sampling.mesh`). Group b uses keys[b]; its tokens are
+those `sampling.branches.sample_group` draws with that key.
 """
 from __future__ import annotations
 
