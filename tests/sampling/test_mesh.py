@@ -12,6 +12,7 @@ CPU devices, tiny models at O(1) scale.
 - no weights move per decoded token: the compiled decode step (all branches, 1x8) all-gathers no matrix that the
   layers apply through `linear` (each device multiplies by its own FSDP shard, `sharding/tensor.py`); GLM's
   kv_b_proj, still gathered, shows the check sees a gathered weight;
+- kernels="pallas" (interpreted): the same tokens as the XLA attention, the branches folded into one kernel call;
 - memory: per-device bytes (arguments + temporaries, AOT `memory_analysis()`) on 1x8 are well under a third of the
   one-device sampler's at a prompt whose cache dominates: nothing of size P is replicated.
 """
@@ -94,6 +95,20 @@ def test_mesh_sampler_equals_one_device_and_keeps_the_sharded_capture(family, sp
         if hasattr(fresh, name):
             np.testing.assert_allclose(getattr(natural, name), getattr(fresh, name), rtol=1e-4, atol=1e-4,
                                        err_msg=name)
+
+
+def test_mesh_sampler_with_pallas_attention_draws_the_xla_tokens():
+    """kernels="pallas" (the flash kernels, interpreted here): the mesh decoder's G branches over the sharded prompt
+    cache fold into one forward call per step (`ops/flash_attention._forward_folding`, inside the mesh's shard_map)
+    and draw the tokens, masks and log-probs of the XLA attention."""
+    model, params, prompt = _setup("qwen36")
+    mesh = sharding.make_mesh("2x4")
+    placed = _placed(params, mesh)
+    sampling = SamplingConfig(response_len=R, temperature=0.8, top_p=0.9)
+    run = lambda model: sample.sample_group(model, placed, prompt, G, sampling, jax.random.key(4), mesh,
+                                            chunk_size=ROUND)
+    pallas = models.build(dataclasses.replace(model.config, kernels="pallas"))
+    _assert_same_rollout(run(pallas), run(model))
 
 
 def test_nothing_of_prompt_size_is_replicated():
