@@ -38,8 +38,9 @@ once per softmax-attention implementation (`ops.kernels`: the XLA path, the Pall
 child, and a table gives XLA / Pallas per measurement next to the time model's estimate of the Pallas program (the
 XLA program costed with the kernels' FLOPs and bytes, `capacity.hlo.KernelModel`). First, the **kernel table**
 (`kernel_table`): the flash-attention kernel against the XLA path at Qwen3.6-27B's attention shapes (24 query / 4 KV
-heads of 256, bf16; `KERNEL_SHAPES`) for a chunk over itself, a chunk over a 32K cache and 8 decoded tokens over a 64K
-cache, causal, forward and forward + backward: the largest error relative to the XLA output's scale, both medians,
+heads of 256, bf16; `KERNEL_SHAPES`) for a chunk over itself, a chunk over a 32K cache, 8 decoded tokens over a 64K
+cache and a decode step of 8 branches over one 64K cache (vmapped, as the sampler runs it), causal, forward and
+forward + backward: the largest error relative to the XLA output's scale, both medians,
 TFLOP/s by the analytic count (forward 4 x visible pairs x Hq x D; the backward 2.5x the forward) and the fraction of
 the device's bf16 peak. After the attention rows, the same columns for the chunked Gated DeltaNet
 (`ops.flash_gated_delta` vs `ops.gated_delta.gated_delta_rule_chunked` at Qwen3.6-27B's GDN: 48 value heads,
@@ -85,13 +86,16 @@ TINY = dict(config="configs/qwen3.6-tiny.json", dtype="float32", capture_start=2
             kernels="xla", capture_lens=[], planner=True)
 # The kernel table (issue 41): flash attention at Qwen3.6-27B's attention shapes (24 query / 4 KV heads of 256,
 # bf16) on an accelerator, the tiny preset's (4 / 2 heads of 32, float32, interpreted kernels) on CPU. Each case:
-# (label, T queries, S keys); the queries are the last T positions of the S keys, causal (a capture chunk over itself,
-# a chunk over a cache ending with it, tokens decoded after a cache).
+# (label, T queries, S keys[, N branches]); the queries are the last T positions of the S keys, causal (a capture chunk
+# over itself, a chunk over a cache ending with it, tokens decoded after a cache); with N, a decode step of N branches
+# over one shared cache (`jax.vmap` over N single queries at position S - 1, the cache unbatched: the sampler's form).
 KERNEL_SHAPES = dict(full=dict(heads=24, kv_heads=4, head_dim=256, dtype="bfloat16", reps=5,
                                cases=[("chunk over itself", 8192, 8192), ("chunk over a 32K cache", 4096, 32768),
-                                      ("8 decoded over a 64K cache", 8, 65536)]),
+                                      ("8 decoded over a 64K cache", 8, 65536),
+                                      ("8 branches' tokens over one 64K cache", 1, 65536, 8)]),
                      tiny=dict(heads=4, kv_heads=2, head_dim=32, dtype="float32", reps=2,
-                               cases=[("chunk over itself", 64, 64), ("8 decoded over a cache", 8, 256)]))
+                               cases=[("chunk over itself", 64, 64), ("8 decoded over a cache", 8, 256),
+                                      ("4 branches' tokens over one cache", 1, 256, 4)]))
 # The GDN and sparse latent attention rows of the kernel table, after the attention rows: the shapes are the configs'
 # (GDN: value heads, dk, dv, chunk of `config`, here Qwen3.6-27B's 48 heads of 128 x 128 in chunks of 64, float32;
 # latent: GLM-5.2's heads, kv_lora_rank + qk_rope_head_dim, index_topk, query block, bf16), the cases these. GDN:
@@ -442,6 +446,7 @@ def attention_table(size: str, peak):
     both, the analytic FLOPs (`attention_flops`), TFLOP/s, the fraction of the device's bf16 peak
     (`hardware.for_device_kind`; None without an entry) and XLA / Pallas. Yields (label, a function yielding the
     case's rows)."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -449,12 +454,13 @@ def attention_table(size: str, peak):
 
     shape = KERNEL_SHAPES[size]
     hq, hkv, d, dtype = shape["heads"], shape["kv_heads"], shape["head_dim"], jnp.dtype(shape["dtype"])
-    for label, t, s in shape["cases"]:
-        def case(t=t, s=s, label=label):
+    for label, t, s, *branches in shape["cases"]:
+        def case(t=t, s=s, label=label, n=branches[0] if branches else None):
             rng = np.random.default_rng(0)
             normal = lambda shape, dt: jnp.asarray(rng.standard_normal(shape), dt)
-            q, k, v = normal((t, hq, d), dtype), normal((s, hkv, d), dtype), normal((s, hkv, d), dtype)
-            cotangents = (normal((t, hq, d), jnp.float32), normal((t, hq), jnp.float32))
+            lead = () if n is None else (n,)
+            q, k, v = normal(lead + (t, hq, d), dtype), normal((s, hkv, d), dtype), normal((s, hkv, d), dtype)
+            cotangents = (normal(lead + (t, hq, d), jnp.float32), normal(lead + (t, hq), jnp.float32))
             positions = jnp.arange(t, dtype=jnp.int32) + (s - t)
 
             def forward(impl):
@@ -462,11 +468,13 @@ def attention_table(size: str, peak):
                     a = attention.attend(q, k, v, q_positions=positions, k_offset=0, scale=d**-0.5, causal=True,
                                          kernels=impl)
                     return a.out, a.lse
-                return f
+                return f if n is None else jax.vmap(f, in_axes=(0, None, None))
 
+            flops = {kind: (n or 1) * f for kind, f in attention_flops(t, s, hq, d).items()}
             yield from _compare(label, {impl: forward(impl) for impl in ("xla", "pallas")}, (q, k, v), cotangents,
-                                shape["reps"], attention_flops(t, s, hq, d), peak, T=t, S=s, heads=hq, kv_heads=hkv,
-                                head_dim=d, dtype=str(dtype), pairs=visible_pairs(t, s))
+                                shape["reps"], flops, peak, T=t, S=s, heads=hq, kv_heads=hkv, head_dim=d,
+                                dtype=str(dtype), pairs=(n or 1) * visible_pairs(t, s),
+                                **({} if n is None else dict(branches=n)))
         yield label, case
 
 
