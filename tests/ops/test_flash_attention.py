@@ -218,6 +218,23 @@ def test_every_kernel_lowers_for_cuda(dtype, T, S, Hq, Hkv, D, lead):
     assert text.count("xla.gpu.triton") == 3
 
 
+def test_decoding_forms_lower_for_cuda():
+    """A decode step of 8 branches over one stacked Qwen3.6-27B cache (vmapped, the forward folded: 8 x 6 packed rows
+    in one call; the backward a grid per branch) compiles to Triton custom calls for a GPU on this CPU host."""
+    q = jax.ShapeDtypeStruct((8, 1, 24, 256), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((3, 2, 1000, 4, 256), jnp.bfloat16)
+
+    def loss(q, k, v):
+        one = lambda q: flash_attention.attend(q, k, v, q_positions=jnp.array([999], jnp.int32), k_offset=0,
+                                               scale=0.0625, causal=False, kv_index=(2, 1), left_pad=3,
+                                               kv_length=900, interpret=False)
+        r = jax.vmap(one)(q)
+        return jnp.sum(r.out) + jnp.sum(r.lse)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 3 and "flash_attention_forward" in text
+
+
 def test_kernel_choice():
     assert kernels.resolve("auto", backend="gpu") == "pallas"
     assert kernels.resolve("auto", backend="cpu") == "xla"
