@@ -242,6 +242,41 @@ def test_a_decode_step_copies_no_stack_of_weights(family):
     assert forbidden and not forbidden & hlo_result_shapes(hlo), sorted(forbidden & hlo_result_shapes(hlo))
 
 
+def test_glm_decoding_on_a_gpu_reads_each_chosen_expert_once(monkeypatch):
+    """GLM-5.x's one-device decode step picks its experts' matmul by backend: gathered weights on a CPU, the grouped
+    matmul elsewhere (`ragged_dot`; under the branches' vmap their rows merge into one call, `ops/moe.py`), so no
+    [N, k, I, D] copy of gathered expert weights. With the backend reported as "gpu" (the grouped matmul then runs
+    through XLA:CPU's ragged_dot expansion) a group samples the CPU path's tokens and log-probs."""
+    from tests.helpers import o1_params
+
+    config = models.Glm52Config.tiny(vocab_size=64, hidden_size=40, moe_intermediate_size=24)
+    model = models.build(config)
+    params = o1_params(model.init(jax.random.key(0)), jax.random.key(1))
+    prompt = np.random.default_rng(2).integers(0, 64, 20).astype(np.int32)
+    sampling = SamplingConfig(response_len=4, temperature=0.7)
+    want = rollout.sample_group(model, params, prompt, 3, sampling, jax.random.key(3), chunk_size=8)
+    state = jax.eval_shape(lambda: model.init_state(48))
+    tails = jax.tree.map(lambda a: jax.ShapeDtypeStruct((3,) + a.shape, a.dtype),
+                         jax.eval_shape(lambda: model.init_tail(params, state, 8)))
+    step = lambda: str(jax.make_jaxpr(jax.vmap(model.decode, in_axes=(None, None, 0, 0, None)))(
+        params, state, tails, jax.ShapeDtypeStruct((3,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)))
+    # one projection's gathered copies: [3 branches, k, I, D]
+    gathered = f"f32[3,{config.num_experts_per_tok},{config.moe_intermediate_size},{config.hidden_size}]"
+    text = step()
+    assert gathered in text and "ragged_dot" not in text
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    jax.clear_caches()  # traced loop bodies are cached
+    text = step()
+    assert "ragged_dot" in text and gathered not in text
+    try:
+        got = rollout.sample_group(model, params, prompt, 3, sampling, jax.random.key(3), chunk_size=8)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()  # nothing traced for "gpu" outlives the test
+    np.testing.assert_array_equal(got.responses, want.responses)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+
+
 def test_top_p_keeps_the_nucleus():
     logits = jnp.log(jnp.array([0.1, 0.5, 0.15, 0.25]))
     kept = lambda p: np.isfinite(np.asarray(sampling_logits(logits, 1.0, p)))

@@ -84,8 +84,12 @@ class DecodeReader(NamedTuple):
         return lp
 
     def routed_experts(self, x, experts, weights, p: dict) -> jax.Array:
-        """One token's experts, each slot's weights gathered (`gathered_swiglu`: not all E experts per step)."""
-        return gathered_swiglu(x, experts, weights, p["experts_gate"], p["experts_up"], p["experts_down"])
+        """One token's experts. On a CPU each slot's weights gathered (`gathered_swiglu`: the CPU's grouped matmul
+        runs every row through all E experts); elsewhere the grouped matmul (`grouped_swiglu`: `ragged_dot`, which
+        under the sampler's vmap merges the branches' rows and reads each chosen expert once, where gathering would
+        copy N x k expert matrices per layer and step)."""
+        swiglu = gathered_swiglu if jax.default_backend() == "cpu" else grouped_swiglu
+        return swiglu(x, experts, weights, p["experts_gate"], p["experts_up"], p["experts_down"])
 
     def select(self, c: Glm52Config, q, w, keys, full, k: int) -> jax.Array:
         common, length = mesh_forward.topk_common(c, k), self.state.length
