@@ -248,6 +248,15 @@ def gathered_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_p
     return add_to_tokens(out, jnp.arange(num_tokens * k) // k, weights.reshape(-1), num_tokens)
 
 
+def decoding_swiglu(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_proj, up_proj, down_proj) -> jax.Array:
+    """`grouped_swiglu` for a decoded token, by backend (as `_grouped`): on a CPU `gathered_swiglu` (the CPU's grouped
+    matmul runs every row through all E experts); elsewhere `grouped_swiglu` (`ragged_dot`: under the sampler's vmap
+    the branches' rows merge into one call and each chosen expert is read once, where gathering would copy N x k
+    expert matrices per layer and step)."""
+    swiglu = gathered_swiglu if jax.default_backend() == "cpu" else grouped_swiglu
+    return swiglu(x, experts, weights, gate_proj, up_proj, down_proj)
+
+
 def add_to_tokens(rows: jax.Array, tokens: jax.Array, weights: jax.Array, num_tokens: int) -> jax.Array:
     """sum over rows r of weights[r] * rows[r], added to token tokens[r]: rows [M, D]; tokens int [M] in
     [0, num_tokens); weights float32 [M] (products in float32, rounded to rows.dtype). -> [num_tokens, D]."""

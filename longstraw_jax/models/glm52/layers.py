@@ -17,7 +17,7 @@ from longstraw_jax.ops.dtypes import at_least_f32
 from longstraw_jax.ops.lora import materialize
 from longstraw_jax.ops.mla import sparse_latent_attention, sparse_latent_attention_partial
 from longstraw_jax.ops.mlp import linear, swiglu
-from longstraw_jax.ops.moe import gathered_swiglu, grouped_swiglu, route
+from longstraw_jax.ops.moe import decoding_swiglu, grouped_swiglu, route
 from longstraw_jax.ops.norms import layer_norm, rms_norm
 from longstraw_jax.ops.rope import RopeConfig, apply_rope_interleaved, cos_sin, inverse_frequencies, rope_positions
 
@@ -84,12 +84,8 @@ class DecodeReader(NamedTuple):
         return lp
 
     def routed_experts(self, x, experts, weights, p: dict) -> jax.Array:
-        """One token's experts. On a CPU each slot's weights gathered (`gathered_swiglu`: the CPU's grouped matmul
-        runs every row through all E experts); elsewhere the grouped matmul (`grouped_swiglu`: `ragged_dot`, which
-        under the sampler's vmap merges the branches' rows and reads each chosen expert once, where gathering would
-        copy N x k expert matrices per layer and step)."""
-        swiglu = gathered_swiglu if jax.default_backend() == "cpu" else grouped_swiglu
-        return swiglu(x, experts, weights, p["experts_gate"], p["experts_up"], p["experts_down"])
+        """One token's experts (`decoding_swiglu`: gathered on a CPU, the grouped matmul elsewhere)."""
+        return decoding_swiglu(x, experts, weights, p["experts_gate"], p["experts_up"], p["experts_down"])
 
     def select(self, c: Glm52Config, q, w, keys, full, k: int) -> jax.Array:
         common, length = mesh_forward.topk_common(c, k), self.state.length
