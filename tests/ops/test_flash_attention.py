@@ -192,6 +192,23 @@ def test_partials_merge_exactly_under_autodiff():
         np.testing.assert_allclose(a, b, atol=2e-5)
 
 
+def test_an_empty_cache_launches_no_kernel():
+    """No keys at all (S = 0: a forward from the start reads an empty cache) gives what the XLA path gives, out 0
+    and LSE MASKED, without a pallas_call (a 0-row Triton block); merged with the new keys it is their attention."""
+    args, options = _inputs(Case(T=5, S=12, Hq=4, Hkv=2, causal=True))
+    q, k, v = args
+    empty = lambda q: flash_attention.attend(q, k[:0], v[:0], **options)
+    assert _pallas_grids(empty, q) == {}
+    got, want = empty(q), attention.attend(q, k[:0], v[:0], **options)
+    np.testing.assert_array_equal(got.out, want.out)
+    np.testing.assert_array_equal(got.lse, want.lse)
+    assert np.all(np.asarray(got.lse) == MASKED) and not np.any(np.asarray(got.out))
+    new = flash_attention.attend(q, k, v, **options)
+    merged = attention.merge(got, new)
+    np.testing.assert_allclose(merged.out, new.out, atol=1e-6)
+    np.testing.assert_allclose(merged.lse, new.lse, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype,T,S,Hq,Hkv,D,lead", [
     ("bfloat16", 300, 1000, 24, 4, 256, ()),  # Qwen3.6-27B's attention: a prompt chunk over itself
     ("bfloat16", 8, 1000, 24, 4, 256, (3, 2)),  # G decoded tokens over a stacked prompt cache

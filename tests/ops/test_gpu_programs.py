@@ -13,15 +13,18 @@ are cleared before and after each test, so no trace made for one backend is reus
 import dataclasses
 import os
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from longstraw_jax import models, sharding, train
+from longstraw_jax.adapters import lora, trainable
 from longstraw_jax.grpo import GroupBatch, GRPOConfig
 from longstraw_jax.sampling import groups, turns
 from longstraw_jax.sampling.branches import SamplingConfig
+from longstraw_jax.trainer import pretrain, warmup
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 S = jax.ShapeDtypeStruct
@@ -37,12 +40,18 @@ DECODING = {"qwen36": {"flash_attention_forward"}, "glm52": GLM_FORWARD}
 
 @pytest.fixture
 def on_gpu(monkeypatch):
-    """The backend reported as "gpu" for the test's traces; every cached trace dropped before and after."""
+    """The backend reported as "gpu" for the test's traces; every cached trace dropped before and after. Fails if
+    Pallas's lowering warned (it does, with numpy's RuntimeWarning, where a kernel gets a zero-sized block: a shape
+    Triton does not take)."""
     jax.clear_caches()
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    yield
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
     monkeypatch.undo()
     jax.clear_caches()
+    pallas = [w for w in caught if issubclass(w.category, RuntimeWarning) and "pallas" in w.filename]
+    assert not pallas, f"Pallas's lowering warned: {pallas[0].message} ({pallas[0].filename}:{pallas[0].lineno})"
 
 
 def check(lowered, family: str, kernels: set[str]):
@@ -62,8 +71,9 @@ def abstract(model, dtype=jnp.float32):
 
 
 def update(model, params, mode: str, prompt_len: int, group_size: int, response_len: int, chunk: int, mesh=None,
-           groups_per_step: int | None = None):
-    """The trainer's update program (`train.jitted_train_step`) lowered for CUDA from shapes alone."""
+           groups_per_step: int | None = None, frozen=None):
+    """The trainer's update program (`train.jitted_train_step`) lowered for CUDA from shapes alone; params: the
+    trainable part when `frozen` holds the rest (`trainable.split`)."""
     lead = () if groups_per_step is None else (groups_per_step,)
     batch = GroupBatch(prompt=S(lead + (prompt_len,), jnp.int32),
                        responses=S(lead + (group_size, response_len), jnp.int32),
@@ -73,7 +83,7 @@ def update(model, params, mode: str, prompt_len: int, group_size: int, response_
     optimizer = train.make_optimizer(1e-4)
     opt_state = jax.eval_shape(optimizer.init, params)
     return train.jitted_train_step.trace(model, params, opt_state, batch, optimizer, GRPOConfig(), mode, chunk,
-                                         mesh).lower(lowering_platforms=("cuda",))
+                                         mesh, None, frozen).lower(lowering_platforms=("cuda",))
 
 
 def sampler(model, params, prompt_len: int, group_size: int, response_len: int, chunk: int, mesh=None,
@@ -168,3 +178,27 @@ def test_agent_turn_programs_lower_for_cuda_with_compiled_kernels(on_gpu, family
     lowered = turns._observe.trace(*common, per_branch(jnp.int32, 3), per_branch(jnp.int32), prompt_len).lower(
         lowering_platforms=cuda)
     check(lowered, family, DECODING[family])
+
+
+@pytest.mark.parametrize("family", ["qwen36", "glm52"])
+def test_lora_warm_up_and_pretraining_programs_lower_for_cuda(on_gpu, family):
+    """The other programs a run compiles: the exact update of LoRA adapters on every matrix (`--train lora`; the
+    base frozen), the supervised warm-up's step (rows together, and one row at a time for long prompts) and
+    `longstraw_jax.pretrain`'s step: each calls every kernel and its backward, compiled."""
+    model = tiny(family)
+    params = abstract(model)
+    paths = lora.resolve_targets(params, "all")
+    adapted = jax.eval_shape(lambda p, key: lora.add_adapters(p, paths, 4, 8.0, key), params, jax.random.key(0))
+    adapters, frozen = trainable.split(adapted, trainable.adapter_leaf)
+    lowered = update(model, adapters, "exact", prompt_len=64, group_size=4, response_len=8, chunk=32, frozen=frozen)
+    check(lowered, family, expected(family, backward=True))
+    optimizer = train.make_optimizer(1e-4)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    rows = (S((4, 32), jnp.int32), S((4, 4), jnp.int32), S((4, 4), jnp.float32))  # prompts, targets, mask
+    for per_row in (False, True):
+        step = jax.jit(lambda p, o, *r, per_row=per_row: warmup.sft_step(model, optimizer, p, o, *r, per_row=per_row))
+        check(step.trace(params, opt_state, *rows).lower(lowering_platforms=("cuda",)), family,
+              expected(family, backward=True))
+    lowered = pretrain.train_step.trace(model, optimizer, params, opt_state, S((4, 64), jnp.int32)).lower(
+        lowering_platforms=("cuda",))
+    check(lowered, family, expected(family, backward=True))
