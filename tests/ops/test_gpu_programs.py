@@ -142,15 +142,22 @@ def test_mesh_programs_lower_for_cuda_with_compiled_kernels(on_gpu, family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, family", [("qwen3.6-27b.json", "qwen36"), ("glm-5.2.json", "glm52")])
-def test_full_size_programs_lower_for_cuda(on_gpu, name, family):
+@pytest.mark.parametrize("mesh_spec, prompt_len", [(None, 4096), ("1x8", 16384)])
+def test_full_size_programs_lower_for_cuda(on_gpu, name, family, mesh_spec, prompt_len):
     """Qwen3.6-27B and GLM-5.2 at their own sizes (bfloat16 weights from shapes alone, never allocated; head dims,
-    GQA ratios, MLA ranks and expert counts as configured), a 4K-token prompt, G 8, R 64: the exact update and the
+    GQA ratios, MLA ranks and expert counts as configured), G 8, R 64, on one device (a 4K prompt) and sequence-
+    parallel over 8 devices (a 16K prompt; GLM's experts exchanged by `ragged_all_to_all`): the exact update and the
     sampler lower, calling every kernel at the model's real shapes."""
     model = models.build(dataclasses.replace(models.config_from_hf(os.path.join(CONFIGS, name)), kernels="pallas"))
     params = abstract(model, jnp.bfloat16)
-    lowered = update(model, params, "exact", prompt_len=4096, group_size=8, response_len=64, chunk=1024)
+    mesh = None if mesh_spec is None else sharding.make_mesh(mesh_spec)
+    chunk = 1024 if mesh is None else 2048
+    lowered = update(model, params, "exact", prompt_len=prompt_len, group_size=8, response_len=64, chunk=chunk,
+                     mesh=mesh, groups_per_step=None if mesh is None else 1)
     check(lowered, family, expected(family, backward=True))
-    lowered = sampler(model, params, prompt_len=4096, group_size=8, response_len=64, chunk=1024)
+    if mesh is not None and family == "glm52":
+        assert "ragged_all_to_all" in lowered.as_text()
+    lowered = sampler(model, params, prompt_len=prompt_len, group_size=8, response_len=64, chunk=chunk, mesh=mesh)
     check(lowered, family, expected(family, backward=False))
 
 
