@@ -162,15 +162,20 @@ def test_full_size_programs_lower_for_cuda(on_gpu, name, family, mesh_spec, prom
 
 
 @pytest.mark.parametrize("family", ["qwen36", "glm52"])
-def test_agent_turn_programs_lower_for_cuda_with_compiled_kernels(on_gpu, family):
+@pytest.mark.parametrize("mesh_spec", [None, pytest.param("2x4", marks=pytest.mark.slow)])
+def test_agent_turn_programs_lower_for_cuda_with_compiled_kernels(on_gpu, family, mesh_spec):
     """The agent sampler's three programs (`sampling/turns.py`: capture and the first token, a policy turn, appending
-    an observation), one device, two groups: each lowers with the forward kernels compiled (decoding alone: the
-    attention kernel only)."""
+    an observation), two groups, on one device and on a 2 x 4 mesh: each lowers with the forward kernels compiled
+    (decoding alone: the attention kernel only)."""
     model = tiny(family)
     params = abstract(model)
     num_groups, group_size, prompt_len = 2, 4, 64
     sampling = SamplingConfig(response_len=16, temperature=0.7, stop_token=1)
-    place = turns.Place(chunk_size=32)
+    if mesh_spec is None:
+        place = turns.Place(chunk_size=32)
+    else:
+        mesh = sharding.make_mesh(mesh_spec)
+        place = turns.Place(mesh=mesh, layout=groups.round_layout(model, prompt_len - 1, mesh.shape["seq"], 16))
     args = (S((num_groups, prompt_len), jnp.int32), S((num_groups,), jnp.int32),
             jax.eval_shape(lambda: jax.random.split(jax.random.key(0), num_groups)))
     cuda = ("cuda",)
