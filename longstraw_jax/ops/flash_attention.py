@@ -65,8 +65,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
     """`ops.attention.attend` as flash kernels. q [T, Hq, D]; k [*lead, S, Hkv, D]; v [*lead, S, Hkv, Dv];
     `kv_index` selects the leading entries. interpret: None = interpret unless the default backend is a GPU.
     Returns out [T, Hq, Dv] and lse [T, Hq], float32. No keys at all (S = 0: an empty cache, e.g. a forward from the
-    start) launches no kernel: out 0 and lse MASKED, as for a query that sees no key (a Triton block of 0 rows is
-    not a shape Triton takes)."""
+    start) launches no kernel: out 0 and lse MASKED, as for a query that sees no key (a 0-row block has no defined
+    strides in Pallas's Triton lowering, which divides by the block's size)."""
     num_q, num_heads, _ = q.shape
     lead, (seq_len, kv_heads, value_dim) = k.shape[:-3], v.shape[-3:]
     if num_heads % kv_heads:
