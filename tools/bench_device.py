@@ -58,7 +58,8 @@ kernel table, every row, the XLA vs Pallas comparison, the failed / skipped meas
 forward >= 50 % of the bf16 peak, on H100; capture >= 2x the XLA path at 64K tokens), each pass / fail / not-run.
 
 Markdown tables (the kernel table; medians and ratios; the time model; XLA vs Pallas) on stdout; `--json FILE` writes
-every measurement. The parent process only orchestrates (no JAX backend of its own); each measurement is this script
+every measurement, rewritten after each one ("complete": false) so that a run killed from outside keeps what it
+measured, and at the end with the targets and the comparison ("complete": true). The parent process only orchestrates (no JAX backend of its own); each measurement is this script
 run with a hidden `--one` flag (tools/bench_harness.py).
 """
 from __future__ import annotations
@@ -828,6 +829,23 @@ def main(argv: list[str] | None = None) -> int:
                          "(kernels, capture, steps)")
     start = time.perf_counter()
     rows, kernel_rows, failed, skipped = [], [], [], []
+
+    def write_json(complete: bool, **summary):
+        """Every measurement so far to --json (replaced atomically): after each one with complete false, so that a
+        run killed from outside (the GPU machine's command limit) leaves what it measured; at the end with the
+        targets and the XLA vs Pallas comparison, complete true."""
+        if not args.json:
+            return
+        first = (rows or kernel_rows or [{}])[0]
+        device = first.get("device")
+        with open(args.json + ".partial", "w") as f:
+            json.dump(dict(device=device, platform=first.get("platform"), jax=first.get("jax"),
+                           peak_flops=peak_flops(device) if device else None, options=opts,
+                           wall_s=time.perf_counter() - start, complete=complete, **summary, kernel_table=kernel_rows,
+                           rows=rows, failed=failed, skipped=skipped), f, indent=1)
+            f.write("\n")
+        os.replace(args.json + ".partial", args.json)
+
     for spec in plan_measurements(opts, measure, impls):
         label = spec["item"] + (f" ({spec['impl']})" if "impl" in spec and len(impls) > 1 else "") \
             + (f" ({spec['kernel']})" if "kernel" in spec else "")
@@ -846,18 +864,21 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(dict(spec, label=label, status="failed", error=str(e)[-3000:]))
             print(f"  {label}: FAILED {str(e).splitlines()[0]}", flush=True)
             kernel_rows += e.rows if spec["item"] == "kernels" else []  # its finished cases
+            write_json(False)
             continue
         if spec["item"] == "kernels":
             kernel_rows += result
             lost = [r for r in result if "failed" in r]
             print(f"  kernel table ({spec['kernel']}): {len(result)} rows" + (f", {len(lost)} failed" if lost else ""),
                   flush=True)
+            write_json(False)
             continue
         row = dict(result[-1], status="ok", label=result[-1]["name"] + (f" ({spec['impl']})" if len(impls) > 1
                                                                           else ""))
         rows.append(row)
         print(f"  {label}: {row['seconds']:.3g} s" + (f" for {row['tokens']:,} tokens" if "tokens" in row else
                                                        " per step"), flush=True)
+        write_json(False)
     first = (rows or kernel_rows or [{}])[0]
     device, platform, jax_version = first.get("device"), first.get("platform"), first.get("jax")
     peak = peak_flops(device) if device else None
@@ -885,12 +906,7 @@ def main(argv: list[str] | None = None) -> int:
                                      for name, t in goals.items()))
     for item in failed + skipped:
         print(f"  {item['label']}: {item['status']}" + (f": {item['reason']}" if "reason" in item else ""))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=device, platform=platform, jax=jax_version, peak_flops=peak, options=opts,
-                           wall_s=time.perf_counter() - start, targets=goals, kernel_table=kernel_rows, rows=rows,
-                           comparison=pairs, failed=failed, skipped=skipped), f, indent=1)
-            f.write("\n")
+    write_json(True, targets=goals, comparison=pairs)
     return 1 if failed and not (rows or kernel_rows) else 0
 
 

@@ -329,6 +329,34 @@ def test_bench_device_tiny(tmp_path):
         assert row["model_ratio"] == pytest.approx(row["seconds"] / row["model_s"], rel=1e-12)
 
 
+def test_bench_device_keeps_what_it_measured_when_killed(tmp_path, monkeypatch):
+    """--json is rewritten after each measurement: a run stopped from outside (here the third child's start raises
+    KeyboardInterrupt) leaves a JSON with the rows measured so far and the failed measurement (the second), with
+    "complete": false."""
+    bench = _tool("bench_device")
+    monkeypatch.setattr(bench, "_has_accelerator", lambda: False)
+    row = dict(kernel="attention", case="a chunk", kind="forward", device="cpu", platform="cpu", jax=jax.__version__)
+    calls = []
+
+    def child(opts, timeout):
+        calls.append(opts["item"])
+        if len(calls) == 2:
+            raise bench.ChildFailed("out of memory", [])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return [row]
+
+    monkeypatch.setattr(bench, "_run_child", child)
+    path = tmp_path / "bench.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--tiny", "--measure", "kernels,capture,steps", "--json", str(path)])
+    out = json.loads(path.read_text())
+    assert out["complete"] is False and out["kernel_table"] == [row] and out["device"] == "cpu"
+    assert calls == ["kernels", "capture", "detached"]
+    assert [f["item"] for f in out["failed"]] == ["capture"] and "out of memory" in out["failed"][0]["error"]
+    assert not os.path.exists(str(path) + ".partial")
+
+
 def test_bench_device_kernel_table_tiny(tmp_path):
     """tools/bench_device.py --tiny --measure kernels on CPU: the flash-attention, GDN and sparse latent attention
     kernels (interpreted) against their XLA paths at the tiny shapes, each case forward and forward + backward:
@@ -344,7 +372,7 @@ def test_bench_device_kernel_table_tiny(tmp_path):
                   "Sparse latent attention, Pallas vs XLA"):
         assert title in result.stdout
     out = json.loads((tmp_path / "bench.json").read_text())
-    assert out["platform"] == "cpu" and out["jax"] == jax.__version__ and out["device"]
+    assert out["platform"] == "cpu" and out["jax"] == jax.__version__ and out["device"] and out["complete"] is True
     assert out["rows"] == [] and out["failed"] == [] and out["skipped"] == []
     passes = ("forward", "forward_backward")
     assert any(r.get("branches") for r in out["kernel_table"])  # a decode step of branches over one cache (vmap)
