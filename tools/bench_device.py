@@ -59,8 +59,9 @@ forward >= 50 % of the bf16 peak, on H100; capture >= 2x the XLA path at 64K tok
 
 Markdown tables (the kernel table; medians and ratios; the time model; XLA vs Pallas) on stdout; `--json FILE` writes
 every measurement, rewritten after each one ("complete": false) so that a run killed from outside keeps what it
-measured, and at the end with the targets and the comparison ("complete": true). The parent process only orchestrates (no JAX backend of its own); each measurement is this script
-run with a hidden `--one` flag (tools/bench_harness.py).
+measured, and at the end with the targets and the comparison ("complete": true). The parent process only
+orchestrates (no JAX backend of its own); each measurement is this script run with a hidden `--one` flag
+(tools/bench_harness.py).
 """
 from __future__ import annotations
 
