@@ -1,11 +1,13 @@
 """What several test modules share (no test module imports another): O(1)-scale random parameters, the tiny model
 of each family (tests/models/test_families.py, models/test_qwen36.py, models/test_glm52.py), the pytree relative error,
 the engine's test cases and oracles (tests/engine/test_local.py, reused on GLM by tests/models/test_glm52.py), the
-sharded-vs-one-device gradient check, the 32-device subprocess runner, and an all-gather emulation of
-`jax.lax.ragged_all_to_all` (XLA:CPU has none; checked in tests/sharding/test_experts.py).
+sharded-vs-one-device gradient check, the 32-device subprocess runner, an all-gather emulation of
+`jax.lax.ragged_all_to_all` (XLA:CPU has none; checked in tests/sharding/test_experts.py), and `reported_backend`
+(the library's backend choices made as on a GPU).
 
 The transformers oracles live apart, in tests/hf_reference.py and tests/glm_reference.py: they import torch.
 """
+import contextlib
 import functools
 import json
 import os
@@ -23,6 +25,21 @@ from longstraw_jax.grpo import grpo_loss
 from longstraw_jax.sharding import rules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def reported_backend(backend: str):
+    """Inside: `jax.default_backend()` (which every backend choice of the library reads) returns `backend`. JAX's
+    caches are cleared on entry and on exit, so that no trace made for one backend (loop bodies are cached) is reused
+    under the other."""
+    jax.clear_caches()
+    real = jax.default_backend
+    jax.default_backend = lambda: backend
+    try:
+        yield
+    finally:
+        jax.default_backend = real
+        jax.clear_caches()
 
 
 def o1_params(params, key):

@@ -831,23 +831,28 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows, kernel_rows, failed, skipped = [], [], [], []
 
+    def run_identity():
+        """(device kind, platform, jax version) as the first measurement reported them (None before any)."""
+        first = (rows or kernel_rows or [{}])[0]
+        return first.get("device"), first.get("platform"), first.get("jax")
+
     def write_json(complete: bool, **summary):
         """Every measurement so far to --json (replaced atomically): after each one with complete false, so that a
         run killed from outside (the GPU machine's command limit) leaves what it measured; at the end with the
         targets and the XLA vs Pallas comparison, complete true."""
         if not args.json:
             return
-        first = (rows or kernel_rows or [{}])[0]
-        device = first.get("device")
+        device, platform, jax_version = run_identity()
         with open(args.json + ".partial", "w") as f:
-            json.dump(dict(device=device, platform=first.get("platform"), jax=first.get("jax"),
+            json.dump(dict(device=device, platform=platform, jax=jax_version,
                            peak_flops=peak_flops(device) if device else None, options=opts,
                            wall_s=time.perf_counter() - start, complete=complete, **summary, kernel_table=kernel_rows,
                            rows=rows, failed=failed, skipped=skipped), f, indent=1)
             f.write("\n")
         os.replace(args.json + ".partial", args.json)
 
-    for spec in plan_measurements(opts, measure, impls):
+    def measure_one(spec: dict) -> None:
+        """Run one planned measurement in its child; its rows, or its failure or skip, join the lists above."""
         label = spec["item"] + (f" ({spec['impl']})" if "impl" in spec and len(impls) > 1 else "") \
             + (f" ({spec['kernel']})" if "kernel" in spec else "")
         if spec["item"] == "capture" and spec["capture_len"]:
@@ -856,7 +861,7 @@ def main(argv: list[str] | None = None) -> int:
         if remaining < MIN_CHILD_S:
             skipped.append(dict(spec, label=label, status="skipped", reason=f"{remaining:.0f} s of the budget left"))
             print(f"  {label}: skipped ({remaining:.0f} s left)", flush=True)
-            continue
+            return
         child_opts = dict(opts, **spec, budget_s=0.6 * remaining if spec["item"] == "capture" else remaining)
         timeout = min(remaining, KERNEL_SET_S) if spec.get("kernel") in KERNEL_SETS[1:] else remaining
         try:
@@ -864,24 +869,24 @@ def main(argv: list[str] | None = None) -> int:
         except ChildFailed as e:
             failed.append(dict(spec, label=label, status="failed", error=str(e)[-3000:]))
             print(f"  {label}: FAILED {str(e).splitlines()[0]}", flush=True)
-            kernel_rows += e.rows if spec["item"] == "kernels" else []  # its finished cases
-            write_json(False)
-            continue
+            kernel_rows.extend(e.rows if spec["item"] == "kernels" else [])  # its finished cases
+            return
         if spec["item"] == "kernels":
-            kernel_rows += result
+            kernel_rows.extend(result)
             lost = [r for r in result if "failed" in r]
             print(f"  kernel table ({spec['kernel']}): {len(result)} rows" + (f", {len(lost)} failed" if lost else ""),
                   flush=True)
-            write_json(False)
-            continue
+            return
         row = dict(result[-1], status="ok", label=result[-1]["name"] + (f" ({spec['impl']})" if len(impls) > 1
                                                                           else ""))
         rows.append(row)
         print(f"  {label}: {row['seconds']:.3g} s" + (f" for {row['tokens']:,} tokens" if "tokens" in row else
                                                        " per step"), flush=True)
+
+    for spec in plan_measurements(opts, measure, impls):
+        measure_one(spec)
         write_json(False)
-    first = (rows or kernel_rows or [{}])[0]
-    device, platform, jax_version = first.get("device"), first.get("platform"), first.get("jax")
+    device, platform, jax_version = run_identity()
     peak = peak_flops(device) if device else None
     cfg = bench_config(opts["config"], opts["blocks"])
     print(f"{device or 'no measurement'} ({platform}, jax {jax_version}); peak bf16 "

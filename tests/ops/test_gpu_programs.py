@@ -25,6 +25,7 @@ from longstraw_jax.grpo import GroupBatch, GRPOConfig
 from longstraw_jax.sampling import groups, turns
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.trainer import pretrain, warmup
+from tests.helpers import reported_backend
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 S = jax.ShapeDtypeStruct
@@ -39,17 +40,13 @@ DECODING = {"qwen36": {"flash_attention_forward"}, "glm52": GLM_FORWARD}
 
 
 @pytest.fixture
-def on_gpu(monkeypatch):
-    """The backend reported as "gpu" for the test's traces; every cached trace dropped before and after. Fails if
-    Pallas's lowering warned (it does, with numpy's RuntimeWarning, where a kernel gets a zero-sized block: a shape
-    Triton does not take)."""
-    jax.clear_caches()
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    with warnings.catch_warnings(record=True) as caught:
+def on_gpu():
+    """The backend reported as "gpu" for the test's traces (`tests.helpers.reported_backend`). Fails if Pallas's
+    lowering warned (it does, with numpy's RuntimeWarning, where a kernel gets a zero-sized block: a shape Triton
+    does not take)."""
+    with reported_backend("gpu"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield
-    monkeypatch.undo()
-    jax.clear_caches()
     pallas = [w for w in caught if issubclass(w.category, RuntimeWarning) and "pallas" in w.filename]
     assert not pallas, f"Pallas's lowering warned: {pallas[0].message} ({pallas[0].filename}:{pallas[0].lineno})"
 

@@ -242,12 +242,12 @@ def test_a_decode_step_copies_no_stack_of_weights(family):
     assert forbidden and not forbidden & hlo_result_shapes(hlo), sorted(forbidden & hlo_result_shapes(hlo))
 
 
-def test_glm_decoding_on_a_gpu_reads_each_chosen_expert_once(monkeypatch):
+def test_glm_decoding_on_a_gpu_reads_each_chosen_expert_once():
     """GLM-5.x's one-device decode step picks its experts' matmul by backend: gathered weights on a CPU, the grouped
     matmul elsewhere (`ragged_dot`; under the branches' vmap their rows merge into one call, `ops/moe.py`), so no
     [N, k, I, D] copy of gathered expert weights. With the backend reported as "gpu" (the grouped matmul then runs
     through XLA:CPU's ragged_dot expansion) a group samples the CPU path's tokens and log-probs."""
-    from tests.helpers import o1_params
+    from tests.helpers import o1_params, reported_backend
 
     config = models.Glm52Config.tiny(vocab_size=64, hidden_size=40, moe_intermediate_size=24)
     model = models.build(config)
@@ -264,15 +264,10 @@ def test_glm_decoding_on_a_gpu_reads_each_chosen_expert_once(monkeypatch):
     gathered = f"f32[3,{config.num_experts_per_tok},{config.moe_intermediate_size},{config.hidden_size}]"
     text = step()
     assert gathered in text and "ragged_dot" not in text
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    jax.clear_caches()  # traced loop bodies are cached
-    text = step()
-    assert "ragged_dot" in text and gathered not in text
-    try:
+    with reported_backend("gpu"):
+        text = step()
+        assert "ragged_dot" in text and gathered not in text
         got = rollout.sample_group(model, params, prompt, 3, sampling, jax.random.key(3), chunk_size=8)
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()  # nothing traced for "gpu" outlives the test
     np.testing.assert_array_equal(got.responses, want.responses)
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
 
