@@ -48,14 +48,22 @@ dk = dv = 128, chunks of 64, float32, 8K and 32K tokens; `GDN_SHAPES`; FLOPs the
 `gated_delta_flops`) and GLM-5.2's sparse latent attention (`ops.flash_mla` vs `ops.mla`: 64 heads, 512 + 64
 channels, 2048 selected rows a query, bf16; 4K queries over a 64K cache, 8 decoded; `LATENT_SHAPES`; FLOPs
 `latent_flops`), each set in its own child (at most KERNEL_SET_S); a failing case is a row saying so. On CPU
-(`--tiny`) the kernels run interpreted at the tiny presets' shapes, the three sets in one child: a smoke test.
+(`--tiny`) the kernels run interpreted at the tiny presets' shapes, the four sets in one child: a smoke test.
+
+**Tiles** (the fourth set, `tiles_table`, its own child of at most TILES_S): the flash kernels' launch shapes
+(`ops.flash_attention.FlashTiles`: per kernel block_q, block_k, num_warps, num_stages) at the chunk over itself,
+TILE_CANDIDATES (the default first): each forward candidate's forward, each (dQ, dK / dV) candidate's forward +
+backward, against the XLA path's result (measured once); a candidate that does not fit the GPU (shared memory,
+registers) is a failed row. The JSON's "fastest_tiles" names the fastest of each pass and how much slower the default
+is: the measurement the library's DEFAULT_TILES are to be set from.
 
 The GPU day's run (one device, <= 8 minutes; defaults on an accelerator: `--blocks 2`, captures of 64K, 32K and 128K
-tokens, the exact step at 32K, both implementations): the measurements run in priority order (kernel table, captures,
-steps) within `--budget-s` (420 s); one running past the budget is killed and recorded as failed, one that cannot
-start with MIN_CHILD_S left is recorded as skipped. The JSON summary holds the device kind, the jax version, the
-kernel table, every row, the XLA vs Pallas comparison, the failed / skipped measurements and the **targets** (attention
-forward >= 50 % of the bf16 peak, on H100; capture >= 2x the XLA path at 64K tokens), each pass / fail / not-run.
+tokens, the exact step at 32K, both implementations): the measurements run in priority order (kernel table, the 64K
+captures, the tiles, the other captures, steps) within `--budget-s` (420 s); one running past the budget is killed
+and recorded as failed, one that cannot start with MIN_CHILD_S left is recorded as skipped. The JSON summary holds
+the device kind, the jax version, the kernel table, every row, the XLA vs Pallas comparison, the failed / skipped
+measurements, the fastest tiles and the **targets** (attention forward >= 50 % of the bf16 peak, on H100, with the
+fastest forward tiles' fraction beside it; capture >= 2x the XLA path at 64K tokens), each pass / fail / not-run.
 
 Markdown tables (the kernel table; medians and ratios; the time model; XLA vs Pallas) on stdout; `--json FILE` writes
 every measurement, rewritten after each one ("complete": false) so that a run killed from outside keeps what it
@@ -110,9 +118,23 @@ LATENT_SHAPES = dict(full=dict(config="configs/glm-5.2.json", dtype="bfloat16", 
                                       ("8 decoded over a 64K cache", 8, 65536)]),
                      tiny=dict(config="configs/glm-5.2-tiny.json", dtype="float32", reps=2,
                                cases=[("32 queries over a cache", 32, 128)]))
-KERNEL_SETS = ("attention", "gated_delta", "sparse_latent")  # the kernel table's children, in this order (--tiny:
-# one child for all three, the smoke test's start-ups saved)
+# The flash-attention kernels' launch shapes tried at the first KERNEL_SHAPES case (`ops.flash_attention.KernelTiles`:
+# block_q, block_k, num_warps, num_stages; the first of each list is the library's default): forward tiles, timed by
+# the forward; (dQ tiles, dK / dV tiles), timed by forward + backward with the default forward. At head dim 256 a
+# [64, 256] float32 accumulator is 64 registers a thread at 8 warps (dK / dV holds two): which tiles fit the
+# registers and the shared memory (q, and num_stages x k, v tiles), and which is fastest, only the device can say.
+TILE_CANDIDATES = dict(
+    full=dict(forward=[(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3),
+                       (64, 64, 4, 2)],
+              backward=[((64, 64, 8, 2), (64, 64, 8, 2)), ((64, 32, 8, 2), (64, 32, 8, 2)),
+                        ((128, 32, 8, 2), (32, 32, 4, 2)), ((64, 32, 8, 2), (32, 64, 8, 2)),
+                        ((64, 32, 4, 3), (32, 32, 4, 3))]),
+    tiny=dict(forward=[(64, 64, 4, 2), (32, 16, 4, 2)], backward=[((64, 64, 4, 2), (64, 64, 4, 2)),
+                                                                  ((16, 32, 4, 2), (32, 16, 4, 2))]))
+KERNEL_SETS = ("attention", "gated_delta", "sparse_latent", "attention_tiles")  # the kernel table's children, in
+# this order (the tiles after the first capture length's pair; --tiny: one child for all, the smoke's start-ups saved)
 KERNEL_SET_S = 90.0  # at most this long for the GDN's or the latent attention's child (attention: the budget's)
+TILES_S = 100.0  # ... and for the tiles' child (each candidate compiles its kernels: a few seconds each)
 BACKWARD_FLOPS = 2.5  # the backward's FLOPs per forward FLOP (FlashAttention-2's count: 5 matmuls against 2)
 TARGET_ATTENTION_PEAK = 0.5  # issue 41: attention forward >= 50 % of the bf16 peak (H100)
 TARGET_CAPTURE_SPEEDUP, TARGET_CAPTURE_TOKENS = 2.0, 65536  # ... and the capture >= 2x the XLA path's at 64K
@@ -387,35 +409,46 @@ def _relative_error(ref, got) -> float:
                / max(float(jnp.max(jnp.abs(r.astype(jnp.float32)))), 1e-30) for r, g in zip(ref, got))
 
 
+def _passes(forward, args: tuple, cotangents: tuple, reps: int, kinds=("forward", "forward_backward")) -> dict:
+    """{kind: (outputs, median s, times, compile s)} of `forward(*args)` per pass in `kinds`: "forward" (jitted) and
+    "forward_backward" (the outputs and the vjp of the fixed `cotangents`), each compiled, warmed up and timed `reps`
+    calls."""
+    import jax
+
+    def both(*a):
+        outputs, vjp = jax.vjp(forward, *a)
+        return tuple(outputs) + tuple(vjp(cotangents))
+
+    results = {}
+    for kind in kinds:
+        fn = jax.jit(forward if kind == "forward" else both)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))  # compile + warm-up
+        compile_s = time.perf_counter() - t0
+        times = _timed(lambda fn=fn: fn(*args), reps)
+        results[kind] = (out, statistics.median(times), times, compile_s)
+    return results
+
+
+def _kernel_row(label: str, kind: str, xla: tuple, pallas: tuple, flops: float, peak, **fields) -> dict:
+    """A kernel-table row: one pass of one case, the XLA and Pallas `_passes` results compared."""
+    (ref, xla_s, xla_times, _), (got, pallas_s, pallas_times, compile_s) = xla, pallas
+    return dict(fields, name="kernel", case=label, kind=kind, flops=flops, error=_relative_error(ref, got),
+                xla_s=xla_s, pallas_s=pallas_s, xla_times=xla_times, pallas_times=pallas_times,
+                pallas_compile_s=compile_s, xla_tflops=flops / xla_s / 1e12, pallas_tflops=flops / pallas_s / 1e12,
+                xla_peak=None if peak is None else flops / xla_s / peak,
+                pallas_peak=None if peak is None else flops / pallas_s / peak, speedup=xla_s / pallas_s)
+
+
 def _compare(label: str, forward_fns: dict, args: tuple, cotangents: tuple, reps: int, flops: dict, peak,
              **fields):
     """The kernel table's rows of one case: per pass (forward; forward + backward, the vjp of the outputs for the
     fixed `cotangents`) and implementation ("xla", "pallas": `forward_fns[impl](*args)`) compile, warm up and time
     `reps` calls; yield one row per pass (the error, both medians, XLA / Pallas, TFLOP/s by the analytic `flops`
     {"forward", "forward_backward"} and the fraction of `peak`) with `fields`."""
-    import jax
-
-    results = {}
-    for impl, forward in forward_fns.items():
-        def both(*a, forward=forward):
-            outputs, vjp = jax.vjp(forward, *a)
-            return tuple(outputs) + tuple(vjp(cotangents))
-
-        for kind, fn in (("forward", jax.jit(forward)), ("forward_backward", jax.jit(both))):
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(fn(*args))  # compile + warm-up
-            compile_s = time.perf_counter() - t0
-            times = _timed(lambda fn=fn: fn(*args), reps)
-            results[impl, kind] = (out, statistics.median(times), times, compile_s)
+    results = {impl: _passes(forward, args, cotangents, reps) for impl, forward in forward_fns.items()}
     for kind in ("forward", "forward_backward"):
-        (ref, xla_s, xla_times, _), (got, pallas_s, pallas_times, compile_s) = (results["xla", kind],
-                                                                                results["pallas", kind])
-        yield dict(fields, name="kernel", case=label, kind=kind, flops=flops[kind], error=_relative_error(ref, got),
-                   xla_s=xla_s, pallas_s=pallas_s, xla_times=xla_times, pallas_times=pallas_times,
-                   pallas_compile_s=compile_s, xla_tflops=flops[kind] / xla_s / 1e12,
-                   pallas_tflops=flops[kind] / pallas_s / 1e12,
-                   xla_peak=None if peak is None else flops[kind] / xla_s / peak,
-                   pallas_peak=None if peak is None else flops[kind] / pallas_s / peak, speedup=xla_s / pallas_s)
+        yield _kernel_row(label, kind, results["xla"][kind], results["pallas"][kind], flops[kind], peak, **fields)
 
 
 def kernel_table(opts: dict):
@@ -428,7 +461,8 @@ def kernel_table(opts: dict):
 
     hw = for_device_kind(jax.devices()[0].device_kind)
     peak = None if hw is None else hw.flops_per_s
-    tables = dict(attention=attention_table, gated_delta=gated_delta_table, sparse_latent=latent_table)
+    tables = dict(attention=attention_table, gated_delta=gated_delta_table, sparse_latent=latent_table,
+                  attention_tiles=tiles_table)
     kernel = opts.get("kernel", "attention")
     size = "tiny" if opts["tiny"] else "full"
     for kernel in KERNEL_SETS if kernel == "all" else (kernel,):
@@ -448,36 +482,92 @@ def attention_table(size: str, peak):
     both, the analytic FLOPs (`attention_flops`), TFLOP/s, the fraction of the device's bf16 peak
     (`hardware.for_device_kind`; None without an entry) and XLA / Pallas. Yields (label, a function yielding the
     case's rows)."""
+    from longstraw_jax.ops import attention
+
+    shape = KERNEL_SHAPES[size]
+    hq, hkv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    for label, t, s, *branches in shape["cases"]:
+        def case(t=t, s=s, label=label, n=branches[0] if branches else None):
+            args, cotangents, attend = _attention_case(shape, t, s, n)
+
+            def forward(impl):
+                return attend(lambda q, k, v, **options: attention.attend(q, k, v, **options, kernels=impl))
+
+            flops = {kind: (n or 1) * f for kind, f in attention_flops(t, s, hq, d).items()}
+            yield from _compare(label, {impl: forward(impl) for impl in ("xla", "pallas")}, args, cotangents,
+                                shape["reps"], flops, peak, T=t, S=s, heads=hq, kv_heads=hkv, head_dim=d,
+                                dtype=shape["dtype"], pairs=(n or 1) * visible_pairs(t, s),
+                                **({} if n is None else dict(branches=n)))
+        yield label, case
+
+
+def _attention_case(shape: dict, t: int, s: int, n: int | None = None):
+    """One attention case of `shape` (KERNEL_SHAPES): ((q, k, v), fixed cotangents of (out, lse), attend), random
+    normal inputs (seed 0). attend(impl) -> f(q, k, v) = (out, lse) of impl(q, k, v, **options) for T causal queries
+    at the last T of the S key positions (vmapped over N branches' queries when n, the cache shared)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from longstraw_jax.ops import attention
+    hq, hkv, d, dtype = shape["heads"], shape["kv_heads"], shape["head_dim"], jnp.dtype(shape["dtype"])
+    rng = np.random.default_rng(0)
+    normal = lambda shape, dt: jnp.asarray(rng.standard_normal(shape), dt)
+    lead = () if n is None else (n,)
+    args = normal(lead + (t, hq, d), dtype), normal((s, hkv, d), dtype), normal((s, hkv, d), dtype)
+    cotangents = (normal(lead + (t, hq, d), jnp.float32), normal(lead + (t, hq), jnp.float32))
+    options = dict(q_positions=jnp.arange(t, dtype=jnp.int32) + (s - t), k_offset=0, scale=d**-0.5, causal=True)
+
+    def attend(impl):
+        def f(q, k, v):
+            a = impl(q, k, v, **options)
+            return a.out, a.lse
+        return f if n is None else jax.vmap(f, in_axes=(0, None, None))
+
+    return args, cotangents, attend
+
+
+def tile_label(forward=None, backward=None) -> str:
+    """A candidate's name: "fwd 128x32 w8 s3" or "bwd dq 64x32 w8 s2, dkv 32x32 w4 s2" (block_q x block_k, warps,
+    stages)."""
+    name = lambda t: f"{t[0]}x{t[1]} w{t[2]} s{t[3]}"
+    return f"fwd {name(forward)}" if forward else f"bwd dq {name(backward[0])}, dkv {name(backward[1])}"
+
+
+def tiles_table(size: str, peak):
+    """The flash-attention kernels' launch shapes (TILE_CANDIDATES of the size) at the attention table's first case
+    (a chunk over itself): the XLA path measured once as the reference, then per forward candidate the forward and
+    per backward candidate forward + backward (`ops.flash_attention.attend(..., tiles=FlashTiles(...))`), each a
+    kernel-table row (error against XLA, medians, TFLOP/s, % of peak) with "tiles" {forward | dq, dkv: [block_q,
+    block_k, num_warps, num_stages]}; a candidate that does not compile (shared memory, registers) is a failed row.
+    Yields (label, a function yielding the candidate's row)."""
+    from longstraw_jax.ops import attention, flash_attention
 
     shape = KERNEL_SHAPES[size]
-    hq, hkv, d, dtype = shape["heads"], shape["kv_heads"], shape["head_dim"], jnp.dtype(shape["dtype"])
-    for label, t, s, *branches in shape["cases"]:
-        def case(t=t, s=s, label=label, n=branches[0] if branches else None):
-            rng = np.random.default_rng(0)
-            normal = lambda shape, dt: jnp.asarray(rng.standard_normal(shape), dt)
-            lead = () if n is None else (n,)
-            q, k, v = normal(lead + (t, hq, d), dtype), normal((s, hkv, d), dtype), normal((s, hkv, d), dtype)
-            cotangents = (normal(lead + (t, hq, d), jnp.float32), normal(lead + (t, hq), jnp.float32))
-            positions = jnp.arange(t, dtype=jnp.int32) + (s - t)
+    _, t, s = shape["cases"][0]
+    hq, hkv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    flops = attention_flops(t, s, hq, d)
+    args, cotangents, attend = _attention_case(shape, t, s)
+    xla = {}
 
-            def forward(impl):
-                def f(q, k, v):
-                    a = attention.attend(q, k, v, q_positions=positions, k_offset=0, scale=d**-0.5, causal=True,
-                                         kernels=impl)
-                    return a.out, a.lse
-                return f if n is None else jax.vmap(f, in_axes=(0, None, None))
+    def measure(kind, flash_tiles, label, **fields):
+        if not xla:  # once, by the first candidate
+            xla.update(_passes(attend(lambda *a, **o: attention.attend(*a, **o, kernels="xla")), args, cotangents,
+                               shape["reps"]))
+        tiled = attend(lambda *a, **o: flash_attention.attend(*a, **o, tiles=flash_tiles))
+        got = _passes(tiled, args, cotangents, shape["reps"], kinds=(kind,))[kind]
+        yield _kernel_row(label, kind, xla[kind], got, flops[kind], peak, T=t, S=s, heads=hq, kv_heads=hkv,
+                          head_dim=d, dtype=shape["dtype"], **fields)
 
-            flops = {kind: (n or 1) * f for kind, f in attention_flops(t, s, hq, d).items()}
-            yield from _compare(label, {impl: forward(impl) for impl in ("xla", "pallas")}, (q, k, v), cotangents,
-                                shape["reps"], flops, peak, T=t, S=s, heads=hq, kv_heads=hkv, head_dim=d,
-                                dtype=str(dtype), pairs=(n or 1) * visible_pairs(t, s),
-                                **({} if n is None else dict(branches=n)))
-        yield label, case
+    kernel = lambda c: flash_attention.KernelTiles(*c)
+    for c in TILE_CANDIDATES[size]["forward"]:
+        label = tile_label(forward=c)
+        yield label, lambda c=c, label=label: measure(
+            "forward", flash_attention.FlashTiles(forward=kernel(c)), label, tiles=dict(forward=list(c)))
+    for dq, dkv in TILE_CANDIDATES[size]["backward"]:
+        label = tile_label(backward=(dq, dkv))
+        yield label, lambda dq=dq, dkv=dkv, label=label: measure(
+            "forward_backward", flash_attention.FlashTiles(dq=kernel(dq), dkv=kernel(dkv)), label,
+            tiles=dict(dq=list(dq), dkv=list(dkv)))
 
 
 def gated_delta_flops(tokens: int, heads: int, key_dim: int, value_dim: int, chunk: int) -> dict[str, float]:
@@ -686,7 +776,10 @@ KERNEL_TABLES = dict(
                  "the kernels' matmuls per chunk and head, the time model's GatedDeltaModel; % of the bf16 peak)",
                  ("T", "heads")),
     sparse_latent=("Sparse latent attention, Pallas vs XLA (`ops.mla.sparse_latent_attention_partial`; FLOPs: "
-                   "forward 2 T H k (2 Dl + Dr), backward 2 T H k (5 Dl + 3 Dr))", ("T", "S", "slots")))
+                   "forward 2 T H k (2 Dl + Dr), backward 2 T H k (5 Dl + 3 Dr))", ("T", "S", "slots")),
+    attention_tiles=("Flash attention's launch shapes (`ops.flash_attention.KernelTiles`: block_q x block_k, warps, "
+                     "stages; fwd: the forward's, timed by the forward; bwd: dQ's and dK / dV's, timed by forward + "
+                     "backward), the first of each the default", ("T", "S")))
 
 
 def kernel_kind(row: dict) -> str:
@@ -739,16 +832,34 @@ def format_comparison(pairs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def fastest_tiles(kernel_rows: list[dict]) -> dict:
+    """Per pass of the tiles' rows ("forward", "forward_backward"): the fastest candidate that ran {"case", "tiles",
+    "pallas_s", "pallas_peak", "error", "default_over_best": the default's (the first candidate's) median / its},
+    or None when none ran. What the next session sets as `ops.flash_attention.DEFAULT_TILES`."""
+    out = {}
+    for kind in ("forward", "forward_backward"):
+        rows = [r for r in kernel_rows if kernel_kind(r) == "attention_tiles" and r.get("kind") == kind
+                and "failed" not in r]
+        best = min(rows, key=lambda r: r["pallas_s"], default=None)
+        out[kind] = None if best is None else dict(
+            case=best["case"], tiles=best["tiles"], pallas_s=best["pallas_s"], pallas_peak=best["pallas_peak"],
+            error=best["error"], default_over_best=rows[0]["pallas_s"] / best["pallas_s"])
+    return out
+
+
 def targets(kernel_rows: list[dict], pairs: list[dict], device: str | None) -> dict:
     """Issue 41's targets for the GPU day, each {"target", "value", "status": pass / fail / not-run, ...}: the
-    attention forward's fraction of the bf16 peak (the attention kernel table's forward of the most FLOPs) >= 50 %
-    (stated for H100; evaluated on any device with a peak entry, its kind recorded), the capture's XLA / Pallas at
-    64K tokens >= 2."""
+    attention forward's fraction of the bf16 peak (the attention kernel table's forward of the most FLOPs, the
+    default tiles) >= 50 % (stated for H100; evaluated on any device with a peak entry, its kind recorded), with the
+    fastest forward tiles' fraction beside it ("tuned": {"case", "value"}, `fastest_tiles`); the capture's XLA /
+    Pallas at 64K tokens >= 2."""
     forward = [r for r in kernel_rows if kernel_kind(r) == "attention" and r.get("kind") == "forward"]
     best = max(forward, key=lambda r: r["flops"], default=None)
     value = None if best is None else best["pallas_peak"]
+    tuned = fastest_tiles(kernel_rows)["forward"]
     attention = dict(target=f">= {TARGET_ATTENTION_PEAK:.0%} of the bf16 peak (H100)", value=value,
                      case=None if best is None else best["case"], device=device,
+                     tuned=None if tuned is None else dict(case=tuned["case"], value=tuned["pallas_peak"]),
                      status="not-run" if value is None else "pass" if value >= TARGET_ATTENTION_PEAK else "fail")
     capture = next((c for c in pairs if c["name"] == "capture" and c["tokens"] == TARGET_CAPTURE_TOKENS), None)
     speedup = None if capture is None else capture["speedup"]
@@ -761,13 +872,18 @@ def targets(kernel_rows: list[dict], pairs: list[dict], device: str | None) -> d
 
 def plan_measurements(opts: dict, measure: list[str], impls: list[str]) -> list[dict]:
     """The children to run, in priority order (the budget skips the last): the kernel table (one child per kernel
-    set: attention, the GDN, sparse latent attention; --tiny: one for all three), the captures (each length, each
-    implementation; none given: one doubling search), the train_step modes."""
-    kernels = ["all"] if opts.get("tiny") else KERNEL_SETS
+    set: attention, the GDN, sparse latent attention; --tiny: one for all, the tiles' sweep included), the captures
+    (each length, each implementation; none given: one doubling search) with the attention tiles' sweep after the
+    first length's (the target's 64K), the train_step modes."""
+    kernels = ["all"] if opts.get("tiny") else [k for k in KERNEL_SETS if k != "attention_tiles"]
     plan = [dict(item="kernels", kernel=k) for k in kernels] if "kernels" in measure else []
+    tiles = [dict(item="kernels", kernel="attention_tiles")] if "kernels" in measure and not opts.get("tiny") else []
     if "capture" in measure:
         lengths = opts["capture_lens"] or [opts["capture_len"]]
-        plan += [dict(item="capture", impl=impl, capture_len=n) for n in lengths for impl in impls]
+        plan += [dict(item="capture", impl=impl, capture_len=n) for n in lengths[:1] for impl in impls]
+        plan += tiles + [dict(item="capture", impl=impl, capture_len=n) for n in lengths[1:] for impl in impls]
+    else:
+        plan += tiles
     if "steps" in measure:
         plan += [dict(item=mode, impl=impl) for mode in opts["modes"].split(",") if mode for impl in impls]
     return plan
@@ -863,7 +979,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {label}: skipped ({remaining:.0f} s left)", flush=True)
             return
         child_opts = dict(opts, **spec, budget_s=0.6 * remaining if spec["item"] == "capture" else remaining)
-        timeout = min(remaining, KERNEL_SET_S) if spec.get("kernel") in KERNEL_SETS[1:] else remaining
+        cap = dict(gated_delta=KERNEL_SET_S, sparse_latent=KERNEL_SET_S, attention_tiles=TILES_S)
+        timeout = min(remaining, cap.get(spec.get("kernel"), remaining))
         try:
             result = _run_child(child_opts, timeout=timeout)
         except ChildFailed as e:
@@ -907,12 +1024,16 @@ def main(argv: list[str] | None = None) -> int:
     if pairs:
         print("\nXLA vs Pallas (the kernel-model estimate: the XLA program costed with the kernels' FLOPs and bytes)")
         print(format_comparison(pairs))
-    goals = targets(kernel_rows, pairs, device)
+    goals, tiles = targets(kernel_rows, pairs, device), fastest_tiles(kernel_rows)
     print("\nTargets: " + "; ".join(f"{name} {t['status']} ({_fmt(t['value'], '.3g')}; {t['target']})"
                                      for name, t in goals.items()))
+    for kind, best in tiles.items():
+        if best:
+            print(f"Fastest tiles, {kind.replace('_', ' + ')}: {best['case']} ({best['pallas_s']:.3g} s, "
+                  f"{_fmt(best['pallas_peak'], '.1%')} of peak; the default {best['default_over_best']:.2f}x its time)")
     for item in failed + skipped:
         print(f"  {item['label']}: {item['status']}" + (f": {item['reason']}" if "reason" in item else ""))
-    write_json(True, targets=goals, comparison=pairs)
+    write_json(True, targets=goals, fastest_tiles=tiles, comparison=pairs)
     return 1 if failed and not (rows or kernel_rows) else 0
 
 

@@ -14,6 +14,7 @@ Triton's `dot` needs), scores and accumulators float32, matmul inputs in the inp
 - dK / dV, one program per (key block, key/value head): a loop over the query blocks of each of the rep query
   heads that read it, dk += ds^T q, dv += p^T dO (no atomics: each program owns its rows); a causal query block
   that ends before the key block, and a key block past kv_length, are skipped.
+Each kernel's block sizes, warps and pipeline stages are its `KernelTiles` in `FlashTiles` (`attend(tiles=...)`).
 
 Decoding reads each key once per step, not once per branch and query head: with fewer queries than a row block,
 the rep query heads of a key/value head become rows of one tile (`_heads_as_rows`: one program per key/value head,
@@ -46,12 +47,47 @@ from jax.experimental.pallas import triton as plt
 from longstraw_jax.ops.attended import MASKED, Attended
 from longstraw_jax.ops.dtypes import accum_dtype
 
-BLOCK_Q = 64  # query rows per program (fewer, rounded up to a power of two >= 16, when there are fewer queries)
-BLOCK_K = 64  # key rows per loop step
 MIN_TILE = 16  # Triton's dot needs every dimension >= 16
 NO_PAD = -(2**30)  # left_pad when there is none: every key position is >= it
 # the scalars every kernel reads: [row0 (the layer's first row in the flattened cache), k_offset, kv_length, left_pad]
 _ROW0, _K_OFFSET, _KV_LENGTH, _LEFT_PAD = range(4)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTiles:
+    """One kernel's launch shape: block_q query rows and block_k key rows per tile (powers of two >= 16; a call with
+    fewer rows or keys uses the smallest power of two >= 16 that holds them), num_warps (a power of two <= 16; None:
+    4 for head dims <= 64, else 8) and num_stages (how many tiles' loads Triton pipelines ahead, >= 1). Numerics do
+    not depend on them (up to the order of float sums); speed and whether a kernel fits the GPU's shared memory and
+    registers do (`tools/bench_device.py` times candidates on the device)."""
+
+    block_q: int = 64
+    block_k: int = 64
+    num_warps: int | None = None
+    num_stages: int = 2
+
+    def __post_init__(self):
+        power_of_two = lambda n, low: isinstance(n, int) and n >= low and not n & (n - 1)
+        for name in ("block_q", "block_k"):
+            if not power_of_two(getattr(self, name), MIN_TILE):
+                raise ValueError(f"KernelTiles.{name}={getattr(self, name)!r} must be a power of two >= {MIN_TILE}")
+        if self.num_warps is not None and not (power_of_two(self.num_warps, 1) and self.num_warps <= 16):
+            raise ValueError(f"KernelTiles.num_warps={self.num_warps!r} must be None or a power of two <= 16")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"KernelTiles.num_stages={self.num_stages!r} must be an int >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashTiles:
+    """The launch shapes of the three kernels: the forward (rows: a program's query block; keys: its loop step), dQ
+    (the same roles) and dK / dV (keys: a program's key block; rows: its loop step over the queries)."""
+
+    forward: KernelTiles = KernelTiles()
+    dq: KernelTiles = KernelTiles()
+    dkv: KernelTiles = KernelTiles()
+
+
+DEFAULT_TILES = FlashTiles()
 
 
 def on_gpu() -> bool:
@@ -61,9 +97,10 @@ def on_gpu() -> bool:
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, k_offset, scale: float,
            causal: bool, kv_length=None, kv_index: tuple = (), left_pad=None, kv_positions=None,
-           interpret: bool | None = None) -> Attended:
+           interpret: bool | None = None, tiles: FlashTiles = DEFAULT_TILES) -> Attended:
     """`ops.attention.attend` as flash kernels. q [T, Hq, D]; k [*lead, S, Hkv, D]; v [*lead, S, Hkv, Dv];
-    `kv_index` selects the leading entries. interpret: None = interpret unless the default backend is a GPU.
+    `kv_index` selects the leading entries. interpret: None = interpret unless the default backend is a GPU. tiles:
+    the kernels' launch shapes (`FlashTiles`).
     Returns out [T, Hq, Dv] and lse [T, Hq], float32. No keys at all (S = 0: an empty cache, e.g. a forward from the
     start) launches no kernel: out 0 and lse MASKED, as for a query that sees no key (a 0-row block has no defined
     strides in Pallas's Triton lowering, which divides by the block's size)."""
@@ -77,10 +114,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
     if interpret is None:
         interpret = not on_gpu()
     rep = num_heads // kv_heads
-    if rep > 1 and num_q < BLOCK_Q:  # few queries (decoding): the rep heads of a key/value head as rows of one tile
+    if rep > 1 and num_q < tiles.forward.block_q:  # few queries (decoding): a key/value head's rep heads as rows
         packed = attend(_heads_as_rows(q, rep), k, v, q_positions=jnp.repeat(q_positions, rep), k_offset=k_offset,
                         scale=scale, causal=causal, kv_length=kv_length, kv_index=kv_index, left_pad=left_pad,
-                        kv_positions=kv_positions, interpret=interpret)
+                        kv_positions=kv_positions, interpret=interpret, tiles=tiles)
         return Attended(_rows_as_heads(packed.out, rep), _rows_as_heads(packed.lse, rep))
     if len(kv_index) != len(lead):
         raise ValueError(f"attend: kv_index selects {len(kv_index)} of the cache's {len(lead)} leading axes")
@@ -95,12 +132,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array, 
                          jnp.asarray(NO_PAD if left_pad is None else left_pad, jnp.int32)])
     kv_positions = None if left_pad is None or kv_positions is None else kv_positions.astype(jnp.int32)
 
-    block_q = min(BLOCK_Q, _tile(num_q))
-    padded_q = -(-num_q // block_q) * block_q
+    static = _Static(scale=scale, causal=causal, seq_len=seq_len, tiles=tiles, interpret=interpret, num_q=num_q)
+    padded_q = static.padded_q
     q = jnp.pad(_pad_dim(q), ((0, padded_q - num_q), (0, 0), (0, 0)))
     q_positions = jnp.pad(q_positions.astype(jnp.int32), (0, padded_q - num_q), constant_values=-1)
-    static = _Static(scale=scale, causal=causal, seq_len=seq_len, block_q=block_q,
-                     block_k=min(BLOCK_K, _tile(seq_len)), interpret=interpret, num_q=num_q)
     out, lse = _flash(static, q, _pad_dim(k_flat), _pad_dim(v_flat), q_positions, scalars, kv_positions)
     return Attended(out[:num_q, :, :value_dim], lse[:num_q])
 
@@ -138,10 +173,23 @@ class _Static:
     scale: float
     causal: bool
     seq_len: int  # S, the keys of one layer
-    block_q: int
-    block_k: int
+    tiles: FlashTiles  # as asked; `kernel` fits them to the call
     interpret: bool
-    num_q: int  # the real query rows (the rest, to a multiple of block_q, are padding)
+    num_q: int  # the real query rows (the rest, to `padded_q`, are padding)
+
+    def kernel(self, name: str) -> KernelTiles:
+        """The tiles of kernel `name` ("forward", "dq", "dkv") for this call: blocks no larger than the smallest
+        power of two >= 16 that holds its query rows / keys."""
+        tiles = getattr(self.tiles, name)
+        return dataclasses.replace(tiles, block_q=min(tiles.block_q, _tile(self.num_q)),
+                                   block_k=min(tiles.block_k, _tile(self.seq_len)))
+
+    @property
+    def padded_q(self) -> int:
+        """The query rows every kernel sees: num_q rounded up to a multiple of each kernel's block_q (powers of
+        two: of the largest)."""
+        block = max(self.kernel(name).block_q for name in ("forward", "dq", "dkv"))
+        return -(-self.num_q // block) * block
 
 
 # ----- masks, shared by the kernels -----
@@ -171,12 +219,12 @@ def _visible(key_ok, q_positions, scalars, start, block_k, causal):
     return mask
 
 
-def _key_trips(scalars, q_positions, static):
-    """Key blocks a query block can see: up to kv_length, and for causal up to its last position."""
+def _key_trips(scalars, q_positions, static, block_k):
+    """Key blocks (of block_k) a query block can see: up to kv_length, and for causal up to its last position."""
     limit = jnp.minimum(scalars[_KV_LENGTH], static.seq_len)
     if static.causal:
         limit = jnp.minimum(limit, jnp.max(q_positions) - scalars[_K_OFFSET] + 1)
-    return (jnp.maximum(limit, 0) + static.block_k - 1) // static.block_k
+    return (jnp.maximum(limit, 0) + block_k - 1) // block_k
 
 
 def _load_rows(ref, scalars, start, block_k, seq_len):
@@ -192,7 +240,7 @@ def _forward_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, *rest, st
     kv_positions_ref = rest[0] if has_kv_positions else None
     out_ref, lse_ref = rest[-2:]
     scalars, q_positions, q = _read_scalars(scalars_ref), q_positions_ref[...], q_ref[...]
-    block_q, block_k = q.shape[0], static.block_k
+    block_q, block_k = q.shape[0], static.kernel("forward").block_k
     acc = accum_dtype(q.dtype)
 
     def body(j, carry):
@@ -210,7 +258,7 @@ def _forward_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, *rest, st
         return m_new, denom * alpha + jnp.sum(p, axis=1), numer
 
     init = (jnp.full((block_q,), MASKED, acc), jnp.zeros((block_q,), acc), jnp.zeros((block_q, v_ref.shape[-1]), acc))
-    m, denom, numer = jax.lax.fori_loop(0, _key_trips(scalars, q_positions, static), body, init)
+    m, denom, numer = jax.lax.fori_loop(0, _key_trips(scalars, q_positions, static, block_k), body, init)
     seen = denom > 0
     out_ref[...] = jnp.where(seen[:, None], numer / jnp.where(seen, denom, 1.0)[:, None], 0.0).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), MASKED).astype(lse_ref.dtype)
@@ -228,7 +276,7 @@ def _dq_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, do_ref, lse_re
     dq_ref = rest[-1]
     scalars, q_positions, q = _read_scalars(scalars_ref), q_positions_ref[...], q_ref[...]
     do, lse, delta = do_ref[...], lse_ref[...], delta_ref[...]
-    block_k = static.block_k
+    block_k = static.kernel("dq").block_k
 
     def body(j, dq):
         start = j * block_k
@@ -240,7 +288,7 @@ def _dq_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, do_ref, lse_re
         ds = p * (plt.dot(do, v_blk, trans_b=True).astype(p.dtype) - delta[:, None]) * static.scale
         return dq + plt.dot(ds.astype(k_blk.dtype), k_blk).astype(dq.dtype)
 
-    dq = jax.lax.fori_loop(0, _key_trips(scalars, q_positions, static), body, jnp.zeros(q.shape, lse.dtype))
+    dq = jax.lax.fori_loop(0, _key_trips(scalars, q_positions, static, block_k), body, jnp.zeros(q.shape, lse.dtype))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
@@ -249,7 +297,8 @@ def _dkv_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, do_ref, lse_r
     kv_positions_ref = rest[0] if has_kv_positions else None
     dk_ref, dv_ref = rest[-2:]
     scalars = _read_scalars(scalars_ref)
-    block_q, block_k = static.block_q, static.block_k
+    tiles = static.kernel("dkv")
+    block_q, block_k = tiles.block_q, tiles.block_k
     start = pl.program_id(0) * block_k
     k_blk = _load_rows(k_ref, scalars, start, block_k, static.seq_len)
     v_blk = _load_rows(v_ref, scalars, start, block_k, static.seq_len)
@@ -285,8 +334,8 @@ def _dkv_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, do_ref, lse_r
 # ----- pallas_call wrappers and the custom VJP -----
 
 
-def _compiler_params(head_dim):
-    return plt.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+def _compiler_params(tiles: KernelTiles, head_dim: int):
+    return plt.CompilerParams(num_warps=tiles.num_warps or (4 if head_dim <= 64 else 8), num_stages=tiles.num_stages)
 
 
 def _whole(shape):
@@ -304,7 +353,8 @@ def _forward(static, q, k, v, q_positions, scalars, kv_positions):
     rep = num_heads // k.shape[1]
     acc = accum_dtype(q.dtype)
     extra = () if kv_positions is None else (kv_positions,)
-    block_q = static.block_q
+    tiles = static.kernel("forward")
+    block_q = tiles.block_q
     return pl.pallas_call(
         functools.partial(_forward_kernel, static=static, has_kv_positions=kv_positions is not None),
         out_shape=(jax.ShapeDtypeStruct((padded_q, num_heads, v.shape[-1]), acc),
@@ -316,7 +366,7 @@ def _forward(static, q, k, v, q_positions, scalars, kv_positions):
                  + [_whole(x.shape) for x in extra],
         out_specs=(pl.BlockSpec((block_q, None, v.shape[-1]), lambda i, h: (i, h, 0)),
                    pl.BlockSpec((block_q, None), lambda i, h: (i, h))),
-        compiler_params=_compiler_params(head_dim), interpret=static.interpret, name="flash_attention_forward",
+        compiler_params=_compiler_params(tiles, head_dim), interpret=static.interpret, name="flash_attention_forward",
     )(scalars, q_positions, q, k, v, *extra)
 
 
@@ -324,7 +374,8 @@ def _backward(static, q, k, v, q_positions, scalars, kv_positions, d_out, lse, d
     padded_q, num_heads, head_dim = q.shape
     kv_heads, value_dim = k.shape[1], v.shape[-1]
     rep = num_heads // kv_heads
-    block_q, block_k = static.block_q, static.block_k
+    dq_tiles, dkv_tiles = static.kernel("dq"), static.kernel("dkv")
+    block_q, block_k = dq_tiles.block_q, dkv_tiles.block_k
     extra = () if kv_positions is None else (kv_positions,)
     has = kv_positions is not None
     common = (scalars, q_positions, q, k, v, d_out, lse, delta, *extra)
@@ -340,7 +391,7 @@ def _backward(static, q, k, v, q_positions, scalars, kv_positions, d_out, lse, d
                   pl.BlockSpec((block_q, None), lambda i, h: (i, h))]
                  + [_whole(x.shape) for x in extra],
         out_specs=pl.BlockSpec((block_q, None, head_dim), lambda i, h: (i, h, 0)),
-        compiler_params=_compiler_params(head_dim), interpret=static.interpret, name="flash_attention_dq",
+        compiler_params=_compiler_params(dq_tiles, head_dim), interpret=static.interpret, name="flash_attention_dq",
     )(*common)
     key_blocks = -(-static.seq_len // block_k)
     dk, dv = pl.pallas_call(
@@ -357,7 +408,8 @@ def _backward(static, q, k, v, q_positions, scalars, kv_positions, d_out, lse, d
                  + [_whole(x.shape) for x in extra],
         out_specs=(pl.BlockSpec((block_k, None, head_dim), lambda j, h: (j, h, 0)),
                    pl.BlockSpec((block_k, None, value_dim), lambda j, h: (j, h, 0))),
-        compiler_params=_compiler_params(head_dim), interpret=static.interpret, name="flash_attention_dkv",
+        compiler_params=_compiler_params(dkv_tiles, head_dim), interpret=static.interpret,
+        name="flash_attention_dkv",
     )(*common)
     return dq, dk[: static.seq_len], dv[: static.seq_len]
 
@@ -385,11 +437,10 @@ def _forward_folding(static, q, k, v, q_positions, scalars, kv_positions):
             q_positions = jnp.broadcast_to(q_positions, (axis_size,) + q_positions.shape)
         num_q, padded = static.num_q, q.shape[1]
         rows = axis_size * num_q
-        block_q = min(BLOCK_Q, _tile(rows))
-        pad = -(-rows // block_q) * block_q - rows
+        folded = dataclasses.replace(static, num_q=rows)
+        pad = folded.padded_q - rows
         folded_q = jnp.pad(q[:, :num_q].reshape((rows,) + q.shape[2:]), ((0, pad), (0, 0), (0, 0)))
         folded_positions = jnp.pad(q_positions[:, :num_q].reshape(rows), (0, pad), constant_values=-1)
-        folded = dataclasses.replace(static, block_q=block_q, num_q=rows)
         out, lse = _forward_folding(folded, folded_q, k, v, folded_positions, scalars, *(extra or (None,)))
         unfold = lambda x: jnp.pad(x[:rows].reshape((axis_size, num_q) + x.shape[1:]),
                                    [(0, 0), (0, padded - num_q)] + [(0, 0)] * (x.ndim - 1))

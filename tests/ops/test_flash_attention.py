@@ -115,6 +115,46 @@ def test_kernels_match_xla_and_dense(name):
             np.testing.assert_allclose(a, c, atol=atol * scale, rtol=0, err_msg=f"{name}: {what}, heads as stored")
 
 
+def test_tiles_set_the_grids_not_the_result():
+    """Each kernel's launch shape (`FlashTiles`) is its own: a forward in query blocks of 16 over key steps of 32, dQ
+    in blocks of 64 (the queries padded to a multiple of every kernel's block), dK / dV in key blocks of 16 stepping
+    32 queries at a time; the grids show it, and outputs, LSE and gradients are the default tiles' and the dense
+    softmax's."""
+    from longstraw_jax.ops.flash_attention import FlashTiles, KernelTiles
+
+    case = CASES["non-multiples of the blocks"]  # T 37, S 70
+    args, options = _inputs(case)
+    tiles = FlashTiles(forward=KernelTiles(16, 32), dq=KernelTiles(64, 16, num_warps=2),
+                       dkv=KernelTiles(32, 16, num_warps=4, num_stages=3))
+    tiled = functools.partial(flash_attention.attend, tiles=tiles)
+
+    def grads(attend):
+        return jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v, **options).out)), argnums=(0, 1, 2))
+
+    grids = _pallas_grids(grads(tiled), *args)
+    assert grids == {"flash_attention_forward": [(4, case.Hq)], "flash_attention_dq": [(1, case.Hq)],
+                     "flash_attention_dkv": [(5, case.Hkv)]}, grids
+    default = _pallas_grids(grads(flash_attention.attend), *args)
+    # the default: 37 queries < a block of 64, so a key/value head's 2 query heads are rows of one call (74 rows)
+    assert default["flash_attention_forward"] == [(2, case.Hkv)] and default["flash_attention_dkv"] == [(2, case.Hkv)]
+    got = outputs_and_grads(tiled, args, options)
+    for what, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), got, outputs_and_grads(flash_attention.attend, args,
+                                                                                       options),
+                             outputs_and_grads(_dense, args, options)):
+        scale = max(1.0, float(jnp.max(jnp.abs(c))))
+        np.testing.assert_allclose(a, b, atol=2e-5 * scale, rtol=0, err_msg=f"{what} vs the default tiles")
+        np.testing.assert_allclose(a, c, atol=2e-5 * scale, rtol=0, err_msg=f"{what} vs dense")
+
+
+@pytest.mark.parametrize("field,value,bound", [("block_q", 48, "power of two >= 16"), ("block_k", 8, "power of two"),
+                                               ("num_warps", 3, "power of two <= 16"), ("num_stages", 0, ">= 1")])
+def test_bad_tiles_name_the_field(field, value, bound):
+    from longstraw_jax.ops.flash_attention import KernelTiles
+
+    with pytest.raises(ValueError, match=f"KernelTiles.{field}={value}.*{bound}"):
+        KernelTiles(**{field: value})
+
+
 def _pallas_grids(fn, *args) -> dict:
     """{kernel name: [grids]} of the pallas_calls in fn's jaxpr (nested jaxprs included)."""
     grids = {}

@@ -376,10 +376,19 @@ def test_bench_device_kernel_table_tiny(tmp_path):
     assert out["rows"] == [] and out["failed"] == [] and out["skipped"] == []
     passes = ("forward", "forward_backward")
     assert any(r.get("branches") for r in out["kernel_table"])  # a decode step of branches over one cache (vmap)
+    tiles = bench.TILE_CANDIDATES["tiny"]
     assert [(r["kernel"], r["case"], r["kind"]) for r in out["kernel_table"]] == \
         [("attention", c[0], kind) for c in bench.KERNEL_SHAPES["tiny"]["cases"] for kind in passes] \
         + [("gated_delta", c[0], kind) for c in bench.GDN_SHAPES["tiny"]["cases"] for kind in passes] \
-        + [("sparse_latent", c[0], kind) for c in bench.LATENT_SHAPES["tiny"]["cases"] for kind in passes]
+        + [("sparse_latent", c[0], kind) for c in bench.LATENT_SHAPES["tiny"]["cases"] for kind in passes] \
+        + [("attention_tiles", bench.tile_label(forward=c), "forward") for c in tiles["forward"]] \
+        + [("attention_tiles", bench.tile_label(backward=c), "forward_backward") for c in tiles["backward"]]
+    assert [r["tiles"] for r in out["kernel_table"] if r["kernel"] == "attention_tiles"] == \
+        [dict(forward=list(c)) for c in tiles["forward"]] \
+        + [dict(dq=list(a), dkv=list(b)) for a, b in tiles["backward"]]
+    fastest = out["fastest_tiles"]
+    assert fastest["forward"]["tiles"]["forward"] in [list(c) for c in tiles["forward"]]
+    assert fastest["forward_backward"]["default_over_best"] >= 1.0 and fastest["forward"]["error"] < 1e-5
     from longstraw_jax.capacity.hlo import GatedDeltaModel, SparseLatentModel
 
     for r in out["kernel_table"]:
@@ -417,6 +426,75 @@ def test_bench_device_kernel_table_tiny(tmp_path):
     assert goals["capture_speedup_64k"]["status"] == "pass"
     assert "| 8K | - | failed: RuntimeError: boom |" in bench.format_kernel_table(
         [dict(case="8K", failed="RuntimeError: boom")], ("T",))
+
+
+def _triton_calls(text: str) -> dict:
+    """{kernel name: (grid_x, num_warps, num_stages)} of the Triton custom calls in lowered StableHLO text."""
+    import re
+
+    calls = {}
+    for line in text.splitlines():
+        if "xla.gpu.triton" in line:
+            field = lambda key: int(re.search(key + r" = (\d+) : i32", line).group(1))
+            calls[re.search(r'name = "([^"]+)"', line).group(1)] = (field("grid_x"), field("num_warps"),
+                                                                   field("num_stages"))
+    return calls
+
+
+def test_bench_device_tile_candidates_lower_for_cuda():
+    """Every launch shape the GPU day tries (TILE_CANDIDATES["full"], at the tiles table's case: 8K causal queries,
+    Qwen3.6-27B's 24 / 4 heads of 256, bf16) lowers for CUDA on this CPU host with its tiles in the kernels'
+    launches: the forward's grid of 8K / block_q query blocks, dQ's of 8K / its block_q, dK / dV's of 8K / its
+    block_k, each with its warps and stages; and each list's first candidate is what the library runs by default."""
+    from longstraw_jax.ops import flash_attention as fa
+
+    bench = _tool("bench_device")
+    shape = bench.KERNEL_SHAPES["full"]
+    _, t, s = shape["cases"][0]
+    dtype = jnp.dtype(shape["dtype"])
+    q = jax.ShapeDtypeStruct((t, shape["heads"], shape["head_dim"]), dtype)
+    kv = jax.ShapeDtypeStruct((s, shape["kv_heads"], shape["head_dim"]), dtype)
+
+    def lowered(tiles):
+        def grads(q, k, v):
+            def loss(q, k, v):
+                r = fa.attend(q, k, v, q_positions=jnp.arange(t, dtype=jnp.int32) + s - t, k_offset=0, scale=0.0625,
+                              causal=True, interpret=False, tiles=tiles)
+                return jnp.sum(r.out) + jnp.sum(r.lse)
+            return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        return _triton_calls(jax.jit(grads).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text())
+
+    default_warps = 8 if shape["head_dim"] > 64 else 4
+    candidates = bench.TILE_CANDIDATES["full"]
+    tiles = fa.DEFAULT_TILES
+    assert candidates["forward"][0] == (tiles.forward.block_q, tiles.forward.block_k, default_warps,
+                                        tiles.forward.num_stages)
+    assert candidates["backward"][0] == tuple((k.block_q, k.block_k, default_warps, k.num_stages)
+                                              for k in (tiles.dq, tiles.dkv))
+    for c in candidates["forward"]:
+        calls = lowered(fa.FlashTiles(forward=fa.KernelTiles(*c)))
+        assert calls["flash_attention_forward"] == (t // c[0], c[2], c[3]), (c, calls)
+    for dq, dkv in candidates["backward"]:
+        calls = lowered(fa.FlashTiles(dq=fa.KernelTiles(*dq), dkv=fa.KernelTiles(*dkv)))
+        assert calls["flash_attention_dq"] == (t // dq[0], dq[2], dq[3]), (dq, calls)
+        assert calls["flash_attention_dkv"] == (s // dkv[1], dkv[2], dkv[3]), (dkv, calls)
+
+
+def test_bench_device_plan_puts_the_tiles_after_the_target_capture():
+    """The GPU day's order: the kernel table's three sets, the 64K captures (the capture target's), the tiles' sweep,
+    the other captures, the steps; --tiny: one kernel child (the sweep inside it); without captures the sweep follows
+    the kernel sets."""
+    bench = _tool("bench_device")
+    full = dict(bench.FULL_SIZE, tiny=False)
+    plan = [(p["item"], p.get("kernel") or p.get("capture_len") or "") + ((p["impl"],) if "impl" in p else ())
+            for p in bench.plan_measurements(full, ["kernels", "capture", "steps"], ["xla", "pallas"])]
+    assert plan == [("kernels", "attention"), ("kernels", "gated_delta"), ("kernels", "sparse_latent"),
+                    ("capture", 65536, "xla"), ("capture", 65536, "pallas"), ("kernels", "attention_tiles"),
+                    ("capture", 32768, "xla"), ("capture", 32768, "pallas"), ("capture", 131072, "xla"),
+                    ("capture", 131072, "pallas"), ("exact", "", "xla"), ("exact", "", "pallas")]
+    assert [p.get("kernel") for p in bench.plan_measurements(full, ["kernels"], ["xla"])] == list(bench.KERNEL_SETS)
+    tiny = dict(bench.TINY, tiny=True, capture_len=0)
+    assert [p.get("kernel") for p in bench.plan_measurements(tiny, ["kernels", "capture"], ["xla"])] == ["all", None]
 
 
 @pytest.mark.slow  # one short trainer run in a child process (~1 min of compiles)
