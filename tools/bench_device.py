@@ -127,7 +127,7 @@ LATENT_SHAPES = dict(full=dict(config="configs/glm-5.2.json", dtype="bfloat16", 
 # [64, 256] float32 accumulator is 64 registers a thread at 8 warps (dK / dV holds two): which tiles fit the
 # registers and the shared memory (q, and num_stages x k, v tiles), and which is fastest, only the device can say.
 TILE_CANDIDATES = dict(
-    full=dict(forward=[(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3),
+    full=dict(forward=[(64, 64, 8, 2), (128, 64, 8, 2), (128, 64, 16, 2), (128, 32, 8, 2), (64, 32, 8, 3),
                        (64, 64, 4, 2)],
               backward=[((64, 64, 8, 2), (64, 64, 8, 2)), ((64, 32, 8, 2), (64, 32, 8, 2)),
                         ((128, 32, 8, 2), (32, 32, 4, 2)), ((64, 32, 8, 2), (32, 64, 8, 2)),
