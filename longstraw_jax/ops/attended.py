@@ -26,3 +26,10 @@ def merge(a: Attended, b: Attended) -> Attended:
     lse = jnp.logaddexp(a.lse, b.lse)
     wa, wb = jnp.exp(a.lse - lse)[..., None], jnp.exp(b.lse - lse)[..., None]
     return Attended(a.out * wa + b.out * wb, lse)
+
+
+def merge_all(parts: Attended) -> Attended:
+    """`merge` of N disjoint key sets' results stacked on a leading axis (out [N, T, H, Dv], lse [N, T, H]): one
+    log-sum-exp over the N, a part that saw no key (MASKED) weighing 0."""
+    lse = jax.nn.logsumexp(parts.lse, axis=0)
+    return Attended(jnp.sum(parts.out * jnp.exp(parts.lse - lse)[..., None], axis=0), lse)

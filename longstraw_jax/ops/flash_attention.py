@@ -8,8 +8,10 @@ takes dO and dLSE and uses delta = rowsum(dO * O) - dLSE.
 
 Three kernels, each over a grid of (row block, head) programs; every tile is [block, D] (powers of two >= 16, what
 Triton's `dot` needs), scores and accumulators float32, matmul inputs in the input dtype (bf16 tensor cores):
-- forward, one program per (query block, query head): an online softmax over the key blocks a causal query block
-  can see (later blocks are never loaded);
+- forward, one program per (query block, query head, key split): an online softmax over the key blocks a causal
+  query block can see (later blocks are never loaded); a grid of fewer programs than `FlashTiles.forward_programs`
+  (decoding: a few rows over a long cache) splits each block's keys over more programs, whose partial out and
+  log-sum-exp merge exactly (`attended.merge_all`; flash-decoding);
 - dQ, one program per (query block, query head): the same loop, dq += ds k;
 - dK / dV, one program per (key block, key/value head): a loop over the query blocks of each of the rep query
   heads that read it, dk += ds^T q, dv += p^T dO (no atomics: each program owns its rows); a causal query block
@@ -44,10 +46,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from longstraw_jax.ops.attended import MASKED, Attended
+from longstraw_jax.ops.attended import MASKED, Attended, merge_all
 from longstraw_jax.ops.dtypes import accum_dtype
 
 MIN_TILE = 16  # Triton's dot needs every dimension >= 16
+MIN_SPLIT_BLOCKS = 4  # a forward program whose keys are split (flash-decoding) still loops over at least this many
 NO_PAD = -(2**30)  # left_pad when there is none: every key position is >= it
 # the scalars every kernel reads: [row0 (the layer's first row in the flattened cache), k_offset, kv_length, left_pad]
 _ROW0, _K_OFFSET, _KV_LENGTH, _LEFT_PAD = range(4)
@@ -80,11 +83,22 @@ class KernelTiles:
 @dataclasses.dataclass(frozen=True)
 class FlashTiles:
     """The launch shapes of the three kernels: the forward (rows: a program's query block; keys: its loop step), dQ
-    (the same roles) and dK / dV (keys: a program's key block; rows: its loop step over the queries)."""
+    (the same roles) and dK / dV (keys: a program's key block; rows: its loop step over the queries).
+
+    forward_programs: while the forward's grid (row blocks x heads) has fewer programs than this, each row block's
+    keys are split over more programs (flash-decoding: up to forward_programs in all, each looping over at least
+    MIN_SPLIT_BLOCKS key blocks), their partial (out, lse) merged by log-sum-exp; a decode step's few rows over a
+    long cache (one row block per key/value head: 4 programs for Qwen3.6-27B) would otherwise leave most of a GPU's
+    SMs idle. 1: never split."""
 
     forward: KernelTiles = KernelTiles()
     dq: KernelTiles = KernelTiles()
     dkv: KernelTiles = KernelTiles()
+    forward_programs: int = 128
+
+    def __post_init__(self):
+        if not isinstance(self.forward_programs, int) or self.forward_programs < 1:
+            raise ValueError(f"FlashTiles.forward_programs={self.forward_programs!r} must be an int >= 1")
 
 
 DEFAULT_TILES = FlashTiles()
@@ -236,7 +250,10 @@ def _load_rows(ref, scalars, start, block_k, seq_len):
 # ----- kernels -----
 
 
-def _forward_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, *rest, static, has_kv_positions):
+def _forward_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, *rest, static, has_kv_positions,
+                    split_blocks):
+    """One (query block, head, key split) program: the online softmax over key blocks [split * split_blocks, ...),
+    those the block can see; out and lse of that part (0 and MASKED when it sees none)."""
     kv_positions_ref = rest[0] if has_kv_positions else None
     out_ref, lse_ref = rest[-2:]
     scalars, q_positions, q = _read_scalars(scalars_ref), q_positions_ref[...], q_ref[...]
@@ -258,7 +275,9 @@ def _forward_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, *rest, st
         return m_new, denom * alpha + jnp.sum(p, axis=1), numer
 
     init = (jnp.full((block_q,), MASKED, acc), jnp.zeros((block_q,), acc), jnp.zeros((block_q, v_ref.shape[-1]), acc))
-    m, denom, numer = jax.lax.fori_loop(0, _key_trips(scalars, q_positions, static, block_k), body, init)
+    first = pl.program_id(2) * split_blocks
+    trips = jnp.minimum(_key_trips(scalars, q_positions, static, block_k), first + split_blocks)
+    m, denom, numer = jax.lax.fori_loop(first, trips, body, init)
     seen = denom > 0
     out_ref[...] = jnp.where(seen[:, None], numer / jnp.where(seen, denom, 1.0)[:, None], 0.0).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), MASKED).astype(lse_ref.dtype)
@@ -348,26 +367,41 @@ def _cache_spec(cache, by_program):
     return pl.BlockSpec((cache.shape[0], None, cache.shape[2]), lambda *ids: (0, by_program(*ids), 0))
 
 
+def key_splits(programs: int, key_blocks: int, forward_programs: int) -> int:
+    """Into how many parts the forward splits each row block's key blocks: 1 when its grid already has
+    `forward_programs` programs, else enough parts to reach that many, at most one per MIN_SPLIT_BLOCKS key blocks
+    (and none empty)."""
+    if programs >= forward_programs or key_blocks < 2 * MIN_SPLIT_BLOCKS:
+        return 1
+    splits = min(-(-forward_programs // programs), key_blocks // MIN_SPLIT_BLOCKS)
+    return -(-key_blocks // -(-key_blocks // splits))
+
+
 def _forward(static, q, k, v, q_positions, scalars, kv_positions):
+    """The forward's pallas_call over a grid of (query block, head, key split) programs; split partials merged."""
     padded_q, num_heads, head_dim = q.shape
     rep = num_heads // k.shape[1]
     acc = accum_dtype(q.dtype)
     extra = () if kv_positions is None else (kv_positions,)
     tiles = static.kernel("forward")
-    block_q = tiles.block_q
-    return pl.pallas_call(
-        functools.partial(_forward_kernel, static=static, has_kv_positions=kv_positions is not None),
-        out_shape=(jax.ShapeDtypeStruct((padded_q, num_heads, v.shape[-1]), acc),
-                   jax.ShapeDtypeStruct((padded_q, num_heads), acc)),
-        grid=(padded_q // block_q, num_heads),
-        in_specs=[_whole(scalars.shape), pl.BlockSpec((block_q,), lambda i, h: (i,)),
-                  pl.BlockSpec((block_q, None, head_dim), lambda i, h: (i, h, 0)),
-                  _cache_spec(k, lambda i, h: h // rep), _cache_spec(v, lambda i, h: h // rep)]
+    block_q, value_dim = tiles.block_q, v.shape[-1]
+    key_blocks = -(-static.seq_len // tiles.block_k)
+    splits = key_splits(padded_q // block_q * num_heads, key_blocks, static.tiles.forward_programs)
+    out, lse = pl.pallas_call(
+        functools.partial(_forward_kernel, static=static, has_kv_positions=kv_positions is not None,
+                          split_blocks=-(-key_blocks // splits)),
+        out_shape=(jax.ShapeDtypeStruct((splits, padded_q, num_heads, value_dim), acc),
+                   jax.ShapeDtypeStruct((splits, padded_q, num_heads), acc)),
+        grid=(padded_q // block_q, num_heads, splits),
+        in_specs=[_whole(scalars.shape), pl.BlockSpec((block_q,), lambda i, h, s: (i,)),
+                  pl.BlockSpec((block_q, None, head_dim), lambda i, h, s: (i, h, 0)),
+                  _cache_spec(k, lambda i, h, s: h // rep), _cache_spec(v, lambda i, h, s: h // rep)]
                  + [_whole(x.shape) for x in extra],
-        out_specs=(pl.BlockSpec((block_q, None, v.shape[-1]), lambda i, h: (i, h, 0)),
-                   pl.BlockSpec((block_q, None), lambda i, h: (i, h))),
+        out_specs=(pl.BlockSpec((None, block_q, None, value_dim), lambda i, h, s: (s, i, h, 0)),
+                   pl.BlockSpec((None, block_q, None), lambda i, h, s: (s, i, h))),
         compiler_params=_compiler_params(tiles, head_dim), interpret=static.interpret, name="flash_attention_forward",
     )(scalars, q_positions, q, k, v, *extra)
+    return (out[0], lse[0]) if splits == 1 else tuple(merge_all(Attended(out, lse)))
 
 
 def _backward(static, q, k, v, q_positions, scalars, kv_positions, d_out, lse, delta):

@@ -132,11 +132,12 @@ def test_tiles_set_the_grids_not_the_result():
         return jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v, **options).out)), argnums=(0, 1, 2))
 
     grids = _pallas_grids(grads(tiled), *args)
-    assert grids == {"flash_attention_forward": [(4, case.Hq)], "flash_attention_dq": [(1, case.Hq)],
+    assert grids == {"flash_attention_forward": [(4, case.Hq, 1)], "flash_attention_dq": [(1, case.Hq)],
                      "flash_attention_dkv": [(5, case.Hkv)]}, grids
     default = _pallas_grids(grads(flash_attention.attend), *args)
     # the default: 37 queries < a block of 64, so a key/value head's 2 query heads are rows of one call (74 rows)
-    assert default["flash_attention_forward"] == [(2, case.Hkv)] and default["flash_attention_dkv"] == [(2, case.Hkv)]
+    assert default["flash_attention_forward"] == [(2, case.Hkv, 1)]
+    assert default["flash_attention_dkv"] == [(2, case.Hkv)]
     got = outputs_and_grads(tiled, args, options)
     for what, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), got, outputs_and_grads(flash_attention.attend, args,
                                                                                        options),
@@ -144,6 +145,58 @@ def test_tiles_set_the_grids_not_the_result():
         scale = max(1.0, float(jnp.max(jnp.abs(c))))
         np.testing.assert_allclose(a, b, atol=2e-5 * scale, rtol=0, err_msg=f"{what} vs the default tiles")
         np.testing.assert_allclose(a, c, atol=2e-5 * scale, rtol=0, err_msg=f"{what} vs dense")
+
+
+SPLIT_CASES = {  # few query rows over many keys: the forward splits each row block's keys (flash-decoding)
+    "one decoded token, GQA 3:1, left pads, kv_length: the last splits see nothing": Case(
+        T=1, S=700, Hq=6, Hkv=2, causal=False, kv_length=500, left_pad=30),
+    "8 causal queries at the end of a long cache": Case(T=8, S=600),
+    "left pads by kv_positions": Case(T=1, S=500, causal=False, left_pad=40, kv_positions=True),
+    "queries behind the keys: no split sees a key": Case(T=16, S=600, k_offset=1000),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_split_keys_merge_to_the_whole(name):
+    """With a grid of fewer programs than `FlashTiles.forward_programs` each row block's keys are split over more
+    programs (the grid's third axis: `key_splits`, parts of >= MIN_SPLIT_BLOCKS key blocks) whose partial out / lse
+    merge by log-sum-exp: out, LSE and gradients are the dense softmax's and the unsplit forward's (forward_programs
+    1), a query that sees no key in any part stays out 0, lse MASKED; under `jax.vmap` over branches sharing the
+    cache the folded call splits the same way."""
+    from longstraw_jax.ops.flash_attention import MIN_SPLIT_BLOCKS, FlashTiles, KernelTiles, key_splits
+
+    case = SPLIT_CASES[name]
+    args, options = _inputs(case)
+    tiles = FlashTiles(forward=KernelTiles(64, 16))
+    split = functools.partial(flash_attention.attend, tiles=tiles)
+    whole = functools.partial(flash_attention.attend, tiles=dataclasses.replace(tiles, forward_programs=1))
+    call = lambda attend: lambda q, k, v: attend(q, k, v, **options).out
+    (rows, heads, parts), = _pallas_grids(call(split), *args)["flash_attention_forward"]
+    key_blocks = -(-case.S // 16)
+    assert parts == key_splits(rows * heads, key_blocks, 128) > 1 and -(-key_blocks // parts) >= MIN_SPLIT_BLOCKS
+    assert _pallas_grids(call(whole), *args)["flash_attention_forward"] == [(rows, heads, 1)]
+    got, unsplit, dense = (outputs_and_grads(f, args, options) for f in (split, whole, _dense))
+    for what, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), got, unsplit, dense):
+        scale = max(1.0, float(jnp.max(jnp.abs(c))))
+        np.testing.assert_allclose(a, b, atol=2e-5 * scale, rtol=0, err_msg=f"{name}: {what} vs unsplit")
+        np.testing.assert_allclose(a, c, atol=2e-5 * scale, rtol=0, err_msg=f"{name}: {what} vs dense")
+    if name.startswith("queries behind"):
+        assert np.all(np.asarray(got[1]) == MASKED) and not np.any(np.asarray(got[0]))
+    if case.T == 1:  # 4 branches' tokens over the shared cache: one folded call, split the same way
+        q, k, v = args
+        qs = jnp.stack([q * (b + 1) for b in range(4)])
+        together = jax.vmap(call(split), in_axes=(0, None, None))
+        (_, _, folded_parts), = _pallas_grids(together, qs, k, v)["flash_attention_forward"]
+        assert folded_parts > 1
+        np.testing.assert_allclose(jax.jit(together)(qs, k, v), jax.vmap(call(whole), in_axes=(0, None, None))(
+            qs, k, v), atol=2e-5)
+
+
+def test_bad_forward_programs_name_the_field():
+    from longstraw_jax.ops.flash_attention import FlashTiles
+
+    with pytest.raises(ValueError, match="FlashTiles.forward_programs=0 must be an int >= 1"):
+        FlashTiles(forward_programs=0)
 
 
 @pytest.mark.parametrize("field,value,bound", [("block_q", 48, "power of two >= 16"), ("block_k", 8, "power of two"),
@@ -182,10 +235,10 @@ def test_branches_over_one_cache_read_it_once():
     positions = options.pop("q_positions")
     call = lambda q, k, v, q_positions: flash_attention.attend(q, k, v, q_positions=q_positions, **options)
     # one branch: the 3 query heads of a key/value head are rows of one tile (a program per key/value head)
-    assert _pallas_grids(call, q, k, v, positions) == {"flash_attention_forward": [(1, case.Hkv)]}
+    assert _pallas_grids(call, q, k, v, positions) == {"flash_attention_forward": [(1, case.Hkv, 1)]}
     together = jax.vmap(call, in_axes=(0, None, None, None))
     grids = _pallas_grids(together, qs, k, v, positions)
-    assert grids == {"flash_attention_forward": [(1, case.Hkv)]}, grids  # 4 x 1 x 3 rows: one block per head
+    assert grids == {"flash_attention_forward": [(1, case.Hkv, 1)]}, grids  # 4 x 1 x 3 rows: one block per head
     got = jax.jit(together)(qs, k, v, positions)
     for b in range(branches):
         want = _dense(qs[b], k, v, q_positions=positions, **options)
@@ -205,7 +258,7 @@ def test_branches_over_one_cache_read_it_once():
     # per-branch caches (a branch's own tail): a grid per branch, as before
     ks, vs = jnp.stack([k] * branches), jnp.stack([v * (b + 1) for b in range(branches)])
     own = jax.vmap(call, in_axes=(0, 0, 0, None))
-    assert _pallas_grids(own, qs, ks, vs, positions)["flash_attention_forward"][0] != (1, case.Hkv)
+    assert _pallas_grids(own, qs, ks, vs, positions)["flash_attention_forward"][0] != (1, case.Hkv, 1)
     got = jax.jit(own)(qs, ks, vs, positions)
     for b in range(branches):
         np.testing.assert_allclose(got.out[b], _dense(qs[b], ks[b], vs[b], q_positions=positions, **options).out,
@@ -277,7 +330,8 @@ def test_every_kernel_lowers_for_cuda(dtype, T, S, Hq, Hkv, D, lead):
 
 def test_decoding_forms_lower_for_cuda():
     """A decode step of 8 branches over one stacked Qwen3.6-27B cache (vmapped, the forward folded: 8 x 6 packed rows
-    in one call; the backward a grid per branch) compiles to Triton custom calls for a GPU on this CPU host."""
+    in one call, its keys split over programs; the backward a grid per branch) compiles to Triton custom calls for a
+    GPU on this CPU host."""
     q = jax.ShapeDtypeStruct((8, 1, 24, 256), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((3, 2, 1000, 4, 256), jnp.bfloat16)
 
@@ -290,6 +344,9 @@ def test_decoding_forms_lower_for_cuda():
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 3 and "flash_attention_forward" in text
+    # 48 rows in one block x 4 key/value heads = 4 programs: the 1000 keys (16 blocks) split in 4 parts of 4 blocks
+    forward = next(line for line in text.splitlines() if 'name = "flash_attention_forward"' in line)
+    assert "grid_x = 1 : i32, grid_y = 4 : i32, grid_z = 4 : i32" in forward
 
 
 def test_kernel_choice():
