@@ -9,10 +9,11 @@ takes dO and dLSE and uses delta = rowsum(dO * O) - dLSE.
 Three kernels, each over a grid of (row block, head) programs; every tile is [block, D] (powers of two >= 16, what
 Triton's `dot` needs), scores and accumulators float32, matmul inputs in the input dtype (bf16 tensor cores):
 - forward, one program per (query block, query head, key split): an online softmax over the key blocks a causal
-  query block can see (later blocks are never loaded); a grid of fewer programs than `FlashTiles.forward_programs`
+  query block can see (later blocks are never loaded); a grid of fewer programs than `FlashTiles.min_programs`
   (decoding: a few rows over a long cache) splits each block's keys over more programs, whose partial out and
   log-sum-exp merge exactly (`attended.merge_all`; flash-decoding);
-- dQ, one program per (query block, query head): the same loop, dq += ds k;
+- dQ, one program per (query block, query head, key split): the same loop, dq += ds k (split the same way, the
+  parts' dq summed: a few response rows over a long prompt in exact mode);
 - dK / dV, one program per (key block, key/value head): a loop over the query blocks of each of the rep query
   heads that read it, dk += ds^T q, dv += p^T dO (no atomics: each program owns its rows); a causal query block
   that ends before the key block, and a key block past kv_length, are skipped.
@@ -85,20 +86,21 @@ class FlashTiles:
     """The launch shapes of the three kernels: the forward (rows: a program's query block; keys: its loop step), dQ
     (the same roles) and dK / dV (keys: a program's key block; rows: its loop step over the queries).
 
-    forward_programs: while the forward's grid (row blocks x heads) has fewer programs than this, each row block's
-    keys are split over more programs (flash-decoding: up to forward_programs in all, each looping over at least
-    MIN_SPLIT_BLOCKS key blocks), their partial (out, lse) merged by log-sum-exp; a decode step's few rows over a
-    long cache (one row block per key/value head: 4 programs for Qwen3.6-27B) would otherwise leave most of a GPU's
-    SMs idle. 1: never split."""
+    min_programs: while the forward's or dQ's grid (row blocks x heads) has fewer programs than this, each row
+    block's keys are split over more programs (up to min_programs in all, each looping over at least
+    MIN_SPLIT_BLOCKS key blocks): the forward's partial (out, lse) merged by log-sum-exp (flash-decoding), dQ's
+    partial sums added. A decode step's few rows over a long cache (one row block per key/value head: 4 programs for
+    Qwen3.6-27B), or exact mode's R response rows over a long prompt in dQ, would otherwise leave most of a GPU's SMs
+    idle. 1: never split."""
 
     forward: KernelTiles = KernelTiles()
     dq: KernelTiles = KernelTiles()
     dkv: KernelTiles = KernelTiles()
-    forward_programs: int = 128
+    min_programs: int = 128
 
     def __post_init__(self):
-        if not isinstance(self.forward_programs, int) or self.forward_programs < 1:
-            raise ValueError(f"FlashTiles.forward_programs={self.forward_programs!r} must be an int >= 1")
+        if not isinstance(self.min_programs, int) or self.min_programs < 1:
+            raise ValueError(f"FlashTiles.min_programs={self.min_programs!r} must be an int >= 1")
 
 
 DEFAULT_TILES = FlashTiles()
@@ -290,7 +292,7 @@ def _probabilities(q, k_blk, lse, visible, scale):
 
 
 def _dq_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static,
-               has_kv_positions):
+               has_kv_positions, split_blocks):
     kv_positions_ref = rest[0] if has_kv_positions else None
     dq_ref = rest[-1]
     scalars, q_positions, q = _read_scalars(scalars_ref), q_positions_ref[...], q_ref[...]
@@ -307,7 +309,9 @@ def _dq_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, do_ref, lse_re
         ds = p * (plt.dot(do, v_blk, trans_b=True).astype(p.dtype) - delta[:, None]) * static.scale
         return dq + plt.dot(ds.astype(k_blk.dtype), k_blk).astype(dq.dtype)
 
-    dq = jax.lax.fori_loop(0, _key_trips(scalars, q_positions, static, block_k), body, jnp.zeros(q.shape, lse.dtype))
+    first = pl.program_id(2) * split_blocks
+    trips = jnp.minimum(_key_trips(scalars, q_positions, static, block_k), first + split_blocks)
+    dq = jax.lax.fori_loop(first, trips, body, jnp.zeros(q.shape, lse.dtype))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
@@ -367,13 +371,13 @@ def _cache_spec(cache, by_program):
     return pl.BlockSpec((cache.shape[0], None, cache.shape[2]), lambda *ids: (0, by_program(*ids), 0))
 
 
-def key_splits(programs: int, key_blocks: int, forward_programs: int) -> int:
-    """Into how many parts the forward splits each row block's key blocks: 1 when its grid already has
-    `forward_programs` programs, else enough parts to reach that many, at most one per MIN_SPLIT_BLOCKS key blocks
-    (and none empty)."""
-    if programs >= forward_programs or key_blocks < 2 * MIN_SPLIT_BLOCKS:
+def key_splits(programs: int, key_blocks: int, min_programs: int) -> int:
+    """Into how many parts the forward or dQ splits each row block's key blocks: 1 when its grid already has
+    `min_programs` programs, else enough parts to reach that many, at most one per MIN_SPLIT_BLOCKS key blocks (and
+    none empty)."""
+    if programs >= min_programs or key_blocks < 2 * MIN_SPLIT_BLOCKS:
         return 1
-    splits = min(-(-forward_programs // programs), key_blocks // MIN_SPLIT_BLOCKS)
+    splits = min(-(-min_programs // programs), key_blocks // MIN_SPLIT_BLOCKS)
     return -(-key_blocks // -(-key_blocks // splits))
 
 
@@ -386,7 +390,7 @@ def _forward(static, q, k, v, q_positions, scalars, kv_positions):
     tiles = static.kernel("forward")
     block_q, value_dim = tiles.block_q, v.shape[-1]
     key_blocks = -(-static.seq_len // tiles.block_k)
-    splits = key_splits(padded_q // block_q * num_heads, key_blocks, static.tiles.forward_programs)
+    splits = key_splits(padded_q // block_q * num_heads, key_blocks, static.tiles.min_programs)
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, static=static, has_kv_positions=kv_positions is not None,
                           split_blocks=-(-key_blocks // splits)),
@@ -413,20 +417,23 @@ def _backward(static, q, k, v, q_positions, scalars, kv_positions, d_out, lse, d
     extra = () if kv_positions is None else (kv_positions,)
     has = kv_positions is not None
     common = (scalars, q_positions, q, k, v, d_out, lse, delta, *extra)
+    dq_key_blocks = -(-static.seq_len // dq_tiles.block_k)
+    splits = key_splits(padded_q // block_q * num_heads, dq_key_blocks, static.tiles.min_programs)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, static=static, has_kv_positions=has),
-        out_shape=jax.ShapeDtypeStruct(q.shape, lse.dtype),
-        grid=(padded_q // block_q, num_heads),
-        in_specs=[_whole(scalars.shape), pl.BlockSpec((block_q,), lambda i, h: (i,)),
-                  pl.BlockSpec((block_q, None, head_dim), lambda i, h: (i, h, 0)),
-                  _cache_spec(k, lambda i, h: h // rep), _cache_spec(v, lambda i, h: h // rep),
-                  pl.BlockSpec((block_q, None, value_dim), lambda i, h: (i, h, 0)),
-                  pl.BlockSpec((block_q, None), lambda i, h: (i, h)),
-                  pl.BlockSpec((block_q, None), lambda i, h: (i, h))]
+        functools.partial(_dq_kernel, static=static, has_kv_positions=has, split_blocks=-(-dq_key_blocks // splits)),
+        out_shape=jax.ShapeDtypeStruct((splits,) + q.shape, lse.dtype),
+        grid=(padded_q // block_q, num_heads, splits),
+        in_specs=[_whole(scalars.shape), pl.BlockSpec((block_q,), lambda i, h, s: (i,)),
+                  pl.BlockSpec((block_q, None, head_dim), lambda i, h, s: (i, h, 0)),
+                  _cache_spec(k, lambda i, h, s: h // rep), _cache_spec(v, lambda i, h, s: h // rep),
+                  pl.BlockSpec((block_q, None, value_dim), lambda i, h, s: (i, h, 0)),
+                  pl.BlockSpec((block_q, None), lambda i, h, s: (i, h)),
+                  pl.BlockSpec((block_q, None), lambda i, h, s: (i, h))]
                  + [_whole(x.shape) for x in extra],
-        out_specs=pl.BlockSpec((block_q, None, head_dim), lambda i, h: (i, h, 0)),
+        out_specs=pl.BlockSpec((None, block_q, None, head_dim), lambda i, h, s: (s, i, h, 0)),
         compiler_params=_compiler_params(dq_tiles, head_dim), interpret=static.interpret, name="flash_attention_dq",
     )(*common)
+    dq = dq[0] if splits == 1 else jnp.sum(dq, axis=0)
     key_blocks = -(-static.seq_len // block_k)
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, static=static, has_kv_positions=has, rep=rep),

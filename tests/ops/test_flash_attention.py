@@ -132,7 +132,7 @@ def test_tiles_set_the_grids_not_the_result():
         return jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v, **options).out)), argnums=(0, 1, 2))
 
     grids = _pallas_grids(grads(tiled), *args)
-    assert grids == {"flash_attention_forward": [(4, case.Hq, 1)], "flash_attention_dq": [(1, case.Hq)],
+    assert grids == {"flash_attention_forward": [(4, case.Hq, 1)], "flash_attention_dq": [(1, case.Hq, 1)],
                      "flash_attention_dkv": [(5, case.Hkv)]}, grids
     default = _pallas_grids(grads(flash_attention.attend), *args)
     # the default: 37 queries < a block of 64, so a key/value head's 2 query heads are rows of one call (74 rows)
@@ -158,23 +158,28 @@ SPLIT_CASES = {  # few query rows over many keys: the forward splits each row bl
 
 @pytest.mark.parametrize("name", list(SPLIT_CASES))
 def test_split_keys_merge_to_the_whole(name):
-    """With a grid of fewer programs than `FlashTiles.forward_programs` each row block's keys are split over more
-    programs (the grid's third axis: `key_splits`, parts of >= MIN_SPLIT_BLOCKS key blocks) whose partial out / lse
-    merge by log-sum-exp: out, LSE and gradients are the dense softmax's and the unsplit forward's (forward_programs
-    1), a query that sees no key in any part stays out 0, lse MASKED; under `jax.vmap` over branches sharing the
-    cache the folded call splits the same way."""
+    """With a grid of fewer programs than `FlashTiles.min_programs` each row block's keys are split over more
+    programs (the grid's third axis: `key_splits`, parts of >= MIN_SPLIT_BLOCKS key blocks): the forward's partial
+    out / lse merge by log-sum-exp, dQ's partial sums add; out, LSE and gradients are the dense softmax's and the
+    unsplit kernels' (min_programs 1), a query that sees no key in any part stays out 0, lse MASKED; under
+    `jax.vmap` over branches sharing the cache the folded forward splits the same way."""
     from longstraw_jax.ops.flash_attention import MIN_SPLIT_BLOCKS, FlashTiles, KernelTiles, key_splits
 
     case = SPLIT_CASES[name]
     args, options = _inputs(case)
     tiles = FlashTiles(forward=KernelTiles(64, 16))
     split = functools.partial(flash_attention.attend, tiles=tiles)
-    whole = functools.partial(flash_attention.attend, tiles=dataclasses.replace(tiles, forward_programs=1))
+    whole = functools.partial(flash_attention.attend, tiles=dataclasses.replace(tiles, min_programs=1))
     call = lambda attend: lambda q, k, v: attend(q, k, v, **options).out
-    (rows, heads, parts), = _pallas_grids(call(split), *args)["flash_attention_forward"]
+    grads = lambda attend: jax.grad(lambda q, k, v: jnp.sum(call(attend)(q, k, v)), argnums=(0, 1, 2))
+    grids = _pallas_grids(grads(split), *args)
     key_blocks = -(-case.S // 16)
+    (rows, heads, parts), = grids["flash_attention_forward"]
     assert parts == key_splits(rows * heads, key_blocks, 128) > 1 and -(-key_blocks // parts) >= MIN_SPLIT_BLOCKS
-    assert _pallas_grids(call(whole), *args)["flash_attention_forward"] == [(rows, heads, 1)]
+    (dq_rows, dq_heads, dq_parts), = grids["flash_attention_dq"]  # dQ's default key blocks of 64: 8 to 11 blocks
+    assert dq_parts == key_splits(dq_rows * dq_heads, -(-case.S // 64), 128) == 2, grids
+    assert {name: [g[2:] for g in found] for name, found in _pallas_grids(grads(whole), *args).items()} == {
+        "flash_attention_forward": [(1,)], "flash_attention_dq": [(1,)], "flash_attention_dkv": [()]}
     got, unsplit, dense = (outputs_and_grads(f, args, options) for f in (split, whole, _dense))
     for what, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), got, unsplit, dense):
         scale = max(1.0, float(jnp.max(jnp.abs(c))))
@@ -192,11 +197,11 @@ def test_split_keys_merge_to_the_whole(name):
             qs, k, v), atol=2e-5)
 
 
-def test_bad_forward_programs_name_the_field():
+def test_bad_min_programs_name_the_field():
     from longstraw_jax.ops.flash_attention import FlashTiles
 
-    with pytest.raises(ValueError, match="FlashTiles.forward_programs=0 must be an int >= 1"):
-        FlashTiles(forward_programs=0)
+    with pytest.raises(ValueError, match="FlashTiles.min_programs=0 must be an int >= 1"):
+        FlashTiles(min_programs=0)
 
 
 @pytest.mark.parametrize("field,value,bound", [("block_q", 48, "power of two >= 16"), ("block_k", 8, "power of two"),
