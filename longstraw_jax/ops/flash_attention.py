@@ -52,6 +52,7 @@ from longstraw_jax.ops.dtypes import accum_dtype
 
 MIN_TILE = 16  # Triton's dot needs every dimension >= 16
 MIN_SPLIT_BLOCKS = 4  # a forward program whose keys are split (flash-decoding) still loops over at least this many
+MIN_PROGRAMS = 128  # a grid with fewer programs splits its keys (`key_splits`): about an H100's 132 SMs
 NO_PAD = -(2**30)  # left_pad when there is none: every key position is >= it
 # the scalars every kernel reads: [row0 (the layer's first row in the flattened cache), k_offset, kv_length, left_pad]
 _ROW0, _K_OFFSET, _KV_LENGTH, _LEFT_PAD = range(4)
@@ -96,7 +97,7 @@ class FlashTiles:
     forward: KernelTiles = KernelTiles()
     dq: KernelTiles = KernelTiles()
     dkv: KernelTiles = KernelTiles()
-    min_programs: int = 128
+    min_programs: int = MIN_PROGRAMS
 
     def __post_init__(self):
         if not isinstance(self.min_programs, int) or self.min_programs < 1:

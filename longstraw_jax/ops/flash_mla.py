@@ -5,7 +5,9 @@ Every query reads only its own k selected rows `kv = [c | k_pe]` (latent Dl = va
 layer's cache (positions < start) or of the chunk's new rows (positions >= start): a gather, not a dense tile.
 One program per query, all H heads together (the matmul's M dimension; GLM-5.x has 64+ heads):
 - forward: over the selected slots in blocks of BLOCK_SLOTS, gather the rows, s = (q_lat . c + q_rope . k_pe) *
-  scale [H, block], online softmax, out += p c; returns out [T, H, Dl] and lse [T, H], float32;
+  scale [H, block], online softmax, out += p c; returns out [T, H, Dl] and lse [T, H], float32. Fewer queries than
+  `min_programs` (decoding) split each query's slots over more programs (`flash_attention.key_splits`), their
+  partial out / lse merged by log-sum-exp (flash-decoding: 8 decoded queries would otherwise be 8 programs);
 - backward (dO and dLSE, delta = rowsum(dO * O) - dLSE, so partials merge exactly): regather, p = exp(s - lse),
   ds = p (dO . c - delta) scale; dq = ds [c | k_pe]; the rows' cotangents ds^T q (+ p^T dO on the latent) are
   atomically added to the cache's and the new rows' cotangents (float32). A query's selected positions are distinct
@@ -25,9 +27,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from longstraw_jax.ops.attended import MASKED, Attended
+from longstraw_jax.ops.attended import MASKED, Attended, merge_all
 from longstraw_jax.ops.dtypes import accum_dtype
-from longstraw_jax.ops.flash_attention import MIN_TILE, on_gpu
+from longstraw_jax.ops.flash_attention import MIN_PROGRAMS, MIN_TILE, key_splits, on_gpu
 
 BLOCK_SLOTS = 64  # selected rows gathered per loop step
 
@@ -41,6 +43,7 @@ class _Static:
     new_rows: int
     block: int
     interpret: bool
+    min_programs: int  # the forward splits a query's slots while it has fewer programs
 
 
 def _tile(n: int) -> int:
@@ -48,11 +51,11 @@ def _tile(n: int) -> int:
 
 
 def sparse_latent_attention_partial(q: jax.Array, cache: jax.Array, layer, new: jax.Array, selected: jax.Array,
-                                    start, *, scale: float, value_dim: int, interpret: bool | None = None
-                                    ) -> Attended:
+                                    start, *, scale: float, value_dim: int, interpret: bool | None = None,
+                                    min_programs: int = MIN_PROGRAMS) -> Attended:
     """q [T, H, Dk]; cache [layers, S, Dk]; new [T_new, Dk] (positions start..); selected int [T, k] (-1: unused;
     distinct otherwise). Returns out [T, H, value_dim] and lse [T, H], float32 (a query with no slot: out 0, lse
-    MASKED)."""
+    MASKED). min_programs: fewer queries than this split their slots over more forward programs (1: never)."""
     if interpret is None:
         interpret = not on_gpu()
     num_q, heads, _ = q.shape
@@ -75,7 +78,7 @@ def sparse_latent_attention_partial(q: jax.Array, cache: jax.Array, layer, new: 
     selected = jnp.pad(selected.astype(jnp.int32), ((0, 0), (0, slots - selected.shape[1])), constant_values=-1)
     scalars = jnp.stack([jnp.asarray(layer, jnp.int32) * cache_rows, jnp.asarray(start, jnp.int32)])
     static = _Static(scale=scale, latent=latent, rope=rope, cache_rows=cache_rows, new_rows=new.shape[0],
-                     block=block, interpret=interpret)
+                     block=block, interpret=interpret, min_programs=min_programs)
     out, lse = _sparse(static, q, cache_flat, channels(new), selected, scalars)
     return Attended(out[:, :heads, :value_dim], lse[:, :heads])
 
@@ -106,7 +109,8 @@ def _scores(static, q_lat, q_rope, lat, rope, valid, acc):
 # ----- kernels -----
 
 
-def _forward_kernel(scalars_ref, q_ref, sel_ref, cache_ref, new_ref, out_ref, lse_ref, *, static):
+def _forward_kernel(scalars_ref, q_ref, sel_ref, cache_ref, new_ref, out_ref, lse_ref, *, static, split_blocks):
+    """One (query, slot split) program: the online softmax over slot blocks [split * split_blocks, ...)."""
     row0, start = scalars_ref[0], scalars_ref[1]
     q_lat, q_rope = q_ref[:, pl.ds(0, static.latent)], q_ref[:, pl.ds(static.latent, static.rope)]
     acc = accum_dtype(q_lat.dtype)
@@ -124,7 +128,9 @@ def _forward_kernel(scalars_ref, q_ref, sel_ref, cache_ref, new_ref, out_ref, ls
         return m_new, denom * alpha + jnp.sum(p, axis=1), numer
 
     init = (jnp.full((heads,), MASKED, acc), jnp.zeros((heads,), acc), jnp.zeros((heads, static.latent), acc))
-    m, denom, numer = jax.lax.fori_loop(0, sel_ref.shape[0] // static.block, body, init)
+    first = pl.program_id(1) * split_blocks
+    trips = jnp.minimum(sel_ref.shape[0] // static.block, first + split_blocks)
+    m, denom, numer = jax.lax.fori_loop(first, trips, body, init)
     seen = denom > 0
     out_ref[...] = jnp.where(seen[:, None], numer / jnp.where(seen, denom, 1.0)[:, None], 0.0).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), MASKED).astype(lse_ref.dtype)
@@ -168,9 +174,11 @@ def _backward_kernel(scalars_ref, q_ref, sel_ref, cache_ref, new_ref, do_ref, ls
 
 
 def _specs(static, q, selected, cache, new):
-    whole = lambda x: pl.BlockSpec(x.shape, lambda t: (0,) * x.ndim)
-    per_query = lambda x: pl.BlockSpec((None,) + x.shape[1:], lambda t: (t,) + (0,) * (x.ndim - 1))
-    return [pl.BlockSpec((2,), lambda t: (0,)), per_query(q), per_query(selected), whole(cache), whole(new)], per_query
+    """In-specs of a grid whose first axis is the query (later axes ignored), and the per-query BlockSpec maker."""
+    whole = lambda x: pl.BlockSpec(x.shape, lambda t, *_: (0,) * x.ndim)
+    per_query = lambda x: pl.BlockSpec((None,) + x.shape[1:], lambda t, *_: (t,) + (0,) * (x.ndim - 1))
+    return [pl.BlockSpec((2,), lambda t, *_: (0,)), per_query(q), per_query(selected), whole(cache), whole(new)], \
+        per_query
 
 
 def _params(static):
@@ -178,15 +186,21 @@ def _params(static):
 
 
 def _forward(static, q, cache, new, selected, scalars):
+    """The forward's pallas_call over (query, slot split) programs; split partials merged."""
     num_q, heads, _ = q.shape
     acc = accum_dtype(q.dtype)
-    in_specs, per_query = _specs(static, q, selected, cache, new)
-    out_shape = (jax.ShapeDtypeStruct((num_q, heads, static.latent), acc), jax.ShapeDtypeStruct((num_q, heads), acc))
-    return pl.pallas_call(
-        functools.partial(_forward_kernel, static=static), out_shape=out_shape, grid=(num_q,), in_specs=in_specs,
-        out_specs=tuple(per_query(s) for s in out_shape), compiler_params=_params(static),
-        interpret=static.interpret, name="sparse_latent_attention_forward",
+    in_specs, _ = _specs(static, q, selected, cache, new)
+    slot_blocks = selected.shape[1] // static.block
+    splits = key_splits(num_q, slot_blocks, static.min_programs)
+    out_shape = (jax.ShapeDtypeStruct((splits, num_q, heads, static.latent), acc),
+                 jax.ShapeDtypeStruct((splits, num_q, heads), acc))
+    part = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda t, s: (s, t) + (0,) * (len(x.shape) - 2))
+    out, lse = pl.pallas_call(
+        functools.partial(_forward_kernel, static=static, split_blocks=-(-slot_blocks // splits)),
+        out_shape=out_shape, grid=(num_q, splits), in_specs=in_specs, out_specs=tuple(part(s) for s in out_shape),
+        compiler_params=_params(static), interpret=static.interpret, name="sparse_latent_attention_forward",
     )(scalars, q, selected, cache, new)
+    return (out[0], lse[0]) if splits == 1 else tuple(merge_all(Attended(out, lse)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -4,6 +4,7 @@ gradient with kernels="pallas" against kernels="xla"."""
 import dataclasses
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -20,6 +21,21 @@ def outputs_and_grads(fn, args, options) -> tuple:
 
     (_, r), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
     return (r.out, r.lse) + tuple(g.astype(jnp.float32) for g in grads)
+
+
+def pallas_grids(fn, *args) -> dict:
+    """{kernel name: [grids]} of the pallas_calls in fn's jaxpr (nested jaxprs included)."""
+    grids = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                grids.setdefault(eqn.params["name"], []).append(eqn.params["grid_mapping"].grid)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return grids
 
 
 def assert_model_gradient_matches_xla(config, prompt_len: int, group_size: int, response_len: int):

@@ -6,7 +6,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from longstraw_jax import models
 from longstraw_jax.ops import attention, flash_attention, kernels
 from longstraw_jax.ops.attention import MASKED
-from tests.ops.pallas_checks import assert_model_gradient_matches_xla, outputs_and_grads
+from tests.ops.pallas_checks import assert_model_gradient_matches_xla, outputs_and_grads, pallas_grids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,10 +130,10 @@ def test_tiles_set_the_grids_not_the_result():
     def grads(attend):
         return jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v, **options).out)), argnums=(0, 1, 2))
 
-    grids = _pallas_grids(grads(tiled), *args)
+    grids = pallas_grids(grads(tiled), *args)
     assert grids == {"flash_attention_forward": [(4, case.Hq, 1)], "flash_attention_dq": [(1, case.Hq, 1)],
                      "flash_attention_dkv": [(5, case.Hkv)]}, grids
-    default = _pallas_grids(grads(flash_attention.attend), *args)
+    default = pallas_grids(grads(flash_attention.attend), *args)
     # the default: 37 queries < a block of 64, so a key/value head's 2 query heads are rows of one call (74 rows)
     assert default["flash_attention_forward"] == [(2, case.Hkv, 1)]
     assert default["flash_attention_dkv"] == [(2, case.Hkv)]
@@ -172,13 +171,13 @@ def test_split_keys_merge_to_the_whole(name):
     whole = functools.partial(flash_attention.attend, tiles=dataclasses.replace(tiles, min_programs=1))
     call = lambda attend: lambda q, k, v: attend(q, k, v, **options).out
     grads = lambda attend: jax.grad(lambda q, k, v: jnp.sum(call(attend)(q, k, v)), argnums=(0, 1, 2))
-    grids = _pallas_grids(grads(split), *args)
+    grids = pallas_grids(grads(split), *args)
     key_blocks = -(-case.S // 16)
     (rows, heads, parts), = grids["flash_attention_forward"]
     assert parts == key_splits(rows * heads, key_blocks, 128) > 1 and -(-key_blocks // parts) >= MIN_SPLIT_BLOCKS
     (dq_rows, dq_heads, dq_parts), = grids["flash_attention_dq"]  # dQ's default key blocks of 64: 8 to 11 blocks
     assert dq_parts == key_splits(dq_rows * dq_heads, -(-case.S // 64), 128) == 2, grids
-    assert {name: [g[2:] for g in found] for name, found in _pallas_grids(grads(whole), *args).items()} == {
+    assert {name: [g[2:] for g in found] for name, found in pallas_grids(grads(whole), *args).items()} == {
         "flash_attention_forward": [(1,)], "flash_attention_dq": [(1,)], "flash_attention_dkv": [()]}
     got, unsplit, dense = (outputs_and_grads(f, args, options) for f in (split, whole, _dense))
     for what, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), got, unsplit, dense):
@@ -191,7 +190,7 @@ def test_split_keys_merge_to_the_whole(name):
         q, k, v = args
         qs = jnp.stack([q * (b + 1) for b in range(4)])
         together = jax.vmap(call(split), in_axes=(0, None, None))
-        (_, _, folded_parts), = _pallas_grids(together, qs, k, v)["flash_attention_forward"]
+        (_, _, folded_parts), = pallas_grids(together, qs, k, v)["flash_attention_forward"]
         assert folded_parts > 1
         np.testing.assert_allclose(jax.jit(together)(qs, k, v), jax.vmap(call(whole), in_axes=(0, None, None))(
             qs, k, v), atol=2e-5)
@@ -213,21 +212,6 @@ def test_bad_tiles_name_the_field(field, value, bound):
         KernelTiles(**{field: value})
 
 
-def _pallas_grids(fn, *args) -> dict:
-    """{kernel name: [grids]} of the pallas_calls in fn's jaxpr (nested jaxprs included)."""
-    grids = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                grids.setdefault(eqn.params["name"], []).append(eqn.params["grid_mapping"].grid)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return grids
-
-
 def test_branches_over_one_cache_read_it_once():
     """Decoding: N branches' query rows over one shared cache (`jax.vmap` over q, the cache unbatched) run as one
     forward call whose programs each read a key/value head's keys once for every branch and every query head that
@@ -240,9 +224,9 @@ def test_branches_over_one_cache_read_it_once():
     positions = options.pop("q_positions")
     call = lambda q, k, v, q_positions: flash_attention.attend(q, k, v, q_positions=q_positions, **options)
     # one branch: the 3 query heads of a key/value head are rows of one tile (a program per key/value head)
-    assert _pallas_grids(call, q, k, v, positions) == {"flash_attention_forward": [(1, case.Hkv, 1)]}
+    assert pallas_grids(call, q, k, v, positions) == {"flash_attention_forward": [(1, case.Hkv, 1)]}
     together = jax.vmap(call, in_axes=(0, None, None, None))
-    grids = _pallas_grids(together, qs, k, v, positions)
+    grids = pallas_grids(together, qs, k, v, positions)
     assert grids == {"flash_attention_forward": [(1, case.Hkv, 1)]}, grids  # 4 x 1 x 3 rows: one block per head
     got = jax.jit(together)(qs, k, v, positions)
     for b in range(branches):
@@ -263,7 +247,7 @@ def test_branches_over_one_cache_read_it_once():
     # per-branch caches (a branch's own tail): a grid per branch, as before
     ks, vs = jnp.stack([k] * branches), jnp.stack([v * (b + 1) for b in range(branches)])
     own = jax.vmap(call, in_axes=(0, 0, 0, None))
-    assert _pallas_grids(own, qs, ks, vs, positions)["flash_attention_forward"][0] != (1, case.Hkv, 1)
+    assert pallas_grids(own, qs, ks, vs, positions)["flash_attention_forward"][0] != (1, case.Hkv, 1)
     got = jax.jit(own)(qs, ks, vs, positions)
     for b in range(branches):
         np.testing.assert_allclose(got.out[b], _dense(qs[b], ks[b], vs[b], q_positions=positions, **options).out,
@@ -296,7 +280,7 @@ def test_an_empty_cache_launches_no_kernel():
     args, options = _inputs(Case(T=5, S=12, Hq=4, Hkv=2, causal=True))
     q, k, v = args
     empty = lambda q: flash_attention.attend(q, k[:0], v[:0], **options)
-    assert _pallas_grids(empty, q) == {}
+    assert pallas_grids(empty, q) == {}
     got, want = empty(q), attention.attend(q, k[:0], v[:0], **options)
     np.testing.assert_array_equal(got.out, want.out)
     np.testing.assert_array_equal(got.lse, want.lse)

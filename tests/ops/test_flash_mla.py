@@ -11,7 +11,7 @@ import pytest
 from longstraw_jax import models
 from longstraw_jax.ops import flash_mla, mla
 from longstraw_jax.ops.attended import MASKED, Attended
-from tests.ops.pallas_checks import assert_model_gradient_matches_xla, outputs_and_grads
+from tests.ops.pallas_checks import assert_model_gradient_matches_xla, outputs_and_grads, pallas_grids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +83,26 @@ def test_kernels_match_xla_and_naive(name):
         np.testing.assert_allclose(a, b, atol=atol * scale, rtol=0, err_msg=f"{name}: {what} vs XLA")
         np.testing.assert_allclose(a, c, atol=atol * scale, rtol=0, err_msg=f"{name}: {what} vs naive")
     assert float(jnp.max(jnp.abs(pallas[4]))) > 0  # the new rows' cotangent is reached
+
+
+def test_few_queries_split_their_slots():
+    """Two queries of 512 selected slots (8 blocks of 64): fewer programs than `min_programs`, so each query's slots
+    are split over 2 forward programs (a grid (2, 2)) whose partial out / lse merge by log-sum-exp; out, LSE and
+    gradients are the unsplit kernel's (min_programs 1, a grid (2, 1)), the XLA path's and the naive softmax's."""
+    case = Case(T=2, k=512, S=600)
+    args, options = _inputs(case)
+    split = lambda *a, **o: flash_mla.sparse_latent_attention_partial(a[0], a[1], o["layer"], a[2], o["selected"],
+                                                                     o["start"], scale=o["scale"],
+                                                                     value_dim=o["value_dim"], **o.get("extra", {}))
+    whole = lambda *a, **o: split(*a, **o, extra=dict(min_programs=1))
+    out = lambda fn: lambda *a: fn(*a, **options).out
+    assert pallas_grids(out(split), *args)["sparse_latent_attention_forward"] == [(2, 2)]
+    assert pallas_grids(out(whole), *args)["sparse_latent_attention_forward"] == [(2, 1)]
+    got, unsplit, xla, naive = (outputs_and_grads(fn, args, options) for fn in (split, whole, _call("xla"), _naive))
+    for what, a, b, c, d in zip(("out", "lse", "dq", "d_cache", "d_new"), got, unsplit, xla, naive):
+        scale = max(1.0, float(jnp.max(jnp.abs(d))))
+        for other, label in ((b, "unsplit"), (c, "XLA"), (d, "naive")):
+            np.testing.assert_allclose(a, other, atol=2e-5 * scale, rtol=0, err_msg=f"{what} vs {label}")
 
 
 def test_both_kernels_lower_for_cuda():
