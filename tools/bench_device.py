@@ -53,9 +53,10 @@ channels, 2048 selected rows a query, bf16; 4K queries over a 64K cache, 8 decod
 **Tiles** (the fourth set, `tiles_table`, its own child of at most TILES_S): the flash kernels' launch shapes
 (`ops.flash_attention.FlashTiles`: per kernel block_q, block_k, num_warps, num_stages) at the chunk over itself,
 TILE_CANDIDATES (the default first): each forward candidate's forward, each (dQ, dK / dV) candidate's forward +
-backward, against the XLA path's result (measured once); a candidate that does not fit the GPU (shared memory,
-registers) is a failed row. The JSON's "fastest_tiles" names the fastest of each pass and how much slower the default
-is: the measurement the library's DEFAULT_TILES are to be set from.
+backward; and at 8 decoded tokens over the cache, the forward with its keys split over programs below each
+`min_programs` value (1: never split); each against the XLA path's result (measured once per case); a candidate
+that does not fit the GPU (shared memory, registers) is a failed row. The JSON's "fastest_tiles" names the fastest
+of each sweep and how much slower the default is: what the library's DEFAULT_TILES are to be set from.
 
 The GPU day's run (one device, <= 8 minutes; defaults on an accelerator: `--blocks 2`, captures of 64K, 32K and 128K
 tokens, the exact step at 32K, both implementations): the measurements run in priority order (kernel table, the 64K
@@ -75,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -126,14 +128,18 @@ LATENT_SHAPES = dict(full=dict(config="configs/glm-5.2.json", dtype="bfloat16", 
 # the forward; (dQ tiles, dK / dV tiles), timed by forward + backward with the default forward. At head dim 256 a
 # [64, 256] float32 accumulator is 64 registers a thread at 8 warps (dK / dV holds two): which tiles fit the
 # registers and the shared memory (q, and num_stages x k, v tiles), and which is fastest, only the device can say.
+# "decode": `FlashTiles.min_programs` values at the first decode case (8 decoded tokens' forward; 1: keys never split).
 TILE_CANDIDATES = dict(
     full=dict(forward=[(64, 64, 8, 2), (128, 64, 8, 2), (128, 64, 16, 2), (128, 32, 8, 2), (64, 32, 8, 3),
                        (64, 64, 4, 2)],
               backward=[((64, 64, 8, 2), (64, 64, 8, 2)), ((64, 32, 8, 2), (64, 32, 8, 2)),
                         ((128, 32, 8, 2), (32, 32, 4, 2)), ((64, 32, 8, 2), (32, 64, 8, 2)),
-                        ((64, 32, 4, 3), (32, 32, 4, 3))]),
+                        ((64, 32, 4, 3), (32, 32, 4, 3))],
+              decode=[128, 1, 512]),
     tiny=dict(forward=[(64, 64, 4, 2), (32, 16, 4, 2)], backward=[((64, 64, 4, 2), (64, 64, 4, 2)),
-                                                                  ((16, 32, 4, 2), (32, 16, 4, 2))]))
+                                                                  ((16, 32, 4, 2), (32, 16, 4, 2))],
+              decode=[128, 1]))
+TILE_SWEEPS = ("forward", "backward", "decode")  # the tiles table's parts, each timed by its own pass
 KERNEL_SETS = ("attention", "gated_delta", "sparse_latent", "attention_tiles")  # the kernel table's children, in
 # this order (the tiles after the first capture length's pair; --tiny: one child for all, the smoke's start-ups saved)
 KERNEL_SET_S = 90.0  # at most this long for the GDN's or the latent attention's child (attention: the budget's)
@@ -529,48 +535,59 @@ def _attention_case(shape: dict, t: int, s: int, n: int | None = None):
     return args, cotangents, attend
 
 
-def tile_label(forward=None, backward=None) -> str:
-    """A candidate's name: "fwd 128x32 w8 s3" or "bwd dq 64x32 w8 s2, dkv 32x32 w4 s2" (block_q x block_k, warps,
-    stages)."""
+def tile_label(sweep: str, candidate) -> str:
+    """A candidate's name: "fwd 128x32 w8 s3", "bwd dq 64x32 w8 s2, dkv 32x32 w4 s2" (block_q x block_k, warps,
+    stages) or "decode, split below 128 programs" / "decode, never split"."""
     name = lambda t: f"{t[0]}x{t[1]} w{t[2]} s{t[3]}"
-    return f"fwd {name(forward)}" if forward else f"bwd dq {name(backward[0])}, dkv {name(backward[1])}"
+    if sweep == "forward":
+        return f"fwd {name(candidate)}"
+    if sweep == "backward":
+        return f"bwd dq {name(candidate[0])}, dkv {name(candidate[1])}"
+    return "decode, never split" if candidate == 1 else f"decode, split below {candidate} programs"
 
 
 def tiles_table(size: str, peak):
-    """The flash-attention kernels' launch shapes (TILE_CANDIDATES of the size) at the attention table's first case
-    (a chunk over itself): the XLA path measured once as the reference, then per forward candidate the forward and
-    per backward candidate forward + backward (`ops.flash_attention.attend(..., tiles=FlashTiles(...))`), each a
-    kernel-table row (error against XLA, medians, TFLOP/s, % of peak) with "tiles" {forward | dq, dkv: [block_q,
-    block_k, num_warps, num_stages]}; a candidate that does not compile (shared memory, registers) is a failed row.
-    Yields (label, a function yielding the candidate's row)."""
+    """The flash-attention kernels' launch shapes (TILE_CANDIDATES of the size, `ops.flash_attention.attend(...,
+    tiles=FlashTiles(...))`), three sweeps: per forward candidate the forward and per backward candidate forward +
+    backward at the attention table's first case (a chunk over itself), per `min_programs` value the forward at its
+    first decode case (8 tokens over the cache: keys split over programs or not). Each a kernel-table row (error
+    against the XLA path, measured once per case; medians, TFLOP/s, % of peak) with "sweep", "tiles" {forward | dq,
+    dkv: [block_q, block_k, num_warps, num_stages] | min_programs} and "default" (the sweep's first candidate, the
+    library's default); a candidate that does not compile (shared memory, registers) is a failed row. Yields (label, a
+    function yielding the candidate's row)."""
     from longstraw_jax.ops import attention, flash_attention
 
     shape = KERNEL_SHAPES[size]
-    _, t, s = shape["cases"][0]
     hq, hkv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
-    flops = attention_flops(t, s, hq, d)
-    args, cotangents, attend = _attention_case(shape, t, s)
+    chunk = shape["cases"][0][1:3]
+    decode = next(c[1:3] for c in shape["cases"] if len(c) == 3 and c[1] <= 8)
     xla = {}
 
-    def measure(kind, flash_tiles, label, **fields):
-        if not xla:  # once, by the first candidate
-            xla.update(_passes(attend(lambda *a, **o: attention.attend(*a, **o, kernels="xla")), args, cotangents,
-                               shape["reps"]))
+    def measure(sweep, flash_tiles, label, t, s, **fields):
+        kind = "forward_backward" if sweep == "backward" else "forward"
+        args, cotangents, attend = _attention_case(shape, t, s)
+        if (t, s) not in xla:  # once per case
+            xla[t, s] = _passes(attend(lambda *a, **o: attention.attend(*a, **o, kernels="xla")), args, cotangents,
+                                shape["reps"])
         tiled = attend(lambda *a, **o: flash_attention.attend(*a, **o, tiles=flash_tiles))
         got = _passes(tiled, args, cotangents, shape["reps"], kinds=(kind,))[kind]
-        yield _kernel_row(label, kind, xla[kind], got, flops[kind], peak, T=t, S=s, heads=hq, kv_heads=hkv,
-                          head_dim=d, dtype=shape["dtype"], **fields)
+        yield _kernel_row(label, kind, xla[t, s][kind], got, attention_flops(t, s, hq, d)[kind], peak, T=t, S=s,
+                          heads=hq, kv_heads=hkv, head_dim=d, dtype=shape["dtype"], sweep=sweep, **fields)
 
     kernel = lambda c: flash_attention.KernelTiles(*c)
-    for c in TILE_CANDIDATES[size]["forward"]:
-        label = tile_label(forward=c)
-        yield label, lambda c=c, label=label: measure(
-            "forward", flash_attention.FlashTiles(forward=kernel(c)), label, tiles=dict(forward=list(c)))
-    for dq, dkv in TILE_CANDIDATES[size]["backward"]:
-        label = tile_label(backward=(dq, dkv))
-        yield label, lambda dq=dq, dkv=dkv, label=label: measure(
-            "forward_backward", flash_attention.FlashTiles(dq=kernel(dq), dkv=kernel(dkv)), label,
-            tiles=dict(dq=list(dq), dkv=list(dkv)))
+    candidates = TILE_CANDIDATES[size]
+    for sweep in TILE_SWEEPS:
+        for i, c in enumerate(candidates[sweep]):
+            if sweep == "forward":
+                tiles, record, (t, s) = flash_attention.FlashTiles(forward=kernel(c)), dict(forward=list(c)), chunk
+            elif sweep == "backward":
+                tiles, record = flash_attention.FlashTiles(dq=kernel(c[0]), dkv=kernel(c[1])), dict(
+                    dq=list(c[0]), dkv=list(c[1]))
+                t, s = chunk
+            else:
+                tiles, record, (t, s) = flash_attention.FlashTiles(min_programs=c), dict(min_programs=c), decode
+            label = tile_label(sweep, c)
+            yield label, functools.partial(measure, sweep, tiles, label, t, s, tiles=record, default=i == 0)
 
 
 def gated_delta_flops(tokens: int, heads: int, key_dim: int, value_dim: int, chunk: int) -> dict[str, float]:
@@ -782,7 +799,8 @@ KERNEL_TABLES = dict(
                    "forward 2 T H k (2 Dl + Dr), backward 2 T H k (5 Dl + 3 Dr))", ("T", "S", "slots")),
     attention_tiles=("Flash attention's launch shapes (`ops.flash_attention.KernelTiles`: block_q x block_k, warps, "
                      "stages; fwd: the forward's, timed by the forward; bwd: dQ's and dK / dV's, timed by forward + "
-                     "backward), the first of each the default", ("T", "S")))
+                     "backward; decode: `FlashTiles.min_programs`, the decode forward's key split), the first of each "
+                     "the default", ("T", "S")))
 
 
 def kernel_kind(row: dict) -> str:
@@ -836,17 +854,18 @@ def format_comparison(pairs: list[dict]) -> str:
 
 
 def fastest_tiles(kernel_rows: list[dict]) -> dict:
-    """Per pass of the tiles' rows ("forward", "forward_backward"): the fastest candidate that ran {"case", "tiles",
-    "pallas_s", "pallas_peak", "error", "default_over_best": the default's (the first candidate's) median / its},
-    or None when none ran. What the next session sets as `ops.flash_attention.DEFAULT_TILES`."""
+    """Per sweep of the tiles' rows (TILE_SWEEPS): the fastest candidate that ran {"case", "tiles", "pallas_s",
+    "pallas_peak", "error", "default_over_best": the default's median / its (None when the default failed)}, or
+    None when none ran. What `ops.flash_attention.DEFAULT_TILES` is to be set from."""
     out = {}
-    for kind in ("forward", "forward_backward"):
-        rows = [r for r in kernel_rows if kernel_kind(r) == "attention_tiles" and r.get("kind") == kind
+    for sweep in TILE_SWEEPS:
+        rows = [r for r in kernel_rows if kernel_kind(r) == "attention_tiles" and r.get("sweep") == sweep
                 and "failed" not in r]
         best = min(rows, key=lambda r: r["pallas_s"], default=None)
-        out[kind] = None if best is None else dict(
+        default = next((r for r in rows if r["default"]), None)
+        out[sweep] = None if best is None else dict(
             case=best["case"], tiles=best["tiles"], pallas_s=best["pallas_s"], pallas_peak=best["pallas_peak"],
-            error=best["error"], default_over_best=rows[0]["pallas_s"] / best["pallas_s"])
+            error=best["error"], default_over_best=None if default is None else default["pallas_s"] / best["pallas_s"])
     return out
 
 
@@ -1030,10 +1049,11 @@ def main(argv: list[str] | None = None) -> int:
     goals, tiles = targets(kernel_rows, pairs, device), fastest_tiles(kernel_rows)
     print("\nTargets: " + "; ".join(f"{name} {t['status']} ({_fmt(t['value'], '.3g')}; {t['target']})"
                                      for name, t in goals.items()))
-    for kind, best in tiles.items():
+    for sweep, best in tiles.items():
         if best:
-            print(f"Fastest tiles, {kind.replace('_', ' + ')}: {best['case']} ({best['pallas_s']:.3g} s, "
-                  f"{_fmt(best['pallas_peak'], '.1%')} of peak; the default {best['default_over_best']:.2f}x its time)")
+            print(f"Fastest tiles, {sweep}: {best['case']} ({best['pallas_s']:.3g} s, "
+                  f"{_fmt(best['pallas_peak'], '.1%')} of peak; the default {_fmt(best['default_over_best'])}x its "
+                  "time)")
     for item in failed + skipped:
         print(f"  {item['label']}: {item['status']}" + (f": {item['reason']}" if "reason" in item else ""))
     write_json(True, targets=goals, fastest_tiles=tiles, comparison=pairs)

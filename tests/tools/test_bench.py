@@ -381,14 +381,20 @@ def test_bench_device_kernel_table_tiny(tmp_path):
         [("attention", c[0], kind) for c in bench.KERNEL_SHAPES["tiny"]["cases"] for kind in passes] \
         + [("gated_delta", c[0], kind) for c in bench.GDN_SHAPES["tiny"]["cases"] for kind in passes] \
         + [("sparse_latent", c[0], kind) for c in bench.LATENT_SHAPES["tiny"]["cases"] for kind in passes] \
-        + [("attention_tiles", bench.tile_label(forward=c), "forward") for c in tiles["forward"]] \
-        + [("attention_tiles", bench.tile_label(backward=c), "forward_backward") for c in tiles["backward"]]
-    assert [r["tiles"] for r in out["kernel_table"] if r["kernel"] == "attention_tiles"] == \
-        [dict(forward=list(c)) for c in tiles["forward"]] \
-        + [dict(dq=list(a), dkv=list(b)) for a, b in tiles["backward"]]
+        + [("attention_tiles", bench.tile_label("forward", c), "forward") for c in tiles["forward"]] \
+        + [("attention_tiles", bench.tile_label("backward", c), "forward_backward") for c in tiles["backward"]] \
+        + [("attention_tiles", bench.tile_label("decode", n), "forward") for n in tiles["decode"]]
+    swept = [r for r in out["kernel_table"] if r["kernel"] == "attention_tiles"]
+    assert [(r["sweep"], r["tiles"], r["default"]) for r in swept] == \
+        [("forward", dict(forward=list(c)), i == 0) for i, c in enumerate(tiles["forward"])] \
+        + [("backward", dict(dq=list(a), dkv=list(b)), i == 0) for i, (a, b) in enumerate(tiles["backward"])] \
+        + [("decode", dict(min_programs=n), i == 0) for i, n in enumerate(tiles["decode"])]
+    assert {(r["T"], r["S"]) for r in swept if r["sweep"] == "decode"} == {(8, 256)}
     fastest = out["fastest_tiles"]
+    assert set(fastest) == set(bench.TILE_SWEEPS)
     assert fastest["forward"]["tiles"]["forward"] in [list(c) for c in tiles["forward"]]
-    assert fastest["forward_backward"]["default_over_best"] >= 1.0 and fastest["forward"]["error"] < 1e-5
+    for best in fastest.values():
+        assert best["default_over_best"] >= 1.0 and best["error"] < 1e-5
     from longstraw_jax.capacity.hlo import GatedDeltaModel, SparseLatentModel
 
     for r in out["kernel_table"]:
@@ -429,15 +435,15 @@ def test_bench_device_kernel_table_tiny(tmp_path):
 
 
 def _triton_calls(text: str) -> dict:
-    """{kernel name: (grid_x, num_warps, num_stages)} of the Triton custom calls in lowered StableHLO text."""
+    """{kernel name: (grid_x, grid_z, num_warps, num_stages)} of the Triton custom calls in lowered StableHLO text."""
     import re
 
     calls = {}
     for line in text.splitlines():
         if "xla.gpu.triton" in line:
             field = lambda key: int(re.search(key + r" = (\d+) : i32", line).group(1))
-            calls[re.search(r'name = "([^"]+)"', line).group(1)] = (field("grid_x"), field("num_warps"),
-                                                                   field("num_stages"))
+            calls[re.search(r'name = "([^"]+)"', line).group(1)] = (field("grid_x"), field("grid_z"),
+                                                                   field("num_warps"), field("num_stages"))
     return calls
 
 
@@ -445,7 +451,9 @@ def test_bench_device_tile_candidates_lower_for_cuda():
     """Every launch shape the GPU day tries (TILE_CANDIDATES["full"], at the tiles table's case: 8K causal queries,
     Qwen3.6-27B's 24 / 4 heads of 256, bf16) lowers for CUDA on this CPU host with its tiles in the kernels'
     launches: the forward's grid of 8K / block_q query blocks, dQ's of 8K / its block_q, dK / dV's of 8K / its
-    block_k, each with its warps and stages; and each list's first candidate is what the library runs by default."""
+    block_k, each with its warps and stages; the decode sweep's forward (8 tokens over 64K keys: one block of 48 rows
+    x 4 key/value heads) with its keys in `key_splits` parts (1 for min_programs 1, 32 for 128); and each list's
+    first candidate is what the library runs by default."""
     from longstraw_jax.ops import flash_attention as fa
 
     bench = _tool("bench_device")
@@ -455,14 +463,16 @@ def test_bench_device_tile_candidates_lower_for_cuda():
     q = jax.ShapeDtypeStruct((t, shape["heads"], shape["head_dim"]), dtype)
     kv = jax.ShapeDtypeStruct((s, shape["kv_heads"], shape["head_dim"]), dtype)
 
-    def lowered(tiles):
+    def lowered(tiles, t=t, s=s):
         def grads(q, k, v):
             def loss(q, k, v):
                 r = fa.attend(q, k, v, q_positions=jnp.arange(t, dtype=jnp.int32) + s - t, k_offset=0, scale=0.0625,
                               causal=True, interpret=False, tiles=tiles)
                 return jnp.sum(r.out) + jnp.sum(r.lse)
             return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-        return _triton_calls(jax.jit(grads).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text())
+        shapes = (jax.ShapeDtypeStruct((t,) + q.shape[1:], dtype), jax.ShapeDtypeStruct((s,) + kv.shape[1:], dtype))
+        return _triton_calls(jax.jit(grads).trace(shapes[0], shapes[1], shapes[1]).lower(
+            lowering_platforms=("cuda",)).as_text())
 
     default_warps = 8 if shape["head_dim"] > 64 else 4
     candidates = bench.TILE_CANDIDATES["full"]
@@ -471,13 +481,19 @@ def test_bench_device_tile_candidates_lower_for_cuda():
                                         tiles.forward.num_stages)
     assert candidates["backward"][0] == tuple((k.block_q, k.block_k, default_warps, k.num_stages)
                                               for k in (tiles.dq, tiles.dkv))
+    assert candidates["decode"][0] == tiles.min_programs
     for c in candidates["forward"]:
         calls = lowered(fa.FlashTiles(forward=fa.KernelTiles(*c)))
-        assert calls["flash_attention_forward"] == (t // c[0], c[2], c[3]), (c, calls)
+        assert calls["flash_attention_forward"] == (t // c[0], 1, c[2], c[3]), (c, calls)
     for dq, dkv in candidates["backward"]:
         calls = lowered(fa.FlashTiles(dq=fa.KernelTiles(*dq), dkv=fa.KernelTiles(*dkv)))
-        assert calls["flash_attention_dq"] == (t // dq[0], dq[2], dq[3]), (dq, calls)
-        assert calls["flash_attention_dkv"] == (s // dkv[1], dkv[2], dkv[3]), (dkv, calls)
+        assert calls["flash_attention_dq"] == (t // dq[0], 1, dq[2], dq[3]), (dq, calls)
+        assert calls["flash_attention_dkv"][0] == s // dkv[1] and calls["flash_attention_dkv"][2:] == dkv[2:]
+    _, decode_t, decode_s = next(c for c in shape["cases"] if len(c) == 3 and c[1] <= 8)
+    for n in candidates["decode"]:
+        calls = lowered(fa.FlashTiles(min_programs=n), decode_t, decode_s)
+        parts = fa.key_splits(shape["kv_heads"], decode_s // 64, n)
+        assert calls["flash_attention_forward"][:2] == (1, parts) and parts == {1: 1, 128: 32, 512: 128}[n], calls
 
 
 def test_bench_device_plan_puts_the_tiles_after_the_target_capture():
