@@ -139,7 +139,7 @@ TILE_CANDIDATES = dict(
     tiny=dict(forward=[(64, 64, 4, 2), (32, 16, 4, 2)], backward=[((64, 64, 4, 2), (64, 64, 4, 2)),
                                                                   ((16, 32, 4, 2), (32, 16, 4, 2))],
               decode=[128, 1]))
-TILE_SWEEPS = ("forward", "backward", "decode")  # the tiles table's parts, each timed by its own pass
+TILE_SWEEPS = ("forward", "decode", "backward")  # the tiles table's parts in order (the costliest compiles last)
 KERNEL_SETS = ("attention", "gated_delta", "sparse_latent", "attention_tiles")  # the kernel table's children, in
 # this order (the tiles after the first capture length's pair; --tiny: one child for all, the smoke's start-ups saved)
 KERNEL_SET_S = 90.0  # at most this long for the GDN's or the latent attention's child (attention: the budget's)

@@ -382,13 +382,13 @@ def test_bench_device_kernel_table_tiny(tmp_path):
         + [("gated_delta", c[0], kind) for c in bench.GDN_SHAPES["tiny"]["cases"] for kind in passes] \
         + [("sparse_latent", c[0], kind) for c in bench.LATENT_SHAPES["tiny"]["cases"] for kind in passes] \
         + [("attention_tiles", bench.tile_label("forward", c), "forward") for c in tiles["forward"]] \
-        + [("attention_tiles", bench.tile_label("backward", c), "forward_backward") for c in tiles["backward"]] \
-        + [("attention_tiles", bench.tile_label("decode", n), "forward") for n in tiles["decode"]]
+        + [("attention_tiles", bench.tile_label("decode", n), "forward") for n in tiles["decode"]] \
+        + [("attention_tiles", bench.tile_label("backward", c), "forward_backward") for c in tiles["backward"]]
     swept = [r for r in out["kernel_table"] if r["kernel"] == "attention_tiles"]
     assert [(r["sweep"], r["tiles"], r["default"]) for r in swept] == \
         [("forward", dict(forward=list(c)), i == 0) for i, c in enumerate(tiles["forward"])] \
-        + [("backward", dict(dq=list(a), dkv=list(b)), i == 0) for i, (a, b) in enumerate(tiles["backward"])] \
-        + [("decode", dict(min_programs=n), i == 0) for i, n in enumerate(tiles["decode"])]
+        + [("decode", dict(min_programs=n), i == 0) for i, n in enumerate(tiles["decode"])] \
+        + [("backward", dict(dq=list(a), dkv=list(b)), i == 0) for i, (a, b) in enumerate(tiles["backward"])]
     assert {(r["T"], r["S"]) for r in swept if r["sweep"] == "decode"} == {(8, 256)}
     fastest = out["fastest_tiles"]
     assert set(fastest) == set(bench.TILE_SWEEPS)
