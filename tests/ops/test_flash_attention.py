@@ -177,7 +177,7 @@ def test_split_keys_merge_to_the_whole(name):
     assert parts == key_splits(rows * heads, key_blocks, 128) > 1 and -(-key_blocks // parts) >= MIN_SPLIT_BLOCKS
     (dq_rows, dq_heads, dq_parts), = grids["flash_attention_dq"]  # dQ's default key blocks of 64: 8 to 11 blocks
     assert dq_parts == key_splits(dq_rows * dq_heads, -(-case.S // 64), 128) == 2, grids
-    assert {name: [g[2:] for g in found] for name, found in pallas_grids(grads(whole), *args).items()} == {
+    assert {kernel: [g[2:] for g in found] for kernel, found in pallas_grids(grads(whole), *args).items()} == {
         "flash_attention_forward": [(1,)], "flash_attention_dq": [(1,)], "flash_attention_dkv": [()]}
     got, unsplit, dense = (outputs_and_grads(f, args, options) for f in (split, whole, _dense))
     for what, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), got, unsplit, dense):

@@ -91,10 +91,14 @@ def test_few_queries_split_their_slots():
     gradients are the unsplit kernel's (min_programs 1, a grid (2, 1)), the XLA path's and the naive softmax's."""
     case = Case(T=2, k=512, S=600)
     args, options = _inputs(case)
-    split = lambda *a, **o: flash_mla.sparse_latent_attention_partial(a[0], a[1], o["layer"], a[2], o["selected"],
-                                                                     o["start"], scale=o["scale"],
-                                                                     value_dim=o["value_dim"], **o.get("extra", {}))
-    whole = lambda *a, **o: split(*a, **o, extra=dict(min_programs=1))
+
+    def attend(min_programs):
+        def fn(q, cache, new, *, layer, selected, start, scale, value_dim):
+            return flash_mla.sparse_latent_attention_partial(q, cache, layer, new, selected, start, scale=scale,
+                                                             value_dim=value_dim, min_programs=min_programs)
+        return fn
+
+    split, whole = attend(128), attend(1)
     out = lambda fn: lambda *a: fn(*a, **options).out
     assert pallas_grids(out(split), *args)["sparse_latent_attention_forward"] == [(2, 2)]
     assert pallas_grids(out(whole), *args)["sparse_latent_attention_forward"] == [(2, 1)]
