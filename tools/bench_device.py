@@ -86,12 +86,9 @@ import time
 
 import bench_harness
 
+from longstraw_jax.common.validation import SIZE_RULE, size_arg, sizes_arg
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # configs/ are found under it
-if ROOT not in sys.path:  # a checkout run without installing it (the lent GPU machines: no network, no pip)
-    sys.path.append(ROOT)
-
-from longstraw_jax.common.validation import SIZE_RULE, size_arg, sizes_arg  # noqa: E402
-
 GIB = 2**30
 FULL_SIZE = dict(config="configs/qwen3.6-27b.json", dtype="bfloat16", capture_start=65536, capture_max=4 * 2**20,
                  step_len=32768, group_size=4, response_len=256, chunk_size=8192, reps=3, blocks=2, modes="exact",
