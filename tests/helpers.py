@@ -27,6 +27,19 @@ from longstraw_jax.sharding import rules
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def triton_calls(text: str) -> list[dict]:
+    """The Triton kernels a program lowered for CUDA calls (`__gpu$xla.gpu.triton` custom calls in its StableHLO
+    text), in order: {"name", "grid": (x, y, z), "num_warps", "num_stages"} each."""
+    calls = []
+    for line in text.splitlines():
+        if "custom_call @__gpu$xla.gpu.triton" in line:
+            field = lambda key, line=line: int(re.search(key + r" = (\d+) : i32", line).group(1))
+            calls.append(dict(name=re.search(r'\bname = "(\w+)"', line).group(1),
+                              grid=(field("grid_x"), field("grid_y"), field("grid_z")),
+                              num_warps=field("num_warps"), num_stages=field("num_stages")))
+    return calls
+
+
 @contextlib.contextmanager
 def reported_backend(backend: str):
     """Inside: `jax.default_backend()` (which every backend choice of the library reads) returns `backend`. JAX's

@@ -54,7 +54,7 @@ channels, 2048 selected rows a query, bf16; 4K queries over a 64K cache, 8 decod
 (`ops.flash_attention.FlashTiles`: per kernel block_q, block_k, num_warps, num_stages) at the chunk over itself,
 TILE_CANDIDATES (the default first): each forward candidate's forward, each (dQ, dK / dV) candidate's forward +
 backward; and at 8 decoded tokens over the cache, the forward with its keys split over programs below each
-`min_programs` value (1: never split); each against the XLA path's result (measured once per case); a candidate
+`min_programs` value (1: never split); each against the XLA path's result (measured once per case and pass); a candidate
 that does not fit the GPU (shared memory, registers) is a failed row. The JSON's "fastest_tiles" names the fastest
 of each sweep and how much slower the default is: what the library's DEFAULT_TILES are to be set from.
 
@@ -548,27 +548,29 @@ def tiles_table(size: str, peak):
     tiles=FlashTiles(...))`), three sweeps: per forward candidate the forward and per backward candidate forward +
     backward at the attention table's first case (a chunk over itself), per `min_programs` value the forward at its
     first decode case (8 tokens over the cache: keys split over programs or not). Each a kernel-table row (error
-    against the XLA path, measured once per case; medians, TFLOP/s, % of peak) with "sweep", "tiles" {forward | dq,
-    dkv: [block_q, block_k, num_warps, num_stages] | min_programs} and "default" (the sweep's first candidate, the
-    library's default); a candidate that does not compile (shared memory, registers) is a failed row. Yields (label, a
-    function yielding the candidate's row)."""
+    against the XLA path, measured once per case and pass; medians, TFLOP/s, % of peak) with "sweep", "tiles"
+    {forward | dq, dkv: [block_q, block_k, num_warps, num_stages] | min_programs} and "default" (the sweep's first
+    candidate, the library's default); a candidate that does not compile (shared memory, registers) is a failed row.
+    Yields (label, a function yielding the candidate's row)."""
     from longstraw_jax.ops import attention, flash_attention
 
     shape = KERNEL_SHAPES[size]
     hq, hkv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
     chunk = shape["cases"][0][1:3]
     decode = next(c[1:3] for c in shape["cases"] if len(c) == 3 and c[1] <= 8)
-    xla = {}
+    inputs, xla = {}, {}  # per case (T, S): its inputs, and per pass the XLA path's result, each made once
 
     def measure(sweep, flash_tiles, label, t, s, **fields):
         kind = "forward_backward" if sweep == "backward" else "forward"
-        args, cotangents, attend = _attention_case(shape, t, s)
-        if (t, s) not in xla:  # once per case
-            xla[t, s] = _passes(attend(lambda *a, **o: attention.attend(*a, **o, kernels="xla")), args, cotangents,
-                                shape["reps"])
+        if (t, s) not in inputs:
+            inputs[t, s] = _attention_case(shape, t, s)
+        args, cotangents, attend = inputs[t, s]
+        if (t, s, kind) not in xla:
+            xla[t, s, kind] = _passes(attend(lambda *a, **o: attention.attend(*a, **o, kernels="xla")), args,
+                                      cotangents, shape["reps"], kinds=(kind,))[kind]
         tiled = attend(lambda *a, **o: flash_attention.attend(*a, **o, tiles=flash_tiles))
         got = _passes(tiled, args, cotangents, shape["reps"], kinds=(kind,))[kind]
-        yield _kernel_row(label, kind, xla[t, s][kind], got, attention_flops(t, s, hq, d)[kind], peak, T=t, S=s,
+        yield _kernel_row(label, kind, xla[t, s, kind], got, attention_flops(t, s, hq, d)[kind], peak, T=t, S=s,
                           heads=hq, kv_heads=hkv, head_dim=d, dtype=shape["dtype"], sweep=sweep, **fields)
 
     kernel = lambda c: flash_attention.KernelTiles(*c)

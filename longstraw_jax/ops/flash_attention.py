@@ -278,9 +278,8 @@ def _forward_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, *rest, st
         return m_new, denom * alpha + jnp.sum(p, axis=1), numer
 
     init = (jnp.full((block_q,), MASKED, acc), jnp.zeros((block_q,), acc), jnp.zeros((block_q, v_ref.shape[-1]), acc))
-    first = pl.program_id(2) * split_blocks
-    trips = jnp.minimum(_key_trips(scalars, q_positions, static, block_k), first + split_blocks)
-    m, denom, numer = jax.lax.fori_loop(first, trips, body, init)
+    m, denom, numer = jax.lax.fori_loop(*split_range(2, split_blocks, _key_trips(scalars, q_positions, static,
+                                                                                  block_k)), body, init)
     seen = denom > 0
     out_ref[...] = jnp.where(seen[:, None], numer / jnp.where(seen, denom, 1.0)[:, None], 0.0).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), MASKED).astype(lse_ref.dtype)
@@ -310,9 +309,8 @@ def _dq_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, do_ref, lse_re
         ds = p * (plt.dot(do, v_blk, trans_b=True).astype(p.dtype) - delta[:, None]) * static.scale
         return dq + plt.dot(ds.astype(k_blk.dtype), k_blk).astype(dq.dtype)
 
-    first = pl.program_id(2) * split_blocks
-    trips = jnp.minimum(_key_trips(scalars, q_positions, static, block_k), first + split_blocks)
-    dq = jax.lax.fori_loop(first, trips, body, jnp.zeros(q.shape, lse.dtype))
+    dq = jax.lax.fori_loop(*split_range(2, split_blocks, _key_trips(scalars, q_positions, static, block_k)), body,
+                           jnp.zeros(q.shape, lse.dtype))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
@@ -372,14 +370,20 @@ def _cache_spec(cache, by_program):
     return pl.BlockSpec((cache.shape[0], None, cache.shape[2]), lambda *ids: (0, by_program(*ids), 0))
 
 
-def key_splits(programs: int, key_blocks: int, min_programs: int) -> int:
-    """Into how many parts the forward or dQ splits each row block's key blocks: 1 when its grid already has
-    `min_programs` programs, else enough parts to reach that many, at most one per MIN_SPLIT_BLOCKS key blocks (and
-    none empty)."""
+def key_splits(programs: int, key_blocks: int, min_programs: int) -> tuple[int, int]:
+    """(parts, key blocks per part): how the forward or dQ splits each row block's key blocks. One part when its
+    grid already has `min_programs` programs, else enough parts to reach that many, at most one per
+    MIN_SPLIT_BLOCKS key blocks, none empty."""
     if programs >= min_programs or key_blocks < 2 * MIN_SPLIT_BLOCKS:
-        return 1
-    splits = min(-(-min_programs // programs), key_blocks // MIN_SPLIT_BLOCKS)
-    return -(-key_blocks // -(-key_blocks // splits))
+        return 1, key_blocks
+    per_part = -(-key_blocks // min(-(-min_programs // programs), key_blocks // MIN_SPLIT_BLOCKS))
+    return -(-key_blocks // per_part), per_part
+
+
+def split_range(axis: int, per_part: int, trips):
+    """The blocks [first, last) of this program's part (its index on grid `axis`) among the `trips` it can see."""
+    first = pl.program_id(axis) * per_part
+    return first, jnp.minimum(trips, first + per_part)
 
 
 def _forward(static, q, k, v, q_positions, scalars, kv_positions):
@@ -390,11 +394,11 @@ def _forward(static, q, k, v, q_positions, scalars, kv_positions):
     extra = () if kv_positions is None else (kv_positions,)
     tiles = static.kernel("forward")
     block_q, value_dim = tiles.block_q, v.shape[-1]
-    key_blocks = -(-static.seq_len // tiles.block_k)
-    splits = key_splits(padded_q // block_q * num_heads, key_blocks, static.tiles.min_programs)
+    splits, per_part = key_splits(padded_q // block_q * num_heads, -(-static.seq_len // tiles.block_k),
+                                  static.tiles.min_programs)
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, static=static, has_kv_positions=kv_positions is not None,
-                          split_blocks=-(-key_blocks // splits)),
+                          split_blocks=per_part),
         out_shape=(jax.ShapeDtypeStruct((splits, padded_q, num_heads, value_dim), acc),
                    jax.ShapeDtypeStruct((splits, padded_q, num_heads), acc)),
         grid=(padded_q // block_q, num_heads, splits),
@@ -418,10 +422,10 @@ def _backward(static, q, k, v, q_positions, scalars, kv_positions, d_out, lse, d
     extra = () if kv_positions is None else (kv_positions,)
     has = kv_positions is not None
     common = (scalars, q_positions, q, k, v, d_out, lse, delta, *extra)
-    dq_key_blocks = -(-static.seq_len // dq_tiles.block_k)
-    splits = key_splits(padded_q // block_q * num_heads, dq_key_blocks, static.tiles.min_programs)
+    splits, per_part = key_splits(padded_q // block_q * num_heads, -(-static.seq_len // dq_tiles.block_k),
+                                  static.tiles.min_programs)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, static=static, has_kv_positions=has, split_blocks=-(-dq_key_blocks // splits)),
+        functools.partial(_dq_kernel, static=static, has_kv_positions=has, split_blocks=per_part),
         out_shape=jax.ShapeDtypeStruct((splits,) + q.shape, lse.dtype),
         grid=(padded_q // block_q, num_heads, splits),
         in_specs=[_whole(scalars.shape), pl.BlockSpec((block_q,), lambda i, h, s: (i,)),

@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as plt
 
 from longstraw_jax.ops.attended import MASKED, Attended, merge_all
 from longstraw_jax.ops.dtypes import accum_dtype
-from longstraw_jax.ops.flash_attention import MIN_PROGRAMS, MIN_TILE, key_splits, on_gpu
+from longstraw_jax.ops.flash_attention import MIN_PROGRAMS, MIN_TILE, key_splits, on_gpu, split_range
 
 BLOCK_SLOTS = 64  # selected rows gathered per loop step
 
@@ -128,9 +128,7 @@ def _forward_kernel(scalars_ref, q_ref, sel_ref, cache_ref, new_ref, out_ref, ls
         return m_new, denom * alpha + jnp.sum(p, axis=1), numer
 
     init = (jnp.full((heads,), MASKED, acc), jnp.zeros((heads,), acc), jnp.zeros((heads, static.latent), acc))
-    first = pl.program_id(1) * split_blocks
-    trips = jnp.minimum(sel_ref.shape[0] // static.block, first + split_blocks)
-    m, denom, numer = jax.lax.fori_loop(first, trips, body, init)
+    m, denom, numer = jax.lax.fori_loop(*split_range(1, split_blocks, sel_ref.shape[0] // static.block), body, init)
     seen = denom > 0
     out_ref[...] = jnp.where(seen[:, None], numer / jnp.where(seen, denom, 1.0)[:, None], 0.0).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), MASKED).astype(lse_ref.dtype)
@@ -190,13 +188,12 @@ def _forward(static, q, cache, new, selected, scalars):
     num_q, heads, _ = q.shape
     acc = accum_dtype(q.dtype)
     in_specs, _ = _specs(static, q, selected, cache, new)
-    slot_blocks = selected.shape[1] // static.block
-    splits = key_splits(num_q, slot_blocks, static.min_programs)
+    splits, per_part = key_splits(num_q, selected.shape[1] // static.block, static.min_programs)
     out_shape = (jax.ShapeDtypeStruct((splits, num_q, heads, static.latent), acc),
                  jax.ShapeDtypeStruct((splits, num_q, heads), acc))
     part = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda t, s: (s, t) + (0,) * (len(x.shape) - 2))
     out, lse = pl.pallas_call(
-        functools.partial(_forward_kernel, static=static, split_blocks=-(-slot_blocks // splits)),
+        functools.partial(_forward_kernel, static=static, split_blocks=per_part),
         out_shape=out_shape, grid=(num_q, splits), in_specs=in_specs, out_specs=tuple(part(s) for s in out_shape),
         compiler_params=_params(static), interpret=static.interpret, name="sparse_latent_attention_forward",
     )(scalars, q, selected, cache, new)

@@ -12,7 +12,6 @@ are cleared before and after each test, so no trace made for one backend is reus
 """
 import dataclasses
 import os
-import re
 import warnings
 
 import jax
@@ -25,7 +24,7 @@ from longstraw_jax.grpo import GroupBatch, GRPOConfig
 from longstraw_jax.sampling import groups, turns
 from longstraw_jax.sampling.branches import SamplingConfig
 from longstraw_jax.trainer import pretrain, warmup
-from tests.helpers import reported_backend
+from tests.helpers import reported_backend, triton_calls
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 S = jax.ShapeDtypeStruct
@@ -55,9 +54,9 @@ def check(lowered, family: str, kernels: set[str]):
     """The lowered program calls exactly `kernels` (by name) as compiled Triton kernels (interpreted kernels leave
     none); GLM-5.x's experts run as the grouped matmul (`ragged_dot`; a CPU gathers each token's expert weights)."""
     text = lowered.as_text()
-    calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
+    calls = triton_calls(text)
     assert calls, "no Triton custom call: the kernels were interpreted or not called"
-    assert {name for line in calls for name in re.findall(r'\bname = "(\w+)"', line)} == kernels
+    assert {call["name"] for call in calls} == kernels
     if family == "glm52":
         assert "ragged_dot" in text
 

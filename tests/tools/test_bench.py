@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from longstraw_jax import capacity
-from tests.helpers import ROOT
+from tests.helpers import ROOT, triton_calls
 
 
 def _tool(name):
@@ -434,19 +434,6 @@ def test_bench_device_kernel_table_tiny(tmp_path):
         [dict(case="8K", failed="RuntimeError: boom")], ("T",))
 
 
-def _triton_calls(text: str) -> dict:
-    """{kernel name: (grid_x, grid_z, num_warps, num_stages)} of the Triton custom calls in lowered StableHLO text."""
-    import re
-
-    calls = {}
-    for line in text.splitlines():
-        if "xla.gpu.triton" in line:
-            field = lambda key: int(re.search(key + r" = (\d+) : i32", line).group(1))
-            calls[re.search(r'name = "([^"]+)"', line).group(1)] = (field("grid_x"), field("grid_z"),
-                                                                   field("num_warps"), field("num_stages"))
-    return calls
-
-
 def test_bench_device_tile_candidates_lower_for_cuda():
     """Every launch shape the GPU day tries (TILE_CANDIDATES["full"], at the tiles table's case: 8K causal queries,
     Qwen3.6-27B's 24 / 4 heads of 256, bf16) lowers for CUDA on this CPU host with its tiles in the kernels'
@@ -471,8 +458,8 @@ def test_bench_device_tile_candidates_lower_for_cuda():
                 return jnp.sum(r.out) + jnp.sum(r.lse)
             return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
         shapes = (jax.ShapeDtypeStruct((t,) + q.shape[1:], dtype), jax.ShapeDtypeStruct((s,) + kv.shape[1:], dtype))
-        return _triton_calls(jax.jit(grads).trace(shapes[0], shapes[1], shapes[1]).lower(
-            lowering_platforms=("cuda",)).as_text())
+        text = jax.jit(grads).trace(shapes[0], shapes[1], shapes[1]).lower(lowering_platforms=("cuda",)).as_text()
+        return {c["name"]: (c["grid"][0], c["grid"][2], c["num_warps"], c["num_stages"]) for c in triton_calls(text)}
 
     default_warps = 8 if shape["head_dim"] > 64 else 4
     candidates = bench.TILE_CANDIDATES["full"]
@@ -492,7 +479,7 @@ def test_bench_device_tile_candidates_lower_for_cuda():
     _, decode_t, decode_s = next(c for c in shape["cases"] if len(c) == 3 and c[1] <= 8)
     for n in candidates["decode"]:
         calls = lowered(fa.FlashTiles(min_programs=n), decode_t, decode_s)
-        parts = fa.key_splits(shape["kv_heads"], decode_s // 64, n)
+        parts, _ = fa.key_splits(shape["kv_heads"], decode_s // 64, n)
         assert calls["flash_attention_forward"][:2] == (1, parts) and parts == {1: 1, 128: 32, 512: 128}[n], calls
 
 
