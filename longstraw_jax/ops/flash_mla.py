@@ -10,9 +10,10 @@ One program per query, all H heads together (the matmul's M dimension; GLM-5.x h
   partial out / lse merged by log-sum-exp (flash-decoding: 8 decoded queries would otherwise be 8 programs);
 - backward (dO and dLSE, delta = rowsum(dO * O) - dLSE, so partials merge exactly): regather, p = exp(s - lse),
   ds = p (dO . c - delta) scale; dq = ds [c | k_pe]; the rows' cotangents ds^T q (+ p^T dO on the latent) are
-  atomically added to the cache's and the new rows' cotangents (float32). A query's selected positions are distinct
-  (a top-k), so one atomic add never names a row twice; unused slots (-1) add into a sink row past the end. On a
-  GPU atomics also sum repeated rows; interpretation on a CPU would not, which is why distinctness is the contract.
+  atomically added to the cache's and the new rows' cotangents (float32); split as the forward is (dq's partials
+  summed; the atomic adds need nothing more). A query's selected positions are distinct (a top-k), so one atomic
+  add never names a row twice; unused slots (-1) add into a sink row past the end. On a GPU atomics also sum
+  repeated rows; interpretation on a CPU would not, which is why distinctness is the contract.
 
 The cache is read in place ([layers, S, Dk] viewed as [layers * S, Dk]); head counts and channel widths that are
 not powers of two >= 16 are zero-padded (the tiny test models; GLM-5.x's 512 + 64 channels need none).
@@ -43,7 +44,7 @@ class _Static:
     new_rows: int
     block: int
     interpret: bool
-    min_programs: int  # the forward splits a query's slots while it has fewer programs
+    min_programs: int  # the forward and backward split a query's slots while they have fewer programs
 
 
 def _tile(n: int) -> int:
@@ -55,7 +56,8 @@ def sparse_latent_attention_partial(q: jax.Array, cache: jax.Array, layer, new: 
                                     min_programs: int = MIN_PROGRAMS) -> Attended:
     """q [T, H, Dk]; cache [layers, S, Dk]; new [T_new, Dk] (positions start..); selected int [T, k] (-1: unused;
     distinct otherwise). Returns out [T, H, value_dim] and lse [T, H], float32 (a query with no slot: out 0, lse
-    MASKED). min_programs: fewer queries than this split their slots over more forward programs (1: never)."""
+    MASKED). min_programs: fewer queries than this split their slots over more programs, forward and backward
+    (1: never)."""
     if interpret is None:
         interpret = not on_gpu()
     num_q, heads, _ = q.shape
@@ -135,7 +137,8 @@ def _forward_kernel(scalars_ref, q_ref, sel_ref, cache_ref, new_ref, out_ref, ls
 
 
 def _backward_kernel(scalars_ref, q_ref, sel_ref, cache_ref, new_ref, do_ref, lse_ref, delta_ref, _cache_zeros,
-                     _new_zeros, dq_ref, d_cache_ref, d_new_ref, *, static):
+                     _new_zeros, dq_ref, d_cache_ref, d_new_ref, *, static, split_blocks):
+    """One (query, slot split) program: its part of dq, and its slots' rows' cotangents added atomically."""
     row0, start = scalars_ref[0], scalars_ref[1]
     q_lat, q_rope = q_ref[:, pl.ds(0, static.latent)], q_ref[:, pl.ds(static.latent, static.rope)]
     do, lse, delta = do_ref[...], lse_ref[...], delta_ref[...]
@@ -163,7 +166,7 @@ def _backward_kernel(scalars_ref, q_ref, sel_ref, cache_ref, new_ref, do_ref, ls
         return (dq_lat + plt.dot(ds_in, lat).astype(acc), dq_rope + plt.dot(ds_in, rope).astype(acc))
 
     init = (jnp.zeros(q_lat.shape, acc), jnp.zeros(q_rope.shape, acc))
-    dq_lat, dq_rope = jax.lax.fori_loop(0, sel_ref.shape[0] // static.block, body, init)
+    dq_lat, dq_rope = jax.lax.fori_loop(*split_range(1, split_blocks, sel_ref.shape[0] // static.block), body, init)
     dq_ref[:, pl.ds(0, static.latent)] = dq_lat.astype(dq_ref.dtype)
     dq_ref[:, pl.ds(static.latent, static.rope)] = dq_rope.astype(dq_ref.dtype)
 
@@ -183,15 +186,22 @@ def _params(static):
     return plt.CompilerParams(num_warps=4 if static.latent <= 64 else 8, num_stages=2)
 
 
+def _splits(static, q, selected):
+    """(parts, slot blocks per part) of each query's slots (`flash_attention.key_splits`), and the BlockSpec of a
+    per-part output [parts, T, ...] on the (query, part) grid."""
+    splits, per_part = key_splits(q.shape[0], selected.shape[1] // static.block, static.min_programs)
+    part = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda t, s: (s, t) + (0,) * (len(x.shape) - 2))
+    return splits, per_part, part
+
+
 def _forward(static, q, cache, new, selected, scalars):
     """The forward's pallas_call over (query, slot split) programs; split partials merged."""
     num_q, heads, _ = q.shape
     acc = accum_dtype(q.dtype)
     in_specs, _ = _specs(static, q, selected, cache, new)
-    splits, per_part = key_splits(num_q, selected.shape[1] // static.block, static.min_programs)
+    splits, per_part, part = _splits(static, q, selected)
     out_shape = (jax.ShapeDtypeStruct((splits, num_q, heads, static.latent), acc),
                  jax.ShapeDtypeStruct((splits, num_q, heads), acc))
-    part = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda t, s: (s, t) + (0,) * (len(x.shape) - 2))
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, static=static, split_blocks=per_part),
         out_shape=out_shape, grid=(num_q, splits), in_specs=in_specs, out_specs=tuple(part(s) for s in out_shape),
@@ -220,21 +230,22 @@ def _sparse_bwd(static, residuals, cotangents):
     cache_zeros = jnp.zeros((static.cache_rows + 1, width), acc)
     new_zeros = jnp.zeros((static.new_rows + 1, width), acc)
     in_specs, per_query = _specs(static, q, selected, cache, new)
-    whole = lambda x: pl.BlockSpec(x.shape, lambda t: (0,) * x.ndim)
+    whole = lambda x: pl.BlockSpec(x.shape, lambda t, s: (0,) * x.ndim)
+    splits, per_part, part = _splits(static, q, selected)
+    dq_parts = jax.ShapeDtypeStruct((splits,) + q.shape, acc)
     dq, d_layer, d_new = pl.pallas_call(
-        functools.partial(_backward_kernel, static=static),
-        out_shape=(jax.ShapeDtypeStruct(q.shape, acc), jax.ShapeDtypeStruct(cache_zeros.shape, acc),
-                   jax.ShapeDtypeStruct(new_zeros.shape, acc)),
-        grid=(q.shape[0],),
+        functools.partial(_backward_kernel, static=static, split_blocks=per_part),
+        out_shape=(dq_parts, jax.ShapeDtypeStruct(cache_zeros.shape, acc), jax.ShapeDtypeStruct(new_zeros.shape, acc)),
+        grid=(q.shape[0], splits),
         in_specs=in_specs + [per_query(d_out), per_query(lse), per_query(delta), whole(cache_zeros),
                              whole(new_zeros)],
-        out_specs=(per_query(q), whole(cache_zeros), whole(new_zeros)),
+        out_specs=(part(dq_parts), whole(cache_zeros), whole(new_zeros)),
         input_output_aliases={8: 1, 9: 2}, compiler_params=_params(static), interpret=static.interpret,
         name="sparse_latent_attention_backward",
     )(scalars, q, selected, cache, new, d_out.astype(q.dtype), lse, delta, cache_zeros, new_zeros)
     d_cache = jax.lax.dynamic_update_slice_in_dim(jnp.zeros(cache.shape, cache.dtype),
                                                   d_layer[: static.cache_rows].astype(cache.dtype), scalars[0], 0)
-    return dq.astype(q.dtype), d_cache, d_new[: static.new_rows].astype(new.dtype), None, None
+    return jnp.sum(dq, axis=0).astype(q.dtype), d_cache, d_new[: static.new_rows].astype(new.dtype), None, None
 
 
 _sparse.defvjp(_sparse_fwd, _sparse_bwd)

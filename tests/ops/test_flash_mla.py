@@ -87,8 +87,9 @@ def test_kernels_match_xla_and_naive(name):
 
 def test_few_queries_split_their_slots():
     """Two queries of 512 selected slots (8 blocks of 64): fewer programs than `min_programs`, so each query's slots
-    are split over 2 forward programs (a grid (2, 2)) whose partial out / lse merge by log-sum-exp; out, LSE and
-    gradients are the unsplit kernel's (min_programs 1, a grid (2, 1)), the XLA path's and the naive softmax's."""
+    are split over 2 forward and 2 backward programs (grids (2, 2)): partial out / lse merge by log-sum-exp, partial
+    dq add; out, LSE and gradients are the unsplit kernels' (min_programs 1, grids (2, 1)), the XLA path's and the
+    naive softmax's."""
     case = Case(T=2, k=512, S=600)
     args, options = _inputs(case)
 
@@ -99,9 +100,11 @@ def test_few_queries_split_their_slots():
         return fn
 
     split, whole = attend(128), attend(1)
-    out = lambda fn: lambda *a: fn(*a, **options).out
-    assert pallas_grids(out(split), *args)["sparse_latent_attention_forward"] == [(2, 2)]
-    assert pallas_grids(out(whole), *args)["sparse_latent_attention_forward"] == [(2, 1)]
+    grads = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a, **options).out), argnums=(0, 1, 2))
+    for fn, grid in ((split, (2, 2)), (whole, (2, 1))):
+        grids = pallas_grids(grads(fn), *args)
+        assert grids["sparse_latent_attention_forward"] == [grid]
+        assert grids["sparse_latent_attention_backward"] == [grid]
     got, unsplit, xla, naive = (outputs_and_grads(fn, args, options) for fn in (split, whole, _call("xla"), _naive))
     for what, a, b, c, d in zip(("out", "lse", "dq", "d_cache", "d_new"), got, unsplit, xla, naive):
         scale = max(1.0, float(jnp.max(jnp.abs(d))))
