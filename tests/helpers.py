@@ -3,7 +3,7 @@ of each family (tests/models/test_families.py, models/test_qwen36.py, models/tes
 the engine's test cases and oracles (tests/engine/test_local.py, reused on GLM by tests/models/test_glm52.py), the
 sharded-vs-one-device gradient check, the 32-device subprocess runner, an all-gather emulation of
 `jax.lax.ragged_all_to_all` (XLA:CPU has none; checked in tests/sharding/test_experts.py), and `reported_backend`
-(the library's backend choices made as on a GPU).
+(the library's backend choices made as on a GPU), `triton_calls` (a CUDA lowering's Triton kernels, verified).
 
 The transformers oracles live apart, in tests/hf_reference.py and tests/glm_reference.py: they import torch.
 """
@@ -22,21 +22,18 @@ from flax import traverse_util
 
 from longstraw_jax import GroupBatch, GRPOConfig, grpo_grads, models, sharding
 from longstraw_jax.grpo import grpo_loss
+from longstraw_jax.ops import triton_ir
 from longstraw_jax.sharding import rules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def triton_calls(text: str) -> list[dict]:
-    """The Triton kernels a program lowered for CUDA calls (`__gpu$xla.gpu.triton` custom calls in its StableHLO
-    text), in order: {"name", "grid": (x, y, z), "num_warps", "num_stages"} each."""
-    calls = []
-    for line in text.splitlines():
-        if "custom_call @__gpu$xla.gpu.triton" in line:
-            field = lambda key, line=line: int(re.search(key + r" = (\d+) : i32", line).group(1))
-            calls.append(dict(name=re.search(r'\bname = "(\w+)"', line).group(1),
-                              grid=(field("grid_x"), field("grid_y"), field("grid_z")),
-                              num_warps=field("num_warps"), num_stages=field("num_stages")))
+def triton_calls(lowered) -> list[triton_ir.TritonKernel]:
+    """The Triton kernels a program lowered for CUDA calls, in order (name, grid, warps, stages, module), every
+    kernel's module verified as XLA's GPU compiler would (`ops.triton_ir`: InvalidTritonModule names the first that
+    fails). Also checks that the program's text names each kernel in a Triton custom call, as parsed."""
+    calls = triton_ir.triton_kernels(lowered)
+    assert lowered.as_text().count(triton_ir.CALL_TARGET) == len(calls)
     return calls
 
 

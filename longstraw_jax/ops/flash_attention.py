@@ -327,8 +327,10 @@ def _dkv_kernel(scalars_ref, q_positions_ref, q_ref, k_ref, v_ref, do_ref, lse_r
     key_ok = _key_mask(scalars, kv_positions_ref, start, block_k, static.seq_len)
     acc = accum_dtype(q_ref.dtype)
     dk, dv = jnp.zeros(k_blk.shape, acc), jnp.zeros(v_blk.shape, acc)
-    # none past kv_length / S (a max, not any: Triton lowers no reduce_or)
-    query_blocks = jnp.where(jnp.max(key_ok.astype(jnp.int32)) > 0, q_ref.shape[0] // block_q, 0)
+    # none past kv_length / S: a product with the block's 0 / 1 max, not a select of two constants (Pallas's Triton
+    # lowering typed those as the predicate, i1: a loop bound MLIR's verifier rejects and 16 read as 0; and a max, not
+    # any: Triton lowers no reduce_or)
+    query_blocks = jnp.max(key_ok.astype(jnp.int32)) * (q_ref.shape[0] // block_q)
     for g in range(rep):  # the query heads that read this key/value head
         def tile(carry, rows, q_positions, g=g):
             dk, dv = carry

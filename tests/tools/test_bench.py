@@ -458,8 +458,8 @@ def test_bench_device_tile_candidates_lower_for_cuda():
                 return jnp.sum(r.out) + jnp.sum(r.lse)
             return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
         shapes = (jax.ShapeDtypeStruct((t,) + q.shape[1:], dtype), jax.ShapeDtypeStruct((s,) + kv.shape[1:], dtype))
-        text = jax.jit(grads).trace(shapes[0], shapes[1], shapes[1]).lower(lowering_platforms=("cuda",)).as_text()
-        return {c["name"]: (c["grid"][0], c["grid"][2], c["num_warps"], c["num_stages"]) for c in triton_calls(text)}
+        calls = triton_calls(jax.jit(grads).trace(shapes[0], shapes[1], shapes[1]).lower(lowering_platforms=("cuda",)))
+        return {c.name: (c.grid[0], c.grid[2], c.num_warps, c.num_stages) for c in calls}
 
     default_warps = 8 if shape["head_dim"] > 64 else 4
     candidates = bench.TILE_CANDIDATES["full"]
