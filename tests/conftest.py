@@ -58,15 +58,11 @@ def _fresh_jax_caches():
 @pytest.fixture(autouse=True, scope="session")
 def _triton_target_without_a_gpu():
     """jax >= 0.11's Pallas Triton lowering asks the default device for its GPU's description (0.10's did not): on a
-    host without a GPU the CUDA-lowering tests (`lower(lowering_platforms=("cuda",))`) lower for an H100's. Nothing
-    on jaxlib < 0.11 (the pinned 0.10.2) or on a GPU."""
-    if _JAXLIB < (0, 11) or jax.default_backend() == "gpu":
-        yield
-        return
-    from jax._src.pallas.triton import gpu_info
+    host without a GPU the CUDA-lowering tests (`lower(lowering_platforms=("cuda",))`) lower for an H100's
+    (`ops.triton_ir.h100_target_without_a_gpu`). Nothing on jaxlib < 0.11 (the pinned 0.10.2) or on a GPU."""
+    from longstraw_jax.ops import triton_ir
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100))
+    with triton_ir.h100_target_without_a_gpu():
         yield
 
 

@@ -144,8 +144,8 @@ def cases() -> list[Case]:
     from longstraw_jax.ops import flash_attention
 
     candidates = bench_device.TILE_CANDIDATES["full"]
-    out = [Case("default", _attention(flash_attention.DEFAULT_TILES, forward_only=False)), Case("default", _gated_delta()),
-           Case("default", _sparse_latent())]
+    out = [Case("default", _attention(flash_attention.DEFAULT_TILES, forward_only=False)),
+           Case("default", _gated_delta()), Case("default", _sparse_latent())]
     for c in candidates["forward"][1:]:
         tiles = flash_attention.FlashTiles(forward=flash_attention.KernelTiles(*c))
         out.append(Case(bench_device.tile_label("forward", c), _attention(tiles, forward_only=True),
@@ -163,6 +163,7 @@ def compile_kernel(kernel, arch: int, workdir: str) -> dict:
     memory (bytes) and ptxas's registers and spills."""
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas  # the ptxas Triton itself assembles the PTX with
 
     path = os.path.join(workdir, f"{kernel.name}.ttir")
     with open(path, "w") as f:
@@ -171,9 +172,9 @@ def compile_kernel(kernel, arch: int, workdir: str) -> dict:
                               options=dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages))
     with open(path + ".ptx", "w") as f:
         f.write(compiled.asm["ptx"])
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    report = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{'a' if arch >= 90 else ''}", path + ".ptx",
-                             "-o", os.devnull], capture_output=True, text=True, check=True)
+    gpu = f"sm_{arch}{'a' if arch >= 90 else ''}"
+    report = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", path + ".ptx", "-o", os.devnull],
+                            capture_output=True, text=True, check=True)
     return dict(shared=int(compiled.metadata.shared), **parse_ptxas(report.stdout + report.stderr))
 
 
@@ -224,10 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: this tool needs the `triton` package: pip install -e '.[triton]'") from None
     import jax
 
-    from longstraw_jax.ops import triton_ir  # noqa: F401 - fails early without jaxlib's Triton dialect
+    from longstraw_jax.ops import triton_ir
 
     print(f"triton {triton.__version__}, jax {jax.__version__}, sm_{args.arch}\n\n{HEADER}", flush=True)
-    rows = measure(args.arch)
+    with triton_ir.h100_target_without_a_gpu():  # jax >= 0.11 on a CPU host: the lowering's own target (sm_90)
+        rows = measure(args.arch)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(triton=triton.__version__, jax=jax.__version__, arch=args.arch, rows=rows), f, indent=1)

@@ -3,17 +3,22 @@
 
 Every query reads only its own k selected rows `kv = [c | k_pe]` (latent Dl = value_dim channels, rope Dr) of the
 layer's cache (positions < start) or of the chunk's new rows (positions >= start): a gather, not a dense tile.
-One program per query, all H heads together (the matmul's M dimension; GLM-5.x has 64+ heads):
-- forward: over the selected slots in blocks of BLOCK_SLOTS, gather the rows, s = (q_lat . c + q_rope . k_pe) *
-  scale [H, block], online softmax, out += p c; returns out [T, H, Dl] and lse [T, H], float32. Fewer queries than
-  `min_programs` (decoding) split each query's slots over more programs (`flash_attention.key_splits`), their
-  partial out / lse merged by log-sum-exp (flash-decoding: 8 decoded queries would otherwise be 8 programs);
-- backward (dO and dLSE, delta = rowsum(dO * O) - dLSE, so partials merge exactly): regather, p = exp(s - lse),
-  ds = p (dO . c - delta) scale; dq = ds [c | k_pe]; the rows' cotangents ds^T q (+ p^T dO on the latent) are
-  atomically added to the cache's and the new rows' cotangents (float32); split as the forward is (dq's partials
-  summed; the atomic adds need nothing more). A query's selected positions are distinct (a top-k), so one atomic
-  add never names a row twice; unused slots (-1) add into a sink row past the end. On a GPU atomics also sum
-  repeated rows; interpretation on a CPU would not, which is why distinctness is the contract.
+A grid of (query, block of heads, part of its slots) programs, the heads as the matmuls' M dimension:
+- forward, all H heads in one program (GLM-5.x has 64+: one gather serves them all): over the selected slots in
+  blocks of BLOCK_SLOTS, gather the rows, s = (q_lat . c + q_rope . k_pe) * scale [H, block], online softmax,
+  out += p c; returns out [T, H, Dl] and lse [T, H], float32. Fewer queries than `min_programs` (decoding) split
+  each query's slots over more programs (`flash_attention.key_splits`), their partial out / lse merged by
+  log-sum-exp (flash-decoding: 8 decoded queries would otherwise be 8 programs);
+- backward (dO and dLSE, delta = rowsum(dO * O) - dLSE, so partials merge exactly), in programs of BACKWARD_HEADS
+  heads: regather, p = exp(s - lse), ds = p (dO . c - delta) scale; dq = ds [c | k_pe]; the rows' cotangents
+  ds^T q (+ p^T dO on the latent) are atomically added to the cache's and the new rows' cotangents (float32; the
+  head blocks' shares sum there too); split as the forward is (dq's partials summed). A query's selected positions
+  are distinct (a top-k), so one atomic add never names a row twice; unused slots (-1) add into a sink row past the
+  end. On a GPU atomics also sum repeated rows; interpretation on a CPU would not, which is why distinctness is the
+  contract.
+
+Shared memory per program (`tools/triton_resources.py`, GLM-5.x's widths, sm_90): forward 180 KiB at 32 slots a
+block (289 KiB at 64), backward 175 KiB at 16 heads (412 KiB with all 64); an H100's block holds 227 KiB.
 
 The cache is read in place ([layers, S, Dk] viewed as [layers * S, Dk]); head counts and channel widths that are
 not powers of two >= 16 are zero-padded (the tiny test models; GLM-5.x's 512 + 64 channels need none).
@@ -32,7 +37,8 @@ from longstraw_jax.ops.attended import MASKED, Attended, merge_all
 from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.ops.flash_attention import MIN_PROGRAMS, MIN_TILE, key_splits, on_gpu, split_range
 
-BLOCK_SLOTS = 64  # selected rows gathered per loop step
+BLOCK_SLOTS = 32  # selected rows gathered per loop step (64: more shared memory than an H100 block has, above)
+BACKWARD_HEADS = 16  # heads per backward program (all 64 of GLM-5.x: 1.8x the shared memory an H100 block has)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +136,7 @@ def _forward_kernel(scalars_ref, q_ref, sel_ref, cache_ref, new_ref, out_ref, ls
         return m_new, denom * alpha + jnp.sum(p, axis=1), numer
 
     init = (jnp.full((heads,), MASKED, acc), jnp.zeros((heads,), acc), jnp.zeros((heads, static.latent), acc))
-    m, denom, numer = jax.lax.fori_loop(*split_range(1, split_blocks, sel_ref.shape[0] // static.block), body, init)
+    m, denom, numer = jax.lax.fori_loop(*split_range(2, split_blocks, sel_ref.shape[0] // static.block), body, init)
     seen = denom > 0
     out_ref[...] = jnp.where(seen[:, None], numer / jnp.where(seen, denom, 1.0)[:, None], 0.0).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), MASKED).astype(lse_ref.dtype)
@@ -166,7 +172,7 @@ def _backward_kernel(scalars_ref, q_ref, sel_ref, cache_ref, new_ref, do_ref, ls
         return (dq_lat + plt.dot(ds_in, lat).astype(acc), dq_rope + plt.dot(ds_in, rope).astype(acc))
 
     init = (jnp.zeros(q_lat.shape, acc), jnp.zeros(q_rope.shape, acc))
-    dq_lat, dq_rope = jax.lax.fori_loop(*split_range(1, split_blocks, sel_ref.shape[0] // static.block), body, init)
+    dq_lat, dq_rope = jax.lax.fori_loop(*split_range(2, split_blocks, sel_ref.shape[0] // static.block), body, init)
     dq_ref[:, pl.ds(0, static.latent)] = dq_lat.astype(dq_ref.dtype)
     dq_ref[:, pl.ds(static.latent, static.rope)] = dq_rope.astype(dq_ref.dtype)
 
@@ -174,40 +180,55 @@ def _backward_kernel(scalars_ref, q_ref, sel_ref, cache_ref, new_ref, do_ref, ls
 # ----- pallas_call wrappers and the custom VJP -----
 
 
-def _specs(static, q, selected, cache, new):
-    """In-specs of a grid whose first axis is the query (later axes ignored), and the per-query BlockSpec maker."""
-    whole = lambda x: pl.BlockSpec(x.shape, lambda t, *_: (0,) * x.ndim)
-    per_query = lambda x: pl.BlockSpec((None,) + x.shape[1:], lambda t, *_: (t,) + (0,) * (x.ndim - 1))
-    return [pl.BlockSpec((2,), lambda t, *_: (0,)), per_query(q), per_query(selected), whole(cache), whole(new)], \
-        per_query
+class _Grid:
+    """A kernel's grid of (query, block of `heads` heads, part of the query's slots) programs and its BlockSpecs.
+    Fewer programs than `min_programs` split each query's slots into parts (`flash_attention.key_splits`)."""
+
+    def __init__(self, static, q, selected, heads: int):
+        self.heads = heads
+        num_q, head_blocks = q.shape[0], q.shape[1] // heads
+        self.parts, self.per_part = key_splits(num_q * head_blocks, selected.shape[1] // static.block,
+                                               static.min_programs)
+        self.grid = (num_q, head_blocks, self.parts)
+
+    @staticmethod
+    def whole(x):
+        return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+    @staticmethod
+    def by_query(x):  # [T, ...]: the program's query
+        return pl.BlockSpec((None,) + x.shape[1:], lambda t, h, s: (t,) + (0,) * (x.ndim - 1))
+
+    def by_heads(self, x):  # [T, H, ...]: the program's query and heads
+        return pl.BlockSpec((None, self.heads) + x.shape[2:], lambda t, h, s: (t, h) + (0,) * (x.ndim - 2))
+
+    def by_part(self, x):  # [parts, T, H, ...]: the program's partial result
+        return pl.BlockSpec((None, None, self.heads) + x.shape[3:], lambda t, h, s: (s, t, h) + (0,) * (x.ndim - 3))
+
+    def inputs(self, q, selected, cache, new):
+        """The in-specs of (scalars, q, selected, cache, new)."""
+        return [pl.BlockSpec((2,), lambda *_: (0,)), self.by_heads(q), self.by_query(selected), self.whole(cache),
+                self.whole(new)]
 
 
 def _params(static):
     return plt.CompilerParams(num_warps=4 if static.latent <= 64 else 8, num_stages=2)
 
 
-def _splits(static, q, selected):
-    """(parts, slot blocks per part) of each query's slots (`flash_attention.key_splits`), and the BlockSpec of a
-    per-part output [parts, T, ...] on the (query, part) grid."""
-    splits, per_part = key_splits(q.shape[0], selected.shape[1] // static.block, static.min_programs)
-    part = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda t, s: (s, t) + (0,) * (len(x.shape) - 2))
-    return splits, per_part, part
-
-
 def _forward(static, q, cache, new, selected, scalars):
-    """The forward's pallas_call over (query, slot split) programs; split partials merged."""
+    """The forward's pallas_call over (query, all heads, slot part) programs; the parts' partials merged."""
     num_q, heads, _ = q.shape
     acc = accum_dtype(q.dtype)
-    in_specs, _ = _specs(static, q, selected, cache, new)
-    splits, per_part, part = _splits(static, q, selected)
-    out_shape = (jax.ShapeDtypeStruct((splits, num_q, heads, static.latent), acc),
-                 jax.ShapeDtypeStruct((splits, num_q, heads), acc))
+    grid = _Grid(static, q, selected, heads)
+    out_shape = (jax.ShapeDtypeStruct((grid.parts, num_q, heads, static.latent), acc),
+                 jax.ShapeDtypeStruct((grid.parts, num_q, heads), acc))
     out, lse = pl.pallas_call(
-        functools.partial(_forward_kernel, static=static, split_blocks=per_part),
-        out_shape=out_shape, grid=(num_q, splits), in_specs=in_specs, out_specs=tuple(part(s) for s in out_shape),
-        compiler_params=_params(static), interpret=static.interpret, name="sparse_latent_attention_forward",
+        functools.partial(_forward_kernel, static=static, split_blocks=grid.per_part),
+        out_shape=out_shape, grid=grid.grid, in_specs=grid.inputs(q, selected, cache, new),
+        out_specs=tuple(grid.by_part(s) for s in out_shape), compiler_params=_params(static),
+        interpret=static.interpret, name="sparse_latent_attention_forward",
     )(scalars, q, selected, cache, new)
-    return (out[0], lse[0]) if splits == 1 else tuple(merge_all(Attended(out, lse)))
+    return (out[0], lse[0]) if grid.parts == 1 else tuple(merge_all(Attended(out, lse)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -229,17 +250,16 @@ def _sparse_bwd(static, residuals, cotangents):
     # one layer's rows plus a sink row each, zero-initialised and accumulated in place (aliased to the outputs)
     cache_zeros = jnp.zeros((static.cache_rows + 1, width), acc)
     new_zeros = jnp.zeros((static.new_rows + 1, width), acc)
-    in_specs, per_query = _specs(static, q, selected, cache, new)
-    whole = lambda x: pl.BlockSpec(x.shape, lambda t, s: (0,) * x.ndim)
-    splits, per_part, part = _splits(static, q, selected)
-    dq_parts = jax.ShapeDtypeStruct((splits,) + q.shape, acc)
+    grid = _Grid(static, q, selected, min(BACKWARD_HEADS, q.shape[1]))
+    dq_parts = jax.ShapeDtypeStruct((grid.parts,) + q.shape, acc)
+    whole = grid.whole
     dq, d_layer, d_new = pl.pallas_call(
-        functools.partial(_backward_kernel, static=static, split_blocks=per_part),
+        functools.partial(_backward_kernel, static=static, split_blocks=grid.per_part),
         out_shape=(dq_parts, jax.ShapeDtypeStruct(cache_zeros.shape, acc), jax.ShapeDtypeStruct(new_zeros.shape, acc)),
-        grid=(q.shape[0], splits),
-        in_specs=in_specs + [per_query(d_out), per_query(lse), per_query(delta), whole(cache_zeros),
-                             whole(new_zeros)],
-        out_specs=(part(dq_parts), whole(cache_zeros), whole(new_zeros)),
+        grid=grid.grid,
+        in_specs=grid.inputs(q, selected, cache, new) + [grid.by_heads(d_out), grid.by_heads(lse),
+                                                         grid.by_heads(delta), whole(cache_zeros), whole(new_zeros)],
+        out_specs=(grid.by_part(dq_parts), whole(cache_zeros), whole(new_zeros)),
         input_output_aliases={8: 1, 9: 2}, compiler_params=_params(static), interpret=static.interpret,
         name="sparse_latent_attention_backward",
     )(scalars, q, selected, cache, new, d_out.astype(q.dtype), lse, delta, cache_zeros, new_zeros)

@@ -10,6 +10,7 @@ kernel's registers and shared memory.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -28,6 +29,24 @@ class TritonKernel:
     num_warps: int
     num_stages: int
     module: str  # the verified Triton-dialect module, MLIR text
+
+
+@contextlib.contextmanager
+def h100_target_without_a_gpu():
+    """Inside, CUDA lowerings on a host without a GPU lower Pallas's Triton kernels for an H100 (sm_90): jax >= 0.11's
+    lowering asks the default device for its GPU's description (0.10's did not, and a GPU has its own): nothing
+    changes there."""
+    if jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu":
+        yield
+        return
+    from jax._src.pallas.triton import gpu_info
+
+    real = gpu_info.get_gpu_info
+    gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    try:
+        yield
+    finally:
+        gpu_info.get_gpu_info = real
 
 
 def _backend_config(op):

@@ -33,6 +33,7 @@ CASES = {
     "no cache (a chunk over itself)": Case(S=0, layers=1, layer=0),
     "one decoded query, more slots than a block": Case(T=1, k=70, S=100),
     "unpadded widths, 16 heads": Case(latent=16, rope=16, H=16),
+    "40 heads: the backward's programs take 16 of the 64 padded": Case(H=40, T=6),
     "bfloat16": Case(dtype="bfloat16"),
 }
 
@@ -87,10 +88,10 @@ def test_kernels_match_xla_and_naive(name):
 
 
 def test_few_queries_split_their_slots():
-    """Two queries of 512 selected slots (8 blocks of 64): fewer programs than `min_programs`, so each query's slots
-    are split over 2 forward and 2 backward programs (grids (2, 2)): partial out / lse merge by log-sum-exp, partial
-    dq add; out, LSE and gradients are the unsplit kernels' (min_programs 1, grids (2, 1)), the XLA path's and the
-    naive softmax's."""
+    """Two queries of 512 selected slots (16 blocks of 32): fewer programs than `min_programs`, so each query's slots
+    are split over 4 forward and 4 backward programs (grids (2, 1, 4): query, head block, part): partial out / lse
+    merge by log-sum-exp, partial dq add; out, LSE and gradients are the unsplit kernels' (min_programs 1, grids
+    (2, 1, 1)), the XLA path's and the naive softmax's."""
     case = Case(T=2, k=512, S=600)
     args, options = _inputs(case)
 
@@ -102,7 +103,7 @@ def test_few_queries_split_their_slots():
 
     split, whole = attend(128), attend(1)
     grads = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a, **options).out), argnums=(0, 1, 2))
-    for fn, grid in ((split, (2, 2)), (whole, (2, 1))):
+    for fn, grid in ((split, (2, 1, 4)), (whole, (2, 1, 1))):
         grids = pallas_grids(grads(fn), *args)
         assert grids["sparse_latent_attention_forward"] == [grid]
         assert grids["sparse_latent_attention_backward"] == [grid]
@@ -111,6 +112,18 @@ def test_few_queries_split_their_slots():
         scale = max(1.0, float(jnp.max(jnp.abs(d))))
         for other, label in ((b, "unsplit"), (c, "XLA"), (d, "naive")):
             np.testing.assert_allclose(a, other, atol=2e-5 * scale, rtol=0, err_msg=f"{what} vs {label}")
+
+
+def test_backward_programs_take_blocks_of_heads():
+    """The forward's programs hold all of a query's heads (40, padded to 64), the backward's BACKWARD_HEADS of them
+    (4 blocks of 16: all 64 at GLM-5.x's widths need more shared memory than an H100 has); the values are checked
+    by the "40 heads" case above."""
+    args, options = _inputs(CASES["40 heads: the backward's programs take 16 of the 64 padded"])
+    loss = lambda *a: jnp.sum(flash_mla.sparse_latent_attention_partial(
+        *a[:2], options["layer"], a[2], options["selected"], options["start"], scale=0.3, value_dim=32).out)
+    grids = pallas_grids(jax.grad(loss, argnums=(0, 1, 2)), *args)
+    assert flash_mla.BACKWARD_HEADS == 16
+    assert grids == {"sparse_latent_attention_forward": [(6, 1, 1)], "sparse_latent_attention_backward": [(6, 4, 1)]}
 
 
 def test_both_kernels_lower_for_cuda():

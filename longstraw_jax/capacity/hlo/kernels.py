@@ -87,13 +87,15 @@ elements / (H Dk) of its query blocks [..., W, H, Dk] (the queries, padded to bl
 kernels', so its FLOPs are unchanged; XLA rewrites the selected positions into gather indices, no longer [T, k]).
 With i the bytes per element of q, the cache and dO (the params' dtype):
 
-  forward (one program per query, its k rows gathered in blocks of 64):
+  forward (one program per query, its k rows gathered in blocks of 32):
       FLOPs  2 T H k (2 Dl + Dr)          (scores over Dl + Dr, p c over Dl; the XLA path's matmuls exactly)
       bytes  q T H Dk i + selected T k 4 + the gathered rows T k Dk i + out, lse T H (Dl + 1) 4
-  backward (one program per query; each row's cotangent atomically added):
+  backward (one program per query and n = ceil(H / BACKWARD_HEADS) blocks of heads; each row's cotangent
+  atomically added):
       FLOPs  2 T H k (5 Dl + 3 Dr)        (scores again, dO c, dq = ds [c | k_pe], ds^T q, p^T dO)
-      bytes  q, dO T H (Dk + Dl) i + lse, delta 2 T H 4 + selected T k 4 + the gathered rows T k Dk i
-             + dq T H Dk 4 + the rows' cotangents T k Dk 4 (one float32 add a selected row)
+      bytes  q, dO T H (Dk + Dl) i + lse, delta 2 T H 4 + dq T H Dk 4
+             + n (selected T k 4 + the gathered rows T k Dk i + the rows' cotangents T k Dk 4)
+             (each head block gathers the rows and adds its share of their cotangents: one float32 add a row)
 
 The rows are gathered per query: no reuse between queries is assumed (each query's k rows are its own), nor for
 the atomic adds. Queries are not rounded (T is the XLA path's, its blocks of 64 padded; a capture chunk is a multiple
@@ -121,6 +123,7 @@ INTERPRETED_FUNCTIONS = ("ops/flash_attention.py:attend", "ops/flash_gated_delta
 FORWARD_MATMULS, BACKWARD_MATMULS = 2, 5  # matmuls in a key-block loop's body (and in a latent attention loop's)
 ACCUM = 4  # bytes of the kernels' float32 outputs, statistics and gradients (and of the GDN's every array)
 COLUMN_BLOCK = 64  # value columns per program of the GDN kernels' stages B and C (`ops.flash_gated_delta`)
+BACKWARD_HEADS = 16  # heads per program of the latent attention's backward (`ops.flash_mla`; each regathers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,11 +265,11 @@ class SparseLatentModel:
         return Cost(2.0 * (2 * dl + dr) * triples, hbm)
 
     def backward(self, queries: float, slots: float) -> Cost:
-        """The backward kernel (dq and the rows' cotangents, atomically added)."""
+        """The backward kernel (dq and the rows' cotangents, atomically added), in blocks of BACKWARD_HEADS heads."""
         dl, dr, i, heads = self.latent_dim, self.rope_dim, self.itemsize, self.heads
-        dk, triples = dl + dr, queries * heads * slots
-        hbm = (queries * heads * (dk + dl) * i + 2 * queries * heads * ACCUM + queries * slots * (4 + dk * i)
-               + queries * heads * dk * ACCUM + queries * slots * dk * ACCUM)
+        dk, triples, head_blocks = dl + dr, queries * heads * slots, -(-heads // BACKWARD_HEADS)
+        hbm = (queries * heads * (dk + dl) * i + 2 * queries * heads * ACCUM + queries * heads * dk * ACCUM
+               + head_blocks * queries * slots * (4 + dk * i + dk * ACCUM))
         return Cost(2.0 * (5 * dl + 3 * dr) * triples, hbm)
 
 
