@@ -44,7 +44,7 @@ forward + backward: the largest error relative to the XLA output's scale, both m
 TFLOP/s by the analytic count (forward 4 x visible pairs x Hq x D; the backward 2.5x the forward) and the fraction of
 the device's bf16 peak. After the attention rows, the same columns for the chunked Gated DeltaNet
 (`ops.flash_gated_delta` vs `ops.gated_delta.gated_delta_rule_chunked` at Qwen3.6-27B's GDN: 48 value heads,
-dk = dv = 128, chunks of 64, float32, 8K and 32K tokens; `GDN_SHAPES`; FLOPs the time model's kernel count,
+dk = dv = 128, chunks of 32, float32, 8K and 32K tokens; `GDN_SHAPES`; FLOPs the time model's kernel count,
 `gated_delta_flops`) and GLM-5.2's sparse latent attention (`ops.flash_mla` vs `ops.mla`: 64 heads, 512 + 64
 channels, 2048 selected rows a query, bf16; 4K queries over a 64K cache, 8 decoded; `LATENT_SHAPES`; FLOPs
 `latent_flops`), each set in its own child (at most KERNEL_SET_S); a failing case is a row saying so. On CPU
@@ -109,7 +109,7 @@ KERNEL_SHAPES = dict(full=dict(heads=24, kv_heads=4, head_dim=256, dtype="bfloat
                                cases=[("chunk over itself", 64, 64), ("8 decoded over a cache", 8, 256),
                                       ("4 branches' tokens over one cache", 1, 256, 4)]))
 # The GDN and sparse latent attention rows of the kernel table, after the attention rows: the shapes are the configs'
-# (GDN: value heads, dk, dv, chunk of `config`, here Qwen3.6-27B's 48 heads of 128 x 128 in chunks of 64, float32;
+# (GDN: value heads, dk, dv, chunk of `config`, here Qwen3.6-27B's 48 heads of 128 x 128 in chunks of 32, float32;
 # latent: GLM-5.2's heads, kv_lora_rank + qk_rope_head_dim, index_topk, query block, bf16), the cases these. GDN:
 # (label, T tokens); latent: (label, T queries, S cached rows), the queries at positions S.. S + T - 1.
 GDN_SHAPES = dict(full=dict(config="configs/qwen3.6-27b.json", reps=3, cases=[("8K tokens", 8192),
@@ -593,7 +593,7 @@ def gated_delta_flops(tokens: int, heads: int, key_dim: int, value_dim: int, chu
     """Analytic FLOPs of one chunked gated delta rule call, the time model's count (`capacity.hlo.GatedDeltaModel`):
     the Pallas kernels' matmuls per (chunk, value head), forward: stage A 2 C^2 dk + s 2 C^2 (dk + dv) +
     (s - 1) 2 C^3 (the WY matrix and the doubling solve, s = ceil(log2 C)), stage B 4 C dk dv (u = value - w S, the
-    state update), stage C 2 C dk dv + nb 2 C^2 dk + 2 C^2 dv (q S, q k^T per column block of 64, scores u); the
+    state update), stage C 2 C dk dv + nb 2 C^2 dk + 2 C^2 dv (q S, q k^T per column block of 32, scores u); the
     backward: their vjps (capacity/hlo/kernels.py), over ceil(T / C) chunks: {"forward", "forward_backward",
     "recurrent"} (recurrent: the recurrent form's 6 dk dv per token and head, for reference)."""
     from longstraw_jax.capacity.hlo import GatedDeltaModel
@@ -607,7 +607,7 @@ def gated_delta_flops(tokens: int, heads: int, key_dim: int, value_dim: int, chu
 def gated_delta_table(size: str, peak):
     """The chunked gated delta rule, Pallas (`ops.flash_gated_delta.gated_delta_rule`) against the XLA path
     (`ops.gated_delta.gated_delta_rule_chunked`), at GDN_SHAPES (full: Qwen3.6-27B's 48 value heads, dk = dv = 128,
-    chunks of 64; tiny: the tiny preset's, interpreted), float32: l2-normalised q (scaled by dk^-1/2) and k, decays
+    chunks of 32; tiny: the tiny preset's, interpreted), float32: l2-normalised q (scaled by dk^-1/2) and k, decays
     log sigmoid(x + 4), beta sigmoid(x), a random carried state; forward (o and the state) and forward + backward
     (the vjp in all six inputs); FLOPs by `gated_delta_flops`. Yields (label, a function yielding its rows)."""
     import jax

@@ -17,8 +17,8 @@ the per-block limit: the launch fails on the device).
 
 The numbers are the pip `triton` compiler's (its version is printed), not those of the Triton inside XLA that the
 device runs: a proxy, close where both lower the same module to the same MMA instructions, that says before a GPU is
-lent which launch shapes spill or do not fit, and so which the device day need not time. Not in `make test` (the
-package is ~280 MB): tests/tools/test_triton_resources.py checks the parsing and the arithmetic.
+lent which launch shapes spill or do not fit, and so which the device day need not time. `make test` installs it (the
+test extra): tests/tools/test_triton_resources.py compiles every kernel at its defaults and asserts each fits.
 """
 from __future__ import annotations
 
@@ -138,14 +138,19 @@ def _sparse_latent():
     return lambda: jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-def cases() -> list[Case]:
-    """The defaults of every kernel family, then each forward and backward tiles candidate of bench_device (its
-    first, the default, already among the defaults)."""
+def default_cases() -> list[Case]:
+    """Every kernel of the three families with the library's defaults."""
     from longstraw_jax.ops import flash_attention
 
-    candidates = bench_device.TILE_CANDIDATES["full"]
-    out = [Case("default", _attention(flash_attention.DEFAULT_TILES, forward_only=False)),
-           Case("default", _gated_delta()), Case("default", _sparse_latent())]
+    return [Case("default", _attention(flash_attention.DEFAULT_TILES, forward_only=False)),
+            Case("default", _gated_delta()), Case("default", _sparse_latent())]
+
+
+def tile_cases() -> list[Case]:
+    """Each forward and backward tiles candidate of bench_device but its first (the default)."""
+    from longstraw_jax.ops import flash_attention
+
+    candidates, out = bench_device.TILE_CANDIDATES["full"], []
     for c in candidates["forward"][1:]:
         tiles = flash_attention.FlashTiles(forward=flash_attention.KernelTiles(*c))
         out.append(Case(bench_device.tile_label("forward", c), _attention(tiles, forward_only=True),
@@ -178,12 +183,14 @@ def compile_kernel(kernel, arch: int, workdir: str) -> dict:
     return dict(shared=int(compiled.metadata.shared), **parse_ptxas(report.stdout + report.stderr))
 
 
-def measure(arch: int) -> list[dict]:
+def measure(arch: int, cases: list[Case], echo: bool = True) -> list[dict]:
+    """One row per kernel of each case: its launch and `compile_kernel`'s resources with `programs_per_sm`, or
+    "failed" (the compiler's error)."""
     from longstraw_jax.ops import triton_ir
 
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
-        for case in cases():
+        for case in cases:
             for kernel in triton_ir.triton_kernels(case.lower()):
                 if case.kernels is not None and kernel.name not in case.kernels:
                     continue
@@ -196,7 +203,8 @@ def measure(arch: int) -> list[dict]:
                 else:
                     row["programs_per_sm"] = programs_per_sm(row["registers"], kernel.num_warps, row["shared"], arch)
                 rows.append(row)
-                print(format_row(row), flush=True)
+                if echo:
+                    print(format_row(row), flush=True)
     return rows
 
 
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"triton {triton.__version__}, jax {jax.__version__}, sm_{args.arch}\n\n{HEADER}", flush=True)
     with triton_ir.h100_target_without_a_gpu():  # jax >= 0.11 on a CPU host: the lowering's own target (sm_90)
-        rows = measure(args.arch)
+        rows = measure(args.arch, default_cases() + tile_cases())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(triton=triton.__version__, jax=jax.__version__, arch=args.arch, rows=rows), f, indent=1)

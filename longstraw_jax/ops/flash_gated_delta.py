@@ -13,12 +13,14 @@ With chunks of C tokens, per value head (docs/models.md 1.5; gamma = the in-chun
 
 The backward runs the same stages in reverse order, each kernel applying `jax.vjp` of its stage's function to
 the tile it holds (C, then B as a reverse loop over the chunks carrying the state's cotangent, then A), so every
-derivative is the forward's own by construction; the partial cotangents of q, k, g that several column blocks or
-stages produce are summed outside. The carried state goes in and out as in the XLA path (its cotangent too).
+derivative is the forward's own by construction, except the solve's: stage A's backward forms T = (Id - A)^-1 and
+takes dA = T^T dT T^T in closed form (`_chunk_local_vjp`: the doubling steps' vjp kept too much); the partial
+cotangents of q, k, g that several column blocks or stages produce are summed outside. The carried state goes in
+and out as in the XLA path (its cotangent too).
 
 Float32 throughout. T is padded to a multiple of C (g = beta = k = 0: the state passes unchanged) and head widths
-to powers of two >= 16 (zero channels stay zero); C is chunk_size rounded up to a power of two >= 16 (any C gives
-the same result, up to round-off).
+to powers of two >= 16 (zero channels stay zero); C is chunk_size rounded up to a power of two >= 16, at most
+MAX_CHUNK (any C gives the same result, up to round-off).
 """
 from __future__ import annotations
 
@@ -32,7 +34,10 @@ from jax.experimental.pallas import triton as plt
 
 from longstraw_jax.ops.flash_attention import on_gpu
 
-COLUMN_BLOCK = 64  # value columns per program in stages B and C
+MAX_CHUNK = 32  # the longest chunk the kernels take (64 at dk = dv = 128: stage A's backward needs 272 KiB of shared
+# memory, more than an H100 block's 227 KiB; 32: every kernel <= 92 KiB, tools/triton_resources.py)
+COLUMN_BLOCK = 32  # value columns per program in stages B and C (64: the state's backward needs more shared memory than
+# an H100 block has, 240 KiB at dk = dv = 128; 32: 169 KiB, and twice the state pass's programs, 192 for 48 heads)
 
 
 def _tile(n: int) -> int:
@@ -85,20 +90,49 @@ def _dot_bt(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _chunk_local(k, v, g, beta):
-    """Stage A: k [C, dk], v [C, dv], g, beta [C] -> (value [C, dv], w [C, dk], gamma [C]) with (Id - A) value =
-    beta v and (Id - A) w = beta e^gamma k; (Id - A)^-1 = (Id + A)(Id + A^2)(Id + A^4)... (A^C = 0)."""
+def _wy_inputs(k, v, g, beta):
+    """Stage A's system, from k [C, dk], v [C, dv], g, beta [C]: (A [C, C] strictly lower, beta v, beta e^gamma k,
+    gamma [C])."""
     gamma = _cumulative(g)
     _, strictly_lower = _masks(g.shape[0])
     k_beta = k * beta[:, None]
     a = -_dot_bt(k_beta, k) * jnp.where(strictly_lower, _decay(gamma), 0.0)
-    value, w = v * beta[:, None], k_beta * jnp.exp(gamma)[:, None]
+    return a, v * beta[:, None], k_beta * jnp.exp(gamma)[:, None], gamma
+
+
+def _chunk_local(k, v, g, beta):
+    """Stage A: k [C, dk], v [C, dv], g, beta [C] -> (value [C, dv], w [C, dk], gamma [C]) with (Id - A) value =
+    beta v and (Id - A) w = beta e^gamma k; (Id - A)^-1 = (Id + A)(Id + A^2)(Id + A^4)... (A^C = 0), each factor
+    applied to the right-hand sides."""
+    a, value, w, gamma = _wy_inputs(k, v, g, beta)
     steps = (g.shape[0] - 1).bit_length()
     for i in range(steps):
         value, w = value + _dot(a, value), w + _dot(a, w)
         if i + 1 < steps:
             a = _dot(a, a)
     return value, w, gamma
+
+
+def _unit_lower_inverse(a):
+    """T = (Id - A)^-1 [C, C] of a strictly lower A, by the same doubling product as a matrix."""
+    lower, strictly_lower = _masks(a.shape[0])
+    inverse, power = jnp.where(lower & ~strictly_lower, 1.0, 0.0) + a, a
+    for _ in range((a.shape[0] - 1).bit_length() - 1):
+        power = _dot(power, power)
+        inverse = inverse + _dot(inverse, power)
+    return inverse
+
+
+def _chunk_local_vjp(k, v, g, beta, d_value, d_w, d_gamma):
+    """Stage A's cotangents of (k, v, g, beta) given those of (value, w, gamma): through the solve in closed form
+    (value = T beta v, w = T beta e^gamma k, T = (Id - A)^-1: dA = T^T dT T^T with dT = d_value (beta v)^T +
+    d_w (beta e^gamma k)^T), the rest by `jax.vjp` of `_wy_inputs`. (`jax.vjp` of `_chunk_local` would keep every
+    doubling step's [C, C] and [C, dk + dv] products: 768 KiB of shared memory at C = 64, dk = dv = 128.)"""
+    (a, beta_v, beta_k, _), vjp = jax.vjp(_wy_inputs, k, v, g, beta)
+    inverse = _unit_lower_inverse(a)
+    d_inverse = _dot_bt(d_value, beta_v) + _dot_bt(d_w, beta_k)
+    d_a = _dot_bt(_dot_t(inverse, d_inverse), inverse)
+    return vjp((d_a, _dot_t(inverse, d_value), _dot_t(inverse, d_w), d_gamma))
 
 
 def _state_step(state, value, w, k, gamma):
@@ -117,7 +151,7 @@ def _chunk_output(q, k, u, gamma, state):
 # ----- entry point -----
 
 
-def gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64, interpret: bool | None = None):
+def gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = MAX_CHUNK, interpret: bool | None = None):
     """q, k: [T, H, dk]; v: [T, H, dv]; g, beta: [T, H]; state: [H, dk, dv]. Returns (o [T, H, dv], state), float32.
     Differentiable in every input (the state included)."""
     if interpret is None:
@@ -126,7 +160,7 @@ def gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64, interpret: b
     q, k, v, g, beta, state = map(f32, (q, k, v, g, beta, state))
     length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    chunk = _tile(min(chunk_size, length))
+    chunk = _tile(min(chunk_size, MAX_CHUNK, length))
     padded = -(-length // chunk) * chunk
     dk, dv = _tile(key_dim), _tile(value_dim)
     rows = lambda x, width=None: jnp.pad(x, [(0, padded - length), (0, 0)] + ([(0, width - x.shape[-1])]
@@ -183,8 +217,8 @@ def _stage_b_backward_kernel(value_ref, w_ref, k_ref, gamma_ref, starts_ref, du_
 
 def _stage_a_backward_kernel(k_ref, v_ref, g_ref, beta_ref, dvalue_ref, dw_ref, dgamma_ref, dk_ref, dv_ref, dg_ref,
                              dbeta_ref):
-    _, vjp = jax.vjp(_chunk_local, k_ref[...], v_ref[...], g_ref[...], beta_ref[...])
-    dk_ref[...], dv_ref[...], dg_ref[...], dbeta_ref[...] = vjp((dvalue_ref[...], dw_ref[...], dgamma_ref[...]))
+    dk_ref[...], dv_ref[...], dg_ref[...], dbeta_ref[...] = _chunk_local_vjp(
+        k_ref[...], v_ref[...], g_ref[...], beta_ref[...], dvalue_ref[...], dw_ref[...], dgamma_ref[...])
 
 
 # ----- pallas_call wrappers and the custom VJP -----

@@ -28,20 +28,21 @@ def test_extend_does_not_depend_on_chunk_size_or_gdn_implementation(tiny):
 
 
 def test_the_gdn_chunk_rule_and_an_explicit_chunk(tiny, monkeypatch):
-    """gdn_chunk_size None: 16 tokens per chunk on the XLA path on a CPU (the tests' backend), 64 for the Pallas
-    kernels and for XLA on another backend (config.gdn_chunk_for); a size given is used by both; a bad size is
-    refused naming the field. The model's output does not depend on the chunk (tiny_forward's logits come from the
-    default, 16)."""
+    """gdn_chunk_size None: 16 tokens per chunk on the XLA path on a CPU (the tests' backend), 64 for XLA on
+    another backend, 32 for the Pallas kernels (config.gdn_chunk_for); a size given is used by both, the kernels' at
+    most 32 (MAX_CHUNK, what fits an H100's shared memory); a bad size is refused naming the field. The model's
+    output does not depend on the chunk (tiny_forward's logits come from the default, 16)."""
     model, params, tokens, full = tiny
     config = model.config
     assert config.gdn_chunk_size is None and config.kernels == "xla" and jax.default_backend() == "cpu"
-    assert (config.gdn_chunk, config.gdn_chunk_for("xla"), config.gdn_chunk_for("pallas")) == (16, 16, 64)
-    assert dataclasses.replace(config, kernels="pallas").gdn_chunk == 64
+    assert (config.gdn_chunk, config.gdn_chunk_for("xla"), config.gdn_chunk_for("pallas")) == (16, 16, 32)
+    assert dataclasses.replace(config, kernels="pallas").gdn_chunk == 32
     with monkeypatch.context() as patched:
         patched.setattr(jax, "default_backend", lambda: "gpu")
         assert config.gdn_chunk == config.gdn_chunk_for("xla") == 64
     chunk64 = dataclasses.replace(config, gdn_chunk_size=64)
-    assert chunk64.gdn_chunk_for("xla") == chunk64.gdn_chunk_for("pallas") == 64
+    assert (chunk64.gdn_chunk_for("xla"), chunk64.gdn_chunk_for("pallas")) == (64, 32)
+    assert dataclasses.replace(config, gdn_chunk_size=16).gdn_chunk_for("pallas") == 16
     np.testing.assert_allclose(models.build(chunk64).forward(params, tokens), full, atol=1e-4)
     for bad in (0, -16, 16.0):
         with pytest.raises(ValueError, match=f"gdn_chunk_size={bad!r}; must be a positive int or None"):

@@ -49,17 +49,18 @@ forward recomputed under the backward is a forward). From its carried tuple and 
 matrices, the value heads times any batch, dv' its width: the sequence-parallel fold appends identity columns to v),
 C = the kernels' chunk (`gdn_chunk_for("pallas")`; N counts the XLA loop's trips in chunks of C: trips x its own
 chunk / C); P = N C U token-head rows (T padded to chunks, as both paths do),
-s = ceil(log2 C) doubling steps, nb = ceil(dv' / 64) column blocks. FLOPs per (chunk, state matrix), the kernels'
-matmuls (the vjp's recomputed forward products included):
+s = ceil(log2 C) doubling steps, nb = ceil(dv' / COLUMN_BLOCK) column blocks. FLOPs per (chunk, state matrix), the
+kernels' matmuls (the vjp's recomputed forward products included):
 
       forward  stage A  2 C^2 dk + s 2 C^2 (dk + dv') + (s - 1) 2 C^3   (A = (beta k) k^T, the doubling products)
                stage B  4 C dk dv'                                      (u = value - w S, the state update)
                stage C  2 C dk dv' + nb 2 C^2 dk + 2 C^2 dv'            (q S; q k^T per column block; scores u)
       backward stage C  4 C dk dv' + 4 C^2 dv' + nb 6 C^2 dk            (q k^T again, dq, dk; dS, d(qe), du, dscores)
                stage B  10 C dk dv'                                     (u again; du, dw, dS, d(ke))
-               stage A  6 C^2 dk + 6 s C^2 (dk + dv') + 6 (s - 1) C^3   (the forward again and its transpose)
+               stage A  6 C^2 dk + 4 s C^3 + 4 C^2 (dk + dv')          (A again and its transpose; T = (Id - A)^-1
+                                                                        by doubling; dT, dA = T^T dT T^T, T^T d(rhs))
 
-(the recurrent form's count is 6 dk dv' per token and head; the chunked form does ~4x that at C = 64, mostly the
+(the recurrent form's count is 6 dk dv' per token and head; the chunked form does several times that, mostly the
 doubling solve). HBM bytes, float32 (`ACCUM`), each array read or written once per kernel, a state S = U dk dv':
 
       forward  A reads k, v, g, beta, writes value, w, gamma: P (2 dk + 2 dv' + 3)
@@ -122,7 +123,7 @@ INTERPRETED_FUNCTIONS = ("ops/flash_attention.py:attend", "ops/flash_gated_delta
                          "ops/flash_mla.py:sparse_latent_attention_partial")
 FORWARD_MATMULS, BACKWARD_MATMULS = 2, 5  # matmuls in a key-block loop's body (and in a latent attention loop's)
 ACCUM = 4  # bytes of the kernels' float32 outputs, statistics and gradients (and of the GDN's every array)
-COLUMN_BLOCK = 64  # value columns per program of the GDN kernels' stages B and C (`ops.flash_gated_delta`)
+COLUMN_BLOCK = 32  # value columns per program of the GDN kernels' stages B and C (`ops.flash_gated_delta`)
 BACKWARD_HEADS = 16  # heads per program of the latent attention's backward (`ops.flash_mla`; each regathers)
 
 
@@ -193,7 +194,7 @@ class GatedDeltaModel:
 
     key_dim: int
     value_dim: int
-    chunk: int = 64
+    chunk: int = 32  # the kernels' default (`ops.flash_gated_delta.MAX_CHUNK`)
     compiled_chunk: int | None = None
 
     def __post_init__(self):
@@ -210,11 +211,12 @@ class GatedDeltaModel:
         forward's, or with `backward` the backward kernels' (module docstring)."""
         c, k, v = self.chunk, self.key_dim, value_dim or self.value_dim
         steps, blocks = (c - 1).bit_length(), -(-v // COLUMN_BLOCK)
-        solve = 2 * c * c * k + steps * 2 * c * c * (k + v) + max(steps - 1, 0) * 2 * c**3
         if not backward:
+            solve = 2 * c * c * k + steps * 2 * c * c * (k + v) + max(steps - 1, 0) * 2 * c**3
             per_chunk = solve + 4 * c * k * v + 2 * c * k * v + blocks * 2 * c * c * k + 2 * c * c * v
         else:
-            per_chunk = (4 * c * k * v + 4 * c * c * v + blocks * 6 * c * c * k) + 10 * c * k * v + 3 * solve
+            solve = 6 * c * c * k + 4 * steps * c**3 + 4 * c * c * (k + v)
+            per_chunk = (4 * c * k * v + 4 * c * c * v + blocks * 6 * c * c * k) + 10 * c * k * v + solve
         return float(per_chunk) * chunks * units
 
     def hbm(self, chunks: float, units: float, value_dim: int | None = None, backward: bool = False) -> float:

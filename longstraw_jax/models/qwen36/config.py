@@ -14,6 +14,7 @@ from flax import struct
 
 from longstraw_jax.models.base import check_config_fields, read_json_config
 from longstraw_jax.ops import kernels as kernel_choice
+from longstraw_jax.ops.flash_gated_delta import MAX_CHUNK
 from longstraw_jax.ops.rope import RopeConfig
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -101,14 +102,17 @@ class Qwen36Config:
 
     def gdn_chunk_for(self, kernels: str) -> int:
         """Tokens per chunk of the chunked gated delta rule run by `kernels` ("xla" / "pallas"): `gdn_chunk_size`, or
-        by default 16 for the XLA path on a CPU backend and 64 otherwise (the Pallas kernels: flash-linear-attention's
-        chunk; XLA on a GPU: not measured, so the chunk it had). On XLA:CPU a 64-token chunk's doubling solve
-        (log2 Cg [Cg, Cg] matmuls) costs more than the state steps it saves: 16 was the fastest chunk, forward and
-        gradient, at key/value head dims 16, 64 and 128, or within noise of it (docs/benchmarks.md 2,
-        tools/bench_gated_delta.py)."""
+        by default 16 for the XLA path on a CPU backend and 64 for it elsewhere (XLA on a GPU: not measured, so the
+        chunk it had); the Pallas kernels take at most `ops.flash_gated_delta.MAX_CHUNK` (32: a larger chunk needs
+        more shared memory than an H100 block has at Qwen3.6's head dims), their default. On XLA:CPU a 64-token
+        chunk's doubling solve (log2 Cg [Cg, Cg] matmuls) costs more than the state steps it saves: 16 was the
+        fastest chunk, forward and gradient, at key/value head dims 16, 64 and 128, or within noise of it
+        (docs/benchmarks.md 2, tools/bench_gated_delta.py)."""
+        if kernels == "pallas":
+            return min(self.gdn_chunk_size or MAX_CHUNK, MAX_CHUNK)
         if self.gdn_chunk_size is not None:
             return self.gdn_chunk_size
-        return 16 if kernels == "xla" and jax.default_backend() == "cpu" else 64
+        return 16 if jax.default_backend() == "cpu" else 64
 
     @property
     def gdn_chunk(self) -> int:
