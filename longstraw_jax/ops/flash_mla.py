@@ -118,7 +118,7 @@ def _scores(static, q_lat, q_rope, lat, rope, valid, acc):
 
 
 def _forward_kernel(scalars_ref, q_ref, sel_ref, cache_ref, new_ref, out_ref, lse_ref, *, static, split_blocks):
-    """One (query, slot split) program: the online softmax over slot blocks [split * split_blocks, ...)."""
+    """One (query, all heads, slot part) program: the online softmax over slot blocks [part * split_blocks, ...)."""
     row0, start = scalars_ref[0], scalars_ref[1]
     q_lat, q_rope = q_ref[:, pl.ds(0, static.latent)], q_ref[:, pl.ds(static.latent, static.rope)]
     acc = accum_dtype(q_lat.dtype)
@@ -144,7 +144,7 @@ def _forward_kernel(scalars_ref, q_ref, sel_ref, cache_ref, new_ref, out_ref, ls
 
 def _backward_kernel(scalars_ref, q_ref, sel_ref, cache_ref, new_ref, do_ref, lse_ref, delta_ref, _cache_zeros,
                      _new_zeros, dq_ref, d_cache_ref, d_new_ref, *, static, split_blocks):
-    """One (query, slot split) program: its part of dq, and its slots' rows' cotangents added atomically."""
+    """One (query, head block, slot part) program: its share of dq, and of its slots' rows' cotangents (atomic)."""
     row0, start = scalars_ref[0], scalars_ref[1]
     q_lat, q_rope = q_ref[:, pl.ds(0, static.latent)], q_ref[:, pl.ds(static.latent, static.rope)]
     do, lse, delta = do_ref[...], lse_ref[...], delta_ref[...]
