@@ -89,7 +89,7 @@ def _attention(tiles, forward_only: bool):
                                    scale=shape["head_dim"] ** -0.5, causal=True, interpret=False, tiles=tiles)
         return jnp.sum(r.out.astype(jnp.float32)) + jnp.sum(r.lse)
 
-    fn = (lambda q, k, v: loss(q, k, v)) if forward_only else jax.grad(loss, argnums=(0, 1, 2))
+    fn = loss if forward_only else jax.grad(loss, argnums=(0, 1, 2))
     return lambda: jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
 
 
