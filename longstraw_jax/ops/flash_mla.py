@@ -17,8 +17,9 @@ A grid of (query, block of heads, part of its slots) programs, the heads as the 
   end. On a GPU atomics also sum repeated rows; interpretation on a CPU would not, which is why distinctness is the
   contract.
 
-Shared memory per program (`tools/triton_resources.py`, GLM-5.x's widths, sm_90): forward 180 KiB at 32 slots a
-block (289 KiB at 64), backward 175 KiB at 16 heads (412 KiB with all 64); an H100's block holds 227 KiB.
+Shared memory per program (`tools/triton_resources.py`, GLM-5.x's widths, sm_90): forward 128 KiB at 16 slots a
+block (180 at 32, 289 at 64), backward 121 KiB at 16 heads and 16 slots (412 with all 64 heads at 32 slots); a
+program may have 227 KiB on an H100, 163 KiB on an A100 (sm_80: 126 and 121 KiB).
 
 The cache is read in place ([layers, S, Dk] viewed as [layers * S, Dk]); head counts and channel widths that are
 not powers of two >= 16 are zero-padded (the tiny test models; GLM-5.x's 512 + 64 channels need none).
@@ -37,7 +38,7 @@ from longstraw_jax.ops.attended import MASKED, Attended, merge_all
 from longstraw_jax.ops.dtypes import accum_dtype
 from longstraw_jax.ops.flash_attention import MIN_PROGRAMS, MIN_TILE, key_splits, on_gpu, split_range
 
-BLOCK_SLOTS = 32  # selected rows gathered per loop step (64: more shared memory than an H100 block has, above)
+BLOCK_SLOTS = 16  # selected rows gathered per loop step (32: more shared memory than an A100's program has; above)
 BACKWARD_HEADS = 16  # heads per backward program (all 64 of GLM-5.x: 1.8x the shared memory an H100 block has)
 
 

@@ -88,8 +88,8 @@ def test_kernels_match_xla_and_naive(name):
 
 
 def test_few_queries_split_their_slots():
-    """Two queries of 512 selected slots (16 blocks of 32): fewer programs than `min_programs`, so each query's slots
-    are split over 4 forward and 4 backward programs (grids (2, 1, 4): query, head block, part): partial out / lse
+    """Two queries of 512 selected slots (32 blocks of 16): fewer programs than `min_programs`, so each query's slots
+    are split over 8 forward and 8 backward programs (grids (2, 1, 8): query, head block, part): partial out / lse
     merge by log-sum-exp, partial dq add; out, LSE and gradients are the unsplit kernels' (min_programs 1, grids
     (2, 1, 1)), the XLA path's and the naive softmax's."""
     case = Case(T=2, k=512, S=600)
@@ -103,7 +103,7 @@ def test_few_queries_split_their_slots():
 
     split, whole = attend(128), attend(1)
     grads = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a, **options).out), argnums=(0, 1, 2))
-    for fn, grid in ((split, (2, 1, 4)), (whole, (2, 1, 1))):
+    for fn, grid in ((split, (2, 1, 8)), (whole, (2, 1, 1))):
         grids = pallas_grids(grads(fn), *args)
         assert grids["sparse_latent_attention_forward"] == [grid]
         assert grids["sparse_latent_attention_backward"] == [grid]

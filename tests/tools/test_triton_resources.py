@@ -1,7 +1,8 @@
 """tools/triton_resources.py: ptxas's report read, the programs-per-SM arithmetic, and every kernel at its full-size
-default launch compiled for sm_90 by the `triton` package (a test dependency): each must fit an H100's program
-(shared memory <= 227 KiB) and so launch on the device. Four did not before (the latent attention's forward and
-backward, two of the GDN's backward kernels); nothing else would have said so before a GPU was lent."""
+default launch compiled for sm_90 and sm_80 by the `triton` package (a test dependency): each must fit a program
+of an H100 (shared memory <= 227 KiB) and of an A100 (163 KiB), and so launch there. Four did not on an H100 before
+(the latent attention's forward and backward, two of the GDN's backward kernels); nothing else would have said so
+before a GPU was lent."""
 import pytest
 import triton_resources as resources  # tools/ is on the tests' path (pyproject's pythonpath)
 
@@ -27,15 +28,17 @@ def test_ptxas_report_and_programs_per_sm():
     assert resources.programs_per_sm(128, 4, per_block, 90) == per_sm // per_block == 1
 
 
-@pytest.mark.slow  # lowers the three families at full size and compiles 11 kernels for a GPU (~1 min)
-def test_every_kernel_fits_an_h100_at_its_defaults():
+@pytest.mark.slow  # lowers the three families at full size and compiles 11 kernels for a GPU (~1 min each)
+@pytest.mark.parametrize("arch", [90, 80])  # H100 / H200 / H20; A100
+def test_every_kernel_fits_at_its_defaults(arch):
     """Qwen3.6-27B's attention (forward, dQ, dK / dV) and GDN (six kernels) and GLM-5.2's sparse latent attention
-    (forward, backward), each module verified and compiled for sm_90: every kernel compiles and fits at least one
-    program on an SM (shared memory within the 227 KiB a program may have; registers within the SM's)."""
+    (forward, backward), each module verified and compiled for sm_`arch`: every kernel compiles and fits at least one
+    program on an SM (shared memory within what a program may have, 227 KiB on sm_90, 163 KiB on sm_80; registers
+    within the SM's)."""
     from longstraw_jax.ops import triton_ir
 
     with triton_ir.h100_target_without_a_gpu():
-        rows = resources.measure(90, resources.default_cases(), echo=False)
+        rows = resources.measure(arch, resources.default_cases(), echo=False)
     assert len(rows) == 11
     assert {row["kernel"] for row in rows} == {
         "flash_attention_forward", "flash_attention_dq", "flash_attention_dkv", "gated_delta_chunk_local",
@@ -43,5 +46,5 @@ def test_every_kernel_fits_an_h100_at_its_defaults():
         "gated_delta_chunk_local_backward", "sparse_latent_attention_forward", "sparse_latent_attention_backward"}
     for row in rows:
         assert "failed" not in row, row
-        assert row["shared"] <= resources.SM_LIMITS[90][1] and row["programs_per_sm"] >= 1, row
+        assert row["shared"] <= resources.SM_LIMITS[arch][1] and row["programs_per_sm"] >= 1, row
         assert 0 < row["registers"] <= 255, row

@@ -88,7 +88,7 @@ elements / (H Dk) of its query blocks [..., W, H, Dk] (the queries, padded to bl
 kernels', so its FLOPs are unchanged; XLA rewrites the selected positions into gather indices, no longer [T, k]).
 With i the bytes per element of q, the cache and dO (the params' dtype):
 
-  forward (one program per query, its k rows gathered in blocks of 32):
+  forward (one program per query, its k rows gathered in blocks of 16):
       FLOPs  2 T H k (2 Dl + Dr)          (scores over Dl + Dr, p c over Dl; the XLA path's matmuls exactly)
       bytes  q T H Dk i + selected T k 4 + the gathered rows T k Dk i + out, lse T H (Dl + 1) 4
   backward (one program per query and n = ceil(H / BACKWARD_HEADS) blocks of heads; each row's cotangent
