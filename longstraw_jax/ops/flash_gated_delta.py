@@ -36,8 +36,9 @@ from longstraw_jax.ops.flash_attention import on_gpu
 
 MAX_CHUNK = 32  # the longest chunk the kernels take (64 at dk = dv = 128: stage A's backward needs 272 KiB of shared
 # memory, more than an H100 block's 227 KiB; 32: every kernel <= 92 KiB, tools/triton_resources.py)
-COLUMN_BLOCK = 32  # value columns per program in stages B and C (64: the state's backward needs more shared memory than
-# an H100 block has, 240 KiB at dk = dv = 128; 32: 169 KiB, and twice the state pass's programs, 192 for 48 heads)
+COLUMN_BLOCK = 32  # value columns per program in stages B and C (64 of 64-token chunks: the state's backward needs 240
+# KiB at dk = dv = 128, more than an H100 block has; 32: 169 KiB, 92 at 32-token chunks; the state pass's programs
+# double, 192 for 48 heads)
 
 
 def _tile(n: int) -> int:
