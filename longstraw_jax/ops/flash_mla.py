@@ -6,7 +6,7 @@ layer's cache (positions < start) or of the chunk's new rows (positions >= start
 A grid of (query, block of heads, part of its slots) programs, the heads as the matmuls' M dimension:
 - forward, all H heads in one program (GLM-5.x has 64+: one gather serves them all): over the selected slots in
   blocks of BLOCK_SLOTS, gather the rows, s = (q_lat . c + q_rope . k_pe) * scale [H, block], online softmax,
-  out += p c; returns out [T, H, Dl] and lse [T, H], float32. Fewer queries than `min_programs` (decoding) split
+  out += p c; returns out [T, H, Dl] and lse [T, H], float32. A grid of fewer than `min_programs` (decoding) splits
   each query's slots over more programs (`flash_attention.key_splits`), their partial out / lse merged by
   log-sum-exp (flash-decoding: 8 decoded queries would otherwise be 8 programs);
 - backward (dO and dLSE, delta = rowsum(dO * O) - dLSE, so partials merge exactly), in programs of BACKWARD_HEADS
@@ -63,8 +63,8 @@ def sparse_latent_attention_partial(q: jax.Array, cache: jax.Array, layer, new: 
                                     min_programs: int = MIN_PROGRAMS) -> Attended:
     """q [T, H, Dk]; cache [layers, S, Dk]; new [T_new, Dk] (positions start..); selected int [T, k] (-1: unused;
     distinct otherwise). Returns out [T, H, value_dim] and lse [T, H], float32 (a query with no slot: out 0, lse
-    MASKED). min_programs: fewer queries than this split their slots over more programs, forward and backward
-    (1: never)."""
+    MASKED). min_programs: a kernel's grid of fewer programs than this splits each query's slots over more, forward
+    and backward (1: never)."""
     if interpret is None:
         interpret = not on_gpu()
     num_q, heads, _ = q.shape

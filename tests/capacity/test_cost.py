@@ -734,10 +734,11 @@ def test_the_kernels_leave_other_loops_and_the_default_unchanged():
 
 
 def test_the_kernel_models_launch_constants_are_the_kernels():
-    """The time model's copies of the kernels' launch constants (GDN column blocks, the latent backward's heads per
-    program) are the kernels' own."""
+    """The time model's copies of the kernels' launch constants (GDN column blocks and default chunk, the latent
+    backward's heads per program) are the kernels' own."""
     from longstraw_jax.capacity.hlo import kernels
     from longstraw_jax.ops import flash_gated_delta, flash_mla
 
     assert kernels.COLUMN_BLOCK == flash_gated_delta.COLUMN_BLOCK
+    assert kernels.GatedDeltaModel(16, 16).chunk == flash_gated_delta.MAX_CHUNK
     assert kernels.BACKWARD_HEADS == flash_mla.BACKWARD_HEADS
