@@ -91,6 +91,23 @@ def run_cli(args, cache, **extra):
                             stderr=subprocess.STDOUT, text=True, env=env(**cached(cache), **extra))
 
 
+# XLA:CPU's abort when the simulated devices of one process wait in different collectives (docs/benchmarks.md 6b)
+XLA_CPU_COLLECTIVE_RACE = "Termination timeout for `all"
+
+
+def run_to_end(args, cache, attempts: int = 2) -> tuple[int, str]:
+    """run_cli(args) to its end -> (exit status, output). A run that XLA:CPU's runtime aborted because the
+    simulated devices of one process waited in different collectives (an ordering race of the in-process runtime,
+    docs/benchmarks.md 6b: 1 of ~50 CI runs of the resume below, never in 20 runs here) is started again, up to
+    `attempts` times in all, and says so: a --resume run that died mid-step resumes from the same checkpoint."""
+    for attempt in range(1, attempts + 1):
+        proc = run_cli(args, cache)
+        output = proc.communicate(timeout=600)[0]
+        if proc.returncode == 0 or XLA_CPU_COLLECTIVE_RACE not in output or attempt == attempts:
+            return proc.returncode, output
+        print(f"attempt {attempt}: XLA:CPU aborted on its in-process collective race; running it again")
+
+
 @pytest.mark.slow  # three trainer processes (two launched, one reference) and a resumed one
 def test_two_processes_killed_then_resumed_in_one(tmp_path):
     out, single, cache = str(tmp_path / "mp"), str(tmp_path / "single"), tmp_path / "cache"
@@ -135,9 +152,8 @@ def test_two_processes_killed_then_resumed_in_one(tmp_path):
     # the checkpoint of 2 processes resumed in one (same mesh; compiled programs from the reference's cache)
     output = reference.communicate(timeout=600)[0]
     assert reference.returncode == 0, output[-2000:]
-    resumed = run_cli(["--out", out, "--resume", "--steps", "3", "--mesh", "2x4"], cache)
-    output = resumed.communicate(timeout=600)[0]
-    assert resumed.returncode == 0, output[-2000:]
+    returncode, output = run_to_end(["--out", out, "--resume", "--steps", "3", "--mesh", "2x4"], cache)
+    assert returncode == 0, output[-2000:]
     got, want = read(out), read(single)
     assert [r["step"] for r in got] == [1, 2, 3]
     for g, w in zip(got, want, strict=True):
