@@ -2,12 +2,12 @@
 of each family (tests/models/test_families.py, models/test_qwen36.py, models/test_glm52.py), the pytree relative error,
 the engine's test cases and oracles (tests/engine/test_local.py, reused on GLM by tests/models/test_glm52.py), the
 sharded-vs-one-device gradient check, the 32-device subprocess runner, an all-gather emulation of
-`jax.lax.ragged_all_to_all` (XLA:CPU has none; checked in tests/sharding/test_experts.py), and `reported_backend`
-(the library's backend choices made as on a GPU), `triton_calls` (a CUDA lowering's Triton kernels, verified).
+`jax.lax.ragged_all_to_all` (XLA:CPU has none; checked in tests/sharding/test_experts.py), `reported_backend`
+(the library's backend choices made as on a GPU: `ops.triton_ir`), `triton_calls` (a CUDA lowering's Triton
+kernels, verified).
 
 The transformers oracles live apart, in tests/hf_reference.py and tests/glm_reference.py: they import torch.
 """
-import contextlib
 import functools
 import json
 import os
@@ -37,19 +37,7 @@ def triton_calls(lowered) -> list[triton_ir.TritonKernel]:
     return calls
 
 
-@contextlib.contextmanager
-def reported_backend(backend: str):
-    """Inside: `jax.default_backend()` (which every backend choice of the library reads) returns `backend`. JAX's
-    caches are cleared on entry and on exit, so that no trace made for one backend (loop bodies are cached) is reused
-    under the other."""
-    jax.clear_caches()
-    real = jax.default_backend
-    jax.default_backend = lambda: backend
-    try:
-        yield
-    finally:
-        jax.default_backend = real
-        jax.clear_caches()
+reported_backend = triton_ir.reported_backend  # (where the tests have always found it)
 
 
 def o1_params(params, key):

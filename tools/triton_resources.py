@@ -40,11 +40,18 @@ REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM = 65536, 64, 32
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One lowering: `label` (the launch shapes tried), the `lower()` of a program, and the kernels of it to report
-    (None: all)."""
+    """One program: `label` (the launch shapes tried), `program()` -> (a function, its arguments as
+    ShapeDtypeStructs), and the kernels of it to report (None: all)."""
     label: str
-    lower: object
+    program: object
     kernels: tuple[str, ...] | None = None
+
+    def lower(self):
+        """The program jitted and lowered for CUDA from its shapes (nothing allocated or compiled)."""
+        import jax
+
+        fn, args = self.program()
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 def parse_ptxas(text: str) -> dict:
@@ -71,7 +78,7 @@ def programs_per_sm(registers: int, num_warps: int, shared: int, arch: int) -> i
 
 
 def _attention(tiles, forward_only: bool):
-    """The lowering of the flash-attention kernels with `tiles` at bench_device's first attention case (a chunk over
+    """The program of the flash-attention kernels with `tiles` at bench_device's first attention case (a chunk over
     itself, causal): the forward alone, or its gradient (forward, dQ, dK / dV)."""
     import jax
     import jax.numpy as jnp
@@ -89,8 +96,7 @@ def _attention(tiles, forward_only: bool):
                                    scale=shape["head_dim"] ** -0.5, causal=True, interpret=False, tiles=tiles)
         return jnp.sum(r.out.astype(jnp.float32)) + jnp.sum(r.lse)
 
-    fn = loss if forward_only else jax.grad(loss, argnums=(0, 1, 2))
-    return lambda: jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+    return lambda: (loss if forward_only else jax.grad(loss, argnums=(0, 1, 2)), (q, kv, kv))
 
 
 def _gated_delta():
@@ -111,7 +117,7 @@ def _gated_delta():
         return jnp.sum(o) + jnp.sum(state)
 
     args = (f32(t, h, dk), f32(t, h, dk), f32(t, h, dv), f32(t, h), f32(t, h), f32(h, dk, dv))
-    return lambda: jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(*args).lower(lowering_platforms=("cuda",))
+    return lambda: (jax.grad(loss, argnums=tuple(range(6))), args)
 
 
 def _sparse_latent():
@@ -135,7 +141,7 @@ def _sparse_latent():
     args = (jax.ShapeDtypeStruct((t, cfg.num_attention_heads, width), dtype),
             jax.ShapeDtypeStruct((1, s, width), dtype), jax.ShapeDtypeStruct((t, width), dtype),
             jax.ShapeDtypeStruct((t, cfg.index_topk), jnp.int32))
-    return lambda: jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",))
+    return lambda: (jax.grad(loss, argnums=(0, 1, 2)), args)
 
 
 def default_cases() -> list[Case]:

@@ -49,6 +49,22 @@ def h100_target_without_a_gpu():
         gpu_info.get_gpu_info = real
 
 
+@contextlib.contextmanager
+def reported_backend(backend: str):
+    """Inside: `jax.default_backend()` (which every backend choice of the library reads: `ops.kernels.resolve`, the
+    kernels' interpret mode, the decode step's products) returns `backend`, so a program traced on a CPU host for a
+    GPU takes the GPU's branches. JAX's caches are cleared on entry and on exit, so that no trace made for one
+    backend (loop bodies are cached) is reused under the other."""
+    jax.clear_caches()
+    real = jax.default_backend
+    jax.default_backend = lambda: backend
+    try:
+        yield
+    finally:
+        jax.default_backend = real
+        jax.clear_caches()
+
+
 def _backend_config(op):
     from jax._src.lib.mlir import ir
 

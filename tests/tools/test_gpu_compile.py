@@ -1,0 +1,59 @@
+"""tools/gpu_compile.py's host-side parts (its compiles need jax's CUDA plugin, the `gpu-compile` extra, which CI does
+not install): the target description XLA is given, the kernel launches read from XLA's dumped thunk sequence, the
+kernel names read from a compiled program's text, and the tables."""
+import gpu_compile  # tools/ is on the tests' path (pyproject's pythonpath)
+import pytest
+
+from longstraw_jax.capacity.hardware import HARDWARE
+
+
+@pytest.mark.parametrize("device", sorted(gpu_compile.TARGETS))
+def test_the_target_description_is_the_hardware_entry(device):
+    text = gpu_compile.target_config(device)
+    fields = dict(line.strip().split(": ", 1) for line in text.splitlines() if ": " in line and "{" not in line)
+    hw = HARDWARE[device]
+    assert int(fields["device_memory_size"]) == int(hw.hbm_bytes)
+    assert int(fields["memory_bandwidth"]) == int(hw.hbm_per_s)
+    assert int(fields["core_count"]) == gpu_compile.TARGETS[device]["core_count"]
+    assert int(fields["shared_memory_per_block_optin"]) == 227 * 1024  # what the kernels must fit (sm_90)
+    assert "cuda_compute_capability { major: 9 minor: 0 }" in text
+    assert text.count("{") == text.count("}")  # balanced: the text format parses
+
+
+THUNKS = """\
+001: kCustomKernel [source       | next=005 (4)] loop_multiply_fusion grid: [1, 1, 1] threads: [2, 1, 1]  shared_memory: 0 bytes
+005: kCustomKernel [prev=001 (4) | next=006 (1)] sparse_latent_attention_forward grid: [4096, 1, 1] threads: [256, 1, 1]  shared_memory: 143552 bytes
+009: kCustomKernel [prev=008 (1) | next=010 (1)] flash_attention_dq grid: [128, 24, 1] threads: [256, 1, 1]  shared_memory: 196608 bytes
+"""  # noqa: E501 - XLA's lines, as dumped
+
+
+def test_kernel_launches_are_read_from_the_thunk_sequence(tmp_path):
+    (tmp_path / "module_0001.jit_loss.thunk_sequence.txt").write_text(THUNKS)
+    launches = gpu_compile.kernel_resources(str(tmp_path), {"sparse_latent_attention_forward", "flash_attention_dq"})
+    assert [(k["kernel"], k["grid"], k["threads"], k["shared"]) for k in launches] == [
+        ("sparse_latent_attention_forward", [4096, 1, 1], 256, 143552),
+        ("flash_attention_dq", [128, 24, 1], 256, 196608)]
+    # no PTX dumped: no registers, so no occupancy either
+    assert all(k["registers"] is None and k["programs_per_sm"] is None for k in launches)
+    table = gpu_compile.format_kernels([dict(case="c", ok=True, resources=launches),
+                                        dict(case="d", ok=False, error="RESOURCE_EXHAUSTED: Shared memory size limit")])
+    assert "| c | flash_attention_dq | 128x24x1 | 256 | 192 |" in table
+    assert "| d | failed: RESOURCE_EXHAUSTED: Shared memory size limit |" in table
+
+
+class _Compiled:
+    def __init__(self, text):
+        self.text = text
+
+    def as_text(self):
+        return self.text
+
+
+def test_kernel_names_come_from_the_triton_custom_calls():
+    text = "\n".join([
+        '  %pallas_call.7 = (f32[8]) custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", backend_config='
+        '{ir = "\\00...", name = "flash_attention_forward", num_stages = 2 : i32, num_warps = 8 : i32}',
+        '  %fusion = f32[8] fusion(%a), kind=kCustom, calls=%gemm, backend_config={"name":"not_a_kernel"}',
+        '  %pallas_call.9 = f32[8] custom-call(%b), custom_call_target="__gpu$xla.gpu.triton", backend_config='
+        '{name = "flash_attention_dq", num_stages = 2 : i32, num_warps = 8 : i32}'])
+    assert gpu_compile.triton_kernels_in(_Compiled(text)) == ["flash_attention_forward", "flash_attention_dq"]
