@@ -13,7 +13,13 @@ On one device, with the public API, it measures
   model TFLOP/s and MFU against the device's peak dense bf16 FLOP/s (its datasheet entry in
   `longstraw_jax.capacity.hardware`, `for_device_kind`; a device without one, XLA:CPU included: "n/a");
 - **detached / exact**: `train.train_step` (jitted with params and optimizer state donated, as the planner compiles
-  it) on one group of G branches of R tokens after a prompt of --step-len tokens: median seconds and tokens/s;
+  it) on one group of G branches of R tokens after a prompt of --step-len tokens: median seconds and tokens/s. It
+  trains every parameter (`--train full`, --tiny's default) or LoRA adapters of rank LORA_RANK on every matrix
+  (`--train lora`, the full size's default: XLA's own GPU compile of the 2-block model's full-parameter exact step at
+  32K needs 92 GiB with the kernels and 103 GiB without, more than an H100 has; with LoRA 54 GiB without the kernels,
+  tools/gpu_compile.py). A step whose compiled memory is over FITS of the device's limit is a failed row, not run;
+  the children may take GPU_MEMORY_FRACTION of a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION, unless the environment sets
+  it: JAX's own default, 75 %, would leave an H100 60 GB);
 - **memory**: the device's `memory_stats()["peak_bytes_in_use"]` (each measurement runs in its own child process,
   so the peak is its own; CPU: "n/a"), the compiled `memory_analysis()` of the executable that ran, and the
   planner's estimate for the same shapes (`longstraw_jax.capacity.Planner` on a 1x1 mesh: `Planner.capture` for
@@ -90,12 +96,15 @@ from longstraw_jax.common.validation import SIZE_RULE, size_arg, sizes_arg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # configs/ are found under it
 GIB = 2**30
+FITS = 0.9  # a program runs when its compiled memory_analysis total is at most this fraction of the device's limit
+LORA_RANK = 64  # --train lora: adapters of this rank (alpha 2x) on every matrix
+GPU_MEMORY_FRACTION = 0.92  # XLA_PYTHON_CLIENT_MEM_FRACTION for the children, unless the environment sets it
 FULL_SIZE = dict(config="configs/qwen3.6-27b.json", dtype="bfloat16", capture_start=65536, capture_max=4 * 2**20,
                  step_len=32768, group_size=4, response_len=256, chunk_size=8192, reps=3, blocks=2, modes="exact",
-                 kernels="xla,pallas", capture_lens=[65536, 32768, 131072], planner=False)
+                 kernels="xla,pallas", capture_lens=[65536, 32768, 131072], planner=False, train="lora")
 TINY = dict(config="configs/qwen3.6-tiny.json", dtype="float32", capture_start=256, capture_max=512,
             step_len=256, group_size=2, response_len=8, chunk_size=64, reps=2, blocks=1, modes="detached,exact",
-            kernels="xla", capture_lens=[], planner=True)
+            kernels="xla", capture_lens=[], planner=True, train="full")
 # The kernel table (issue 41): flash attention at Qwen3.6-27B's attention shapes (24 query / 4 KV heads of 256,
 # bf16) on an accelerator, the tiny preset's (4 / 2 heads of 32, float32, interpreted kernels) on CPU. Each case:
 # (label, T queries, S keys[, N branches]); the queries are the last T positions of the S keys, causal (a capture chunk
@@ -306,7 +315,8 @@ class _Child:
         from longstraw_jax.capacity import Planner
 
         return Planner(self.cfg, self.opts["mesh"] or "1x1", self.opts["dtype"], response_len, self.opts["chunk_size"],
-                       devices=self.jax.devices()[:1] if not self.opts["mesh"] else None)
+                       devices=self.jax.devices()[:1] if not self.opts["mesh"] else None,
+                       train_mode=self.opts["train"], lora_rank=LORA_RANK)
 
     def tokens(self, n: int, seed: int = 0):
         import numpy as np
@@ -337,7 +347,7 @@ class _Child:
             compiled = fn.lower(self.params, tokens).compile()
             compile_s = time.perf_counter() - t0
             memory = capacity.memory_total(compiled)
-            if limit and memory["total"] > 0.9 * limit:
+            if limit and memory["total"] > FITS * limit:
                 if last is None:
                     raise RuntimeError(f"capturing {n:,} tokens needs {memory['total'] / GIB:.1f} GiB > 90% of the "
                                        f"device's {limit / GIB:.1f} GiB: lower --capture-start / --capture-len")
@@ -373,33 +383,47 @@ class _Child:
 
         o = self.opts
         p, g, r = o["step_len"], o["group_size"], o["response_len"]
+        params, frozen = self.params, None
+        if o["train"] == "lora":  # adapters on every matrix, trained; the base frozen (the trainer's split)
+            from longstraw_jax.adapters import lora, trainable
+
+            paths = lora.resolve_targets(self.params, "all")
+            params = jax.jit(lambda p, key: lora.add_adapters(p, paths, LORA_RANK, 2.0 * LORA_RANK, key))(
+                self.params, jax.random.key(3))
+            params, frozen = trainable.split(params, trainable.adapter_leaf)
         optimizer = train.make_optimizer(1e-6)
-        opt_state = jax.jit(optimizer.init)(self.params)
+        opt_state = jax.jit(optimizer.init)(params)
         if self.mesh is not None:
-            specs = rules.param_specs(self.params, self.mesh)
-            opt_specs = rules.like_params_specs(opt_state, self.params, specs)
+            specs = rules.param_specs(params, self.mesh)
+            opt_specs = rules.like_params_specs(opt_state, params, specs)
             opt_state = jax.device_put(opt_state, rules.named(opt_specs, self.mesh))
         rng = np.random.default_rng(1)
         batch = GroupBatch(prompt=self.tokens(p, 2), responses=jnp.asarray(rng.integers(0, self.cfg.vocab_size,
                                                                                             (g, r)), jnp.int32),
                            mask=jnp.ones((g, r), jnp.float32), rewards=jnp.asarray(rng.uniform(size=g), jnp.float32),
                            old_logprobs=jnp.full((g, r), -1.0, jnp.float32), ref_logprobs=None)
-        step = jax.jit(train.train_step, static_argnums=(0, 4, 5, 6, 7, 8), donate_argnums=(1, 2))
+        step = jax.jit(train.train_step_unvalidated, static_argnums=train.STATIC_ARGNUMS,
+                       donate_argnums=train.DONATE_ARGNUMS)
         t0 = time.perf_counter()
-        compiled = step.lower(self.model, self.params, opt_state, batch, optimizer, GRPOConfig(), mode, o["chunk_size"],
-                              self.mesh).compile()
+        compiled = step.lower(self.model, params, opt_state, batch, optimizer, GRPOConfig(), mode, o["chunk_size"],
+                              self.mesh, None, frozen).compile()
         compile_s = time.perf_counter() - t0
         memory = capacity.memory_total(compiled)
-        state = [self.params, opt_state]
+        limit = _device_memory(self.device)["limit"]
+        if limit and memory["total"] > FITS * limit:  # refused before it runs out of memory (no run to time)
+            raise RuntimeError(f"the {mode} step ({o['train']}) needs {memory['total'] / GIB:.1f} GiB (compiled "
+                               f"memory_analysis) > {FITS:.0%} of the device's {limit / GIB:.1f} GiB: lower "
+                               "--step-len or --blocks, or --train lora")
+        state = [params, opt_state]
 
         def run():
-            state[0], state[1], metrics = compiled(state[0], state[1], batch)
+            state[0], state[1], metrics = compiled(state[0], state[1], batch, None, frozen)
             return metrics["loss"], state[0]
 
         run()  # warm-up
         times = _timed(run, o["reps"])
         seconds = statistics.median(times)
-        row = with_time_model(dict(name=mode, P=p, G=g, R=r, seconds=seconds, times=times,
+        row = with_time_model(dict(name=mode, train=o["train"], P=p, G=g, R=r, seconds=seconds, times=times,
                                    tokens_per_s=(p + g * r) / seconds, flops=None, compiled_bytes=memory["total"],
                                    compile_s=compile_s, peak_bytes=_device_memory(self.device)["peak"]),
                               compiled, self.device, self.kernel_model())
@@ -943,12 +967,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="wall-clock budget of the whole run (420 s): a measurement is killed when it runs past it, "
                          f"and none starts with less than {MIN_CHILD_S:.0f} s left (JSON: skipped)")
     ap.add_argument("--modes", help="train_step modes to time (exact; --tiny: detached,exact)")
+    ap.add_argument("--train", choices=("full", "lora"),
+                    help="what the train_steps train: every parameter (AdamW) or LoRA adapters of rank "
+                         f"{LORA_RANK} on every matrix (lora; --tiny: full)")
     ap.add_argument("--planner", dest="planner", action="store_true", default=None,
                     help="the planner's memory estimates next to the measured (default on --tiny only: it compiles "
                          "each program again)")
     ap.add_argument("--no-planner", dest="planner", action="store_false", help="skip the planner's estimates")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
+    # the children's JAX may take this much of a GPU (JAX's default preallocates 75 %: 60 GB of an H100's 80)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(GPU_MEMORY_FRACTION))
     if args.tiny is None:
         args.tiny = not _has_accelerator()
     defaults = TINY if args.tiny else FULL_SIZE

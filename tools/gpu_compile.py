@@ -160,17 +160,21 @@ def triton_kernels_in(compiled) -> list[str]:
     return [m.group(1) for line in calls for m in [re.search(r'name = "([^"]+)", num_stages', line)] if m]
 
 
-def kernel_rows(device, echo=print) -> list[dict]:
-    """One row per full-size kernel case of tools/triton_resources.py: compiled or the compiler's error."""
+def kernel_rows(device, echo=print, tiles: bool = False) -> list[dict]:
+    """One row per full-size kernel case of tools/triton_resources.py (the defaults; tiles: also each candidate of
+    bench_device's tiles sweep): compiled, with its kernels' launches, or the compiler's error."""
+    cases = [(f"{family}: defaults", case) for family, case in zip(
+        ("flash attention", "gated delta", "sparse latent attention"), triton_resources.default_cases(), strict=True)]
+    if tiles:
+        cases += [(f"flash attention: {case.label}", case) for case in triton_resources.tile_cases()]
     rows = []
-    for family, case in zip(("flash attention", "gated delta", "sparse latent attention"),
-                            triton_resources.default_cases(), strict=True):
+    for label, case in cases:
         fn, args = case.program()
-        row = dict(table="kernels", case=f"{family}: forward + backward")
+        row = dict(table="kernels", case=label)
         with tempfile.TemporaryDirectory() as dump:
             try:
                 compiled, seconds = compile_on(device, fn, args, dump_to=dump)
-                names = triton_kernels_in(compiled)
+                names = [n for n in triton_kernels_in(compiled) if case.kernels is None or n in case.kernels]
                 row.update(ok=True, compile_s=seconds, kernels=names, resources=kernel_resources(dump, set(names)))
             except Exception as e:  # noqa: BLE001 - the compiler's refusal is the result
                 row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:1500]}")
@@ -185,6 +189,7 @@ def model_programs(cfg, opts: dict):
     import jax.numpy as jnp
 
     from longstraw_jax import GroupBatch, GRPOConfig, models, train
+    from longstraw_jax.adapters import lora, trainable
 
     model = models.build(cfg)
     dtype = jnp.dtype(opts["dtype"])
@@ -193,6 +198,11 @@ def model_programs(cfg, opts: dict):
     for n in opts["lens"]:
         yield ("capture", n + 1, lambda p, t: model.capture(p, t, chunk),
                (params, jax.ShapeDtypeStruct((n,), jnp.int32)), (), ())
+    frozen = None
+    if opts["train"] == "lora":  # as the trainer (and the planner) build it: adapters on every matrix, rank 64
+        paths = lora.resolve_targets(params, "all")
+        params = jax.eval_shape(lambda p, key: lora.add_adapters(p, paths, 64, 128.0, key), params, jax.random.key(0))
+        params, frozen = trainable.split(params, trainable.adapter_leaf)
     optimizer = train.make_optimizer(1e-6)
     opt_state = jax.eval_shape(optimizer.init, params)
     p, g, r = opts["step_len"], opts["group_size"], opts["response_len"]
@@ -200,8 +210,9 @@ def model_programs(cfg, opts: dict):
     batch = GroupBatch(prompt=s((p,), jnp.int32), responses=s((g, r), jnp.int32), mask=s((g, r), jnp.float32),
                        rewards=s((g,), jnp.float32), old_logprobs=s((g, r), jnp.float32), ref_logprobs=None)
     for mode in opts["modes"]:
-        yield (mode, p, train.train_step, (model, params, opt_state, batch, optimizer, GRPOConfig(), mode, chunk, None),
-               (0, 4, 5, 6, 7, 8), (1, 2))
+        yield (mode, p, train.train_step_unvalidated, (model, params, opt_state, batch, optimizer, GRPOConfig(), mode,
+                                                       chunk, None, None, frozen), train.STATIC_ARGNUMS,
+               train.DONATE_ARGNUMS)
 
 
 def program_rows(device, device_name: str, opts: dict, echo=print) -> list[dict]:
@@ -214,7 +225,7 @@ def program_rows(device, device_name: str, opts: dict, echo=print) -> list[dict]
     for impl in opts["kernels"]:
         cfg = bench_device.bench_config(opts["config"], opts["blocks"], impl)
         for name, p, fn, args, statics, donated in model_programs(cfg, opts):
-            row = dict(table="programs", name=name, kernels=impl, P=p, blocks=opts["blocks"])
+            row = dict(table="programs", name=name, kernels=impl, P=p, blocks=opts["blocks"], train=opts["train"])
             try:
                 compiled, seconds = compile_on(device, fn, args, statics, donated)
             except Exception as e:  # noqa: BLE001
@@ -278,6 +289,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=sorted(TARGETS), default="h100")
     parser.add_argument("--measure", default="kernels,programs", help="kernels, programs (a comma list)")
+    parser.add_argument("--tiles", action="store_true", help="the kernels table also compiles each tiles candidate")
     full = bench_device.FULL_SIZE
     parser.add_argument("--config", default=full["config"])
     parser.add_argument("--blocks", type=int, default=full["blocks"])
@@ -285,6 +297,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", default=full["kernels"])
     parser.add_argument("--lens", type=sizes_arg, default="32K,64K", help="capture lengths (tokens)")
     parser.add_argument("--modes", default="detached,exact")
+    parser.add_argument("--train", choices=("full", "lora"), default="full",
+                        help="the updates train every parameter (AdamW) or LoRA adapters of rank 64 on every matrix")
     parser.add_argument("--step-len", type=size_arg, default=full["step_len"])
     parser.add_argument("-G", "--group-size", type=int, default=full["group_size"])
     parser.add_argument("-R", "--response-len", type=int, default=full["response_len"])
@@ -307,7 +321,7 @@ def main(argv=None) -> int:
 
     measure = args.measure.split(",")
     if "kernels" in measure:
-        print(format_kernels(kernel_rows(device, echo)), flush=True)
+        print(format_kernels(kernel_rows(device, echo, args.tiles)), flush=True)
     if "programs" in measure:
         print(format_programs(program_rows(device, args.device, opts, echo), args.device), flush=True)
     return 0

@@ -281,15 +281,17 @@ def test_model_flops_match_cost_analysis_on_a_loop_free_config():
 
 
 @pytest.mark.slow  # the device benchmark end to end on CPU
-def test_bench_device_tiny(tmp_path):
-    """tools/bench_device.py --tiny on CPU (one train_step mode and one capture length, to stay fast): the table and
+@pytest.mark.parametrize("train", ["full", "lora"])
+def test_bench_device_tiny(tmp_path, train):
+    """tools/bench_device.py --tiny on CPU (one train_step mode and one capture length, to stay fast; the step trains
+    every parameter, or LoRA adapters as the GPU day's full-size run does): the table and
     the JSON hold the capture and detached rows with positive times, throughputs, compiled and planner bytes; the
     CPU has no peak memory statistics and no peak FLOP/s ("n/a"). The time-model table holds both programs, costed
     on the rough `cpu` entry: a positive estimate from positive model FLOPs and bytes, and measured / estimated =
     the measured median over the estimate (the JSON, and the table to its printed digits)."""
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "bench_device.py"), "--tiny", "--modes", "detached",
-         "--capture-len", "256", "--measure", "capture,steps", "--json", str(tmp_path / "bench.json")],
+        [sys.executable, os.path.join(ROOT, "tools", "bench_device.py"), "--tiny", "--modes", "detached", "--train",
+         train, "--capture-len", "256", "--measure", "capture,steps", "--json", str(tmp_path / "bench.json")],
         capture_output=True, text=True,
         timeout=600, cwd=ROOT, env=dict(os.environ, XLA_FLAGS="--xla_cpu_use_fusion_emitters=false "
                                                               "--xla_backend_optimization_level=0"))
@@ -318,7 +320,7 @@ def test_bench_device_tiny(tmp_path):
     for row in rows.values():
         assert row["seconds"] > 0 and row["tokens_per_s"] > 0 and len(row["times"]) == 2
         assert row["compiled_bytes"] > 0 and row["planner_bytes"] > 0 and row["peak_bytes"] is None
-    assert rows["capture"]["flops"] > 0 and rows["detached"]["G"] == 2
+    assert rows["capture"]["flops"] > 0 and rows["detached"]["G"] == 2 and rows["detached"]["train"] == train
     cpu = capacity.HARDWARE["cpu"]
     for row in rows.values():
         cost = row["model_cost"]
