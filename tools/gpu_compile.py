@@ -6,7 +6,7 @@ H100 (H200, H20) without one, as the device would compile them, with the compile
 
 jax's CUDA plugin compiles ahead of time for a GPU it is only told about: `jax.experimental.topologies` builds
 compile-only devices from a target description (`target_config`: the SM count, shared memory and memory sizes of
-the device kind, `TARGETS` with `capacity.hardware`'s bandwidth and capacity), and a program lowered onto them is
+the device kind: `capacity.gpu_target`), and a program lowered onto them is
 compiled by XLA's GPU pipeline, fusions, Triton GEMMs and the Pallas kernels' Triton modules included (XLA refuses a
 kernel whose shared memory is over the device's, as the device would). Nothing runs: no timing, no numerics.
 
@@ -37,42 +37,17 @@ import time
 import bench_device
 import triton_resources
 
+from longstraw_jax.capacity import gpu_target
 from longstraw_jax.common.validation import size_arg, sizes_arg
 
 GIB = 2**30
 FITS = 0.9  # a program fits when its memory_analysis total is at most this fraction of the device's (bench_device's)
-# What XLA's GPU compiler is told about each device kind beyond capacity.hardware (bandwidth, capacity): the SM
-# count, L2 and clock (vendors' datasheets); shared memory and register limits are compute capability 9.0's.
-TARGETS = {
-    "h100": dict(core_count=132, l2_cache_size=50 * 2**20, clock_rate_ghz=1.98, name="NVIDIA H100 80GB HBM3"),
-    "h200": dict(core_count=132, l2_cache_size=50 * 2**20, clock_rate_ghz=1.98, name="NVIDIA H200"),
-    "h20": dict(core_count=78, l2_cache_size=60 * 2**20, clock_rate_ghz=1.98, name="NVIDIA H20"),
-}
-SM90 = dict(shared_memory_per_block=48 * 2**10, shared_memory_per_core=228 * 2**10,
-            shared_memory_per_block_optin=227 * 2**10, registers_per_core_limit=65536, registers_per_block_limit=65536,
-            threads_per_block_limit=1024, threads_per_warp=32, threads_per_core_limit=2048, fpus_per_core=128)
-
-
-def target_config(device: str) -> str:
-    """The text of XLA's GpuTargetConfigProto for `device` (a key of TARGETS): what the compile-only devices are."""
-    from longstraw_jax.capacity.hardware import HARDWARE
-
-    t, hw = TARGETS[device], HARDWARE[device]
-    info = dict(SM90, core_count=t["core_count"], l2_cache_size=t["l2_cache_size"],
-                clock_rate_ghz=t["clock_rate_ghz"], memory_bandwidth=int(hw.hbm_per_s),
-                device_memory_size=int(hw.hbm_bytes), block_dim_limit_x=2**31 - 1, block_dim_limit_y=65535,
-                block_dim_limit_z=65535)
-    lines = [f"  {key}: {value}" for key, value in info.items()]
-    return ("gpu_device_info {\n" + "\n".join(lines) + "\n  cuda_compute_capability { major: 9 minor: 0 }\n}\n"
-            f'platform_name: "CUDA"\ndnn_version_info {{ major: 9 minor: 8 }}\ndevice_description_str: "{t["name"]}"\n')
+TARGETS = gpu_target.TARGETS
 
 
 def gpu_devices(device: str, count: int = 1) -> list:
-    """`count` compile-only CUDA devices of kind `device` (one host); needs the `gpu-compile` extra."""
-    from jax.experimental import topologies
-
-    return list(topologies.get_topology_desc("", "cuda", target_config=target_config(device),
-                                             topology=f"1x1x{count}").devices)
+    """`count` compile-only CUDA devices of kind `device` (`capacity.gpu_target`; needs the `gpu-compile` extra)."""
+    return gpu_target.compile_only_devices(device, count)
 
 
 def placed(tree, device):

@@ -21,6 +21,7 @@ count and the XLA flags the sizes are measured with.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -28,6 +29,7 @@ import time
 
 import jax
 
+from longstraw_jax.capacity.gpu_target import INSTALL, TARGETS, compile_only_devices
 from longstraw_jax.capacity.hardware import HARDWARE, hardware
 from longstraw_jax.capacity.phases import local_groups
 from longstraw_jax.capacity.planner import GIB, Planner
@@ -105,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "programs compiled are the same")
     ap.add_argument("--hlo-dir", metavar="DIR", help="--time: also write each costed program's compiled HLO text "
                     "into DIR (capacity/hlo can cost it again: `hlo_cost(open(file).read())`)")
+    ap.add_argument("--compile-for", choices=sorted(TARGETS), default=None, metavar="KIND",
+                    help="compile every program with XLA's own GPU compiler for this device kind (h100, h200, h20: "
+                         "compile-only devices, no GPU needed; capacity/gpu_target.py) instead of XLA:CPU's; needs "
+                         "jax's CUDA plugin: " + INSTALL)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--unit", choices=("GiB", "MiB"), default="GiB", help="table unit (default GiB)")
     ap.add_argument("--json", metavar="FILE", help="also write every row as JSON (bytes per phase; 'fits' per row)")
@@ -117,19 +123,40 @@ def main(argv: list[str] | None = None) -> int:
         data, seq = parse_mesh_spec(args.mesh)
         args.groups_per_step = data if args.groups_per_step is None else args.groups_per_step
         local_groups(args.groups_per_step, data)
-        setup_jax(data * seq)
-        planner = Planner(args.config, args.mesh, args.dtype, args.response_len, args.chunk_size, train_mode=args.train,
-                          lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
-                          decode_batch=args.decode_batch, hlo_dir=args.hlo_dir, kl_coef=args.kl_coef,
-                          replay_batch=args.replay_batch, kernels=args.kernels)
+        if args.compile_for:
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host's; the plugin then registers its topology
+            devices = compile_only_devices(args.compile_for, data * seq)
+        else:
+            setup_jax(data * seq)
+            devices = None
+        with _compiled_for(args.compile_for):
+            planner = Planner(args.config, args.mesh, args.dtype, args.response_len, args.chunk_size, devices=devices,
+                              train_mode=args.train, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                              lora_targets=args.lora_targets, decode_batch=args.decode_batch, hlo_dir=args.hlo_dir,
+                              kl_coef=args.kl_coef, replay_batch=args.replay_batch, kernels=args.kernels,
+                              compile_for=args.compile_for)
         for group in args.group_size:
             planner.branches_together(group)  # --decode-batch and --replay-batch must divide every G
-    except (ValueError, NotImplementedError) as e:
+    except (ValueError, NotImplementedError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    with _compiled_for(args.compile_for):
+        return _plan(args, planner)
+
+
+def _compiled_for(kind: str | None):
+    """Inside: the library's backend choices as on a GPU when compiling for one (`ops.triton_ir.reported_backend`)."""
+    from longstraw_jax.ops import triton_ir
+
+    return triton_ir.reported_backend("gpu") if kind else contextlib.nullcontext()
+
+
+def _plan(args, planner) -> int:
     cfg = planner.model.config
+    compiler = (f"{planner.mesh.size} x {args.compile_for.upper()}, compile-only, jax {jax.__version__}, XLA's GPU "
+                f"compiler" if args.compile_for else f"simulated, jax {jax.__version__}, XLA:CPU")
     print(f"{type(cfg).__name__} from {args.config}: {planner.num_params / 1e9:.2f}B params at {args.dtype}; mesh "
-          f"{args.mesh} (simulated, jax {jax.__version__}, XLA:CPU); R={args.response_len}; "
+          f"{args.mesh} ({compiler}); R={args.response_len}; "
           f"B={args.groups_per_step} groups per step; rounds of {args.chunk_size:,} positions; device "
           f"{args.device_gb:g} GB", flush=True)
     if planner.lora is not None:

@@ -63,7 +63,7 @@ class Planner:
     def __init__(self, config, mesh_spec: str, dtype: str, response_len: int, chunk: int, devices=None,
                  train_mode: str = "full", lora_rank: int = 64, lora_alpha: float | None = None,
                  lora_targets: str = "all", decode_batch: int | None = None, hlo_dir: str | None = None,
-                 kl_coef: float = 0.0, replay_batch: int = 1, kernels: str = "xla"):
+                 kl_coef: float = 0.0, replay_batch: int = 1, kernels: str = "xla", compile_for: str | None = None):
         """`config`: an HF config.json path or a model config object; `devices`: the mesh's devices (default all of
         jax.devices(); a process with more passes a subset). train_mode "lora": LoRA adapters of `lora_rank` on
         `lora_targets` (`lora.resolve_targets`), built abstractly, and the trainer's split (`trainable.split` by
@@ -78,7 +78,9 @@ class Planner:
         kernels: how the time model costs the kernels' loops (softmax attention, the chunked GDN, sparse latent
         attention): "xla" (as compiled: the XLA paths' unfused loops) or "pallas" (as the Pallas kernels would run
         them on a GPU: `hlo.Kernels`, `kernel_model`); the
-        programs are the XLA path's, compiled by XLA:CPU, either way."""
+        programs are the XLA path's either way. compile_for: the GPU kind `devices` are compile-only devices of
+        (`capacity.gpu_target`; the caller traces under `ops.triton_ir.reported_backend("gpu")`): the programs are
+        XLA's GPU compiler's, whose expert exchange is the ragged one itself (no `ragged_extra` added)."""
         self.model = models.build(models.config_from_hf(config) if isinstance(config, (str, os.PathLike)) else config)
         self.model.mesh_adapter()  # a family without a sharded path says so here
         self.mesh = sharding.make_mesh(mesh_spec, devices)
@@ -130,6 +132,7 @@ class Planner:
         if kernels not in ("xla", "pallas"):
             raise ValueError(f"--kernels {kernels!r}: expected xla or pallas")
         self.kernels = kernels
+        self.compile_for = compile_for
         self.kernel_model()  # a family without the kernels says so here
         self._references: dict[tuple, dict] = {}
 
@@ -420,6 +423,8 @@ class Planner:
         """`ragged_exchange_bytes` per phase: sampling = a capture round's tokens per device (chunk / seq); update =
         the replay's (R / seq: replicated tokens are sent once per seq shard), and in exact mode the prompt
         backward's recomputed round, whose exchange also holds the rows' cotangents (twice the capture's)."""
+        if self.compile_for:  # compiled for a GPU: its programs hold the ragged exchange already
+            return dict(sampling=0, update=0)
         c = self.model.config
         seq = self.mesh.shape["seq"]
         extra = lambda tokens: ragged_exchange_bytes(

@@ -77,7 +77,8 @@ def format_times(rows: list[dict], hw, markdown: bool) -> str:
 
 
 def write_json(path: str, rows: list[dict], args, planner, timing: dict | None = None) -> None:
-    """{"setup": the run's options (train mode, LoRA rank / alpha / targets, parameter counts), "rows": one object
+    """{"setup": the run's options (train mode, LoRA rank / alpha / targets, parameter counts; "compiled_for": the GPU
+    kind of --compile-for, absent for XLA:CPU's programs), "rows": one object
     per row (`Planner.plan`): train, mode, G, P, B, decode_steps, the
     "sampling" and "update" phases' components and "total" in bytes per device, "peak", "peak_phase", and "fits"
     (peak <= device_gb * 1e9)}; with --time also "time": {"hardware": the device kind's peaks and their source,
@@ -86,6 +87,7 @@ def write_json(path: str, rows: list[dict], args, planner, timing: dict | None =
                  chunk=args.chunk_size, device_gb=args.device_gb, groups_per_step=args.groups_per_step,
                  params=planner.num_params, train=planner.train_mode, trainable_params=planner.num_trainable,
                  lora=planner.lora, largest_layer_bytes=planner.layer_bytes, kernels=planner.kernels,
+                 **({"compiled_for": planner.compile_for} if planner.compile_for else {}),
                  **({"kl_coef": planner.kl_coef} if planner.kl_coef > 0 else {}))
     with open(path, "w") as f:
         json.dump(dict(setup=setup, rows=rows, **({} if timing is None else dict(time=timing))), f, indent=1)

@@ -1,27 +1,13 @@
 """tools/gpu_compile.py's host-side parts (its compiles need jax's CUDA plugin, the `gpu-compile` extra, which CI does
-not install): the target description XLA is given, the kernel launches read from XLA's dumped thunk sequence, the
-kernel names read from a compiled program's text, the tables, and the programs it compiles, traced from shapes."""
+not install; its target descriptions: tests/capacity/test_gpu_target.py): the kernel launches read from XLA's dumped
+thunk sequence, the kernel names read from a compiled program's text, the tables, and the programs it compiles,
+traced from shapes."""
 import bench_device
 import gpu_compile  # tools/ is on the tests' path (pyproject's pythonpath)
 import jax
 import pytest
 
 from longstraw_jax.adapters import trainable
-from longstraw_jax.capacity.hardware import HARDWARE
-
-
-@pytest.mark.parametrize("device", sorted(gpu_compile.TARGETS))
-def test_the_target_description_is_the_hardware_entry(device):
-    text = gpu_compile.target_config(device)
-    fields = dict(line.strip().split(": ", 1) for line in text.splitlines() if ": " in line and "{" not in line)
-    hw = HARDWARE[device]
-    assert int(fields["device_memory_size"]) == int(hw.hbm_bytes)
-    assert int(fields["memory_bandwidth"]) == int(hw.hbm_per_s)
-    assert int(fields["core_count"]) == gpu_compile.TARGETS[device]["core_count"]
-    assert int(fields["shared_memory_per_block_optin"]) == 227 * 1024  # what the kernels must fit (sm_90)
-    assert "cuda_compute_capability { major: 9 minor: 0 }" in text
-    assert text.count("{") == text.count("}")  # balanced: the text format parses
-
 
 THUNKS = """\
 001: kCustomKernel [source       | next=005 (4)] loop_multiply_fusion grid: [1, 1, 1] threads: [2, 1, 1]  shared_memory: 0 bytes
