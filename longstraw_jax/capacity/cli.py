@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                               compile_for=args.compile_for)
         for group in args.group_size:
             planner.branches_together(group)  # --decode-batch and --replay-batch must divide every G
-    except (ValueError, NotImplementedError, RuntimeError) as e:
+    except (ValueError, NotImplementedError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with _compiled_for(args.compile_for):

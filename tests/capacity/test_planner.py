@@ -72,6 +72,12 @@ def test_plan_json_matches_the_golden_file(tmp_path):
     assert "Update phase" in result.stdout and "(simulated, jax " in result.stdout
 
 
+def test_plan_names_a_missing_config():
+    result = _planner("--config", "configs/no-such-model.json", "--mesh", "1x8", "-P", "4096")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip() == "error: configs/no-such-model.json: no such file or directory"
+
+
 def test_plan_help_states_the_size_rule():
     result = _planner("--help")
     assert result.returncode == 0, result.stderr[-3000:]
