@@ -1,35 +1,41 @@
 """XLA's own GPU compiler, run on a CPU host: every Pallas kernel and the trainer's capture and update compiled for an
 H100 (H200, H20) without one, as the device would compile them, with the compiled programs' memory and time model.
 
-    pip install -e '.[gpu-compile]'        # jax's CUDA plugin (its compiler; no CUDA libraries, no GPU needed)
-    JAX_PLATFORMS=cpu .venv/bin/python tools/gpu_compile.py --device h100 --json gpu_compile.json
+    python3 -m venv /tmp/vgpu && /tmp/vgpu/bin/pip install -e '.[gpu-compile]'   # a venv of its own (below)
+    JAX_PLATFORMS=cpu /tmp/vgpu/bin/python tools/gpu_compile.py --device h100 --tiles --json gpu_compile.json
+    JAX_PLATFORMS=cpu /tmp/vgpu/bin/python tools/gpu_compile.py --measure programs --train lora --lens 64K
 
-jax's CUDA plugin compiles ahead of time for a GPU it is only told about: `jax.experimental.topologies` builds
-compile-only devices from a target description (`target_config`: the SM count, shared memory and memory sizes of
-the device kind: `capacity.gpu_target`), and a program lowered onto them is
-compiled by XLA's GPU pipeline, fusions, Triton GEMMs and the Pallas kernels' Triton modules included (XLA refuses a
-kernel whose shared memory is over the device's, as the device would). Nothing runs: no timing, no numerics.
+jax's CUDA plugin (the `gpu-compile` extra; no CUDA libraries, no GPU) compiles ahead of time for a GPU it is only
+described: `capacity.gpu_target` builds compile-only devices from a target description (SM count, shared memory,
+memory size and bandwidth), and a program lowered onto them goes through XLA's whole GPU pipeline, fusions, Triton
+GEMMs and the Pallas kernels' Triton modules included (XLA refuses a kernel whose shared memory is over the
+device's, as the device would). Nothing runs: no timing, no numerics. (In `.venv` the plugin would make every JAX
+process look for a GPU first, hence its own venv; JAX_PLATFORMS=cpu keeps the host's platform the only one.)
 
 Two tables:
-- **kernels**: the kernels of tools/triton_resources.py's full-size cases (flash attention forward + backward at
-  Qwen3.6-27B's attention, the chunked Gated DeltaNet, GLM-5.2's sparse latent attention; the library's launch
-  shapes), each case one compile: whether it compiles, the Triton kernels in it, compile seconds;
+- **kernels**: tools/triton_resources.py's full-size cases (flash attention forward + backward at Qwen3.6-27B's
+  attention, the chunked Gated DeltaNet, GLM-5.2's sparse latent attention; the library's launch shapes; `--tiles`:
+  also every candidate of bench_device's tiles sweep), each one compile: per kernel launch, XLA's grid, threads and
+  shared memory (its dumped thunk sequence) and ptxas's registers and spills on XLA's own PTX (`kernel_resources`),
+  or the compiler's error;
 - **programs**: tools/bench_device.py's mid-size Qwen3.6 (the 27B widths, `--blocks` blocks, bf16) on one device,
-  the capture of each `--lens` and the `--modes` updates at `--step-len` (G, R, chunk as bench_device's defaults),
-  with `--kernels` xla and pallas: compile seconds, `memory_analysis()` (arguments, outputs, temporaries: what the
-  device must hold) and the planner's time model of the compiled GPU program (`capacity.hlo.program_cost`, every
-  loop times its trip count, on the device's roofline; a Pallas program's kernels are custom calls the model
-  costs at zero, so its row also gives the XLA program costed with the kernels' FLOPs and bytes, as bench_device
-  does). These are XLA's GPU fusions, not XLA:CPU's unfused HLO that the planner otherwise compiles.
+  the capture of each `--lens` and the `--modes` updates at `--step-len` (G, R, chunk as bench_device's; `--train`
+  full or LoRA), with `--kernels` xla and pallas: compile seconds, `memory_analysis()` (what the device must hold)
+  and the planner's time model of the compiled GPU program (`capacity.hlo.program_cost`, every loop times its trip
+  count, on the device's roofline; a Pallas program's kernels are custom calls the model costs at zero, so the XLA
+  program's row also gives its cost with the kernels' FLOPs and bytes, as bench_device does).
 
-Each compile runs in this process, one after another; `--json FILE` is rewritten after each row.
+Each compile runs in this process, one after another; `--json FILE` is rewritten after each row. The planner's own
+programs compile the same way with `python -m longstraw_jax.plan --compile-for h20` (docs/benchmarks.md 7.3).
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -86,17 +92,15 @@ def kernel_resources(dump_dir: str, names: set[str], arch: int = 90) -> list[dic
     threads and shared memory from its thunk sequence, and registers and spills from ptxas -v on XLA's own PTX (the
     ptxas of the `triton` package; without it, None) -> one dict per kernel launch, in program order, with
     programs_per_sm (tools/triton_resources.py's arithmetic)."""
-    import glob
-
     launches = []
     for path in sorted(glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt")))[:1]:
         with open(path) as f:
             for line in f:
                 m = LAUNCH.search(line)
                 if m and m.group(1) in names:
-                    grid, threads = [int(x) for x in m.group(2, 3, 4)], int(m.group(5)) * int(m.group(6)) * \
-                        int(m.group(7))
-                    launches.append(dict(kernel=m.group(1), grid=grid, threads=threads, shared=int(m.group(8))))
+                    grid, block = [int(x) for x in m.group(2, 3, 4)], [int(x) for x in m.group(5, 6, 7)]
+                    launches.append(dict(kernel=m.group(1), grid=grid, threads=block[0] * block[1] * block[2],
+                                         shared=int(m.group(8))))
     registers = _ptxas_reports(dump_dir, names, arch)
     for launch in launches:
         launch.update(registers.get(launch["kernel"], dict(registers=None, spill_stores=None, spill_loads=None)))
@@ -107,9 +111,6 @@ def kernel_resources(dump_dir: str, names: set[str], arch: int = 90) -> list[dic
 
 def _ptxas_reports(dump_dir: str, names: set[str], arch: int) -> dict[str, dict]:
     """{kernel: ptxas's registers and spills} for the kernels in `names` found in XLA's dumped PTX."""
-    import glob
-    import subprocess
-
     try:
         from triton.backends.nvidia.compiler import get_ptxas
     except ImportError:
