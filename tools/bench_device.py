@@ -349,8 +349,8 @@ class _Child:
             memory = capacity.memory_total(compiled)
             if limit and memory["total"] > FITS * limit:
                 if last is None:
-                    raise RuntimeError(f"capturing {n:,} tokens needs {memory['total'] / GIB:.1f} GiB > 90% of the "
-                                       f"device's {limit / GIB:.1f} GiB: lower --capture-start / --capture-len")
+                    raise RuntimeError(f"capturing {n:,} tokens needs {memory['total'] / GIB:.1f} GiB > {FITS:.0%} "
+                                       f"of the device's {limit / GIB:.1f} GiB: lower --capture-start / --capture-len")
                 break  # the doubled capture would not fit: keep the last one
             jax_out = compiled(self.params, tokens)  # warm-up
             self.jax.block_until_ready(jax_out)
