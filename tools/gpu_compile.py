@@ -175,9 +175,10 @@ def model_programs(cfg, opts: dict):
         yield ("capture", n + 1, lambda p, t: model.capture(p, t, chunk),
                (params, jax.ShapeDtypeStruct((n,), jnp.int32)), (), ())
     frozen = None
-    if opts["train"] == "lora":  # as the trainer (and the planner) build it: adapters on every matrix, rank 64
-        paths = lora.resolve_targets(params, "all")
-        params = jax.eval_shape(lambda p, key: lora.add_adapters(p, paths, 64, 128.0, key), params, jax.random.key(0))
+    if opts["train"] == "lora":  # as bench_device's steps (and the trainer) build it: adapters on every matrix
+        paths, rank = lora.resolve_targets(params, "all"), bench_device.LORA_RANK
+        params = jax.eval_shape(lambda p, key: lora.add_adapters(p, paths, rank, 2.0 * rank, key), params,
+                                jax.random.key(0))
         params, frozen = trainable.split(params, trainable.adapter_leaf)
     optimizer = train.make_optimizer(1e-6)
     opt_state = jax.eval_shape(optimizer.init, params)
