@@ -86,7 +86,13 @@ def test_one_capture_per_step(monkeypatch):
     assert len(calls) == 1  # the update did not capture
     again = train.train_step(model, params, opt_state, batch, optimizer, cfg, "exact", 8)
     assert len(calls) == 2  # without the kept capture it does (so the counter sees the update's capture)
-    assert rel_err(kept[0], again[0]) <= 1e-4  # updated params (the two captures differ in round-off only)
+    # the two captures differ in round-off only: the raw gradients' norm agrees to float32 round-off, and the updates
+    # up to a few elements, since AdamW's first step moves each parameter by about lr * sign(g) and round-off flips
+    # the sign of near-zero gradients (on an AVX-512 host the updated params differed by 1.1e-4 relative, the updates
+    # by 1.4e-3, the norms by 9e-7; an update from another prompt's capture differs by O(1))
+    np.testing.assert_allclose(kept[2]["grad_norm"], again[2]["grad_norm"], rtol=1e-5)
+    step = lambda new: jax.tree.map(lambda a, p: a - p, new, params)
+    assert rel_err(step(kept[0]), step(again[0])) <= 1e-2
     np.testing.assert_allclose(kept[2]["loss"], again[2]["loss"], rtol=1e-5, atol=1e-6)
 
 
