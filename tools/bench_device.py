@@ -202,6 +202,21 @@ def bench_config(path: str, blocks: int, kernels: str = "xla"):
                                layer_types=cfg.block_pattern * blocks, kernels=kernels)
 
 
+def lora_split(params, evaluate=None):
+    """(the trainable LoRA adapters of rank LORA_RANK on every matrix, the frozen base) of `params`, as the trainer
+    splits them (`trainable.split`); evaluate(fn, *args): how the adapters are made (default: a jitted call, for
+    arrays; `jax.eval_shape` for shapes)."""
+    import jax
+
+    from longstraw_jax.adapters import lora, trainable
+
+    paths = lora.resolve_targets(params, "all")
+    evaluate = evaluate or (lambda fn, *args: jax.jit(fn)(*args))
+    with_adapters = evaluate(lambda p, key: lora.add_adapters(p, paths, LORA_RANK, 2.0 * LORA_RANK, key), params,
+                             jax.random.key(3))
+    return trainable.split(with_adapters, trainable.adapter_leaf)
+
+
 def visible_pairs(queries: int, keys: int) -> int:
     """(query, key) pairs a causal query sees when the T queries are the last positions of the S keys:
     sum over t of min(S - T + t + 1, S)."""
@@ -384,13 +399,8 @@ class _Child:
         o = self.opts
         p, g, r = o["step_len"], o["group_size"], o["response_len"]
         params, frozen = self.params, None
-        if o["train"] == "lora":  # adapters on every matrix, trained; the base frozen (the trainer's split)
-            from longstraw_jax.adapters import lora, trainable
-
-            paths = lora.resolve_targets(self.params, "all")
-            params = jax.jit(lambda p, key: lora.add_adapters(p, paths, LORA_RANK, 2.0 * LORA_RANK, key))(
-                self.params, jax.random.key(3))
-            params, frozen = trainable.split(params, trainable.adapter_leaf)
+        if o["train"] == "lora":
+            params, frozen = lora_split(self.params)
         optimizer = train.make_optimizer(1e-6)
         opt_state = jax.jit(optimizer.init)(params)
         if self.mesh is not None:

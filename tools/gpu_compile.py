@@ -42,18 +42,10 @@ import time
 
 import bench_device
 import triton_resources
+from bench_device import FITS, GIB  # a program fits the device as bench_device decides
 
 from longstraw_jax.capacity import gpu_target
 from longstraw_jax.common.validation import size_arg, sizes_arg
-
-GIB = 2**30
-FITS = 0.9  # a program fits when its memory_analysis total is at most this fraction of the device's (bench_device's)
-TARGETS = gpu_target.TARGETS
-
-
-def gpu_devices(device: str, count: int = 1) -> list:
-    """`count` compile-only CUDA devices of kind `device` (`capacity.gpu_target`; needs the `gpu-compile` extra)."""
-    return gpu_target.compile_only_devices(device, count)
 
 
 def placed(tree, device):
@@ -165,7 +157,6 @@ def model_programs(cfg, opts: dict):
     import jax.numpy as jnp
 
     from longstraw_jax import GroupBatch, GRPOConfig, models, train
-    from longstraw_jax.adapters import lora, trainable
 
     model = models.build(cfg)
     dtype = jnp.dtype(opts["dtype"])
@@ -175,11 +166,8 @@ def model_programs(cfg, opts: dict):
         yield ("capture", n + 1, lambda p, t: model.capture(p, t, chunk),
                (params, jax.ShapeDtypeStruct((n,), jnp.int32)), (), ())
     frozen = None
-    if opts["train"] == "lora":  # as bench_device's steps (and the trainer) build it: adapters on every matrix
-        paths, rank = lora.resolve_targets(params, "all"), bench_device.LORA_RANK
-        params = jax.eval_shape(lambda p, key: lora.add_adapters(p, paths, rank, 2.0 * rank, key), params,
-                                jax.random.key(0))
-        params, frozen = trainable.split(params, trainable.adapter_leaf)
+    if opts["train"] == "lora":  # as bench_device's steps (and the trainer) split them
+        params, frozen = bench_device.lora_split(params, jax.eval_shape)
     optimizer = train.make_optimizer(1e-6)
     opt_state = jax.eval_shape(optimizer.init, params)
     p, g, r = opts["step_len"], opts["group_size"], opts["response_len"]
@@ -194,6 +182,8 @@ def model_programs(cfg, opts: dict):
 
 def program_rows(device, device_name: str, opts: dict, echo=print) -> list[dict]:
     """One row per program and kernels choice: compile seconds, memory_analysis and the time model on the device."""
+    import jax.numpy as jnp
+
     from longstraw_jax.capacity import memory_total
     from longstraw_jax.capacity.hardware import HARDWARE, breakdown
     from longstraw_jax.capacity.hlo import Kernels, program_cost
@@ -214,7 +204,7 @@ def program_rows(device, device_name: str, opts: dict, echo=print) -> list[dict]
             row.update(ok=True, compile_s=seconds, memory=memory_total(compiled),
                        triton=len(triton_kernels_in(compiled)), cost=cost.as_dict(), terms=breakdown(cost, hw))
             if impl == "xla":  # the same program costed with the kernels' FLOPs and bytes (capacity/hlo/kernels.py)
-                kernels = Kernels.for_config(cfg, 2 if opts["dtype"] == "bfloat16" else 4)
+                kernels = Kernels.for_config(cfg, jnp.dtype(opts["dtype"]).itemsize)
                 row["kernels_terms"] = breakdown(program_cost(compiled, kernels=kernels), hw)
             rows.append(row)
             echo(row)
@@ -264,7 +254,7 @@ def format_kernels(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=sorted(TARGETS), default="h100")
+    parser.add_argument("--device", choices=sorted(gpu_target.TARGETS), default="h100")
     parser.add_argument("--measure", default="kernels,programs", help="kernels, programs (a comma list)")
     parser.add_argument("--tiles", action="store_true", help="the kernels table also compiles each tiles candidate")
     full = bench_device.FULL_SIZE
@@ -275,7 +265,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lens", type=sizes_arg, default="32K,64K", help="capture lengths (tokens)")
     parser.add_argument("--modes", default="detached,exact")
     parser.add_argument("--train", choices=("full", "lora"), default="full",
-                        help="the updates train every parameter (AdamW) or LoRA adapters of rank 64 on every matrix")
+                        help="the updates train every parameter (AdamW) or LoRA adapters of rank "
+                             f"{bench_device.LORA_RANK} on every matrix (bench_device.lora_split)")
     parser.add_argument("--step-len", type=size_arg, default=full["step_len"])
     parser.add_argument("-G", "--group-size", type=int, default=full["group_size"])
     parser.add_argument("-R", "--response-len", type=int, default=full["response_len"])
@@ -285,7 +276,7 @@ def main(argv=None) -> int:
     opts = dict(vars(args), kernels=args.kernels.split(","), modes=args.modes.split(","))
     import jax
 
-    device = gpu_devices(args.device)[0]
+    device = gpu_target.compile_only_devices(args.device, 1)[0]
     summary = dict(device=args.device, target=device.device_kind, jax=jax.__version__, rows=[])
 
     def echo(row):
